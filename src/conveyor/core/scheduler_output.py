@@ -1,0 +1,68 @@
+"""SchedulerOutput and ExecutorOutput: the data that crosses from the scheduler to an executor and back.
+
+This is the executor contract of DESIGN.md. The scheduler fills ``seqs`` and ``num_new_tokens``;
+everything else an executor needs per scheduled sequence is read off the sequence itself, which
+does not change between ``Scheduler.schedule()`` and ``Scheduler.update()``:
+
+* tokens to compute this step: ``seq.token_ids[start : start + num_new_tokens[i]]`` with
+  ``start = seq.num_computed_tokens`` (the position of the first of them);
+* block table: ``seq.block_table`` (physical block ids, ``block_size`` tokens each);
+* sampling: an entry samples when its chunk reaches the end of the sequence's tokens;
+  it samples ``seq.group.sampling_params.n`` tokens when this is the group's first sample
+  (the prompt's prefill completing: the parent forks into ``n`` parallel samples), else 1.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from conveyor.core.sequence import Sequence
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    seqs: list[Sequence] = field(default_factory=list)
+    num_new_tokens: list[int] = field(default_factory=list)
+    # Block operations to run before the forward, in this order: swap out, swap in, copy.
+    blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)  # (gpu, cpu)
+    blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)  # (cpu, gpu)
+    blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)  # (src gpu, dst gpu)
+    num_batched_tokens: int = 0
+    is_prefill: bool = False  # True when every entry is a prefill chunk (prefill_first)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.seqs
+
+    def start_position(self, i: int) -> int:
+        return self.seqs[i].num_computed_tokens
+
+    def token_ids(self, i: int) -> list[int]:
+        seq = self.seqs[i]
+        start = seq.num_computed_tokens
+        return seq.token_ids[start : start + self.num_new_tokens[i]]
+
+    def num_samples(self, i: int) -> int:
+        """How many tokens entry ``i`` samples from its last position's logits (0, 1 or n)."""
+        seq = self.seqs[i]
+        if seq.num_computed_tokens + self.num_new_tokens[i] < len(seq.token_ids):
+            return 0
+        group = seq.group
+        if len(seq.token_ids) == seq.num_prompt_tokens and len(group.seqs) == 1:
+            return group.sampling_params.n
+        return 1
+
+
+@dataclass(slots=True)
+class ExecutorOutput:
+    """What an executor returns for one SchedulerOutput.
+
+    ``sampled_token_ids[i]`` holds ``SchedulerOutput.num_samples(i)`` tokens for entry i.
+    ``logprobs[i]`` (when any request asked for logprobs, else None) holds, per sampled token,
+    a dict ``{token_id: logprob}`` with the sampled token and the top-N alternatives.
+    """
+
+    sampled_token_ids: list[list[int]]
+    logprobs: list[list[dict[int, float]]] | None = None

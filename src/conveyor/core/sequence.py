@@ -1,0 +1,128 @@
+"""Requests as the scheduler sees them: SequenceGroup (one prompt) owning n Sequences.
+
+Fields read by executors and the engine (the contract; keep their names and meaning):
+``Sequence.seq_id, group, index, token_ids, num_prompt_tokens, num_computed_tokens,
+block_table, status, stop_reason`` and ``SequenceGroup.request_id, prompt_token_ids,
+sampling_params, priority, arrival_time, seqs, metrics, finish_message``.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+from conveyor.core.sampling_params import SamplingParams
+
+
+class SequenceStatus(enum.IntEnum):
+    WAITING = 0
+    RUNNING = 1
+    SWAPPED = 2
+    FINISHED_STOPPED = 3
+    FINISHED_LENGTH_CAPPED = 4
+    FINISHED_ABORTED = 5
+    FINISHED_IGNORED = 6
+
+    @property
+    def is_finished(self) -> bool:
+        return self >= SequenceStatus.FINISHED_STOPPED
+
+    @property
+    def finish_reason(self) -> str | None:
+        return _FINISH_REASONS.get(self)
+
+
+_FINISH_REASONS = {
+    SequenceStatus.FINISHED_STOPPED: "stop",
+    SequenceStatus.FINISHED_LENGTH_CAPPED: "length",
+    SequenceStatus.FINISHED_ABORTED: "abort",
+    SequenceStatus.FINISHED_IGNORED: "ignored",
+}
+
+
+@dataclass(slots=True)
+class RequestMetrics:
+    """Timestamps come from the scheduler's clock (wall time live, virtual time in the simulator)."""
+
+    arrival_time: float
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    finished_time: float | None = None
+    num_cached_tokens: int = 0
+    num_preemptions: int = 0
+
+
+class Sequence:
+    """One stream of tokens (prompt + generated) with its KV blocks."""
+
+    __slots__ = (
+        "seq_id",
+        "group",
+        "index",
+        "token_ids",
+        "num_prompt_tokens",
+        "num_computed_tokens",
+        "block_table",
+        "status",
+        "stop_reason",
+    )
+
+    def __init__(self, seq_id: int, group: SequenceGroup, index: int, token_ids: list[int],
+                 num_prompt_tokens: int) -> None:
+        self.seq_id = seq_id
+        self.group = group
+        self.index = index  # which of the group's n samples
+        self.token_ids = token_ids
+        self.num_prompt_tokens = num_prompt_tokens
+        self.num_computed_tokens = 0  # tokens whose K/V are in the cache
+        self.block_table: list[int] = []
+        self.status = SequenceStatus.WAITING
+        self.stop_reason: int | str | None = None
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    def __repr__(self) -> str:
+        return (f"Sequence(id={self.seq_id}, req={self.group.request_id!r}, len={len(self.token_ids)}, "
+                f"computed={self.num_computed_tokens}, status={self.status.name})")
+
+
+class SequenceGroup:
+    """One request: a prompt and the n sequences sampled from it."""
+
+    __slots__ = (
+        "request_id",
+        "prompt_token_ids",
+        "sampling_params",
+        "priority",
+        "arrival_time",
+        "seqs",
+        "metrics",
+        "finish_message",
+    )
+
+    def __init__(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams,
+                 priority: int, arrival_time: float) -> None:
+        self.request_id = request_id
+        self.prompt_token_ids = prompt_token_ids
+        self.sampling_params = sampling_params
+        self.priority = priority
+        self.arrival_time = arrival_time
+        self.seqs: list[Sequence] = []
+        self.metrics = RequestMetrics(arrival_time=arrival_time)
+        self.finish_message: str | None = None  # why a request was ignored or aborted
+
+    @property
+    def is_finished(self) -> bool:
+        return all(s.status.is_finished for s in self.seqs)
+
+    def __repr__(self) -> str:
+        return f"SequenceGroup({self.request_id!r}, n={len(self.seqs)}, priority={self.priority})"

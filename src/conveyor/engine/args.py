@@ -1,0 +1,85 @@
+"""EngineArgs: every knob of an engine in one dataclass, plus its command-line form.
+
+``conveyor generate``, ``chat``, ``serve`` and ``bench`` all take these flags, so they are
+declared once here (``add_cli_args`` / ``from_cli_args``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from dataclasses import dataclass
+
+
+@dataclass
+class EngineArgs:
+    model: str | None = None  # None: the embedded SmolLM2-135M-Instruct GGUF
+    dtype: str = "auto"  # auto | bfloat16 | float32 | float16
+    device: str = "auto"  # auto | cpu | cuda
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 4096
+    max_model_len: int | None = None  # None: the model's context length, capped at 8192
+    block_size: int = 16
+    kv_cache_memory: float = 0.25  # bytes, or a fraction (<= 1) of available memory
+    num_gpu_blocks: int | None = None  # overrides kv_cache_memory
+    swap_space: float = 0.5  # GiB of CPU swap pool for preemption_mode="swap"
+    policy: str = "prefill_first"  # prefill_first | chunked
+    queue: str = "fcfs"  # fcfs | priority
+    preemption_mode: str = "recompute"  # recompute | swap
+    enable_prefix_caching: bool = True
+    long_prefill_token_threshold: int = 0  # 0: no per-request chunk cap (chunked policy)
+    max_num_partial_prefills: int = 1
+    seed: int = 0
+
+    def replace(self, **changes: object) -> EngineArgs:
+        return dataclasses.replace(self, **changes)
+
+
+_HELP = {
+    "model": "GGUF file or HF model directory (default: embedded SmolLM2-135M-Instruct)",
+    "dtype": "weights/activations dtype: auto, bfloat16, float32, float16",
+    "device": "auto, cpu or cuda",
+    "max_num_seqs": "most sequences in one batch",
+    "max_num_batched_tokens": "most tokens computed in one step",
+    "max_model_len": "context length (prompt + output)",
+    "block_size": "tokens per KV-cache block",
+    "kv_cache_memory": "KV cache size: bytes, or a fraction (<=1) of available memory",
+    "num_gpu_blocks": "exact number of KV-cache blocks (overrides --kv-cache-memory)",
+    "swap_space": "GiB of CPU memory for swapped-out KV blocks",
+    "policy": "scheduling policy: prefill_first or chunked",
+    "queue": "queue order: fcfs or priority",
+    "preemption_mode": "recompute or swap",
+    "enable_prefix_caching": "reuse KV blocks of shared prompt prefixes",
+    "long_prefill_token_threshold": "cap on one request's prefill chunk per step (chunked; 0 = none)",
+    "max_num_partial_prefills": "most requests partially prefilled at once (chunked)",
+    "seed": "global random seed",
+}
+
+_CHOICES = {
+    "dtype": ["auto", "bfloat16", "float32", "float16"],
+    "device": ["auto", "cpu", "cuda"],
+    "policy": ["prefill_first", "chunked"],
+    "queue": ["fcfs", "priority"],
+    "preemption_mode": ["recompute", "swap"],
+}
+
+
+def add_cli_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("engine")
+    defaults = EngineArgs()
+    for f in dataclasses.fields(EngineArgs):
+        flag = "--" + f.name.replace("_", "-")
+        default = getattr(defaults, f.name)
+        if isinstance(default, bool):
+            group.add_argument(flag, action=argparse.BooleanOptionalAction, default=default,
+                               help=_HELP[f.name])
+            continue
+        kind = {"int": int, "float": float}.get(type(default).__name__, str)
+        if f.name in ("max_model_len", "num_gpu_blocks"):
+            kind = int
+        group.add_argument(flag, type=kind, default=default, choices=_CHOICES.get(f.name),
+                           help=f"{_HELP[f.name]} (default: {default})")
+
+
+def from_cli_args(ns: argparse.Namespace) -> EngineArgs:
+    return EngineArgs(**{f.name: getattr(ns, f.name) for f in dataclasses.fields(EngineArgs)})
