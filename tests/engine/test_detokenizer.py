@@ -1,0 +1,52 @@
+"""Incremental detokenization equals decoding the whole, for multi-byte UTF-8 and split characters."""
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from conveyor.engine.detokenizer import IncrementalDetokenizer
+
+TEXTS = [
+    "Hello 👋 world 🎉🎉!",
+    "你好，世界。今天天气很好。",
+    "ünïcödé — naïve café, 𝔘𝔫𝔦𝔠𝔬𝔡𝔢 and 🧑‍🤝‍🧑 family",
+    "Mixed: 日本語のテキスト 😀 and code `x = 1`",
+]
+
+
+def _stream(tokenizer, prompt_ids, output_ids, skip_special_tokens=True):
+    detok = IncrementalDetokenizer(tokenizer, prompt_ids, skip_special_tokens)
+    deltas = [detok.add_token(t) for t in output_ids]
+    return deltas, "".join(deltas) + detok.flush()
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_multibyte_text_equals_whole_decode(tokenizer, text):
+    prompt_ids = tokenizer.encode("Say something:")
+    output_ids = tokenizer.encode(text)
+    # the test is only meaningful if some character really is split across tokens
+    assert any("\ufffd" in tokenizer.decode([t]) for t in output_ids)
+    deltas, streamed = _stream(tokenizer, prompt_ids, output_ids)
+    assert streamed == tokenizer.decode(output_ids) == text
+    assert not any("\ufffd" in d for d in deltas)
+
+
+def test_special_tokens_skipped_or_kept(tokenizer):
+    ids = tokenizer.encode("Hi 🎉") + [tokenizer.eos_token_id] + tokenizer.encode(" there")
+    assert _stream(tokenizer, [], ids, True)[1] == tokenizer.decode(ids, skip_special_tokens=True)
+    assert _stream(tokenizer, [], ids, False)[1] == tokenizer.decode(ids, skip_special_tokens=False)
+
+
+def test_unfinished_character_is_held_then_flushed(tokenizer):
+    ids = tokenizer.encode("ok 🎉")
+    deltas, streamed = _stream(tokenizer, [], ids[:-1])
+    assert "".join(deltas) == "ok"
+    assert streamed == tokenizer.decode(ids[:-1])  # the flush shows what is there, U+FFFD included
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.text(st.characters(codec="utf-8", exclude_categories=("Cs",)), min_size=1, max_size=40),
+       st.text(max_size=10))
+def test_any_text_round_trips(tokenizer, text, prompt):
+    output_ids = tokenizer.encode(text)
+    assert _stream(tokenizer, tokenizer.encode(prompt), output_ids)[1] == tokenizer.decode(output_ids)
