@@ -9,6 +9,10 @@ from __future__ import annotations
 import argparse
 import dataclasses
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from conveyor.core.sampling_params import SamplingParams
 
 
 @dataclass
@@ -83,3 +87,31 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
 
 def from_cli_args(ns: argparse.Namespace) -> EngineArgs:
     return EngineArgs(**{f.name: getattr(ns, f.name) for f in dataclasses.fields(EngineArgs)})
+
+
+def add_sampling_cli_args(parser: argparse.ArgumentParser, max_tokens: int = 128,
+                          temperature: float = 0.7, top_p: float = 0.9) -> None:
+    """Sampling flags shared by ``conveyor generate`` and ``chat`` (the sampling seed is --seed)."""
+    group = parser.add_argument_group("sampling")
+    group.add_argument("--max-tokens", type=int, default=max_tokens,
+                       help=f"most tokens to generate per reply (default: {max_tokens})")
+    group.add_argument("--min-tokens", type=int, default=0,
+                       help="tokens to generate before EOS or a stop string may end a reply (default: 0)")
+    group.add_argument("--temperature", type=float, default=temperature,
+                       help=f"sampling temperature; 0 is greedy (default: {temperature})")
+    group.add_argument("--top-p", type=float, default=top_p,
+                       help=f"nucleus sampling: keep the smallest set of tokens with this much "
+                            f"probability (default: {top_p})")
+    group.add_argument("--top-k", type=int, default=0,
+                       help="keep only the k most likely tokens; 0 disables it (default: 0)")
+    group.add_argument("--stop", action="append", default=[], metavar="STRING",
+                       help="stop when this string is generated (repeatable; not included in the output)")
+
+
+def sampling_params_from_cli_args(ns: argparse.Namespace, **overrides: object) -> SamplingParams:
+    from conveyor.core.sampling_params import SamplingParams
+
+    fields = dict(max_tokens=ns.max_tokens, min_tokens=ns.min_tokens, temperature=ns.temperature,
+                  top_p=ns.top_p, top_k=ns.top_k, stop=list(ns.stop), seed=ns.seed)
+    fields.update(overrides)
+    return SamplingParams(**fields)

@@ -1,0 +1,220 @@
+"""LLMEngine: the synchronous engine loop — add requests, ``step()``, abort.
+
+It owns the Scheduler (what to compute), the ModelExecutor (the model and its KV cache), the
+tokenizer, and the OutputProcessor (detokenization, stop strings, logprobs). One ``step()`` is
+schedule -> execute (skipped when nothing is scheduled) -> update -> outputs.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from conveyor.core.config import CacheConfig, SchedulerConfig
+from conveyor.core.sampling_params import SamplingParams
+from conveyor.core.scheduler import Scheduler
+from conveyor.core.scheduler_output import SchedulerOutput
+from conveyor.core.sequence import Sequence
+from conveyor.engine.args import EngineArgs
+from conveyor.engine.output_processor import OutputProcessor
+from conveyor.engine.outputs import RequestOutput
+from conveyor.engine.stats import EngineStats
+
+DEFAULT_MAX_MODEL_LEN_CAP = 8192
+
+Prompt = str | list[int] | dict[str, Any]
+
+
+class LLMEngine:
+    def __init__(self, engine_args: EngineArgs | None = None) -> None:
+        from conveyor.executor.model_executor import ModelExecutor
+
+        self.engine_args = args = engine_args or EngineArgs()
+        self.executor = ModelExecutor(args.model, dtype=args.dtype, device=args.device, seed=args.seed)
+        self.tokenizer = self.executor.tokenizer
+        self.model_config = self.executor.model_config
+        self.max_model_len = _max_model_len(args, self.model_config.max_position_embeddings)
+        self.num_gpu_blocks, self.num_cpu_blocks = _num_blocks(args, self.executor)
+        self.executor.initialize_cache(args.block_size, self.num_gpu_blocks, self.num_cpu_blocks)
+        self._clock = time.monotonic
+        self.scheduler = Scheduler(
+            SchedulerConfig(
+                max_num_seqs=args.max_num_seqs,
+                max_num_batched_tokens=args.max_num_batched_tokens,
+                max_model_len=self.max_model_len,
+                policy=args.policy,
+                queue=args.queue,
+                preemption_mode=args.preemption_mode,
+                long_prefill_token_threshold=args.long_prefill_token_threshold,
+                max_num_partial_prefills=args.max_num_partial_prefills,
+            ),
+            CacheConfig(
+                block_size=args.block_size,
+                num_gpu_blocks=self.num_gpu_blocks,
+                num_cpu_blocks=self.num_cpu_blocks,
+                enable_prefix_caching=args.enable_prefix_caching,
+            ),
+            eos_token_ids=tuple(self.model_config.eos_token_ids),
+            clock=self._clock,
+        )
+        self._outputs = OutputProcessor(self.tokenizer, self.scheduler.finish_sequence, self._clock)
+        self._num_steps = 0
+        self._prompt_tokens_total = 0
+        self._generation_tokens_total = 0
+
+    # ------------------------------------------------------------------ requests
+
+    def add_request(self, request_id: str, prompt: Prompt, sampling_params: SamplingParams | None = None,
+                    priority: int = 0, arrival_time: float | None = None) -> None:
+        """Queue a request. ``prompt`` is text, token ids, or ``{"prompt_token_ids", "prompt"}``.
+
+        Raises ValueError (naming the field) on bad input; nothing is queued then.
+        """
+        if not isinstance(request_id, str) or not request_id:
+            raise ValueError(f"request_id must be a non-empty string, got {request_id!r}")
+        if request_id in self._outputs:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if not isinstance(sampling_params, SamplingParams):
+            raise ValueError(f"sampling_params must be a SamplingParams, got {type(sampling_params).__name__}")
+        if not isinstance(priority, int) or isinstance(priority, bool):
+            raise ValueError(f"priority must be an integer, got {priority!r}")
+        text, token_ids = self._tokenize(prompt)
+        group = self.scheduler.add_request(request_id, token_ids, sampling_params, priority=priority,
+                                           arrival_time=arrival_time)
+        self._outputs.add_request(group, text)
+
+    def _tokenize(self, prompt: Prompt) -> tuple[str | None, list[int]]:
+        text: str | None = None
+        if isinstance(prompt, dict):
+            text, token_ids = prompt.get("prompt"), prompt.get("prompt_token_ids")
+            if token_ids is None:
+                if not isinstance(text, str):
+                    raise ValueError("prompt: a dict prompt needs 'prompt_token_ids' or a 'prompt' string")
+                return self._tokenize(text)
+        elif isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt must not be empty")
+            text, token_ids = prompt, self.tokenizer.encode(prompt)
+        else:
+            token_ids = prompt
+        if not isinstance(token_ids, (list, tuple)) or not token_ids:
+            raise ValueError("prompt_token_ids must be a non-empty list of token ids")
+        vocab = self.model_config.vocab_size
+        bad = [t for t in token_ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt_token_ids must be integers in [0, {vocab}), got {bad[:5]!r}")
+        return text, list(token_ids)
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        """Stop a request wherever it is and free its blocks; its final output (None if unknown)."""
+        group = self.scheduler.abort(request_id)
+        if group is None:
+            return None
+        return self._outputs.finish_aborted(group)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests() or len(self._outputs) > 0
+
+    # ------------------------------------------------------------------ the loop
+
+    def step(self) -> list[RequestOutput]:
+        """Run one engine iteration; one cumulative output per request that progressed or finished."""
+        scheduled = self.scheduler.schedule()
+        num_samples = [scheduled.num_samples(i) for i in range(len(scheduled.seqs))]
+        self._count_prompt_tokens(scheduled)
+        if scheduled.is_empty:
+            sampled, logprobs = [], None
+        else:
+            result = self.executor.execute(scheduled)
+            sampled, logprobs = result.sampled_token_ids, result.logprobs
+            self._num_steps += 1
+        self._generation_tokens_total += sum(len(tokens) for tokens in sampled)
+        parents = list(scheduled.seqs)
+        finished = self.scheduler.update(scheduled, sampled)
+        if logprobs is not None:
+            self._record_logprobs(parents, num_samples, sampled, logprobs)
+        groups = [seq.group for seq in parents] + list(finished)
+        return self._outputs.process(groups)
+
+    def _count_prompt_tokens(self, scheduled: SchedulerOutput) -> None:
+        for seq, n_new in zip(scheduled.seqs, scheduled.num_new_tokens, strict=True):
+            is_decode = n_new == 1 and seq.num_computed_tokens == len(seq.token_ids) - 1 \
+                and seq.num_computed_tokens >= seq.num_prompt_tokens
+            if not is_decode:
+                self._prompt_tokens_total += n_new
+
+    def _record_logprobs(self, parents: list[Sequence], num_samples: list[int],
+                         sampled: list[list[int]], logprobs: list[list[dict[int, float]]]) -> None:
+        for i, seq in enumerate(parents):
+            if num_samples[i] == 0:
+                continue
+            if num_samples[i] == 1:
+                self._outputs.add_logprobs(seq, sampled[i][0], logprobs[i][0])
+                continue
+            by_index = {s.index: s for s in seq.group.seqs}  # the fork: sample k went to seq k
+            for k, token_id in enumerate(sampled[i]):
+                if k in by_index:
+                    self._outputs.add_logprobs(by_index[k], token_id, logprobs[i][k])
+
+    # ------------------------------------------------------------------ stats
+
+    def get_stats(self) -> EngineStats:
+        s = self.scheduler.stats
+        stats = EngineStats(**{name: getattr(s, name) for name in EngineStats.SCHEDULER_FIELDS})
+        stats.num_steps = self._num_steps
+        stats.prompt_tokens_total = self._prompt_tokens_total
+        stats.generation_tokens_total = self._generation_tokens_total
+        stats.finished_by_reason = dict(self._outputs.finished_by_reason)
+        return stats
+
+
+def _max_model_len(args: EngineArgs, max_positions: int) -> int:
+    if args.max_model_len is None:
+        return min(max_positions, DEFAULT_MAX_MODEL_LEN_CAP)
+    if not 1 <= args.max_model_len <= max_positions:
+        raise ValueError(f"max_model_len must be in [1, {max_positions}] for this model, "
+                         f"got {args.max_model_len}")
+    return args.max_model_len
+
+
+def _num_blocks(args: EngineArgs, executor: Any) -> tuple[int, int]:
+    """(GPU-pool blocks, CPU swap-pool blocks) from the memory budgets in ``args``."""
+    bytes_per_block = executor.kv_cache_bytes_per_block(args.block_size)
+    if args.num_gpu_blocks is not None:
+        if args.num_gpu_blocks < 1:
+            raise ValueError(f"num_gpu_blocks must be >= 1, got {args.num_gpu_blocks}")
+        num_gpu = args.num_gpu_blocks
+    else:
+        if args.kv_cache_memory <= 0:
+            raise ValueError(f"kv_cache_memory must be > 0, got {args.kv_cache_memory}")
+        budget = args.kv_cache_memory
+        if budget <= 1:
+            budget *= _available_memory(getattr(executor, "device", "cpu"))
+        num_gpu = int(budget // bytes_per_block)
+        if num_gpu < 1:
+            raise ValueError(f"kv_cache_memory ({args.kv_cache_memory}) holds no KV block of "
+                             f"{bytes_per_block} bytes")
+    num_cpu = 0
+    if args.preemption_mode == "swap":
+        if args.swap_space < 0:
+            raise ValueError(f"swap_space must be >= 0, got {args.swap_space}")
+        num_cpu = int(args.swap_space * 2**30 // bytes_per_block)
+    return num_gpu, num_cpu
+
+
+def _available_memory(device: Any) -> int:
+    """Free bytes on the KV cache's device (GPU memory, or the host's available RAM)."""
+    if str(device).startswith("cuda"):
+        import torch
+
+        free, _total = torch.cuda.mem_get_info(device)
+        return free
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    import os
+
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")

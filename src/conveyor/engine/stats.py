@@ -1,0 +1,28 @@
+"""EngineStats: one snapshot of the engine's gauges and counters (what /metrics and benches read)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class EngineStats:
+    # scheduler gauges and counters (SchedulerStats)
+    num_running: int = 0
+    num_waiting: int = 0
+    num_swapped: int = 0
+    num_free_blocks: int = 0
+    num_total_blocks: int = 0
+    kv_usage: float = 0.0
+    num_preemptions: int = 0
+    prefix_cache_queries: int = 0  # tokens
+    prefix_cache_hits: int = 0  # tokens
+    # engine counters
+    num_steps: int = 0
+    prompt_tokens_total: int = 0  # prompt (and recomputed) tokens run through the model
+    generation_tokens_total: int = 0  # tokens sampled
+    finished_by_reason: dict[str, int] = field(default_factory=dict)  # per finished sequence
+
+    SCHEDULER_FIELDS = ("num_running", "num_waiting", "num_swapped", "num_free_blocks",
+                        "num_total_blocks", "kv_usage", "num_preemptions",
+                        "prefix_cache_queries", "prefix_cache_hits")
