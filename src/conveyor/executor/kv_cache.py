@@ -1,0 +1,53 @@
+"""The paged KV cache and its CPU swap pool.
+
+One tensor ``[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]`` holds every
+layer's K and V, so a block copy or swap is one indexed copy across all layers.
+``layer(i)`` gives the per-layer ``(k, v)`` views ``[num_blocks, block_size, kv_heads, head_dim]``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class KVCache:
+    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, block_size: int,
+                 num_blocks: int, num_cpu_blocks: int, dtype: torch.dtype, device: torch.device):
+        if block_size < 1 or num_blocks < 1 or num_cpu_blocks < 0:
+            raise ValueError(f"invalid cache shape: block_size={block_size}, "
+                             f"num_gpu_blocks={num_blocks}, num_cpu_blocks={num_cpu_blocks}")
+        shape = (num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim)
+        self.block_size = block_size
+        self.device = torch.device(device)
+        self.cache = torch.zeros(shape, dtype=dtype, device=device)
+        cpu_shape = (num_layers, 2, num_cpu_blocks, block_size, num_kv_heads, head_dim)
+        self.cpu_pool = torch.zeros(cpu_shape, dtype=dtype, device="cpu",
+                                    pin_memory=self.device.type == "cuda")
+        self.layers = [(self.cache[i, 0], self.cache[i, 1]) for i in range(num_layers)]
+
+    @staticmethod
+    def bytes_per_block(num_layers: int, num_kv_heads: int, head_dim: int, block_size: int,
+                        dtype: torch.dtype) -> int:
+        elem = torch.empty((), dtype=dtype).element_size()
+        return num_layers * 2 * block_size * num_kv_heads * head_dim * elem
+
+    def swap_out(self, pairs: list[tuple[int, int]]) -> None:
+        """(device block, cpu block) pairs: device -> CPU pool."""
+        if pairs:
+            src = torch.tensor([p[0] for p in pairs], device=self.device)
+            dst = torch.tensor([p[1] for p in pairs])
+            self.cpu_pool[:, :, dst] = self.cache[:, :, src].to("cpu")
+
+    def swap_in(self, pairs: list[tuple[int, int]]) -> None:
+        """(cpu block, device block) pairs: CPU pool -> device."""
+        if pairs:
+            src = torch.tensor([p[0] for p in pairs])
+            dst = torch.tensor([p[1] for p in pairs], device=self.device)
+            self.cache[:, :, dst] = self.cpu_pool[:, :, src].to(self.device)
+
+    def copy(self, pairs: list[tuple[int, int]]) -> None:
+        """(src block, dst block) pairs within the device cache (copy-on-write)."""
+        if pairs:
+            src = torch.tensor([p[0] for p in pairs], device=self.device)
+            dst = torch.tensor([p[1] for p in pairs], device=self.device)
+            self.cache[:, :, dst] = self.cache[:, :, src]

@@ -1,0 +1,115 @@
+"""Read a GGUF file: config from its metadata, dequantized weights with transformers' names.
+
+llama.cpp's converter permutes the rows of Llama's Q and K projections (to interleaved rope
+pairs); we undo that so the weights work with the HF "rotate_half" rotary layout.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import numpy as np
+import torch
+
+from conveyor.model.config import SUPPORTED_ARCHITECTURES, ModelConfig, check_architecture
+
+_LAYER_NAMES = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+    "rope_freqs.weight": "rope_freqs",
+}
+
+
+def _field(reader: Any, key: str, default: Any = None) -> Any:
+    f = reader.fields.get(key)
+    return default if f is None else f.contents()
+
+
+def read_gguf_config(reader: Any, name: str) -> ModelConfig:
+    arch = _field(reader, "general.architecture", "")
+    check_architecture(arch, f"{name} (general.architecture)")
+
+    def need(key: str) -> Any:
+        v = _field(reader, f"{arch}.{key}")
+        if v is None:
+            raise ValueError(f"GGUF file {name} is missing metadata {arch}.{key!r}")
+        return v
+
+    hidden, heads = need("embedding_length"), need("attention.head_count")
+    kv_heads = _field(reader, f"{arch}.attention.head_count_kv", heads)
+    head_dim = _field(reader, f"{arch}.attention.key_length") or hidden // heads
+    has_output = any(t.name == "output.weight" for t in reader.tensors)
+    vocab = _field(reader, f"{arch}.vocab_size") or len(reader.fields["tokenizer.ggml.tokens"].data)
+    eos = _field(reader, "tokenizer.ggml.eos_token_id")
+    eot = _field(reader, "tokenizer.ggml.eot_token_id")
+    eos_ids = [int(x) for x in (eos, eot) if x is not None]
+    return ModelConfig(
+        name=name,
+        architecture=arch,
+        num_layers=need("block_count"),
+        hidden_size=hidden,
+        intermediate_size=need("feed_forward_length"),
+        num_heads=heads,
+        num_kv_heads=kv_heads,
+        head_dim=head_dim,
+        vocab_size=vocab,
+        max_position_embeddings=_field(reader, f"{arch}.context_length", 2048),
+        eos_token_ids=list(dict.fromkeys(eos_ids)),
+        rms_norm_eps=float(_field(reader, f"{arch}.attention.layer_norm_rms_epsilon", 1e-6)),
+        rope_theta=float(_field(reader, f"{arch}.rope.freq_base", 10000.0)),
+        tie_word_embeddings=not has_output,
+        attention_bias=SUPPORTED_ARCHITECTURES[arch]["attention_bias"],
+        qk_norm=SUPPORTED_ARCHITECTURES[arch]["qk_norm"],
+        bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id"),
+    )
+
+
+def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """Inverse of llama.cpp's ``permute``: interleaved rope pairs back to two halves per head."""
+    rows = w.shape[0]
+    return (w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:])
+            .swapaxes(1, 2).reshape(w.shape))
+
+
+def _hf_name(gguf_name: str) -> str:
+    if gguf_name in _GLOBAL_NAMES:
+        return _GLOBAL_NAMES[gguf_name]
+    m = re.fullmatch(r"blk\.(\d+)\.(\w+)\.(weight|bias)", gguf_name)
+    if m is None or m.group(2) not in _LAYER_NAMES:
+        raise ValueError(f"unknown GGUF tensor {gguf_name!r}")
+    return f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}.{m.group(3)}"
+
+
+def read_gguf_weights(reader: Any, cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    from gguf.quants import dequantize
+
+    weights = {}
+    for t in reader.tensors:
+        try:
+            arr = dequantize(t.data, t.tensor_type)
+        except NotImplementedError as e:
+            raise ValueError(f"GGUF tensor {t.name!r} has type {t.tensor_type.name}, which the "
+                             "gguf package cannot dequantize") from e
+        arr = np.array(arr, dtype=np.float32).reshape(tuple(reversed([int(d) for d in t.shape])))
+        if cfg.architecture == "llama":
+            if re.fullmatch(r"blk\.\d+\.attn_q\.(weight|bias)", t.name):
+                arr = _unpermute(arr, cfg.num_heads)
+            elif re.fullmatch(r"blk\.\d+\.attn_k\.(weight|bias)", t.name):
+                arr = _unpermute(arr, cfg.num_kv_heads)
+        weights[_hf_name(t.name)] = torch.from_numpy(np.ascontiguousarray(arr))  # arr is a fresh copy
+    return weights

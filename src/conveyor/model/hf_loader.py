@@ -1,0 +1,41 @@
+"""Read an HF model directory: config.json and the *.safetensors weights."""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+
+import torch
+
+from conveyor.model.config import ModelConfig
+
+
+def read_hf_config(path: str) -> ModelConfig:
+    cfg_path = os.path.join(path, "config.json")
+    if not os.path.exists(cfg_path):
+        raise ValueError(f"model directory {path} is missing config.json")
+    with open(cfg_path) as f:
+        cfg = json.load(f)
+    config = ModelConfig.from_hf_dict(cfg, name=os.path.basename(os.path.normpath(path)))
+    gen_path = os.path.join(path, "generation_config.json")
+    if os.path.exists(gen_path):
+        with open(gen_path) as f:
+            gen_eos = json.load(f).get("eos_token_id")
+        extra = [gen_eos] if isinstance(gen_eos, int) else list(gen_eos or [])
+        config.eos_token_ids = list(dict.fromkeys(config.eos_token_ids + extra))
+    return config
+
+
+def read_hf_weights(path: str) -> dict[str, torch.Tensor]:
+    from safetensors import safe_open
+
+    files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
+    if not files:
+        raise ValueError(f"model directory {path} has no *.safetensors weight files")
+    weights = {}
+    for file in files:
+        with safe_open(file, framework="pt") as f:
+            for name in f.keys():
+                weights[name] = f.get_tensor(name)
+    return weights

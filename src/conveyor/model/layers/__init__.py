@@ -1,0 +1,1 @@
+"""Building blocks of the Llama-family model: RMSNorm, rotary embedding, paged attention."""

@@ -1,0 +1,125 @@
+"""Paged attention over block tables, batched: no Python loop over sequences.
+
+A step's tokens are laid out flat. Entries are split into two groups that are each attended
+with one ``scaled_dot_product_attention`` call per layer:
+
+* decode group (entries computing one token) first, then
+* prefill group (entries computing a chunk of >1 tokens, possibly after a cached prefix).
+
+For each group, keys and values are gathered from the paged cache through a ``[B, C]`` table of
+cache slots (slot = block_id * block_size + offset) and a boolean mask hides padding and
+future positions. Grouped-query attention is done without repeating K/V: the ``g`` query heads
+that share a KV head are folded into the query-length axis, ``[B, kv_heads, Q * g, head_dim]``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class AttentionGroup:
+    batch: int
+    max_query_len: int
+    token_start: int  # first flat token of this group
+    num_tokens: int
+    key_slots: torch.Tensor  # [B, C] cache slots of each entry's context (padding: slot 0)
+    mask: torch.Tensor  # [B, 1, Q * g, C] bool, True = attend
+    query_index: torch.Tensor | None  # [B, Q] index into the group's tokens (None: no padding)
+    out_index: torch.Tensor | None  # [num_tokens] rows of the padded [B * Q] output that are real
+
+
+@dataclass
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # [T] cache slot where each new token's K/V goes
+    positions: torch.Tensor  # [T] position of each new token in its sequence
+    groups: list[AttentionGroup]
+
+
+def build_attention_metadata(
+    block_tables: list[list[int]],
+    starts: list[int],
+    num_new: list[int],
+    block_size: int,
+    num_queries_per_kv: int,
+    device: torch.device,
+) -> AttentionMetadata:
+    """Entries must be ordered decode (num_new == 1) first, then prefill chunks."""
+    num_decode = 0
+    while num_decode < len(num_new) and num_new[num_decode] == 1:
+        num_decode += 1
+    if any(n == 1 for n in num_new[num_decode:]):
+        raise ValueError("entries must be ordered with single-token entries first")
+    width = max(len(t) for t in block_tables)
+    table = torch.tensor([t + [0] * (width - len(t)) for t in block_tables], dtype=torch.int64)
+    start_t = torch.tensor(starts, dtype=torch.int64)
+    new_t = torch.tensor(num_new, dtype=torch.int64)
+
+    # Slot of every new token.
+    entry_of_token = torch.repeat_interleave(torch.arange(len(num_new)), new_t)
+    offset_in_entry = torch.arange(int(new_t.sum())) - torch.repeat_interleave(
+        torch.cumsum(new_t, 0) - new_t, new_t)
+    pos = start_t[entry_of_token] + offset_in_entry
+    slot_mapping = table[entry_of_token, pos // block_size] * block_size + pos % block_size
+
+    groups = []
+    token_start = 0
+    for lo, hi in ((0, num_decode), (num_decode, len(num_new))):
+        if lo == hi:
+            continue
+        g_tab, g_start, g_new = table[lo:hi], start_t[lo:hi], new_t[lo:hi]
+        batch, max_q = hi - lo, int(g_new.max())
+        ctx = g_start + g_new
+        max_ctx = int(ctx.max())
+        key_pos = torch.arange(max_ctx)[None, :]
+        key_slots = g_tab.gather(1, (key_pos // block_size).expand(batch, -1)) * block_size \
+            + key_pos % block_size
+        q_off = torch.arange(max_q)[None, :]
+        q_valid = q_off < g_new[:, None]  # [B, Q]
+        q_pos = torch.where(q_valid, g_start[:, None] + q_off, 0)
+        mask = key_pos[:, None, :] <= q_pos[:, :, None]  # causal, [B, Q, C]; covers ctx padding
+        mask = mask.repeat_interleave(num_queries_per_kv, dim=1)[:, None]
+        n_tok = int(g_new.sum())
+        query_index = out_index = None
+        if batch > 1 and max_q > 1:
+            first = torch.cumsum(g_new, 0) - g_new
+            query_index = torch.where(q_valid, first[:, None] + q_off, 0)
+            out_index = (torch.arange(batch)[:, None] * max_q + q_off)[q_valid]
+            query_index, out_index = query_index.to(device), out_index.to(device)
+        groups.append(AttentionGroup(batch, max_q, token_start, n_tok, key_slots.to(device),
+                                     mask.to(device), query_index, out_index))
+        token_start += n_tok
+    return AttentionMetadata(slot_mapping.to(device), pos.to(device), groups)
+
+
+def paged_attention(
+    q: torch.Tensor,  # [T, num_heads, head_dim]
+    k: torch.Tensor,  # [T, num_kv_heads, head_dim]
+    v: torch.Tensor,
+    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+) -> torch.Tensor:
+    """Write this step's K/V into the cache, then attend. Returns [T, num_heads * head_dim]."""
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    kv_heads = k.shape[1]
+    g = num_heads // kv_heads
+    flat_k = k_cache.view(-1, kv_heads, head_dim)
+    flat_v = v_cache.view(-1, kv_heads, head_dim)
+    flat_k.index_copy_(0, meta.slot_mapping, k)
+    flat_v.index_copy_(0, meta.slot_mapping, v)
+    outs = []
+    for grp in meta.groups:
+        b, nq = grp.batch, grp.max_query_len
+        qg = q[grp.token_start: grp.token_start + grp.num_tokens]
+        qg = qg[grp.query_index] if grp.query_index is not None else qg.view(b, nq, num_heads, head_dim)
+        qg = qg.view(b, nq, kv_heads, g, head_dim).transpose(1, 2).reshape(b, kv_heads, nq * g, head_dim)
+        keys = flat_k[grp.key_slots].transpose(1, 2)  # [B, kv_heads, C, head_dim]
+        values = flat_v[grp.key_slots].transpose(1, 2)
+        o = F.scaled_dot_product_attention(qg, keys, values, attn_mask=grp.mask)
+        o = o.view(b, kv_heads, nq, g, head_dim).transpose(1, 2).reshape(b * nq, num_heads * head_dim)
+        outs.append(o[grp.out_index] if grp.out_index is not None else o)
+    return outs[0] if len(outs) == 1 else torch.cat(outs)

@@ -1,0 +1,154 @@
+"""The Llama-family decoder (Llama / SmolLM2, Qwen2 with QKV bias, Qwen3 with q/k RMSNorm).
+
+Inference only, over a paged KV cache. Projections are fused (one QKV matmul, one gate/up
+matmul) and logits are computed only for the positions that sample.
+Weights come in with transformers' names (``model.layers.N.self_attn.q_proj.weight`` ...)
+and are fused by ``load_weights``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from conveyor.model.config import ModelConfig
+from conveyor.model.layers.attention import AttentionMetadata, paged_attention
+from conveyor.model.layers.norm import RMSNorm
+from conveyor.model.layers.rotary import RotaryEmbedding, apply_rotary, rope_inv_freq
+
+
+def _param(*shape: int) -> nn.Parameter:
+    return nn.Parameter(torch.empty(*shape), requires_grad=False)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        self.q_size, self.kv_size = q_size, kv_size
+        self.input_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.qkv_weight = _param(q_size + 2 * kv_size, cfg.hidden_size)
+        self.qkv_bias: nn.Parameter | None = _param(q_size + 2 * kv_size) if cfg.attention_bias else None
+        self.o_weight = _param(cfg.hidden_size, q_size)
+        self.o_bias: nn.Parameter | None = None
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.post_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.gate_up_weight = _param(2 * cfg.intermediate_size, cfg.hidden_size)
+        self.down_weight = _param(cfg.hidden_size, cfg.intermediate_size)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        t = x.shape[0]
+        h = self.input_norm(x)
+        qkv = F.linear(h, self.qkv_weight, self.qkv_bias)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(t, self.num_heads, self.head_dim)
+        k = k.view(t, self.num_kv_heads, self.head_dim)
+        v = v.view(t, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        attn = paged_attention(q, k, v, k_cache, v_cache, meta)
+        x = x + F.linear(attn, self.o_weight, self.o_bias)
+        gate_up = F.linear(self.post_norm(x), self.gate_up_weight)
+        gate, up = gate_up.chunk(2, dim=-1)
+        return x + F.linear(F.silu(gate) * up, self.down_weight)
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, cfg: ModelConfig, rope_freq_factors: torch.Tensor | None = None) -> None:
+        super().__init__()
+        self.config = cfg
+        self.embed_tokens = _param(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = self.embed_tokens if cfg.tie_word_embeddings else _param(cfg.vocab_size,
+                                                                                cfg.hidden_size)
+        self.rotary = RotaryEmbedding(rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling,
+                                                    rope_freq_factors))
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [T]
+        positions: torch.Tensor,  # [T]
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        meta: AttentionMetadata,
+        logits_indices: torch.Tensor,  # [S] flat token indices whose logits are wanted
+    ) -> torch.Tensor:
+        """Returns float32 logits [S, vocab]."""
+        x = F.embedding(input_ids, self.embed_tokens)
+        cos, sin = self.rotary.cos_sin(positions, x.dtype)
+        for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
+            x = layer(x, cos, sin, k_cache, v_cache, meta)
+        x = self.norm(x[logits_indices])
+        return F.linear(x, self.lm_head).float()
+
+    def load_weights(self, weights: dict[str, torch.Tensor]) -> None:
+        """Take transformers-named tensors, fuse them into this module's parameters."""
+        cfg = self.config
+        remaining = dict(weights)
+
+        def take(name: str, required: bool = True) -> torch.Tensor | None:
+            if name not in remaining:
+                if required:
+                    raise ValueError(f"weight {name!r} is missing from the checkpoint")
+                return None
+            return remaining.pop(name)
+
+        def put(param: nn.Parameter, value: torch.Tensor, name: str) -> None:
+            if tuple(param.shape) != tuple(value.shape):
+                raise ValueError(f"weight {name!r} has shape {tuple(value.shape)}, "
+                                 f"expected {tuple(param.shape)}")
+            param.data = value.to(param.dtype).contiguous()
+
+        put(self.embed_tokens, take("model.embed_tokens.weight"), "model.embed_tokens.weight")
+        put(self.norm.weight, take("model.norm.weight"), "model.norm.weight")
+        lm_head = take("lm_head.weight", required=not cfg.tie_word_embeddings)
+        if cfg.tie_word_embeddings:
+            self.lm_head = self.embed_tokens
+        else:
+            put(self.lm_head, lm_head, "lm_head.weight")
+        for i, layer in enumerate(self.layers):
+            p = f"model.layers.{i}."
+            a = p + "self_attn."
+            put(layer.input_norm.weight, take(p + "input_layernorm.weight"), p + "input_layernorm")
+            put(layer.post_norm.weight, take(p + "post_attention_layernorm.weight"),
+                p + "post_attention_layernorm")
+            qkv = torch.cat([take(a + n + "_proj.weight") for n in "qkv"])
+            put(layer.qkv_weight, qkv, a + "qkv_proj.weight")
+            biases = [take(a + n + "_proj.bias", required=False) for n in "qkv"]
+            if any(b is not None for b in biases):
+                sizes = (layer.q_size, layer.kv_size, layer.kv_size)
+                layer.qkv_bias = _param(sum(sizes))
+                put(layer.qkv_bias, torch.cat([b if b is not None else torch.zeros(s)
+                                               for b, s in zip(biases, sizes, strict=True)]),
+                    a + "qkv_proj.bias")
+            else:
+                layer.qkv_bias = None
+            put(layer.o_weight, take(a + "o_proj.weight"), a + "o_proj.weight")
+            o_bias = take(a + "o_proj.bias", required=False)
+            layer.o_bias = None if o_bias is None else nn.Parameter(o_bias, requires_grad=False)
+            if layer.q_norm is not None:
+                put(layer.q_norm.weight, take(a + "q_norm.weight"), a + "q_norm.weight")
+                put(layer.k_norm.weight, take(a + "k_norm.weight"), a + "k_norm.weight")
+            m = p + "mlp."
+            put(layer.gate_up_weight,
+                torch.cat([take(m + "gate_proj.weight"), take(m + "up_proj.weight")]),
+                m + "gate_up_proj.weight")
+            put(layer.down_weight, take(m + "down_proj.weight"), m + "down_proj.weight")
+        remaining.pop("rope_freqs", None)
+        leftover = [k for k in remaining if "rotary_emb" not in k]
+        if leftover:
+            raise ValueError(f"unexpected weights in the checkpoint: {leftover[:5]}")
+
+    def num_params(self) -> int:
+        seen, total = set(), 0
+        for p in self.parameters():
+            if id(p) not in seen:
+                seen.add(id(p))
+                total += p.numel()
+        return total

