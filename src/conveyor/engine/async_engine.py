@@ -1,0 +1,293 @@
+"""AsyncEngine: an LLMEngine driven by a background thread, with one async stream per request.
+
+The engine thread owns the LLMEngine: it alone calls ``add_request``, ``step``, ``abort_request``
+and ``get_stats``. The event loop talks to it through a locked inbox (new requests, aborts) and a
+wake-up event; results travel back with ``loop.call_soon_threadsafe``. So a model step never
+blocks the event loop, and the engine never sees two threads at once.
+
+``generate()`` yields *deltas*: each RequestOutput carries, per sample, only the text, token ids
+and logprobs that are new since the previous one (samples that did not change are left out).
+Leaving the iterator early (client gone, task cancelled) aborts the request, which frees its
+KV blocks at the engine thread's next turn, i.e. within one step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from conveyor.core.sampling_params import SamplingParams
+    from conveyor.engine.llm_engine import LLMEngine
+    from conveyor.engine.outputs import RequestOutput
+
+logger = logging.getLogger(__name__)
+
+# Called in the engine thread after each step with that step's deltas and its end time
+# (time.monotonic()); the server's Prometheus metrics hang off this.
+OutputObserver = Callable[[list["RequestOutput"], float], None]
+
+
+class EngineStoppedError(RuntimeError):
+    """The engine is shutting down (or died) and admits no new request."""
+
+
+@dataclass
+class _NewRequest:
+    request_id: str
+    prompt: str | list[int] | dict[str, Any]
+    sampling_params: SamplingParams
+    priority: int
+    arrival_time: float
+
+
+@dataclass
+class _Sent:
+    """How much of each sample a request's stream has already been given."""
+
+    num_tokens: int = 0
+    num_chars: int = 0
+    num_logprobs: int = 0
+    finished: bool = False
+
+
+class AsyncEngine:
+    def __init__(self, engine: LLMEngine, observers: list[OutputObserver] | None = None,
+                 idle_wait_s: float = 0.5) -> None:
+        self.engine = engine
+        self._observers = list(observers or [])
+        self._idle_wait_s = idle_wait_s
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._inbox: list[_NewRequest] = []
+        self._aborts: list[str] = []
+        self._stopping = False
+        self._dead: BaseException | None = None
+        self._thread: threading.Thread | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        # Event-loop side only: request id -> queue of deltas / exceptions.
+        self._streams: dict[str, asyncio.Queue[Any]] = {}
+        # Engine-thread side only: request id -> {sample index -> what was sent}.
+        self._sent: dict[str, dict[int, _Sent]] = {}
+        self.stats = engine.get_stats()  # latest snapshot, replaced (never mutated) by the thread
+
+    # ---------------------------------------------------------------- properties
+    @property
+    def tokenizer(self) -> Any:
+        return self.engine.tokenizer
+
+    @property
+    def model_config(self) -> Any:
+        return self.engine.model_config
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+    @property
+    def is_running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive() and not self._stopping
+
+    @property
+    def num_unfinished_streams(self) -> int:
+        return len(self._streams)
+
+    def num_queued_requests(self) -> int:
+        """Requests accepted but not yet scheduled: still in the inbox or in the engine's waiting queue."""
+        with self._lock:
+            return len(self._inbox) + self.stats.num_waiting
+
+    # ---------------------------------------------------------------- lifecycle
+    def start(self, loop: asyncio.AbstractEventLoop | None = None) -> None:
+        if self._thread is not None:
+            raise RuntimeError("AsyncEngine already started")
+        self._loop = loop or asyncio.get_running_loop()
+        self._thread = threading.Thread(target=self._run, name="conveyor-engine", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float | None = 30.0) -> None:
+        """Stop admitting, abort whatever is still unfinished, and join the engine thread."""
+        with self._lock:
+            self._stopping = True
+        self._wake.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout)
+
+    # ---------------------------------------------------------------- requests
+    async def generate(self, prompt: str | list[int] | dict[str, Any], sampling_params: SamplingParams,
+                       request_id: str, priority: int = 0) -> AsyncIterator[RequestOutput]:
+        """Submit one request and yield its RequestOutput deltas until it finishes.
+
+        ``prompt`` is anything ``LLMEngine.add_request`` takes. Raises ValueError when the engine rejects the request (bad prompt or parameters) and
+        EngineStoppedError when the engine no longer admits requests.
+        """
+        if self._loop is None:
+            raise RuntimeError("AsyncEngine.start() was not called")
+        if request_id in self._streams:
+            raise ValueError(f"request_id {request_id!r} is already running")
+        queue: asyncio.Queue[Any] = asyncio.Queue()
+        with self._lock:
+            if self._stopping or self._dead is not None:
+                raise EngineStoppedError("the engine is shutting down") from self._dead
+            self._streams[request_id] = queue
+            self._inbox.append(_NewRequest(request_id, prompt, sampling_params, priority,
+                                           time.monotonic()))
+        self._wake.set()
+        finished = False
+        try:
+            while not finished:
+                item = await queue.get()
+                if isinstance(item, BaseException):
+                    finished = True  # the engine never took it, or already dropped it
+                    raise item
+                finished = item.finished
+                yield item
+        finally:
+            self._streams.pop(request_id, None)
+            if not finished:
+                self.abort(request_id)
+
+    def abort(self, request_id: str) -> None:
+        """Abort a request (any thread). Its blocks are freed at the engine thread's next turn."""
+        with self._lock:
+            self._aborts.append(request_id)
+        self._wake.set()
+
+    # ---------------------------------------------------------------- engine thread
+    def _run(self) -> None:
+        try:
+            while True:
+                self._wake.clear()
+                with self._lock:
+                    inbox, self._inbox = self._inbox, []
+                    aborts, self._aborts = self._aborts, []
+                    stopping = self._stopping
+                self._admit(inbox)
+                if stopping:
+                    aborts.extend(self._sent)
+                outputs = self._abort_all(aborts)
+                if self.engine.has_unfinished_requests():
+                    self._publish_stats()  # queue counts include what was just admitted
+                    outputs += self._step()
+                    self._deliver(outputs)
+                    continue
+                self._deliver(outputs)
+                if stopping:
+                    return
+                self._wake.wait(self._idle_wait_s)
+        except BaseException as e:  # noqa: BLE001 - the thread must report, not vanish
+            logger.exception("engine thread died")
+            with self._lock:
+                self._dead = e
+            self._fail_all(e)
+
+    def _admit(self, inbox: list[_NewRequest]) -> None:
+        for req in inbox:
+            try:
+                self.engine.add_request(req.request_id, req.prompt, req.sampling_params,
+                                        priority=req.priority, arrival_time=req.arrival_time)
+            except ValueError as e:
+                self._post(req.request_id, e)
+                continue
+            self._sent[req.request_id] = {}
+
+    def _abort_all(self, request_ids: list[str]) -> list[RequestOutput]:
+        outputs = []
+        for rid in dict.fromkeys(request_ids):
+            out = self.engine.abort_request(rid)
+            if out is not None:
+                outputs.append(out)
+        return outputs
+
+    def _step(self) -> list[RequestOutput]:
+        try:
+            return self.engine.step()
+        except Exception as e:
+            # A failing step poisons every request in it; fail them all, keep serving new ones.
+            logger.exception("engine step failed; aborting all running requests")
+            for rid in list(self._sent):
+                self.engine.abort_request(rid)
+                self._post(rid, RuntimeError(f"engine step failed: {e}"))
+            self._sent.clear()
+            return []
+
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        now = time.monotonic()
+        deltas = [d for d in (self._delta(o) for o in outputs) if d is not None]
+        self._publish_stats()
+        for observer in self._observers:
+            try:
+                observer(deltas, now)
+            except Exception:  # observers are metrics; never let them stop the engine
+                logger.exception("output observer failed")
+        if deltas:
+            self._call_in_loop(self._dispatch, deltas)
+
+    def _delta(self, out: RequestOutput) -> RequestOutput | None:
+        from conveyor.engine.outputs import CompletionOutput, RequestOutput
+
+        sent_by_index = self._sent.get(out.request_id)
+        if sent_by_index is None:
+            return None  # already finished and delivered (e.g. aborted after finishing)
+        changed = []
+        for c in out.outputs:
+            sent = sent_by_index.setdefault(c.index, _Sent())
+            finished = c.finish_reason is not None
+            new_tokens = list(c.token_ids[sent.num_tokens:])
+            if not new_tokens and finished == sent.finished and len(c.text) <= sent.num_chars:
+                continue
+            logprobs = None
+            if c.logprobs is not None:
+                logprobs = list(c.logprobs[sent.num_logprobs:])
+                sent.num_logprobs = len(c.logprobs)
+            changed.append(CompletionOutput(
+                index=c.index, text=c.text[sent.num_chars:], token_ids=new_tokens,
+                finish_reason=c.finish_reason, stop_reason=c.stop_reason, logprobs=logprobs))
+            sent.num_tokens = len(c.token_ids)
+            sent.num_chars = max(sent.num_chars, len(c.text))
+            sent.finished = finished
+        if out.finished:
+            del self._sent[out.request_id]
+        elif not changed:
+            return None
+        return RequestOutput(request_id=out.request_id, prompt=out.prompt,
+                             prompt_token_ids=out.prompt_token_ids, outputs=changed,
+                             finished=out.finished, metrics=out.metrics,
+                             finish_message=out.finish_message)
+
+    def _publish_stats(self) -> None:
+        stats = self.engine.get_stats()
+        with self._lock:
+            self.stats = stats
+
+    def _post(self, request_id: str, item: Any) -> None:
+        self._call_in_loop(self._dispatch_one, request_id, item)
+
+    def _fail_all(self, error: BaseException) -> None:
+        def fail() -> None:
+            for queue in self._streams.values():
+                queue.put_nowait(EngineStoppedError(f"the engine stopped: {error}"))
+
+        self._call_in_loop(fail)
+
+    def _call_in_loop(self, fn: Callable[..., None], *args: Any) -> None:
+        assert self._loop is not None
+        try:
+            self._loop.call_soon_threadsafe(fn, *args)
+        except RuntimeError:
+            pass  # the event loop is closed: nobody is listening any more
+
+    # ---------------------------------------------------------------- event-loop side
+    def _dispatch(self, deltas: list[RequestOutput]) -> None:
+        for d in deltas:
+            self._dispatch_one(d.request_id, d)
+
+    def _dispatch_one(self, request_id: str, item: Any) -> None:
+        queue = self._streams.get(request_id)
+        if queue is not None:  # None: the client left; its abort is already queued
+            queue.put_nowait(item)

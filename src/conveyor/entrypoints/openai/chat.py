@@ -1,0 +1,149 @@
+"""POST /v1/chat/completions: messages through the model's chat template, then one engine request."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import aclosing
+from typing import TYPE_CHECKING, Any
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+
+from conveyor.entrypoints.openai.errors import APIError, bad_request
+from conveyor.entrypoints.openai.protocol import ChatCompletionRequest
+from conveyor.entrypoints.openai.serving import (
+    Choice,
+    Job,
+    TokenText,
+    cancel_on_disconnect,
+    check_admission,
+    check_model,
+    check_priority,
+    engine_error,
+    make_params,
+    merged_deltas,
+    new_id,
+    now_s,
+    parse_body,
+    resolve_max_tokens,
+    sse,
+    sse_response,
+    top_entries,
+    usage,
+)
+
+if TYPE_CHECKING:
+    from conveyor.engine.async_engine import AsyncEngine
+    from conveyor.engine.outputs import Logprob
+    from conveyor.entrypoints.openai.app import ServerState
+
+
+def _logprobs(tok: TokenText, token_ids: list[int], entries: list[dict[int, Logprob]],
+              n: int) -> dict[str, Any]:
+    def item(token_id: int, logprob: Logprob | None) -> dict[str, Any]:
+        text = tok(token_id, logprob)
+        return {"token": text, "logprob": None if logprob is None else logprob.logprob,
+                "bytes": list(text.encode("utf-8"))}
+
+    content = []
+    for token_id, entry in zip(token_ids, entries, strict=False):
+        content.append({**item(token_id, entry.get(token_id)),
+                        "top_logprobs": [item(t, lp) for t, lp in top_entries(entry, n)]})
+    return {"content": content}
+
+
+async def create_chat_completion(state: ServerState, request: Request) -> Response:
+    req: ChatCompletionRequest = parse_body(await request.body(), ChatCompletionRequest)
+    state.ready_engine()
+    check_model(state, req.model)
+    check_priority(state, req.priority)
+    if not req.messages:
+        raise bad_request("'messages' must contain at least one message", param="messages")
+    if req.logit_bias:
+        raise bad_request("'logit_bias' is not supported", param="logit_bias")
+    if req.top_logprobs is not None and not req.logprobs:
+        raise bad_request("'top_logprobs' requires 'logprobs': true", param="top_logprobs")
+    messages = [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})}
+                for m in req.messages]
+    try:
+        prompt = state.encode_chat(messages, req.add_generation_prompt)
+    except Exception as e:  # a template that rejects the conversation (e.g. role order)
+        raise bad_request(f"the chat template rejected the messages: {e}",
+                          param="messages") from e
+    prompt_ids = prompt["prompt_token_ids"]
+    param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+    max_tokens = resolve_max_tokens(state, len(prompt_ids), req.requested_max_tokens, param)
+    request_id = new_id("chatcmpl")
+    job = Job(request_id, prompt_ids, make_params(req.sampling_params, max_tokens), req.priority,
+              prompt["prompt"])
+    engine = check_admission(state, 1)
+    head = {"id": request_id, "created": now_s(), "model": req.model or state.model_names[0]}
+    tok = TokenText(state.tokenizer)
+    if req.stream:
+        return sse_response(_stream(state, engine, req, job, head, tok))
+    return await cancel_on_disconnect(request, _whole(state, engine, req, job, head, tok))
+
+
+async def _whole(state: ServerState, engine: AsyncEngine, req: ChatCompletionRequest, job: Job, head: dict[str, Any],
+                 tok: TokenText) -> Response:
+    choices = [Choice() for _ in range(req.n)]
+    try:
+        async with aclosing(merged_deltas(engine, [job])) as deltas:
+            async for _, d in deltas:
+                if (err := engine_error(d)) is not None:
+                    raise err
+                for c in d.outputs:
+                    ch = choices[c.index]
+                    ch.text += c.text
+                    ch.token_ids += c.token_ids
+                    ch.logprobs += c.logprobs or []
+                    ch.finish_reason = c.finish_reason or ch.finish_reason
+    except APIError:
+        raise
+    except Exception as e:
+        raise state.api_error(e) from e
+    top_n = req.top_logprobs or 0
+    out = [{"index": j, "message": {"role": "assistant", "content": ch.text},
+            "logprobs": _logprobs(tok, ch.token_ids, ch.logprobs, top_n) if req.logprobs else None,
+            "finish_reason": ch.finish_reason} for j, ch in enumerate(choices)]
+    completion_tokens = sum(len(ch.token_ids) for ch in choices)
+    return JSONResponse({**head, "object": "chat.completion", "choices": out,
+                         "usage": usage(len(job.prompt_token_ids), completion_tokens),
+                         "system_fingerprint": None})
+
+
+async def _stream(state: ServerState, engine: AsyncEngine, req: ChatCompletionRequest, job: Job, head: dict[str, Any],
+                  tok: TokenText) -> AsyncIterator[str]:
+    head = {**head, "object": "chat.completion.chunk"}
+    extra = {"usage": None} if req.include_usage else {}
+    top_n = req.top_logprobs or 0
+
+    def chunk(index: int, delta: dict[str, Any], finish_reason: str | None = None,
+              logprobs: dict[str, Any] | None = None) -> str:
+        choice = {"index": index, "delta": delta, "logprobs": logprobs,
+                  "finish_reason": finish_reason}
+        return sse({**head, "choices": [choice], **extra})
+
+    for j in range(req.n):
+        yield chunk(j, {"role": "assistant", "content": ""})
+    completion_tokens = 0
+    try:
+        async with aclosing(merged_deltas(engine, [job])) as deltas:
+            async for _, d in deltas:
+                if (err := engine_error(d)) is not None:
+                    yield sse(err.body())
+                    break
+                for c in d.outputs:
+                    completion_tokens += len(c.token_ids)
+                    if not c.text and c.finish_reason is None and not c.token_ids:
+                        continue
+                    lp = _logprobs(tok, c.token_ids, c.logprobs or [], top_n) if req.logprobs \
+                        else None
+                    yield chunk(c.index, {"content": c.text} if c.text else {}, c.finish_reason,
+                                lp)
+    except Exception as e:
+        yield sse(state.api_error(e).body())
+    if req.include_usage:
+        yield sse({**head, "choices": [],
+                   "usage": usage(len(job.prompt_token_ids), completion_tokens)})
+    yield sse("[DONE]")

@@ -1,0 +1,175 @@
+"""POST /v1/completions: one engine request per prompt, streamed (SSE) or returned whole."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import aclosing
+from typing import TYPE_CHECKING, Any
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+
+from conveyor.entrypoints.openai.errors import APIError, bad_request
+from conveyor.entrypoints.openai.protocol import CompletionRequest
+from conveyor.entrypoints.openai.serving import (
+    Choice,
+    Job,
+    TokenText,
+    cancel_on_disconnect,
+    check_admission,
+    check_model,
+    check_priority,
+    engine_error,
+    make_params,
+    merged_deltas,
+    new_id,
+    now_s,
+    parse_body,
+    resolve_max_tokens,
+    sampled_logprob,
+    sse,
+    sse_response,
+    top_entries,
+    usage,
+)
+
+if TYPE_CHECKING:
+    from conveyor.engine.async_engine import AsyncEngine
+    from conveyor.engine.outputs import Logprob
+    from conveyor.entrypoints.openai.app import ServerState
+
+
+def _prompts(state: ServerState, prompt: Any) -> list[tuple[list[int], str | None]]:
+    """The prompt field (str, list of str, token ids, list of token ids) -> (ids, text) pairs."""
+    if isinstance(prompt, str):
+        prompt = [prompt]
+    elif prompt and isinstance(prompt[0], int):
+        prompt = [prompt]
+    if not prompt:
+        raise bad_request("'prompt' must not be empty", param="prompt")
+    vocab = state.vocab_size
+    out = []
+    for p in prompt:
+        ids = state.encode(p) if isinstance(p, str) else list(p)
+        if not ids:
+            raise bad_request("'prompt' must not be empty", param="prompt")
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise bad_request(f"'prompt' has token ids outside the vocabulary [0, {vocab}): "
+                              f"{bad[:5]}", param="prompt")
+        out.append((ids, p if isinstance(p, str) else None))
+    return out
+
+
+def _logprobs(tok: TokenText, token_ids: list[int], entries: list[dict[int, Logprob]], n: int,
+              offset: int) -> dict[str, Any]:
+    tokens, token_logprobs, tops, offsets = [], [], [], []
+    for token_id, entry in zip(token_ids, entries, strict=False):
+        text = tok(token_id, entry.get(token_id))
+        tokens.append(text)
+        token_logprobs.append(sampled_logprob(entry, token_id))
+        tops.append({tok(t, lp): lp.logprob for t, lp in top_entries(entry, n)})
+        offsets.append(offset)
+        offset += len(text)
+    return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": tops,
+            "text_offset": offsets}
+
+
+async def create_completion(state: ServerState, request: Request) -> Response:
+    req: CompletionRequest = parse_body(await request.body(), CompletionRequest)
+    state.ready_engine()
+    check_model(state, req.model)
+    check_priority(state, req.priority)
+    if req.suffix:
+        raise bad_request("'suffix' is not supported", param="suffix")
+    if req.logit_bias:
+        raise bad_request("'logit_bias' is not supported", param="logit_bias")
+    if req.best_of is not None and req.best_of != req.n:
+        raise bad_request("'best_of' must equal 'n' (or be omitted)", param="best_of")
+    if req.echo and req.logprobs is not None:
+        raise bad_request("'echo' together with 'logprobs' is not supported", param="echo")
+    prompts = _prompts(state, req.prompt)
+    base_id = new_id("cmpl")
+    jobs = []
+    for i, (ids, text) in enumerate(prompts):
+        max_tokens = resolve_max_tokens(state, len(ids), req.max_tokens, "max_tokens")
+        jobs.append(Job(f"{base_id}-{i}", ids, make_params(req.sampling_params, max_tokens),
+                        req.priority, text))
+    engine = check_admission(state, len(jobs))
+    echo_text = [(text if text is not None else state.tokenizer.decode(ids)) if req.echo else ""
+                 for ids, text in prompts]
+    head = {"id": base_id, "object": "text_completion", "created": now_s(),
+            "model": req.model or state.model_names[0]}
+    tok = TokenText(state.tokenizer)
+    if req.stream:
+        return sse_response(_stream(state, engine, req, jobs, head, echo_text, tok))
+    return await cancel_on_disconnect(request, _whole(state, engine, req, jobs, head, echo_text, tok))
+
+
+async def _whole(state: ServerState, engine: AsyncEngine, req: CompletionRequest, jobs: list[Job],
+                 head: dict[str, Any], echo_text: list[str], tok: TokenText) -> Response:
+    choices = {(i, j): Choice() for i in range(len(jobs)) for j in range(req.n)}
+    try:
+        async with aclosing(merged_deltas(engine, jobs)) as deltas:
+            async for i, d in deltas:
+                if (err := engine_error(d)) is not None:
+                    raise err
+                for c in d.outputs:
+                    ch = choices[(i, c.index)]
+                    ch.text += c.text
+                    ch.token_ids += c.token_ids
+                    ch.logprobs += c.logprobs or []
+                    ch.finish_reason = c.finish_reason or ch.finish_reason
+    except APIError:
+        raise
+    except Exception as e:
+        raise state.api_error(e) from e
+    out = []
+    for (i, j), ch in sorted(choices.items()):
+        lp = None
+        if req.logprobs is not None:
+            lp = _logprobs(tok, ch.token_ids, ch.logprobs, req.logprobs, len(echo_text[i]))
+        out.append({"index": i * req.n + j, "text": echo_text[i] + ch.text, "logprobs": lp,
+                    "finish_reason": ch.finish_reason})
+    prompt_tokens = sum(len(job.prompt_token_ids) for job in jobs)
+    completion_tokens = sum(len(ch.token_ids) for ch in choices.values())
+    return JSONResponse({**head, "choices": out, "usage": usage(prompt_tokens, completion_tokens),
+                         "system_fingerprint": None})
+
+
+async def _stream(state: ServerState, engine: AsyncEngine, req: CompletionRequest, jobs: list[Job],
+                  head: dict[str, Any], echo_text: list[str], tok: TokenText) -> AsyncIterator[str]:
+    extra = {"usage": None} if req.include_usage else {}
+    started: set[tuple[int, int]] = set()
+    offsets: dict[tuple[int, int], int] = {}
+    completion_tokens = 0
+    try:
+        async with aclosing(merged_deltas(engine, jobs)) as deltas:
+            async for i, d in deltas:
+                if (err := engine_error(d)) is not None:
+                    yield sse(err.body())
+                    break
+                for c in d.outputs:
+                    key = (i, c.index)
+                    completion_tokens += len(c.token_ids)
+                    text = c.text
+                    if key not in started:
+                        started.add(key)
+                        text = echo_text[i] + text
+                        offsets[key] = len(echo_text[i])
+                    lp = None
+                    if req.logprobs is not None:
+                        lp = _logprobs(tok, c.token_ids, c.logprobs or [], req.logprobs,
+                                       offsets[key])
+                        offsets[key] += sum(len(t) for t in lp["tokens"])
+                    if not text and c.finish_reason is None and not c.token_ids:
+                        continue
+                    choice = {"index": i * req.n + c.index, "text": text, "logprobs": lp,
+                              "finish_reason": c.finish_reason}
+                    yield sse({**head, "choices": [choice], **extra})
+    except Exception as e:
+        yield sse(state.api_error(e).body())
+    if req.include_usage:
+        prompt_tokens = sum(len(job.prompt_token_ids) for job in jobs)
+        yield sse({**head, "choices": [], "usage": usage(prompt_tokens, completion_tokens)})
+    yield sse("[DONE]")

@@ -1,0 +1,114 @@
+"""Prometheus metrics of a serving engine (``/metrics``), every name prefixed ``conveyor:``.
+
+Gauges and counters are read from the AsyncEngine's latest EngineStats snapshot at scrape time
+(the engine owns those totals); latency histograms are observed in the engine thread from each
+step's output deltas (RequestMetrics timestamps and the step's end time, all time.monotonic()).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+from prometheus_client import CollectorRegistry, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+if TYPE_CHECKING:
+    from conveyor.engine.async_engine import AsyncEngine
+    from conveyor.engine.outputs import RequestOutput
+
+PREFIX = "conveyor:"
+FINISH_REASONS = ("stop", "length", "abort", "ignored")
+_LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
+                    7.5, 10.0, 20.0, 40.0, 80.0, 160.0)
+_ITL_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0,
+                2.5, 5.0, 10.0)
+
+
+class _EngineStatsCollector(Collector):
+    def __init__(self, engine: AsyncEngine, model_name: str) -> None:
+        self._engine = engine
+        self._model = model_name
+
+    def collect(self) -> Iterator[Metric]:
+        s = self._engine.stats
+        label = ["model_name"]
+
+        def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+            g = GaugeMetricFamily(PREFIX + name, doc, labels=label)
+            g.add_metric([self._model], value)
+            return g
+
+        def counter(name: str, doc: str, value: float) -> CounterMetricFamily:
+            c = CounterMetricFamily(PREFIX + name, doc, labels=label)
+            c.add_metric([self._model], value)
+            return c
+
+        yield gauge("num_requests_running", "Requests in the running batch.", s.num_running)
+        yield gauge("num_requests_waiting", "Requests waiting to be scheduled.", s.num_waiting)
+        yield gauge("num_requests_swapped", "Requests swapped out to CPU memory.", s.num_swapped)
+        yield gauge("kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0..1).",
+                    s.kv_usage)
+        yield counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
+                      s.prefix_cache_queries)
+        yield counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.",
+                      s.prefix_cache_hits)
+        yield counter("num_preemptions", "Preemptions of running requests.", s.num_preemptions)
+        yield counter("prompt_tokens", "Prompt tokens of finished and running requests.",
+                      s.prompt_tokens_total)
+        yield counter("generation_tokens", "Generated tokens.", s.generation_tokens_total)
+        finished = CounterMetricFamily(PREFIX + "request_success",
+                                       "Finished requests by finish reason.",
+                                       labels=["model_name", "finished_reason"])
+        by_reason = dict(s.finished_by_reason)
+        for reason in sorted(set(FINISH_REASONS) | set(by_reason)):
+            finished.add_metric([self._model, reason], by_reason.get(reason, 0))
+        yield finished
+
+
+class ServerMetrics:
+    """The registry behind ``/metrics`` and the output observer that feeds its histograms."""
+
+    def __init__(self, model_name: str) -> None:
+        self.registry = CollectorRegistry()
+        self._model = model_name
+        labels = ["model_name"]
+
+        def hist(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
+            return Histogram(PREFIX + name, doc, labels, buckets=buckets,
+                             registry=self.registry).labels(model_name)
+
+        self.ttft = hist("time_to_first_token_seconds", "Arrival to first generated token.",
+                         _LATENCY_BUCKETS)
+        self.itl = hist("inter_token_latency_seconds", "Time between consecutive tokens.",
+                        _ITL_BUCKETS)
+        self.e2e = hist("e2e_request_latency_seconds", "Arrival to finish.", _LATENCY_BUCKETS)
+        self.queue = hist("request_queue_time_seconds", "Arrival to first scheduled.",
+                          _LATENCY_BUCKETS)
+        self._last_token_time: dict[str, float] = {}  # engine thread only
+
+    def attach(self, engine: AsyncEngine) -> None:
+        self.registry.register(_EngineStatsCollector(engine, self._model))
+
+    def observe(self, deltas: list[RequestOutput], now: float) -> None:
+        """OutputObserver: called in the engine thread after every step."""
+        for d in deltas:
+            got_tokens = any(c.token_ids for c in d.outputs)
+            last = self._last_token_time.get(d.request_id)
+            if got_tokens:
+                if last is None:
+                    m = d.metrics
+                    self.ttft.observe(max(0.0, (m.first_token_time or now) - m.arrival_time))
+                else:
+                    self.itl.observe(now - last)
+                self._last_token_time[d.request_id] = now
+            if d.finished:
+                self._last_token_time.pop(d.request_id, None)
+                m = d.metrics
+                self.e2e.observe(max(0.0, (m.finished_time or now) - m.arrival_time))
+                if m.first_scheduled_time is not None:
+                    self.queue.observe(max(0.0, m.first_scheduled_time - m.arrival_time))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,69 @@
+"""Runs the app under uvicorn with Conveyor's shutdown: on SIGINT/SIGTERM stop admitting (503),
+let running requests finish for up to ``shutdown_timeout`` seconds, abort the rest, exit 0."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import signal
+import threading
+from collections.abc import Iterator
+from types import FrameType
+
+import uvicorn
+
+from conveyor.engine.args import EngineArgs
+from conveyor.entrypoints.openai.app import ServerState, build_app
+
+logger = logging.getLogger("conveyor.serve")
+
+
+class _Server(uvicorn.Server):
+    """uvicorn re-raises the caught signal after its shutdown, which would end the process
+    with status -15; Conveyor treats a signal as a normal, successful stop instead."""
+
+    def __init__(self, config: uvicorn.Config, state: ServerState) -> None:
+        super().__init__(config)
+        self._state = state
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        sigs = (signal.SIGINT, signal.SIGTERM)
+        previous = {sig: signal.signal(sig, self._on_signal) for sig in sigs}
+        try:
+            yield
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+
+    def _on_signal(self, sig: int, frame: FrameType | None) -> None:
+        if not self._state.draining:
+            logger.info("%s: no longer admitting requests; finishing the running ones",
+                        signal.Signals(sig).name)
+        self._state.draining = True
+        self.handle_exit(sig, frame)
+
+
+def run_server(engine_args: EngineArgs, host: str = "127.0.0.1", port: int = 8000,
+               served_model_name: str | None = None, max_queued_requests: int | None = None,
+               shutdown_timeout: float = 30.0, log_level: str = "info",
+               access_log: bool = False) -> int:
+    """Serve until a signal; returns the process exit status."""
+    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    state = ServerState(engine_args, served_model_name, max_queued_requests)
+    config = uvicorn.Config(build_app(state), host=host, port=port, log_level=log_level,
+                            access_log=access_log, timeout_graceful_shutdown=shutdown_timeout,
+                            lifespan="on")
+    server = _Server(config, state)
+
+    def fatal() -> None:
+        server.should_exit = True
+
+    state.on_fatal = fatal
+    server.run()
+    if state.load_error is not None:
+        return 1
+    return 0

@@ -1,0 +1,252 @@
+"""What /v1/completions and /v1/chat/completions share: admission checks, the engine requests of
+one HTTP request, merged streaming of their deltas, usage and logprobs formatting, and
+cancellation when the client goes away.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable
+from contextlib import aclosing
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from fastapi import Request
+from fastapi.responses import Response, StreamingResponse
+from pydantic import ValidationError
+
+from conveyor.core.sampling_params import SamplingParams
+from conveyor.entrypoints.openai.errors import APIError, bad_request, from_validation_error
+
+if TYPE_CHECKING:
+    from conveyor.engine.async_engine import AsyncEngine
+    from conveyor.engine.outputs import Logprob, RequestOutput
+    from conveyor.entrypoints.openai.app import ServerState
+
+
+@dataclass
+class Job:
+    """One engine request made for an HTTP request (one per prompt)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    priority: int
+    prompt_text: str | None = None
+
+    def prompt(self) -> dict[str, Any]:
+        """The prompt as LLMEngine.add_request takes it (token ids, with the text if known)."""
+        return {"prompt_token_ids": self.prompt_token_ids, "prompt": self.prompt_text}
+
+
+@dataclass
+class Choice:
+    """Accumulated output of one choice (prompt i, sample j) for a non-streaming response."""
+
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[dict[int, Logprob]] = field(default_factory=list)
+    finish_reason: str | None = None
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def now_s() -> int:
+    return int(time.time())
+
+
+def parse_body(raw: bytes, model_cls: type[Any]) -> Any:
+    """Bytes -> validated request model, each failure a 400 that says what is wrong."""
+    if not raw.strip():
+        raise bad_request("the request body is empty; expected a JSON object")
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise bad_request(f"the request body is not valid UTF-8 ({e.reason} at byte {e.start})") from e
+    try:
+        obj = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise bad_request(f"the request body is not valid JSON: {e.msg} (line {e.lineno}, "
+                          f"column {e.colno})") from e
+    if not isinstance(obj, dict):
+        raise bad_request(f"the request body must be a JSON object, got {type(obj).__name__}")
+    try:
+        return model_cls.model_validate_json(text)
+    except ValidationError as e:
+        raise from_validation_error(e) from e
+
+
+def check_model(state: ServerState, model: str | None) -> None:
+    if model is not None and model not in state.model_names:
+        raise APIError(404, f"The model `{model}` does not exist. Served: "
+                       f"{', '.join(state.model_names)}", param="model", code="model_not_found")
+
+
+def check_priority(state: ServerState, priority: int) -> None:
+    if priority != 0 and state.engine_args.queue != "priority":
+        raise bad_request("'priority' is only honoured when the server runs with --queue priority "
+                          f"(this one runs --queue {state.engine_args.queue})", param="priority")
+
+
+def resolve_max_tokens(state: ServerState, prompt_len: int, max_tokens: int | None,
+                       param: str) -> int | None:
+    """Reject prompts that cannot fit; return the max_tokens to ask the engine for."""
+    limit = state.engine.max_model_len
+    if prompt_len >= limit:
+        raise bad_request(f"This model's maximum context length is {limit} tokens. However, your "
+                          f"prompt has {prompt_len} tokens, leaving no room for a completion. "
+                          "Please reduce the length of the prompt.", param="messages"
+                          if param == "max_completion_tokens" else "prompt",
+                          code="context_length_exceeded")
+    if max_tokens is not None and prompt_len + max_tokens > limit:
+        raise bad_request(f"This model's maximum context length is {limit} tokens. However, you "
+                          f"requested {prompt_len + max_tokens} tokens ({prompt_len} in the prompt, "
+                          f"{max_tokens} for the completion). Please reduce the length of the "
+                          f"prompt or {param}.", param=param, code="context_length_exceeded")
+    capacity = state.engine.stats.num_total_blocks * state.engine_args.block_size
+    if capacity and prompt_len + 1 > capacity:
+        raise bad_request(f"The prompt has {prompt_len} tokens but the whole KV cache holds "
+                          f"{capacity} tokens; it can never be scheduled.", param="prompt",
+                          code="context_length_exceeded")
+    return max_tokens
+
+
+def make_params(build: Any, max_tokens: int | None) -> SamplingParams:
+    try:
+        return build(max_tokens)
+    except ValueError as e:
+        msg = str(e)
+        param = msg.split(" ", 1)[0].removeprefix("SamplingParams.") if msg.startswith(
+            "SamplingParams.") else None
+        raise bad_request(msg.removeprefix("SamplingParams."), param=param) from e
+
+
+def check_admission(state: ServerState, num_jobs: int) -> AsyncEngine:
+    engine = state.ready_engine()
+    limit = state.max_queued_requests
+    if limit is not None and engine.num_queued_requests() + num_jobs > limit:
+        raise APIError(503, f"The server is overloaded: {engine.num_queued_requests()} requests "
+                       f"are queued (--max-queued-requests {limit}). Retry later.",
+                       code="overloaded")
+    return engine
+
+
+async def merged_deltas(engine: AsyncEngine,
+                        jobs: list[Job]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """(job index, delta) from every job as they come; closing it aborts what is unfinished."""
+    if len(jobs) == 1:
+        job = jobs[0]
+        async with aclosing(engine.generate(job.prompt(), job.params, job.request_id,
+                                            job.priority)) as gen:
+            async for delta in gen:
+                yield 0, delta
+        return
+    queue: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
+    end = object()
+
+    async def pump(i: int, job: Job) -> None:
+        try:
+            async with aclosing(engine.generate(job.prompt(), job.params, job.request_id,
+                                                job.priority)) as gen:
+                async for delta in gen:
+                    queue.put_nowait((i, delta))
+        except Exception as e:  # handed to the consumer, which raises it
+            queue.put_nowait((i, e))
+        queue.put_nowait((i, end))
+
+    tasks = [asyncio.create_task(pump(i, job)) for i, job in enumerate(jobs)]
+    try:
+        remaining = len(jobs)
+        while remaining:
+            i, item = await queue.get()
+            if item is end:
+                remaining -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def engine_error(delta: RequestOutput) -> APIError | None:
+    """A request the engine ignored (it can never fit) becomes a 400."""
+    for c in delta.outputs:
+        if c.finish_reason == "ignored":
+            why = delta.finish_message or "the prompt does not fit in the context length or KV cache"
+            return bad_request(f"The request cannot be served: {why}", param="prompt",
+                               code="context_length_exceeded")
+    return None
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+class TokenText:
+    """token id -> its text as OpenAI shows it in logprobs (decoded, not the BPE symbol)."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self._tok = tokenizer
+        self._cache: dict[int, str] = {}
+
+    def __call__(self, token_id: int, logprob: Logprob | None = None) -> str:
+        if logprob is not None and logprob.decoded_token is not None:
+            return logprob.decoded_token
+        text = self._cache.get(token_id)
+        if text is None:
+            text = self._tok.decode([token_id])
+            self._cache[token_id] = text
+        return text
+
+
+def sampled_logprob(entry: dict[int, Logprob], token_id: int) -> float | None:
+    lp = entry.get(token_id)
+    return None if lp is None else lp.logprob
+
+
+def top_entries(entry: dict[int, Logprob], n: int) -> list[tuple[int, Logprob]]:
+    """The n most likely (token, Logprob) of one position."""
+    return sorted(entry.items(), key=lambda kv: kv[1].logprob, reverse=True)[:n]
+
+
+def sse(obj: dict[str, Any] | str) -> str:
+    payload = obj if isinstance(obj, str) else json.dumps(obj, ensure_ascii=False)
+    return f"data: {payload}\n\n"
+
+
+def sse_response(events: AsyncIterator[str]) -> StreamingResponse:
+    return StreamingResponse(events, media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache"})
+
+
+async def _wait_for_disconnect(request: Request) -> None:
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def cancel_on_disconnect(request: Request, work: Awaitable[Response]) -> Response:
+    """Run a non-streaming handler; if the client leaves first, cancel it (which aborts its
+    engine requests). Streaming responses get this from Starlette itself."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_wait_for_disconnect(request))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+        await asyncio.gather(task, watcher, return_exceptions=True)
+    if task.cancelled():
+        return Response(status_code=499)
+    return task.result()
