@@ -1,0 +1,192 @@
+"""Run a workload through the real Scheduler with a SimulatedExecutor on a virtual clock.
+
+The loop is the engine's loop with the model replaced: requests are added when the virtual
+clock reaches their arrival time, then ``schedule() -> execute() -> update()`` repeats; an
+idle engine jumps to the next arrival. Each request's prompt is distinct (its token ids are
+its index), so prefix caching finds nothing to share unless a trace says otherwise.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from conveyor.core.sampling_params import SamplingParams
+from conveyor.executor.simulated import SimulatedExecutor
+from conveyor.sim.clock import VirtualClock
+from conveyor.sim.cost_model import CostModel
+from conveyor.sim.metrics import RunResult
+from conveyor.sim.specs import HardwareSpec, ModelSpec
+from conveyor.sim.workload import Workload
+
+POLICIES = ("prefill_first", "chunked")
+QUEUES = ("fcfs", "priority")
+PREEMPTION_MODES = ("recompute", "swap")
+DEFAULT_MAX_MODEL_LEN = 8192
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192
+
+
+@dataclass
+class SimConfig:
+    """What is simulated: model on hardware, plus the engine's scheduling knobs (EngineArgs' names)."""
+
+    model: ModelSpec
+    hardware: HardwareSpec
+    tp: int = 1
+    policy: str = "prefill_first"
+    queue: str = "fcfs"
+    preemption_mode: str = "recompute"
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int | None = None  # None: 8192, and >= max_model_len for prefill_first
+    max_model_len: int | None = None  # None: the model's context length, capped at 8192
+    block_size: int = 16
+    num_gpu_blocks: int | None = None  # None: derived from memory minus weights
+    swap_space_gb: float = 4.0  # CPU pool for preemption_mode="swap"
+    enable_prefix_caching: bool = True
+    long_prefill_token_threshold: int = 0
+    max_num_partial_prefills: int = 1
+
+    def __post_init__(self) -> None:
+        for name, allowed in (("policy", POLICIES), ("queue", QUEUES),
+                              ("preemption_mode", PREEMPTION_MODES)):
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"{name} must be one of {', '.join(allowed)}, "
+                                 f"got {getattr(self, name)!r}")
+        for name in ("max_num_seqs", "block_size", "max_num_partial_prefills"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        for name in ("max_num_batched_tokens", "max_model_len", "num_gpu_blocks"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value < 1):
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        if self.long_prefill_token_threshold < 0:
+            raise ValueError("long_prefill_token_threshold must be >= 0")
+        if not self.swap_space_gb >= 0:
+            raise ValueError(f"swap_space_gb must be >= 0, got {self.swap_space_gb!r}")
+
+    @property
+    def label(self) -> str:
+        label = f"{self.policy}/{self.queue}"
+        return label + "/swap" if self.preemption_mode == "swap" else label
+
+    def resolved_max_model_len(self) -> int:
+        if self.max_model_len is not None:
+            return self.max_model_len
+        return min(self.model.max_position_embeddings, DEFAULT_MAX_MODEL_LEN)
+
+    def resolved_max_num_batched_tokens(self) -> int:
+        if self.max_num_batched_tokens is not None:
+            return self.max_num_batched_tokens
+        if self.policy == "prefill_first":
+            return max(DEFAULT_MAX_NUM_BATCHED_TOKENS, self.resolved_max_model_len())
+        return DEFAULT_MAX_NUM_BATCHED_TOKENS
+
+    def describe(self) -> dict:
+        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        out["model"], out["hardware"] = self.model.name, self.hardware.name
+        out["max_model_len"] = self.resolved_max_model_len()
+        out["max_num_batched_tokens"] = self.resolved_max_num_batched_tokens()
+        return out
+
+
+def build(config: SimConfig):
+    """(scheduler, executor, clock, cost model) wired together for one run."""
+    from conveyor.core.config import CacheConfig, SchedulerConfig
+    from conveyor.core.scheduler import Scheduler
+
+    cost = CostModel(config.model, config.hardware, config.tp, config.block_size)
+    num_gpu_blocks = config.num_gpu_blocks or cost.num_gpu_blocks()
+    num_cpu_blocks = cost.num_cpu_blocks(config.swap_space_gb) \
+        if config.preemption_mode == "swap" else 0
+    clock = VirtualClock()
+    scheduler = Scheduler(
+        SchedulerConfig(
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.resolved_max_num_batched_tokens(),
+            max_model_len=config.resolved_max_model_len(),
+            policy=config.policy,
+            queue=config.queue,
+            preemption_mode=config.preemption_mode,
+            long_prefill_token_threshold=config.long_prefill_token_threshold,
+            max_num_partial_prefills=config.max_num_partial_prefills,
+        ),
+        CacheConfig(block_size=config.block_size, num_gpu_blocks=num_gpu_blocks,
+                    num_cpu_blocks=num_cpu_blocks,
+                    enable_prefix_caching=config.enable_prefix_caching),
+        eos_token_ids=(),
+        clock=clock,
+    )
+    return scheduler, SimulatedExecutor(cost, clock), clock, cost
+
+
+def simulate(config: SimConfig, workload: Workload, rate: float = math.nan) -> RunResult:
+    """Run every request of ``workload`` to completion; returns per-request timings."""
+    wall0 = time.perf_counter()
+    scheduler, executor, clock, _ = build(config)
+    arrivals = workload.arrival_s.tolist()
+    prompts = workload.prompt_tokens.tolist()
+    outputs = workload.output_tokens.tolist()
+    priorities = workload.priority.tolist()
+    n = len(arrivals)
+    first_token = np.full(n, np.nan)
+    finished = np.full(n, np.nan)
+    generated = np.zeros(n, dtype=np.int64)
+    reasons = [""] * n
+    kv_time = kv_peak = 0.0
+
+    def record(groups) -> None:
+        for g in groups:
+            k = int(g.request_id)
+            m = g.metrics
+            if m.first_token_time is not None:
+                first_token[k] = m.first_token_time
+            finished[k] = m.finished_time if m.finished_time is not None else clock.now
+            generated[k] = sum(s.num_output_tokens for s in g.seqs)
+            reasons[k] = g.seqs[0].status.finish_reason or ""
+
+    i = 0
+    while True:
+        now = clock.now
+        while i < n and arrivals[i] <= now:
+            params = SamplingParams(max_tokens=outputs[i], ignore_eos=True, temperature=0.0)
+            scheduler.add_request(str(i), [i] * prompts[i], params, priority=priorities[i],
+                                  arrival_time=arrivals[i])
+            i += 1
+        if not scheduler.has_unfinished_requests():
+            if i >= n:
+                break
+            clock.advance_to(arrivals[i])
+            continue
+        out = scheduler.schedule()
+        sampled = executor.execute(out).sampled_token_ids if out.seqs else []
+        done = scheduler.update(out, sampled)
+        if done:
+            record(done)
+        if out.seqs:
+            usage = scheduler.stats.kv_usage
+            kv_time += usage * executor.last_step_s
+            kv_peak = max(kv_peak, usage)
+        elif not done:  # nothing could run and nothing finished
+            if i >= n:
+                raise RuntimeError(f"scheduler made no progress with {n - i} requests left "
+                                   f"unfinished at t={clock.now:.3f}s")
+            clock.advance_to(arrivals[i])
+
+    stats = scheduler.stats
+    return RunResult(
+        label=config.label, rate=rate, model=config.model.name, hardware=config.hardware.name,
+        tp=config.tp, arrival_s=workload.arrival_s.copy(), first_token_s=first_token,
+        finished_s=finished, prompt_tokens=workload.prompt_tokens.copy(), output_tokens=generated,
+        priority=workload.priority.copy(), finish_reason=reasons,
+        num_preemptions=stats.num_preemptions, num_steps=executor.num_steps,
+        busy_s=executor.busy_s,
+        kv_usage_mean=kv_time / executor.busy_s if executor.busy_s else 0.0,
+        kv_usage_peak=kv_peak, num_gpu_blocks=stats.num_total_blocks,
+        block_size=config.block_size, wall_s=time.perf_counter() - wall0,
+        config=config.describe(),
+    )
