@@ -94,6 +94,11 @@ class AsyncEngine:
         return self._thread is not None and self._thread.is_alive() and not self._stopping
 
     @property
+    def error(self) -> BaseException | None:
+        """Why the engine thread died (None while it lives)."""
+        return self._dead
+
+    @property
     def num_unfinished_streams(self) -> int:
         return len(self._streams)
 
@@ -173,8 +178,11 @@ class AsyncEngine:
                 outputs = self._abort_all(aborts)
                 if self.engine.has_unfinished_requests():
                     self._publish_stats()  # queue counts include what was just admitted
+                    started = time.monotonic()
                     outputs += self._step()
                     self._deliver(outputs)
+                    if not outputs and time.monotonic() - started < 1e-3:
+                        self._wake.wait(5e-3)  # nothing could run: don't spin hot
                     continue
                 self._deliver(outputs)
                 if stopping:

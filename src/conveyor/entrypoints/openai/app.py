@@ -86,6 +86,8 @@ class ServerState:
         if self.engine is None:
             raise APIError(503, "The server is starting: the model is still loading.",
                            code="starting")
+        if self.engine.error is not None:
+            raise APIError(503, f"The engine stopped: {self.engine.error}", code="engine_dead")
         return self.engine
 
     @property

@@ -72,7 +72,8 @@ async def create_chat_completion(state: ServerState, request: Request) -> Respon
                           param="messages") from e
     prompt_ids = prompt["prompt_token_ids"]
     param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
-    max_tokens = resolve_max_tokens(state, len(prompt_ids), req.requested_max_tokens, param)
+    max_tokens = resolve_max_tokens(state, len(prompt_ids), req.requested_max_tokens, param,
+                                    prompt_param="messages")
     request_id = new_id("chatcmpl")
     job = Job(request_id, prompt_ids, make_params(req.sampling_params, max_tokens), req.priority,
               prompt["prompt"])

@@ -44,12 +44,19 @@ def from_validation_error(err: ValidationError) -> APIError:
     """One readable 400 from pydantic's error list, naming the offending field."""
     errors = err.errors(include_url=False)
     first = errors[0]
-    loc = [str(p) for p in first["loc"]]
-    param = loc[0] if loc else None
-    same_field = [e for e in errors if e["loc"][:1] == first["loc"][:1]]
+    param = str(first["loc"][0]) if first["loc"] else None
     if first["type"] == "missing":
         return bad_request(f"'{param}' is a required field", param)
-    if len(same_field) > 1:  # a union: pydantic reports one failure per alternative
-        return bad_request(f"'{param}' has an invalid type or value ({first['msg']})", param)
-    where = ".".join(p for p in loc if not p.startswith(("list[", "dict[")) and p != "str")
+    # A union (prompt, stop, content, ...) fails once per alternative, each location ending in
+    # the alternative's type; the field is where those locations agree.
+    same_field = [tuple(e["loc"]) for e in errors if e["loc"][:1] == first["loc"][:1]]
+    path = same_field[0]
+    for loc in same_field[1:]:
+        n = 0
+        while n < min(len(path), len(loc)) and path[n] == loc[n]:
+            n += 1
+        path = path[:n]
+    where = ".".join(str(p) for p in path)
+    if len(same_field) > 1:
+        return bad_request(f"'{where}' has an invalid type or value ({first['msg']})", param)
     return bad_request(f"'{where}': {first['msg']}", param)

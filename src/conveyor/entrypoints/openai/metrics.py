@@ -94,6 +94,8 @@ class ServerMetrics:
     def observe(self, deltas: list[RequestOutput], now: float) -> None:
         """OutputObserver: called in the engine thread after every step."""
         for d in deltas:
+            if d.metrics is None:
+                continue
             got_tokens = any(c.token_ids for c in d.outputs)
             last = self._last_token_time.get(d.request_id)
             if got_tokens:

@@ -94,14 +94,13 @@ def check_priority(state: ServerState, priority: int) -> None:
 
 
 def resolve_max_tokens(state: ServerState, prompt_len: int, max_tokens: int | None,
-                       param: str) -> int | None:
+                       param: str, prompt_param: str = "prompt") -> int | None:
     """Reject prompts that cannot fit; return the max_tokens to ask the engine for."""
     limit = state.engine.max_model_len
     if prompt_len >= limit:
         raise bad_request(f"This model's maximum context length is {limit} tokens. However, your "
                           f"prompt has {prompt_len} tokens, leaving no room for a completion. "
-                          "Please reduce the length of the prompt.", param="messages"
-                          if param == "max_completion_tokens" else "prompt",
+                          "Please reduce the length of the prompt.", param=prompt_param,
                           code="context_length_exceeded")
     if max_tokens is not None and prompt_len + max_tokens > limit:
         raise bad_request(f"This model's maximum context length is {limit} tokens. However, you "
@@ -111,7 +110,7 @@ def resolve_max_tokens(state: ServerState, prompt_len: int, max_tokens: int | No
     capacity = state.engine.stats.num_total_blocks * state.engine_args.block_size
     if capacity and prompt_len + 1 > capacity:
         raise bad_request(f"The prompt has {prompt_len} tokens but the whole KV cache holds "
-                          f"{capacity} tokens; it can never be scheduled.", param="prompt",
+                          f"{capacity} tokens; it can never be scheduled.", param=prompt_param,
                           code="context_length_exceeded")
     return max_tokens
 
