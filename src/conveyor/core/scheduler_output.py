@@ -10,6 +10,11 @@ does not change between ``Scheduler.schedule()`` and ``Scheduler.update()``:
 * sampling: an entry samples when its chunk reaches the end of the sequence's tokens;
   it samples ``seq.group.sampling_params.n`` tokens when this is the group's first sample
   (the prompt's prefill completing: the parent forks into ``n`` parallel samples), else 1.
+
+Block operations run before the forward, in the order swap out, swap in, copy. A prefix-cache
+hit may name a block that an earlier entry of the *same* step computes (identical prompts
+admitted together share blocks), so an executor writes each layer's new K/V into the cache
+before that layer's attention reads it.
 """
 
 from __future__ import annotations
@@ -30,7 +35,10 @@ class SchedulerOutput:
     blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)  # (cpu, gpu)
     blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)  # (src gpu, dst gpu)
     num_batched_tokens: int = 0
-    is_prefill: bool = False  # True when every entry is a prefill chunk (prefill_first)
+    is_prefill: bool = False  # True when every entry is a prefill chunk
+    # Entries [0, num_decodes) are single-token decodes of sequences that already sampled;
+    # prefill chunks (which may fork n>1 groups) follow them.
+    num_decodes: int = 0
 
     @property
     def is_empty(self) -> bool:

@@ -65,6 +65,14 @@ class Sequence:
         "block_table",
         "status",
         "stop_reason",
+        # scheduler bookkeeping (not part of the executor contract)
+        "max_len",
+        "min_len",
+        "stop_ids",
+        "next_event",
+        "block_hashes",
+        "num_registered_blocks",
+        "cpu_block_table",
     )
 
     def __init__(self, seq_id: int, group: SequenceGroup, index: int, token_ids: list[int],
@@ -78,6 +86,16 @@ class Sequence:
         self.block_table: list[int] = []
         self.status = SequenceStatus.WAITING
         self.stop_reason: int | str | None = None
+        # Stop limits, precomputed so that update() does one or two comparisons per token:
+        self.max_len = 1 << 62  # finished (length) once len(token_ids) reaches this
+        self.min_len = 0  # stop tokens are ignored while len(token_ids) < min_len (min_tokens)
+        self.stop_ids: frozenset[int] = frozenset()  # EOS (unless ignore_eos) + stop_token_ids
+        # len(token_ids) at which update() must look closer: max_len, or the next decode
+        # needing a new KV block (capacity of block_table + 1).
+        self.next_event = 0
+        self.block_hashes: list[int] = []  # chained prefix hash of each full block of token_ids
+        self.num_registered_blocks = 0  # leading blocks of block_table known to the prefix cache
+        self.cpu_block_table: list[int] = []  # while SWAPPED
 
     def __len__(self) -> int:
         return len(self.token_ids)

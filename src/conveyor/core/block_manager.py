@@ -1,0 +1,206 @@
+"""BlockManager: a sequence's KV blocks — admission with prefix-cache hits, decode slots,
+copy-on-write, fork, free, and swap between the GPU pool and the CPU pool.
+
+It owns the sequence-level view (``seq.block_table``, ``seq.block_hashes``,
+``seq.num_registered_blocks``, ``seq.cpu_block_table``); ``BlockPool`` owns the blocks.
+Block copies requested by copy-on-write accumulate in ``blocks_to_copy`` until the scheduler
+hands them to the step's SchedulerOutput.
+"""
+
+from __future__ import annotations
+
+from conveyor.core.block_pool import ROOT_IDENTITY, BlockPool, CpuBlockPool
+from conveyor.core.config import CacheConfig
+from conveyor.core.prefix_hash import extend_block_hashes
+from conveyor.core.sequence import Sequence
+
+
+class BlockManager:
+    def __init__(self, cache_config: CacheConfig) -> None:
+        self.block_size = cache_config.block_size
+        self.gpu = BlockPool(cache_config.num_gpu_blocks)
+        self.cpu = CpuBlockPool(cache_config.num_cpu_blocks)
+        self.enable_prefix_caching = cache_config.enable_prefix_caching
+        self.blocks_to_copy: list[tuple[int, int]] = []
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.gpu.num_free
+
+    def num_blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    # ------------------------------------------------------------------ admission
+
+    def find_cached_prefix(self, seq: Sequence) -> list[int]:
+        """Registered blocks matching ``seq``'s leading full blocks, stopping short of its last
+        token (which is always computed, so the step has logits to sample from)."""
+        if not self.enable_prefix_caching:
+            return []
+        bs = self.block_size
+        tids = seq.token_ids
+        max_blocks = (len(tids) - 1) // bs
+        if max_blocks == 0:
+            return []
+        hashes = extend_block_hashes(seq.block_hashes, tids, bs, max_blocks)
+        gpu = self.gpu
+        hits: list[int] = []
+        parent = ROOT_IDENTITY
+        for j in range(max_blocks):
+            block = gpu.lookup(hashes[j], parent, tids[j * bs:(j + 1) * bs])
+            if block is None:
+                break
+            hits.append(block)
+            parent = gpu.identity(block)  # type: ignore[assignment]
+        return hits
+
+    def num_new_blocks_to_admit(self, hits: list[int], num_tokens: int) -> int:
+        """Free blocks that admitting with ``hits`` and room for ``num_tokens`` would take."""
+        refs = self.gpu.ref_counts
+        return self.num_blocks_for(num_tokens) - len(hits) + sum(1 for b in hits if refs[b] == 0)
+
+    def admit(self, seq: Sequence, hits: list[int], num_tokens: int) -> None:
+        """Give ``seq`` the ``hits`` plus new blocks up to ``num_tokens`` slots; the hit tokens
+        count as computed. Blocks filled by this step's computation are registered now, so an
+        identical prefix admitted later in the same step shares them."""
+        gpu = self.gpu
+        for b in hits:
+            gpu.share(b)
+        table = list(hits)
+        for _ in range(self.num_blocks_for(num_tokens) - len(hits)):
+            table.append(gpu.allocate())
+        seq.block_table = table
+        seq.num_computed_tokens = len(hits) * self.block_size
+        seq.num_registered_blocks = len(hits)
+        self.register_full_blocks(seq, num_tokens)
+
+    def grow(self, seq: Sequence, num_tokens: int) -> None:
+        """Room for ``num_tokens`` tokens (a further prefill chunk, or a swap-in's next slot)."""
+        table = seq.block_table
+        gpu = self.gpu
+        for _ in range(self.num_blocks_for(num_tokens) - len(table)):
+            table.append(gpu.allocate())
+        self.register_full_blocks(seq, num_tokens)
+
+    def register_full_blocks(self, seq: Sequence, num_tokens: int) -> None:
+        """File every full block among ``seq``'s first ``num_tokens`` tokens in the prefix cache."""
+        if not self.enable_prefix_caching:
+            return
+        bs = self.block_size
+        end = num_tokens // bs
+        start = seq.num_registered_blocks
+        if start >= end:
+            return
+        seq.num_registered_blocks = end
+        gpu = self.gpu
+        table = seq.block_table
+        tids = seq.token_ids
+        hashes = extend_block_hashes(seq.block_hashes, tids, bs, end)
+        parent = gpu.identity(table[start - 1]) if start else ROOT_IDENTITY
+        for j in range(start, end):
+            if parent is None:  # the parent lost its identity (overwritten): stop the chain
+                return
+            block = table[j]
+            gpu.register(block, hashes[j], parent, tids[j * bs:(j + 1) * bs])
+            parent = gpu.identity(block)
+
+    # ------------------------------------------------------------------ decode
+
+    def slot_needs_block(self, seq: Sequence) -> bool:
+        """Does computing ``seq``'s last token need a free block (a new one, or a private copy)?"""
+        pos = len(seq.token_ids) - 1
+        table = seq.block_table
+        index = pos // self.block_size
+        return index >= len(table) or self.gpu.ref_counts[table[index]] > 1
+
+    def append_slot(self, seq: Sequence) -> None:
+        """Make the slot of ``seq``'s last token writable; the caller made sure a block is free
+        when ``slot_needs_block(seq)``. New blocks are taken at block boundaries (when the
+        previous block, now full, is filed in the prefix cache); a block shared with a forked
+        sibling is copied on write."""
+        pos = len(seq.token_ids) - 1
+        table = seq.block_table
+        index = pos // self.block_size
+        gpu = self.gpu
+        if index >= len(table):
+            if self.enable_prefix_caching and seq.num_registered_blocks < index:
+                self.register_full_blocks(seq, index * self.block_size)
+            table.append(gpu.allocate())
+        elif gpu.ref_counts[table[index]] > 1:
+            src = table[index]
+            dst = gpu.allocate()
+            self.blocks_to_copy.append((src, dst))
+            gpu.free(src)
+            table[index] = dst
+
+    def capacity(self, seq: Sequence) -> int:
+        return len(seq.block_table) * self.block_size
+
+    # ------------------------------------------------------------------ fork / free
+
+    def fork(self, parent: Sequence, child: Sequence) -> None:
+        """``child`` shares all of ``parent``'s blocks (copy-on-write later)."""
+        gpu = self.gpu
+        for b in parent.block_table:
+            gpu.share(b)
+        child.block_table = list(parent.block_table)
+        child.block_hashes = list(parent.block_hashes)
+        child.num_registered_blocks = parent.num_registered_blocks
+
+    def free(self, seq: Sequence) -> None:
+        """Release ``seq``'s GPU and CPU blocks. Full computed blocks stay in the prefix cache
+        (evictable); blocks whose computation never happened are dropped from it."""
+        table = seq.block_table
+        if table:
+            computed = seq.num_computed_tokens
+            self.register_full_blocks(seq, computed)
+            num_computed_blocks = computed // self.block_size
+            gpu = self.gpu
+            for j in range(len(table) - 1, -1, -1):  # tail first: it is evicted first
+                gpu.free(table[j], j < num_computed_blocks)
+            seq.block_table = []
+        seq.num_registered_blocks = 0
+        if seq.cpu_block_table:
+            for b in seq.cpu_block_table:
+                self.cpu.free(b)
+            seq.cpu_block_table = []
+
+    # ------------------------------------------------------------------ swap
+
+    def can_swap_out(self, seq: Sequence) -> bool:
+        return len(seq.block_table) <= self.cpu.num_free
+
+    def swap_out(self, seq: Sequence) -> list[tuple[int, int]]:
+        """Move ``seq``'s blocks to the CPU pool; returns the (gpu, cpu) copies to perform."""
+        self.register_full_blocks(seq, seq.num_computed_tokens)
+        mapping = []
+        gpu, cpu = self.gpu, self.cpu
+        for b in seq.block_table:
+            c = cpu.allocate()
+            mapping.append((b, c))
+        for b in reversed(seq.block_table):
+            gpu.free(b)
+        seq.cpu_block_table = [c for _, c in mapping]
+        seq.block_table = []
+        seq.num_registered_blocks = 0
+        return mapping
+
+    def num_blocks_to_swap_in(self, seq: Sequence, num_tokens: int) -> int:
+        return max(len(seq.cpu_block_table), self.num_blocks_for(num_tokens))
+
+    def swap_in(self, seq: Sequence, num_tokens: int) -> list[tuple[int, int]]:
+        """Bring ``seq``'s blocks back (plus room for ``num_tokens``); returns (cpu, gpu) copies."""
+        gpu, cpu = self.gpu, self.cpu
+        mapping = []
+        table = []
+        for c in seq.cpu_block_table:
+            b = gpu.allocate()
+            mapping.append((c, b))
+            table.append(b)
+            cpu.free(c)
+        seq.cpu_block_table = []
+        seq.block_table = table
+        seq.num_registered_blocks = 0
+        self.grow(seq, num_tokens)
+        self.register_full_blocks(seq, seq.num_computed_tokens)
+        return mapping

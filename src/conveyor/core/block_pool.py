@@ -1,0 +1,169 @@
+"""BlockPool: the physical GPU KV blocks — ref counts, free list, prefix-cache table, LRU eviction.
+
+Ownership (after vLLM v1's block_pool / kv_cache_manager split): this module knows blocks, not
+sequences. A block is *free* when its ref count is 0. Free blocks come in two kinds:
+
+* uncached: a plain stack, handed out first;
+* cached: registered in the prefix-cache table, kept reusable until evicted, least recently
+  freed first (an OrderedDict used as an LRU list).
+
+A registered block stores the hash it is filed under, its token ids and its parent's
+*identity* ``(block id, generation)``. A block's generation changes every time it is handed out
+for new content, so an identity names one content, forever. A lookup hit must match the tokens
+and the parent identity exactly: by induction the whole prefix matches, whatever the hash did.
+A full block whose content duplicates an already-registered block is not filed twice; it
+records the registered twin's identity as its *alias*, so its children chain correctly.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+Identity = tuple[int, int]  # (block id, generation)
+ROOT_IDENTITY: Identity = (-1, 0)  # the parent of every first block
+
+
+class BlockPool:
+    __slots__ = ("num_blocks", "ref_counts", "_free", "_evictable", "_table", "_hash", "_tokens",
+                 "_parent", "_generation", "_alias")
+
+    def __init__(self, num_blocks: int) -> None:
+        self.num_blocks = num_blocks
+        self.ref_counts = [0] * num_blocks
+        self._free = list(range(num_blocks - 1, -1, -1))  # pop() hands out block 0 first
+        self._evictable: OrderedDict[int, None] = OrderedDict()
+        self._table: dict[int, int] = {}  # hash -> registered block
+        self._hash: list[int | None] = [None] * num_blocks
+        self._tokens: list[list[int] | None] = [None] * num_blocks
+        self._parent: list[Identity | None] = [None] * num_blocks
+        self._generation = [0] * num_blocks
+        self._alias: list[Identity | None] = [None] * num_blocks
+
+    # ------------------------------------------------------------------ counts
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free) + len(self._evictable)
+
+    @property
+    def num_cached(self) -> int:
+        """Registered blocks (in use or evictable)."""
+        return len(self._table)
+
+    def is_registered(self, block: int) -> bool:
+        return self._hash[block] is not None
+
+    # ------------------------------------------------------------------ allocate / free
+
+    def allocate(self) -> int:
+        """A block for new content (ref count 1). Caller checks ``num_free`` first."""
+        if self._free:
+            block = self._free.pop()
+        else:
+            block, _ = self._evictable.popitem(last=False)  # least recently freed
+            self._forget(block)
+        self._generation[block] += 1
+        self._alias[block] = None
+        self.ref_counts[block] = 1
+        return block
+
+    def share(self, block: int) -> None:
+        """One more owner (a prefix-cache hit or a fork)."""
+        if self.ref_counts[block] == 0:
+            del self._evictable[block]
+        self.ref_counts[block] += 1
+
+    def free(self, block: int, keep_cached: bool = True) -> None:
+        """One owner fewer; at zero the block is free (still reusable if registered)."""
+        refs = self.ref_counts[block] - 1
+        self.ref_counts[block] = refs
+        if refs:
+            return
+        if self._hash[block] is not None:
+            if keep_cached:
+                self._evictable[block] = None
+                return
+            self._forget(block)
+        self._free.append(block)
+
+    # ------------------------------------------------------------------ prefix cache
+
+    def identity(self, block: int) -> Identity | None:
+        """The content identity children chain to: own if registered, else a registered twin's."""
+        if self._hash[block] is not None:
+            return (block, self._generation[block])
+        return self._alias[block]
+
+    def lookup(self, block_hash: int, parent: Identity, token_ids: list[int]) -> int | None:
+        block = self._table.get(block_hash)
+        if block is None or self._parent[block] != parent or self._tokens[block] != token_ids:
+            return None
+        return block
+
+    def register(self, block: int, block_hash: int, parent: Identity, token_ids: list[int]) -> None:
+        """File a full, computed (or being computed this step) block under ``block_hash``."""
+        other = self._table.get(block_hash)
+        if other is not None:
+            if other == block:
+                return
+            if self._parent[other] == parent and self._tokens[other] == token_ids:
+                self._alias[block] = (other, self._generation[other])
+                return
+            self._unregister(other)  # a collision or a stale chain: the newer content wins
+        self._table[block_hash] = block
+        self._hash[block] = block_hash
+        self._tokens[block] = token_ids
+        self._parent[block] = parent
+
+    def _unregister(self, block: int) -> None:
+        self._forget(block)
+        self._generation[block] += 1  # its identity is gone: children chained to it go stale
+        if self.ref_counts[block] == 0:
+            del self._evictable[block]
+            self._free.append(block)
+
+    def _forget(self, block: int) -> None:
+        h = self._hash[block]
+        if h is not None:
+            if self._table.get(h) == block:
+                del self._table[h]
+            self._hash[block] = None
+            self._tokens[block] = None
+            self._parent[block] = None
+
+    # ------------------------------------------------------------------ checks (tests)
+
+    def check_consistency(self) -> None:
+        free = set(self._free)
+        evictable = set(self._evictable)
+        if len(free) != len(self._free) or free & evictable:
+            raise AssertionError("a block is listed twice among free blocks")
+        for b in range(self.num_blocks):
+            in_free = b in free or b in evictable
+            if (self.ref_counts[b] == 0) != in_free:
+                raise AssertionError(f"block {b}: ref count {self.ref_counts[b]}, free={in_free}")
+            if b in evictable and self._hash[b] is None:
+                raise AssertionError(f"block {b} is evictable but not registered")
+        for h, b in self._table.items():
+            if self._hash[b] != h:
+                raise AssertionError(f"prefix table entry {h} -> {b} disagrees with the block")
+
+
+class CpuBlockPool:
+    """The CPU swap pool: a free list, no sharing, no caching."""
+
+    __slots__ = ("num_blocks", "_free")
+
+    def __init__(self, num_blocks: int) -> None:
+        self.num_blocks = num_blocks
+        self._free = list(range(num_blocks - 1, -1, -1))
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def allocate(self) -> int:
+        return self._free.pop()
+
+    def free(self, block: int) -> None:
+        self._free.append(block)

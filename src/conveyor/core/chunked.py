@@ -1,0 +1,286 @@
+"""The chunked policy (vLLM v1 / the seeds' ``_schedule_chunked_prefill``): one token budget per
+step shared by decodes and prefill chunks, in this order:
+
+1. running decodes (one token each); a sequence that cannot get a slot preempts the most
+   recently admitted sequence (mid-prefill ones first), or the lowest-priority one under the
+   priority queue, or itself when none is left;
+2. swapped sequences resume (when this step preempted nothing);
+3. partially prefilled sequences continue, each chunk capped by ``long_prefill_token_threshold``
+   (a chunk shrinks to the free blocks; a stuck one preempts later mid-prefill sequences);
+4. new requests from the head of ``waiting`` (none while any is swapped out), at most
+   ``max_num_partial_prefills`` sequences being left part-way through their prompt.
+
+Entries come out in that order, so decodes lead the SchedulerOutput (``num_decodes``).
+A sequence whose prefill chunk was scheduled this step is never a victim: blocks it fills this
+step may already be shared through the prefix cache.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from conveyor.core.scheduler_output import SchedulerOutput
+from conveyor.core.sequence import Sequence, SequenceStatus
+
+if TYPE_CHECKING:
+    from conveyor.core.scheduler import Scheduler
+
+RUNNING = SequenceStatus.RUNNING
+
+
+class _Step:
+    """The step being built."""
+
+    __slots__ = ("seqs", "num_new", "num_decodes", "budget", "chunked")
+
+    def __init__(self, budget: int) -> None:
+        self.seqs: list[Sequence] = []
+        self.num_new: list[int] = []
+        self.num_decodes = 0
+        self.budget = budget
+        self.chunked: set[Sequence] = set()  # sequences with a prefill chunk this step
+
+    def unschedule_decode(self, seq: Sequence) -> None:
+        k = self.seqs.index(seq)
+        del self.seqs[k]
+        del self.num_new[k]
+        self.num_decodes -= 1
+        self.budget += 1
+
+
+def schedule_chunked(sched: Scheduler) -> SchedulerOutput:
+    cfg = sched.config
+    step = _Step(cfg.max_num_batched_tokens)
+    _schedule_decodes(sched, step)
+    if sched.swapped and not sched.preempted_this_step:
+        _resume_swapped(sched, step)
+    num_partial = _continue_prefills(sched, step)
+    if not sched.swapped:
+        _admit_new(sched, step, num_partial)
+    total = sum(step.num_new)
+    return SchedulerOutput(seqs=step.seqs, num_new_tokens=step.num_new, num_batched_tokens=total,
+                           is_prefill=bool(step.seqs) and step.num_decodes == 0,
+                           num_decodes=step.num_decodes)
+
+
+# ---------------------------------------------------------------------- 1. decodes
+
+def _schedule_decodes(sched: Scheduler, step: _Step) -> None:
+    bm = sched.block_manager
+    running = sched.running
+    needs = sched.needs
+    limit = min(sched.config.max_num_seqs, step.budget)
+    if len(running) <= limit and len(needs) <= bm.gpu.num_free:
+        if needs:
+            set_next_event = sched.set_next_event
+            for seq in needs:
+                if seq.status is RUNNING:
+                    bm.append_slot(seq)
+                    set_next_event(seq)
+            needs.clear()
+        decodes = running[:]
+    else:
+        decodes = _decodes_with_preemption(sched, step, limit)
+    n = len(decodes)
+    step.seqs = decodes
+    step.num_new = [1] * n
+    step.num_decodes = n
+    step.budget -= n
+
+
+def _decodes_with_preemption(sched: Scheduler, step: _Step, limit: int) -> list[Sequence]:
+    bm = sched.block_manager
+    gpu = bm.gpu
+    running = sched.running
+    prefilling = sched.prefilling
+    priority = sched.priority_queue
+    scheduled: list[Sequence] = []
+    i = 0
+    end = len(running)
+    while i < end and len(scheduled) < limit:
+        seq = running[i]
+        i += 1
+        if seq.status is not RUNNING:
+            continue
+        while gpu.num_free == 0 and bm.slot_needs_block(seq):
+            victim = None
+            if priority:
+                victim = sched.lowest_priority(scheduled + [seq] + running[i:end] + prefilling)
+                if victim is seq:
+                    victim = None
+                elif victim in scheduled:
+                    scheduled.remove(victim)
+            elif prefilling:
+                victim = prefilling[-1]
+            else:
+                while end > i:
+                    end -= 1
+                    if running[end].status is RUNNING:
+                        victim = running[end]
+                        break
+            if victim is None:
+                sched.preempt(seq)
+                break
+            if victim in prefilling:
+                prefilling.remove(victim)
+            sched.preempt(victim)
+        else:
+            bm.append_slot(seq)
+            sched.set_next_event(seq)
+            scheduled.append(seq)
+    rest = [s for s in running[i:] if s.status is RUNNING]
+    sched.running = scheduled + rest
+    sched.needs = [s for s in rest if bm.slot_needs_block(s)]
+    return scheduled[:]
+
+
+# ---------------------------------------------------------------------- 2. swapped
+
+def _resume_swapped(sched: Scheduler, step: _Step) -> None:
+    gpu = sched.block_manager.gpu
+    max_seqs = sched.config.max_num_seqs
+    swapped = sched.swapped
+    while step.budget > 0 and len(step.seqs) < max_seqs:
+        seq = swapped.peek()
+        if seq is None or sched.blocks_to_swap_in(seq) > gpu.num_free:
+            break
+        swapped.pop()
+        decoding = sched.is_decoding(seq)
+        sched.swap_in(seq)
+        if decoding:
+            sched.running.append(seq)
+            step.seqs.append(seq)
+            step.num_new.append(1)
+            step.num_decodes += 1
+            step.budget -= 1
+        else:
+            sched.prefilling.append(seq)
+
+
+# ---------------------------------------------------------------------- 3. partial prefills
+
+def _chunk_size(sched: Scheduler, remaining: int, budget: int) -> int:
+    chunk = remaining if remaining < budget else budget
+    cap = sched.config.long_prefill_token_threshold
+    if cap and chunk > cap:
+        chunk = cap
+    return chunk
+
+
+def _continue_prefills(sched: Scheduler, step: _Step) -> int:
+    """Schedule chunks of mid-prefill sequences; returns how many stay part-way through."""
+    bm = sched.block_manager
+    gpu = bm.gpu
+    bs = bm.block_size
+    max_seqs = sched.config.max_num_seqs
+    num_partial = 0
+    for seq in list(sched.prefilling):
+        if seq.status is not RUNNING:
+            continue
+        if step.budget <= 0 or len(step.seqs) >= max_seqs:
+            num_partial += 1
+            continue
+        computed = seq.num_computed_tokens
+        remaining = len(seq.token_ids) - computed
+        chunk = _chunk_size(sched, remaining, step.budget)
+        while True:
+            fit = (len(seq.block_table) + gpu.num_free) * bs - computed
+            if fit >= chunk:
+                break
+            victim = _prefill_victim(sched, seq, step)
+            if victim is None:
+                chunk = fit if fit > 0 else 0
+                break
+            _preempt(sched, step, victim)
+        if chunk <= 0:
+            num_partial += 1
+            continue
+        bm.grow(seq, computed + chunk)
+        step.seqs.append(seq)
+        step.num_new.append(chunk)
+        step.budget -= chunk
+        step.chunked.add(seq)
+        if chunk < remaining:
+            num_partial += 1
+    return num_partial
+
+
+def _prefill_victim(sched: Scheduler, seq: Sequence, step: _Step) -> Sequence | None:
+    """Who makes room for a stuck prefill: a later mid-prefill sequence (fcfs), or under the
+    priority queue any unchunked sequence ranking below ``seq``."""
+    prefilling = sched.prefilling
+    if not sched.priority_queue:
+        last = prefilling[-1] if prefilling else None
+        return last if last is not None and last is not seq and last not in step.chunked else None
+    from conveyor.core.scheduler import victim_key
+
+    candidates = [s for s in prefilling if s not in step.chunked and s is not seq]
+    victim = sched.lowest_priority(candidates + sched.running)
+    if victim is None or victim_key(victim) <= victim_key(seq):
+        return None
+    return victim
+
+
+def _preempt(sched: Scheduler, step: _Step, victim: Sequence) -> None:
+    if victim in sched.prefilling:
+        sched.prefilling.remove(victim)
+    else:
+        if victim in step.seqs:
+            step.unschedule_decode(victim)
+        sched.running_dirty = True
+    sched.preempt(victim)
+
+
+# ---------------------------------------------------------------------- 4. new requests
+
+def _admit_new(sched: Scheduler, step: _Step, num_partial: int) -> None:
+    bm = sched.block_manager
+    gpu = bm.gpu
+    bs = bm.block_size
+    cfg = sched.config
+    max_seqs = cfg.max_num_seqs
+    waiting = sched.waiting
+    now = None
+    while step.budget > 0 and len(step.seqs) < max_seqs:
+        seq = waiting.peek()
+        if seq is None:
+            break
+        group = seq.group
+        seats = group.sampling_params.n if len(group.seqs) == 1 else 1
+        num_running = len(sched.running) + len(sched.prefilling)
+        if num_running and num_running + seats > max_seqs:
+            if sched.priority_queue and _preempt_lower_priority(sched, step, seq):
+                continue
+            break
+        hits = bm.find_cached_prefix(seq)
+        cached = len(hits) * bs
+        num_tokens = len(seq.token_ids)
+        chunk = _chunk_size(sched, num_tokens - cached, step.budget)
+        partial = cached + chunk < num_tokens
+        if partial and num_partial >= cfg.max_num_partial_prefills:
+            break
+        if bm.num_new_blocks_to_admit(hits, cached + chunk) > gpu.num_free:
+            if sched.priority_queue and _preempt_lower_priority(sched, step, seq):
+                continue
+            break
+        waiting.pop()
+        if now is None:
+            now = sched.clock()
+        sched.admit(seq, hits, cached + chunk, now)
+        sched.prefilling.append(seq)
+        step.seqs.append(seq)
+        step.num_new.append(chunk)
+        step.budget -= chunk
+        step.chunked.add(seq)
+        if partial:
+            num_partial += 1
+
+
+def _preempt_lower_priority(sched: Scheduler, step: _Step, head: Sequence) -> bool:
+    """Preempt the lowest-priority sequence holding blocks if it ranks strictly below ``head``."""
+    candidates = [s for s in sched.prefilling if s not in step.chunked] + sched.running
+    victim = sched.lowest_priority(candidates)
+    if victim is None or victim.group.priority <= head.group.priority:
+        return False
+    _preempt(sched, step, victim)
+    return True

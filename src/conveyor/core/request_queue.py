@@ -1,0 +1,115 @@
+"""Request queues for waiting / swapped sequences: fcfs (a deque) and priority (a heap).
+
+Both offer the same small interface. Removal (abort) is lazy and O(1): the sequence's status
+no longer matches the queue's, and the entry is dropped when it reaches the head.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections import deque
+from collections.abc import Iterator
+
+from conveyor.core.sequence import Sequence, SequenceStatus
+
+
+class FcfsQueue:
+    """Arrival order; preempted sequences go back to the front."""
+
+    __slots__ = ("_items", "_status", "_num_removed")
+
+    def __init__(self, status: SequenceStatus) -> None:
+        self._items: deque[Sequence] = deque()
+        self._status = status  # entries whose status differs were removed lazily
+        self._num_removed = 0
+
+    def __len__(self) -> int:
+        return len(self._items) - self._num_removed
+
+    def __bool__(self) -> bool:
+        return len(self._items) > self._num_removed
+
+    def append(self, seq: Sequence) -> None:
+        self._items.append(seq)
+
+    def push_front(self, seq: Sequence) -> None:
+        self._items.appendleft(seq)
+
+    def peek(self) -> Sequence | None:
+        items = self._items
+        while items:
+            seq = items[0]
+            if seq.status is self._status:
+                return seq
+            items.popleft()
+            self._num_removed -= 1
+        return None
+
+    def pop(self) -> Sequence:
+        seq = self.peek()
+        if seq is None:
+            raise IndexError("pop from an empty queue")
+        self._items.popleft()
+        return seq
+
+    def remove(self, seq: Sequence) -> None:
+        """Call after changing ``seq.status`` away from the queue's status."""
+        self._num_removed += 1
+
+    def __iter__(self) -> Iterator[Sequence]:
+        return (s for s in self._items if s.status is self._status)
+
+
+class PriorityQueue:
+    """Lower ``priority`` first, then earlier arrival, then earlier sequence (seq_id)."""
+
+    __slots__ = ("_heap", "_status", "_num_removed")
+
+    def __init__(self, status: SequenceStatus) -> None:
+        self._heap: list[tuple[int, float, int, Sequence]] = []
+        self._status = status
+        self._num_removed = 0
+
+    def __len__(self) -> int:
+        return len(self._heap) - self._num_removed
+
+    def __bool__(self) -> bool:
+        return len(self._heap) > self._num_removed
+
+    def append(self, seq: Sequence) -> None:
+        g = seq.group
+        heapq.heappush(self._heap, (g.priority, g.arrival_time, seq.seq_id, seq))
+
+    # A preempted sequence keeps its key, so it is back "in front" of everything it outranks.
+    push_front = append
+
+    def peek(self) -> Sequence | None:
+        heap = self._heap
+        while heap:
+            seq = heap[0][3]
+            if seq.status is self._status:
+                return seq
+            heapq.heappop(heap)
+            self._num_removed -= 1
+        return None
+
+    def pop(self) -> Sequence:
+        seq = self.peek()
+        if seq is None:
+            raise IndexError("pop from an empty queue")
+        heapq.heappop(self._heap)
+        return seq
+
+    def remove(self, seq: Sequence) -> None:
+        """Call after changing ``seq.status`` away from the queue's status."""
+        self._num_removed += 1
+
+    def __iter__(self) -> Iterator[Sequence]:
+        return (e[3] for e in sorted(self._heap) if e[3].status is self._status)
+
+
+RequestQueue = FcfsQueue | PriorityQueue
+
+
+def make_queue(kind: str, status: SequenceStatus) -> RequestQueue:
+    return PriorityQueue(status) if kind == "priority" else FcfsQueue(status)

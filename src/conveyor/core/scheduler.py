@@ -1,0 +1,443 @@
+"""Scheduler: requests in, SchedulerOutputs out — queues, admission, preemption, postprocessing.
+
+The scheduler owns the queues (``waiting``, ``running``, ``prefilling``, ``swapped``) and the
+BlockManager; a policy module decides each step (``prefill_first`` or ``chunked``, see
+docs/scheduler.md). ``update()`` appends the sampled tokens, forks n>1 groups, applies the stop
+rules (EOS, stop_token_ids, max_tokens, max_model_len, min_tokens) and frees finished sequences.
+
+Queues:
+* ``waiting``: sequences to (re)prefill (fcfs deque or priority heap; preempted ones in front);
+* ``running``: decoding sequences (and, under prefill_first, the ones admitted this step), in
+  the order the policy keeps them; finished ones are dropped lazily at the next schedule();
+* ``prefilling``: chunked only — admitted sequences whose prompt is not fully computed yet;
+* ``swapped``: sequences whose KV blocks sit in the CPU pool.
+
+The decode fast path: a sequence whose next token still fits its last block needs no
+block-manager call. ``update()`` compares ``len(token_ids)`` with one precomputed number per
+sequence (``next_event``: the length cap or the next block boundary) and checks stop ids in a
+frozenset; sequences crossing a block boundary go to ``needs`` and get their block in the
+next schedule().
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+from conveyor.core.block_manager import BlockManager
+from conveyor.core.config import CacheConfig, SchedulerConfig
+from conveyor.core.request_queue import make_queue
+from conveyor.core.sampling_params import SamplingParams
+from conveyor.core.scheduler_output import SchedulerOutput
+from conveyor.core.sequence import Sequence, SequenceGroup, SequenceStatus
+from conveyor.core.stats import SchedulerStats
+
+WAITING = SequenceStatus.WAITING
+RUNNING = SequenceStatus.RUNNING
+SWAPPED = SequenceStatus.SWAPPED
+FINISHED_STOPPED = SequenceStatus.FINISHED_STOPPED
+FINISHED_LENGTH_CAPPED = SequenceStatus.FINISHED_LENGTH_CAPPED
+FINISHED_ABORTED = SequenceStatus.FINISHED_ABORTED
+FINISHED_IGNORED = SequenceStatus.FINISHED_IGNORED
+
+
+def victim_key(seq: Sequence) -> tuple[int, float, int]:
+    """Priority order: the *largest* key is the lowest-priority, latest request."""
+    g = seq.group
+    return (g.priority, g.arrival_time, seq.seq_id)
+
+
+class Scheduler:
+    def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig,
+                 eos_token_ids: tuple[int, ...] | list[int] = (),
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        if scheduler_config.preemption_mode == "swap" and cache_config.num_cpu_blocks == 0:
+            raise ValueError("preemption_mode='swap' needs a CPU swap pool: set "
+                             "CacheConfig.num_cpu_blocks > 0 (swap_space) or use "
+                             "preemption_mode='recompute'")
+        self.config = scheduler_config
+        self.cache_config = cache_config
+        self.block_manager = BlockManager(cache_config)
+        self.block_size = cache_config.block_size
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.clock = clock
+        self.waiting = make_queue(scheduler_config.queue, WAITING)
+        self.swapped = make_queue(scheduler_config.queue, SWAPPED)
+        self.running: list[Sequence] = []
+        self.prefilling: list[Sequence] = []
+        self.needs: list[Sequence] = []  # running sequences whose next slot needs a block
+        self.running_dirty = False  # running holds finished sequences to drop
+        self.swap_mode = scheduler_config.preemption_mode == "swap"
+        self.priority_queue = scheduler_config.queue == "priority"
+        self.chunked = scheduler_config.policy == "chunked"
+        # the longest sequence that can ever be (re)computed: model, policy and whole cache
+        self.max_seq_len = min(scheduler_config.max_seq_len,
+                               cache_config.num_gpu_blocks * cache_config.block_size)
+        self._groups: dict[str, SequenceGroup] = {}
+        self._finished: list[SequenceGroup] = []  # reported by the next update()
+        self._next_seq_id = 0
+        self._changed_in_flight = False  # abort/finish_sequence since the last schedule()
+        # per-step block operations, handed to the SchedulerOutput
+        self.step_swap_out: list[tuple[int, int]] = []
+        self.step_swap_in: list[tuple[int, int]] = []
+        self.preempted_this_step = False
+        self.num_preemptions = 0
+        self.prefix_cache_queries = 0
+        self.prefix_cache_hits = 0
+        if scheduler_config.policy == "chunked":
+            from conveyor.core.chunked import schedule_chunked as policy
+        else:
+            from conveyor.core.prefill_first import schedule_prefill_first as policy
+        self._policy = policy
+
+    # ------------------------------------------------------------------ requests
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int],
+                    sampling_params: SamplingParams, priority: int = 0,
+                    arrival_time: float | None = None) -> SequenceGroup:
+        """Queue a request; ValueError (naming the field) on bad input, nothing queued then.
+
+        A prompt that can never run (longer than max_model_len, or needing more KV blocks than
+        the whole cache) finishes at once as FINISHED_IGNORED with ``group.finish_message``;
+        the next update() reports it.
+        """
+        if request_id in self._groups:
+            raise ValueError(f"request_id {request_id!r} is already in use by an unfinished request")
+        if not isinstance(prompt_token_ids, (list, tuple)) or not prompt_token_ids:
+            raise ValueError("prompt_token_ids must be a non-empty list of token ids")
+        if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0
+                   for t in prompt_token_ids):
+            raise ValueError("prompt_token_ids must contain only integers >= 0")
+        if not isinstance(sampling_params, SamplingParams):
+            raise ValueError(f"sampling_params must be a SamplingParams, "
+                             f"got {type(sampling_params).__name__}")
+        if not isinstance(priority, int) or isinstance(priority, bool):
+            raise ValueError(f"priority must be an integer, got {priority!r}")
+        now = self.clock()
+        if arrival_time is None:
+            arrival_time = now
+        prompt = list(prompt_token_ids)
+        group = SequenceGroup(request_id, prompt, sampling_params, priority, arrival_time)
+        seq = Sequence(self._new_seq_id(), group, 0, list(prompt), len(prompt))
+        self._set_stop_limits(seq)
+        group.seqs.append(seq)
+        reason = self._ignore_reason(len(prompt))
+        if reason is not None:
+            seq.status = FINISHED_IGNORED
+            group.finish_message = reason
+            group.metrics.finished_time = now
+            self._finished.append(group)
+            return group
+        self._groups[request_id] = group
+        self.waiting.append(seq)
+        return group
+
+    def _new_seq_id(self) -> int:
+        self._next_seq_id += 1
+        return self._next_seq_id - 1
+
+    def _ignore_reason(self, prompt_len: int) -> str | None:
+        cfg = self.config
+        if prompt_len > cfg.max_model_len:
+            return (f"prompt has {prompt_len} tokens, more than max_model_len={cfg.max_model_len}; "
+                    "shorten the prompt or raise max_model_len")
+        if prompt_len > cfg.max_seq_len:
+            return (f"prompt has {prompt_len} tokens but policy 'prefill_first' computes a whole "
+                    f"prompt in one step of at most max_num_batched_tokens="
+                    f"{cfg.max_num_batched_tokens} tokens; raise max_num_batched_tokens or use "
+                    "policy 'chunked'")
+        blocks = self.block_manager.num_blocks_for(prompt_len)
+        total = self.cache_config.num_gpu_blocks
+        if blocks > total:
+            return (f"prompt needs {blocks} KV-cache blocks of {self.block_size} tokens but the "
+                    f"whole cache has {total}; shorten the prompt or give the KV cache more memory")
+        return None
+
+    def _set_stop_limits(self, seq: Sequence) -> None:
+        sp = seq.group.sampling_params
+        n = seq.num_prompt_tokens
+        max_len = self.max_seq_len
+        if sp.max_tokens is not None:
+            max_len = min(max_len, n + sp.max_tokens)
+        seq.max_len = max(max_len, n)
+        seq.min_len = n + sp.min_tokens
+        stop = set(sp.stop_token_ids)
+        if not sp.ignore_eos:
+            stop |= self.eos_token_ids
+        seq.stop_ids = frozenset(stop)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._groups) or bool(self._finished)
+
+    # ------------------------------------------------------------------ schedule
+
+    def schedule(self) -> SchedulerOutput:
+        """Decide this step's work (see the policy modules); call update() after it."""
+        if self.running_dirty:
+            self.running = [s for s in self.running if s.status is RUNNING]
+            self.running_dirty = False
+        self._changed_in_flight = False
+        self.preempted_this_step = False
+        out = self._policy(self)
+        bm = self.block_manager
+        if bm.blocks_to_copy:
+            out.blocks_to_copy = bm.blocks_to_copy
+            bm.blocks_to_copy = []
+        if self.step_swap_out:
+            out.blocks_to_swap_out = self.step_swap_out
+            self.step_swap_out = []
+        if self.step_swap_in:
+            out.blocks_to_swap_in = self.step_swap_in
+            self.step_swap_in = []
+        return out
+
+    def set_next_event(self, seq: Sequence) -> None:
+        cap = len(seq.block_table) * self.block_size + 1
+        seq.next_event = cap if cap < seq.max_len else seq.max_len
+
+    def admit(self, seq: Sequence, hits: list[int], num_tokens: int, now: float) -> None:
+        """Waiting -> computed: blocks for ``num_tokens`` (with ``hits`` reused)."""
+        self.block_manager.admit(seq, hits, num_tokens)
+        seq.status = RUNNING
+        self.set_next_event(seq)
+        cached = seq.num_computed_tokens
+        if self.block_manager.enable_prefix_caching:
+            self.prefix_cache_queries += len(seq.token_ids)
+            self.prefix_cache_hits += cached
+        metrics = seq.group.metrics
+        if metrics.first_scheduled_time is None:
+            metrics.first_scheduled_time = now
+            metrics.num_cached_tokens = cached
+
+    def preempt(self, seq: Sequence) -> None:
+        """Take ``seq``'s blocks away: swap them to the CPU pool, else recompute later.
+
+        The caller removes ``seq`` from running / prefilling (or leaves it to the status filter).
+        """
+        self.num_preemptions += 1
+        seq.group.metrics.num_preemptions += 1
+        self.preempted_this_step = True
+        bm = self.block_manager
+        if self.swap_mode and bm.can_swap_out(seq):
+            self.step_swap_out.extend(bm.swap_out(seq))
+            seq.status = SWAPPED
+            self.swapped.push_front(seq)
+        else:
+            bm.free(seq)
+            seq.num_computed_tokens = 0
+            seq.status = WAITING
+            self.waiting.push_front(seq)
+
+    def is_decoding(self, seq: Sequence) -> bool:
+        """Has sampled, and only its last token is left to compute."""
+        n = len(seq.token_ids)
+        return seq.num_computed_tokens == n - 1 and n > seq.num_prompt_tokens
+
+    def swap_in(self, seq: Sequence) -> None:
+        """Swapped -> running: blocks back from the CPU pool; the caller checked free blocks."""
+        num_tokens = len(seq.token_ids) if self.is_decoding(seq) else seq.num_computed_tokens
+        self.step_swap_in.extend(self.block_manager.swap_in(seq, num_tokens))
+        seq.status = RUNNING
+        self.set_next_event(seq)
+
+    def blocks_to_swap_in(self, seq: Sequence) -> int:
+        num_tokens = len(seq.token_ids) if self.is_decoding(seq) else seq.num_computed_tokens
+        return self.block_manager.num_blocks_to_swap_in(seq, num_tokens)
+
+    def lowest_priority(self, candidates: list[Sequence]) -> Sequence | None:
+        best = None
+        best_key = None
+        for s in candidates:
+            if s.status is RUNNING:
+                k = victim_key(s)
+                if best_key is None or k > best_key:
+                    best, best_key = s, k
+        return best
+
+    # ------------------------------------------------------------------ update
+
+    def update(self, scheduler_output: SchedulerOutput,
+               sampled_token_ids: list[list[int]]) -> list[SequenceGroup]:
+        """Apply one step's sampled tokens; returns the groups finished since the last update
+        (including ignored ones). ``sampled_token_ids[i]`` holds ``num_samples(i)`` tokens."""
+        seqs = scheduler_output.seqs
+        if len(sampled_token_ids) != len(seqs):
+            raise ValueError(f"sampled_token_ids has {len(sampled_token_ids)} entries for "
+                             f"{len(seqs)} scheduled sequences")
+        num_decodes = 0 if self._changed_in_flight else scheduler_output.num_decodes
+        if num_decodes:
+            needs = self.needs
+            on_event = self._on_event
+            if num_decodes == len(seqs):
+                pairs = zip(seqs, sampled_token_ids, strict=True)
+            else:
+                pairs = zip(seqs[:num_decodes], sampled_token_ids, strict=False)
+            for seq, toks in pairs:
+                tids = seq.token_ids
+                tok = toks[0]
+                tids.append(tok)
+                seq.num_computed_tokens += 1
+                if len(tids) >= seq.next_event or tok in seq.stop_ids:
+                    on_event(seq, tok, needs)
+        if num_decodes < len(seqs):
+            self._update_generic(scheduler_output, sampled_token_ids, num_decodes)
+        finished = self._finished
+        self._finished = []
+        return finished
+
+    def _on_event(self, seq: Sequence, tok: int, needs: list[Sequence]) -> None:
+        if not self._check_stop(seq, tok) and len(seq.token_ids) > len(seq.block_table) * self.block_size:
+            needs.append(seq)
+
+    def _check_stop(self, seq: Sequence, tok: int) -> bool:
+        """Finish ``seq`` if ``tok`` (just appended) ends it; True when it did."""
+        n = len(seq.token_ids)
+        if tok in seq.stop_ids and n >= seq.min_len:
+            sp = seq.group.sampling_params
+            eos = not sp.ignore_eos and tok in self.eos_token_ids
+            self._finish(seq, FINISHED_STOPPED, None if eos else tok)
+            return True
+        if n >= seq.max_len:
+            self._finish(seq, FINISHED_LENGTH_CAPPED, None)
+            return True
+        return False
+
+    def _update_generic(self, out: SchedulerOutput, sampled: list[list[int]], start: int) -> None:
+        seqs = out.seqs
+        num_new = out.num_new_tokens
+        bm = self.block_manager
+        now = None
+        completed: list[Sequence] = []
+        for i in range(start, len(seqs)):
+            seq = seqs[i]
+            if seq.status is not RUNNING:  # aborted or finished between schedule and update
+                continue
+            seq.num_computed_tokens += num_new[i]
+            toks = sampled[i]
+            if not toks:
+                continue  # a prefill chunk short of the end
+            metrics = seq.group.metrics
+            if metrics.first_token_time is None:
+                if now is None:
+                    now = self.clock()
+                metrics.first_token_time = now
+            # chunked: a completed prefill leaves `prefilling` for `running`; fork children
+            # join running right after their parent under both policies
+            joins = self.chunked and i >= out.num_decodes
+            family = self._fork(seq, len(toks)) if len(toks) > 1 else [seq]
+            for s, tok in zip(family, toks, strict=True):
+                s.token_ids.append(tok)
+                if self._check_stop(s, tok):
+                    continue
+                self.set_next_event(s)
+                if joins or s is not seq:
+                    self.running.append(s)
+                if bm.slot_needs_block(s):
+                    self.needs.append(s)
+            if joins:
+                completed.append(seq)
+        if completed:
+            done = set(completed)
+            self.prefilling = [s for s in self.prefilling if s not in done]
+
+    def _fork(self, parent: Sequence, n: int) -> list[Sequence]:
+        """The prompt is computed and n tokens were sampled: n-1 children share its blocks."""
+        group = parent.group
+        bm = self.block_manager
+        family = [parent]
+        for k in range(1, n):
+            child = Sequence(self._new_seq_id(), group, k, list(parent.token_ids),
+                             parent.num_prompt_tokens)
+            child.num_computed_tokens = parent.num_computed_tokens
+            child.max_len, child.min_len, child.stop_ids = parent.max_len, parent.min_len, parent.stop_ids
+            bm.fork(parent, child)
+            child.status = RUNNING
+            group.seqs.append(child)
+            family.append(child)
+        return family
+
+    # ------------------------------------------------------------------ finishing
+
+    def _finish(self, seq: Sequence, status: SequenceStatus, stop_reason: int | str | None) -> None:
+        """A running sequence ends (stop rule): free it; report the group once all seqs ended."""
+        seq.status = status
+        seq.stop_reason = stop_reason
+        self.block_manager.free(seq)
+        self.running_dirty = True
+        group = seq.group
+        if group.is_finished:
+            group.metrics.finished_time = self.clock()
+            self._groups.pop(group.request_id, None)
+            self._finished.append(group)
+
+    def _detach(self, seq: Sequence, status: SequenceStatus) -> None:
+        """Take ``seq`` out of whatever queue holds it, set ``status`` and free its blocks."""
+        old = seq.status
+        seq.status = status
+        if old is RUNNING:
+            if seq in self.prefilling:
+                self.prefilling.remove(seq)
+            else:
+                self.running_dirty = True
+        elif old is WAITING:
+            self.waiting.remove(seq)
+        elif old is SWAPPED:
+            self.swapped.remove(seq)
+        self.block_manager.free(seq)
+        self._changed_in_flight = True
+
+    def finish_sequence(self, seq: Sequence, status: SequenceStatus,
+                        stop_reason: int | str | None = None) -> SequenceGroup | None:
+        """Finish ``seq`` from outside (engine-side stop strings) and free its blocks.
+
+        Returns its group when this finished the whole group (not reported again by update()).
+        """
+        if seq.status.is_finished:
+            return None
+        if not status.is_finished:
+            raise ValueError(f"finish_sequence needs a FINISHED_* status, got {status.name}")
+        self._detach(seq, status)
+        seq.stop_reason = stop_reason
+        group = seq.group
+        if group.is_finished:
+            group.metrics.finished_time = self.clock()
+            self._groups.pop(group.request_id, None)
+            return group
+        return None
+
+    def abort(self, request_id: str) -> SequenceGroup | None:
+        """Abort a request in any queue, freeing every block; None if unknown or finished."""
+        group = self._groups.pop(request_id, None)
+        if group is None:
+            return None
+        for seq in group.seqs:
+            if not seq.status.is_finished:
+                self._detach(seq, FINISHED_ABORTED)
+        group.finish_message = group.finish_message or "aborted"
+        group.metrics.finished_time = self.clock()
+        return group
+
+    # ------------------------------------------------------------------ stats
+
+    @property
+    def stats(self) -> SchedulerStats:
+        if self.running_dirty:
+            self.running = [s for s in self.running if s.status is RUNNING]
+            self.running_dirty = False
+        gpu = self.block_manager.gpu
+        total = gpu.num_blocks
+        free = gpu.num_free
+        return SchedulerStats(
+            num_running=len(self.running) + len(self.prefilling),
+            num_waiting=len(self.waiting),
+            num_swapped=len(self.swapped),
+            num_free_blocks=free,
+            num_total_blocks=total,
+            kv_usage=(total - free) / total,
+            num_preemptions=self.num_preemptions,
+            prefix_cache_queries=self.prefix_cache_queries,
+            prefix_cache_hits=self.prefix_cache_hits,
+        )
+
+    def unfinished_groups(self) -> list[SequenceGroup]:
+        return list(self._groups.values())
