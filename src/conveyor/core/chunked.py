@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from conveyor.core.prefill_first import decodes_without_preemption
 from conveyor.core.scheduler_output import SchedulerOutput
 from conveyor.core.sequence import Sequence, SequenceStatus
 
@@ -66,20 +67,9 @@ def schedule_chunked(sched: Scheduler) -> SchedulerOutput:
 # ---------------------------------------------------------------------- 1. decodes
 
 def _schedule_decodes(sched: Scheduler, step: _Step) -> None:
-    bm = sched.block_manager
-    running = sched.running
-    needs = sched.needs
     limit = min(sched.config.max_num_seqs, step.budget)
-    if len(running) <= limit and len(needs) <= bm.gpu.num_free:
-        if needs:
-            set_next_event = sched.set_next_event
-            for seq in needs:
-                if seq.status is RUNNING:
-                    bm.append_slot(seq)
-                    set_next_event(seq)
-            needs.clear()
-        decodes = running[:]
-    else:
+    decodes = decodes_without_preemption(sched, limit)
+    if decodes is None:
         decodes = _decodes_with_preemption(sched, step, limit)
     n = len(decodes)
     step.seqs = decodes
@@ -101,6 +91,9 @@ def _decodes_with_preemption(sched: Scheduler, step: _Step, limit: int) -> list[
         seq = running[i]
         i += 1
         if seq.status is not RUNNING:
+            continue
+        if len(seq.token_ids) < seq.next_event:  # its slot is ready: no block needed
+            scheduled.append(seq)
             continue
         while gpu.num_free == 0 and bm.slot_needs_block(seq):
             victim = None
@@ -130,7 +123,7 @@ def _decodes_with_preemption(sched: Scheduler, step: _Step, limit: int) -> list[
             scheduled.append(seq)
     rest = [s for s in running[i:] if s.status is RUNNING]
     sched.running = scheduled + rest
-    sched.needs = [s for s in rest if bm.slot_needs_block(s)]
+    sched.needs = [s for s in rest if len(s.token_ids) >= s.next_event]
     return scheduled[:]
 
 
@@ -148,7 +141,7 @@ def _resume_swapped(sched: Scheduler, step: _Step) -> None:
         decoding = sched.is_decoding(seq)
         sched.swap_in(seq)
         if decoding:
-            sched.running.append(seq)
+            sched.join_running(seq)
             step.seqs.append(seq)
             step.num_new.append(1)
             step.num_decodes += 1
@@ -227,7 +220,7 @@ def _preempt(sched: Scheduler, step: _Step, victim: Sequence) -> None:
     else:
         if victim in step.seqs:
             step.unschedule_decode(victim)
-        sched.running_dirty = True
+        sched.running.remove(victim)  # now: it may rejoin running before the next step
     sched.preempt(victim)
 
 

@@ -60,7 +60,7 @@ def _prefill_step(sched: Scheduler) -> SchedulerOutput | None:
             break
         waiting.pop()
         sched.admit(seq, hits, num_tokens, now)
-        sched.running.append(seq)
+        sched.join_running(seq)
         seqs.append(seq)
         num_new.append(uncached)
         total += uncached
@@ -81,28 +81,43 @@ def _preempt_lower_priority(sched: Scheduler, head: Sequence) -> bool:
 
 
 def _decode_step(sched: Scheduler) -> SchedulerOutput:
-    bm = sched.block_manager
-    running = sched.running
-    needs = sched.needs
-    max_seqs = sched.config.max_num_seqs
-    if len(running) <= max_seqs and len(needs) <= bm.gpu.num_free:
-        # Fast path: everyone fits; only sequences at a block boundary (or sharing a block
-        # after a fork) need the block manager.
-        if needs:
-            set_next_event = sched.set_next_event
-            for seq in needs:
-                if seq.status is RUNNING:
-                    bm.append_slot(seq)
-                    set_next_event(seq)
-            needs.clear()
-        scheduled = running[:]
-    else:
+    scheduled = decodes_without_preemption(sched, sched.config.max_num_seqs)
+    if scheduled is None:
         scheduled = _decode_with_preemption(sched)
     if sched.swapped and not sched.preempted_this_step:
         _swap_in(sched, scheduled)
     n = len(scheduled)
     return SchedulerOutput(seqs=scheduled, num_new_tokens=[1] * n, num_batched_tokens=n,
                            is_prefill=False, num_decodes=n)
+
+
+def decodes_without_preemption(sched: Scheduler, limit: int) -> list[Sequence] | None:
+    """The first ``limit`` running sequences, when their new blocks are all free (else None).
+
+    Only sequences at a block boundary (or sharing a block after a fork) touch the block
+    manager; ``running`` is sorted by join stamp, so the cut needs no scan.
+    """
+    bm = sched.block_manager
+    running = sched.running
+    needs = sched.needs
+    if len(running) <= limit:
+        if len(needs) > bm.gpu.num_free:
+            return None
+        todo, later = needs, []
+    else:
+        cut = running[limit - 1].running_stamp
+        todo = [s for s in needs if s.running_stamp <= cut]
+        if len(todo) > bm.gpu.num_free:
+            return None
+        later = [s for s in needs if s.running_stamp > cut]
+    if todo:
+        set_next_event = sched.set_next_event
+        for seq in todo:
+            if seq.status is RUNNING:
+                bm.append_slot(seq)
+                set_next_event(seq)
+    sched.needs = later
+    return running[:limit]
 
 
 def _decode_with_preemption(sched: Scheduler) -> list[Sequence]:
@@ -119,6 +134,9 @@ def _decode_with_preemption(sched: Scheduler) -> list[Sequence]:
         seq = running[i]
         i += 1
         if seq.status is not RUNNING:  # a victim taken earlier in this loop
+            continue
+        if len(seq.token_ids) < seq.next_event:  # its slot is ready: no block needed
+            scheduled.append(seq)
             continue
         while gpu.num_free == 0 and bm.slot_needs_block(seq):
             victim = None
@@ -145,7 +163,7 @@ def _decode_with_preemption(sched: Scheduler) -> list[Sequence]:
             scheduled.append(seq)
     rest = [s for s in running[i:] if s.status is RUNNING]
     sched.running = scheduled + rest
-    sched.needs = [s for s in rest if bm.slot_needs_block(s)]
+    sched.needs = [s for s in rest if len(s.token_ids) >= s.next_event]
     return scheduled[:]
 
 
@@ -160,5 +178,5 @@ def _swap_in(sched: Scheduler, scheduled: list[Sequence]) -> None:
             break
         swapped.pop()
         sched.swap_in(seq)
-        sched.running.append(seq)
+        sched.join_running(seq)
         scheduled.append(seq)

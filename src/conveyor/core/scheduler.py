@@ -22,7 +22,9 @@ next schedule().
 from __future__ import annotations
 
 import time
+from bisect import bisect_left
 from collections.abc import Callable
+from operator import attrgetter
 
 from conveyor.core.block_manager import BlockManager
 from conveyor.core.config import CacheConfig, SchedulerConfig
@@ -39,6 +41,9 @@ FINISHED_STOPPED = SequenceStatus.FINISHED_STOPPED
 FINISHED_LENGTH_CAPPED = SequenceStatus.FINISHED_LENGTH_CAPPED
 FINISHED_ABORTED = SequenceStatus.FINISHED_ABORTED
 FINISHED_IGNORED = SequenceStatus.FINISHED_IGNORED
+
+
+_running_stamp = attrgetter("running_stamp")
 
 
 def victim_key(seq: Sequence) -> tuple[int, float, int]:
@@ -67,6 +72,7 @@ class Scheduler:
         self.prefilling: list[Sequence] = []
         self.needs: list[Sequence] = []  # running sequences whose next slot needs a block
         self.running_dirty = False  # running holds finished sequences to drop
+        self._left_running: list[Sequence] = []  # ... these (finished or aborted)
         self.swap_mode = scheduler_config.preemption_mode == "swap"
         self.priority_queue = scheduler_config.queue == "priority"
         self.chunked = scheduler_config.policy == "chunked"
@@ -76,6 +82,7 @@ class Scheduler:
         self._groups: dict[str, SequenceGroup] = {}
         self._finished: list[SequenceGroup] = []  # reported by the next update()
         self._next_seq_id = 0
+        self._running_stamp = 0
         self._changed_in_flight = False  # abort/finish_sequence since the last schedule()
         # per-step block operations, handed to the SchedulerOutput
         self.step_swap_out: list[tuple[int, int]] = []
@@ -174,8 +181,7 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         """Decide this step's work (see the policy modules); call update() after it."""
         if self.running_dirty:
-            self.running = [s for s in self.running if s.status is RUNNING]
-            self.running_dirty = False
+            self._drop_finished_running()
         self._changed_in_flight = False
         self.preempted_this_step = False
         out = self._policy(self)
@@ -190,6 +196,25 @@ class Scheduler:
             out.blocks_to_swap_in = self.step_swap_in
             self.step_swap_in = []
         return out
+
+    def _drop_finished_running(self) -> None:
+        running = self.running
+        gone = self._left_running
+        if len(gone) * 8 < len(running):  # a few: find each by its stamp (running is sorted)
+            for seq in gone:
+                k = bisect_left(running, seq.running_stamp, key=_running_stamp)
+                if k < len(running) and running[k] is seq and seq.status is not RUNNING:
+                    del running[k]
+        else:
+            self.running = [s for s in running if s.status is RUNNING]
+        gone.clear()
+        self.running_dirty = False
+
+    def join_running(self, seq: Sequence) -> None:
+        """Append to ``running``, which stays sorted by join order (stamps)."""
+        self._running_stamp += 1
+        seq.running_stamp = self._running_stamp
+        self.running.append(seq)
 
     def set_next_event(self, seq: Sequence) -> None:
         cap = len(seq.block_table) * self.block_size + 1
@@ -287,7 +312,13 @@ class Scheduler:
 
     def _on_event(self, seq: Sequence, tok: int, needs: list[Sequence]) -> None:
         if not self._check_stop(seq, tok) and len(seq.token_ids) > len(seq.block_table) * self.block_size:
-            needs.append(seq)
+            needs.append(seq)  # next_event <= len(token_ids) already
+
+    def mark_needs_block(self, seq: Sequence) -> None:
+        """``seq``'s next slot needs a block (boundary or copy-on-write): queue it for the next
+        schedule(), and make ``len(token_ids) >= next_event`` flag it until then."""
+        seq.next_event = 0
+        self.needs.append(seq)
 
     def _check_stop(self, seq: Sequence, tok: int) -> bool:
         """Finish ``seq`` if ``tok`` (just appended) ends it; True when it did."""
@@ -331,9 +362,9 @@ class Scheduler:
                     continue
                 self.set_next_event(s)
                 if joins or s is not seq:
-                    self.running.append(s)
+                    self.join_running(s)
                 if bm.slot_needs_block(s):
-                    self.needs.append(s)
+                    self.mark_needs_block(s)
             if joins:
                 completed.append(seq)
         if completed:
@@ -364,6 +395,7 @@ class Scheduler:
         seq.stop_reason = stop_reason
         self.block_manager.free(seq)
         self.running_dirty = True
+        self._left_running.append(seq)
         group = seq.group
         if group.is_finished:
             group.metrics.finished_time = self.clock()
@@ -379,6 +411,7 @@ class Scheduler:
                 self.prefilling.remove(seq)
             else:
                 self.running_dirty = True
+                self._left_running.append(seq)
         elif old is WAITING:
             self.waiting.remove(seq)
         elif old is SWAPPED:
@@ -422,8 +455,7 @@ class Scheduler:
     @property
     def stats(self) -> SchedulerStats:
         if self.running_dirty:
-            self.running = [s for s in self.running if s.status is RUNNING]
-            self.running_dirty = False
+            self._drop_finished_running()
         gpu = self.block_manager.gpu
         total = gpu.num_blocks
         free = gpu.num_free

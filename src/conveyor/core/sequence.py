@@ -73,6 +73,7 @@ class Sequence:
         "block_hashes",
         "num_registered_blocks",
         "cpu_block_table",
+        "running_stamp",
     )
 
     def __init__(self, seq_id: int, group: SequenceGroup, index: int, token_ids: list[int],
@@ -96,6 +97,7 @@ class Sequence:
         self.block_hashes: list[int] = []  # chained prefix hash of each full block of token_ids
         self.num_registered_blocks = 0  # leading blocks of block_table known to the prefix cache
         self.cpu_block_table: list[int] = []  # while SWAPPED
+        self.running_stamp = 0  # when it joined `running` (running stays sorted by it)
 
     def __len__(self) -> int:
         return len(self.token_ids)
