@@ -168,3 +168,15 @@ def _run(args: argparse.Namespace) -> int:
         report.write_markdown(args.report, header, summaries, plots)
         print(f"report: {args.report}")
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``conveyor simulate`` on its own (``python -m conveyor.sim.cli ...``)."""
+    parser = argparse.ArgumentParser(prog="conveyor")
+    add_parser(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(["simulate", *(sys.argv[1:] if argv is None else argv)])
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -56,7 +56,7 @@ class Workload:
         with open(path, "w") as f:
             for a, p, o, q in zip(self.arrival_s.tolist(), self.prompt_tokens.tolist(),
                                   self.output_tokens.tolist(), self.priority.tolist(), strict=False):
-                f.write(json.dumps({"arrival_s": round(a, 6), "prompt_tokens": p,
+                f.write(json.dumps({"arrival_s": a, "prompt_tokens": p,
                                     "output_tokens": o, "priority": q}) + "\n")
 
 
