@@ -1,0 +1,136 @@
+"""Tiny random Llama / Qwen2 / Qwen3 built with transformers, loaded by Conveyor: same logits."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+from conveyor.executor.kv_cache import KVCache
+from conveyor.executor.model_executor import ModelExecutor
+from conveyor.model.layers.attention import build_attention_metadata
+
+VOCAB = 96
+
+
+def _save_tokenizer(path: str) -> None:
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2}
+    for i in range(3, VOCAB):
+        vocab[f"w{i}"] = i
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>",
+                                   unk_token="<unk>")
+    fast.save_pretrained(path)
+
+
+def _build(kind: str, path: str):
+    import transformers
+
+    common = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                  bos_token_id=1, eos_token_id=2)
+    if kind == "llama":
+        cfg = transformers.LlamaConfig(**common, tie_word_embeddings=False, rope_parameters={
+            "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 32, "rope_theta": 10000.0})
+        model = transformers.LlamaForCausalLM(cfg)
+    elif kind == "llama_tied":
+        cfg = transformers.LlamaConfig(**common, tie_word_embeddings=True)
+        model = transformers.LlamaForCausalLM(cfg)
+    elif kind == "qwen2":
+        cfg = transformers.Qwen2Config(**common, tie_word_embeddings=True)
+        model = transformers.Qwen2ForCausalLM(cfg)
+    else:
+        cfg = transformers.Qwen3Config(**common, head_dim=24, tie_word_embeddings=False)
+        model = transformers.Qwen3ForCausalLM(cfg)
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for name, p in model.named_parameters():  # random everything, biases and norms included
+            p.copy_(1.0 + 0.2 * torch.randn_like(p) if "norm" in name else 0.2 * torch.randn_like(p))
+    model.eval()
+    model.save_pretrained(path)
+    _save_tokenizer(path)
+    return model
+
+
+@pytest.mark.parametrize("kind", ["llama", "llama_tied", "qwen2", "qwen3"])
+def test_logits_match_transformers(kind: str, tmp_path) -> None:
+    ref = _build(kind, str(tmp_path))
+    ex = ModelExecutor(str(tmp_path), dtype="float32", device="cpu")
+    cfg = ex.model_config
+    assert cfg.architecture == kind.split("_")[0]
+    assert cfg.num_params == sum(p.numel() for p in ref.parameters())
+
+    gen = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(3, VOCAB, (n,), generator=gen).tolist() for n in (37, 1, 20)]
+    with torch.no_grad():
+        expected = [ref(torch.tensor([p])).logits[0] for p in prompts]
+
+    # Whole prompts, all positions' logits, three sequences in one forward (one is 1 token long).
+    block_size = 8
+    cache = KVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, block_size, 32, 0,
+                    torch.float32, torch.device("cpu"))
+    tables = [[0, 1, 2, 3, 4, 9], [5], [6, 7, 8]]
+    order = [1, 0, 2]  # single-token entries first
+    ids = [t for i in order for t in prompts[i]]
+    meta = build_attention_metadata([tables[i] for i in order], [0, 0, 0],
+                                    [len(prompts[i]) for i in order], block_size,
+                                    cfg.num_queries_per_kv, torch.device("cpu"))
+    logits = ex.model(torch.tensor(ids), meta.positions, cache.layers, meta,
+                      torch.arange(len(ids)))
+    got = dict(zip(order, torch.split(logits, [len(prompts[i]) for i in order]), strict=True))
+    for i in range(3):
+        torch.testing.assert_close(got[i], expected[i], rtol=1e-4, atol=1e-4)
+
+    # Continue sequence 0 as a chunk of 5 tokens after its 37 cached ones, next to a decode of 2.
+    extra = torch.randint(3, VOCAB, (5,), generator=gen).tolist()
+    with torch.no_grad():
+        full0 = ref(torch.tensor([prompts[0] + extra])).logits[0, -5:]
+        full2 = ref(torch.tensor([prompts[2] + extra[:1]])).logits[0, -1:]
+    meta = build_attention_metadata([tables[2], tables[0]], [20, 37], [1, 5], block_size,
+                                    cfg.num_queries_per_kv, torch.device("cpu"))
+    logits = ex.model(torch.tensor(extra[:1] + extra), meta.positions, cache.layers, meta,
+                      torch.arange(6))
+    torch.testing.assert_close(logits[0:1], full2, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(logits[1:], full0, rtol=1e-4, atol=1e-4)
+
+
+def test_missing_files_and_unknown_architecture(tmp_path) -> None:
+    with pytest.raises(ValueError, match="not found"):
+        ModelExecutor(str(tmp_path / "nope"), device="cpu")
+    with pytest.raises(ValueError, match="config.json"):
+        ModelExecutor(str(tmp_path), device="cpu")
+
+    _build("llama", str(tmp_path))
+    weights = [f for f in os.listdir(tmp_path) if f.endswith(".safetensors")]
+    os.rename(tmp_path / weights[0], tmp_path / "moved.bin")
+    with pytest.raises(ValueError, match="safetensors"):
+        ModelExecutor(str(tmp_path), device="cpu")
+    os.rename(tmp_path / "moved.bin", tmp_path / weights[0])
+
+    os.rename(tmp_path / "tokenizer.json", tmp_path / "tok.moved")
+    os.rename(tmp_path / "tokenizer_config.json", tmp_path / "tokcfg.moved")
+    with pytest.raises(ValueError, match="tokenizer.json"):
+        ModelExecutor(str(tmp_path), device="cpu")
+    os.rename(tmp_path / "tok.moved", tmp_path / "tokenizer.json")
+    os.rename(tmp_path / "tokcfg.moved", tmp_path / "tokenizer_config.json")
+
+    cfg_path = tmp_path / "config.json"
+    cfg = json.loads(cfg_path.read_text())
+    cfg["model_type"] = "gpt2"
+    cfg_path.write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="unsupported model architecture 'gpt2'"):
+        ModelExecutor(str(tmp_path), device="cpu")
+
+
+def test_bad_dtype_and_device() -> None:
+    with pytest.raises(ValueError, match="dtype"):
+        ModelExecutor("unused", dtype="int3", device="cpu")
+    with pytest.raises(ValueError, match="device"):
+        ModelExecutor("unused", device="tpu")
