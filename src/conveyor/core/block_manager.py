@@ -22,6 +22,13 @@ class BlockManager:
         self.cpu = CpuBlockPool(cache_config.num_cpu_blocks)
         self.enable_prefix_caching = cache_config.enable_prefix_caching
         self.blocks_to_copy: list[tuple[int, int]] = []
+        self._cpu_freed_after_step: list[int] = []
+
+    def end_step(self) -> None:
+        """The step's SchedulerOutput is built: CPU blocks swapped in by it become free."""
+        for c in self._cpu_freed_after_step:
+            self.cpu.free(c)
+        self._cpu_freed_after_step.clear()
 
     @property
     def num_free_blocks(self) -> int:
@@ -133,6 +140,23 @@ class BlockManager:
             gpu.free(src)
             table[index] = dst
 
+    def void_copies(self, seq: Sequence) -> dict[int, int]:
+        """``seq`` is preempted in the step that copied-on-write for it: drop those copies.
+
+        Returns {copy destination: source}: a swap-out this step must read the source (the
+        executor swaps out before it copies; the source is intact until the forward runs).
+        """
+        table = set(seq.block_table)
+        keep = []
+        redirect = {}
+        for src, dst in self.blocks_to_copy:
+            if dst in table:
+                redirect[dst] = src
+            else:
+                keep.append((src, dst))
+        self.blocks_to_copy = keep
+        return redirect
+
     def capacity(self, seq: Sequence) -> int:
         return len(seq.block_table) * self.block_size
 
@@ -170,14 +194,16 @@ class BlockManager:
     def can_swap_out(self, seq: Sequence) -> bool:
         return len(seq.block_table) <= self.cpu.num_free
 
-    def swap_out(self, seq: Sequence) -> list[tuple[int, int]]:
-        """Move ``seq``'s blocks to the CPU pool; returns the (gpu, cpu) copies to perform."""
+    def swap_out(self, seq: Sequence, redirect: dict[int, int] | None = None
+                 ) -> list[tuple[int, int]]:
+        """Move ``seq``'s blocks to the CPU pool; returns the (gpu, cpu) copies to perform
+        (``redirect``: blocks whose data still sits in another block, see void_copies)."""
         self.register_full_blocks(seq, seq.num_computed_tokens)
         mapping = []
         gpu, cpu = self.gpu, self.cpu
         for b in seq.block_table:
             c = cpu.allocate()
-            mapping.append((b, c))
+            mapping.append((redirect.get(b, b) if redirect else b, c))
         for b in reversed(seq.block_table):
             gpu.free(b)
         seq.cpu_block_table = [c for _, c in mapping]
@@ -190,14 +216,16 @@ class BlockManager:
 
     def swap_in(self, seq: Sequence, num_tokens: int) -> list[tuple[int, int]]:
         """Bring ``seq``'s blocks back (plus room for ``num_tokens``); returns (cpu, gpu) copies."""
-        gpu, cpu = self.gpu, self.cpu
+        gpu = self.gpu
         mapping = []
         table = []
         for c in seq.cpu_block_table:
             b = gpu.allocate()
             mapping.append((c, b))
             table.append(b)
-            cpu.free(c)
+        # The executor swaps out before it swaps in: a CPU block read this step must not be
+        # handed to a swap-out of the same step, so it is freed when the step is built.
+        self._cpu_freed_after_step.extend(seq.cpu_block_table)
         seq.cpu_block_table = []
         seq.block_table = table
         seq.num_registered_blocks = 0

@@ -11,8 +11,8 @@ step shared by decodes and prefill chunks, in this order:
    ``max_num_partial_prefills`` sequences being left part-way through their prompt.
 
 Entries come out in that order, so decodes lead the SchedulerOutput (``num_decodes``).
-A sequence whose prefill chunk was scheduled this step is never a victim: blocks it fills this
-step may already be shared through the prefix cache.
+A sequence with a prefill chunk this step, or swapped in this step, is never a victim (see
+``_Step.protected``).
 """
 
 from __future__ import annotations
@@ -32,14 +32,17 @@ RUNNING = SequenceStatus.RUNNING
 class _Step:
     """The step being built."""
 
-    __slots__ = ("seqs", "num_new", "num_decodes", "budget", "chunked")
+    __slots__ = ("seqs", "num_new", "num_decodes", "budget", "protected")
 
     def __init__(self, budget: int) -> None:
         self.seqs: list[Sequence] = []
         self.num_new: list[int] = []
         self.num_decodes = 0
         self.budget = budget
-        self.chunked: set[Sequence] = set()  # sequences with a prefill chunk this step
+        # never victims this step: sequences with a prefill chunk (the blocks they fill may
+        # already be shared through the prefix cache) or swapped in (their blocks are not
+        # filled before the step runs)
+        self.protected: set[Sequence] = set()
 
     def unschedule_decode(self, seq: Sequence) -> None:
         k = self.seqs.index(seq)
@@ -140,6 +143,7 @@ def _resume_swapped(sched: Scheduler, step: _Step) -> None:
         swapped.pop()
         decoding = sched.is_decoding(seq)
         sched.swap_in(seq)
+        step.protected.add(seq)
         if decoding:
             sched.join_running(seq)
             step.seqs.append(seq)
@@ -192,7 +196,7 @@ def _continue_prefills(sched: Scheduler, step: _Step) -> int:
         step.seqs.append(seq)
         step.num_new.append(chunk)
         step.budget -= chunk
-        step.chunked.add(seq)
+        step.protected.add(seq)
         if chunk < remaining:
             num_partial += 1
     return num_partial
@@ -204,11 +208,11 @@ def _prefill_victim(sched: Scheduler, seq: Sequence, step: _Step) -> Sequence | 
     prefilling = sched.prefilling
     if not sched.priority_queue:
         last = prefilling[-1] if prefilling else None
-        return last if last is not None and last is not seq and last not in step.chunked else None
+        return last if last is not None and last is not seq and last not in step.protected else None
     from conveyor.core.scheduler import victim_key
 
-    candidates = [s for s in prefilling if s not in step.chunked and s is not seq]
-    victim = sched.lowest_priority(candidates + sched.running)
+    candidates = [s for s in prefilling + sched.running if s not in step.protected and s is not seq]
+    victim = sched.lowest_priority(candidates)
     if victim is None or victim_key(victim) <= victim_key(seq):
         return None
     return victim
@@ -264,14 +268,14 @@ def _admit_new(sched: Scheduler, step: _Step, num_partial: int) -> None:
         step.seqs.append(seq)
         step.num_new.append(chunk)
         step.budget -= chunk
-        step.chunked.add(seq)
+        step.protected.add(seq)
         if partial:
             num_partial += 1
 
 
 def _preempt_lower_priority(sched: Scheduler, step: _Step, head: Sequence) -> bool:
     """Preempt the lowest-priority sequence holding blocks if it ranks strictly below ``head``."""
-    candidates = [s for s in sched.prefilling if s not in step.chunked] + sched.running
+    candidates = [s for s in sched.prefilling + sched.running if s not in step.protected]
     victim = sched.lowest_priority(candidates)
     if victim is None or victim.group.priority <= head.group.priority:
         return False

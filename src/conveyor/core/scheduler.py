@@ -195,6 +195,7 @@ class Scheduler:
         if self.step_swap_in:
             out.blocks_to_swap_in = self.step_swap_in
             self.step_swap_in = []
+            bm.end_step()
         return out
 
     def _drop_finished_running(self) -> None:
@@ -243,8 +244,9 @@ class Scheduler:
         seq.group.metrics.num_preemptions += 1
         self.preempted_this_step = True
         bm = self.block_manager
+        redirect = bm.void_copies(seq) if bm.blocks_to_copy else None
         if self.swap_mode and bm.can_swap_out(seq):
-            self.step_swap_out.extend(bm.swap_out(seq))
+            self.step_swap_out.extend(bm.swap_out(seq, redirect))
             seq.status = SWAPPED
             self.swapped.push_front(seq)
         else:

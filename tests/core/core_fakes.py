@@ -1,0 +1,162 @@
+"""Test doubles for the scheduler: a deterministic fake model over a simulated paged KV cache,
+an independent reference of each request's tokens, and the invariant checks."""
+
+from __future__ import annotations
+
+from conveyor.core.config import CacheConfig, SchedulerConfig
+from conveyor.core.sampling_params import SamplingParams
+from conveyor.core.scheduler import Scheduler
+from conveyor.core.scheduler_output import SchedulerOutput
+from conveyor.core.sequence import SequenceGroup, SequenceStatus
+
+VOCAB = 23
+EOS = 0
+
+
+def fake_token(token_ids: list[int], sample_index: int) -> int:
+    """The fake model: next token = a hash of the sequence so far and its sample index."""
+    return hash((tuple(token_ids), sample_index)) % VOCAB
+
+
+def fingerprints(token_ids: list[int], upto: int) -> list[int]:
+    """What the K/V at each position stands for: a chain over the prefix up to it."""
+    out = []
+    h = 17
+    for t in token_ids[:upto]:
+        h = hash((h, t))
+        out.append(h)
+    return out
+
+
+class FakeExecutor:
+    """Executes SchedulerOutputs against a simulated KV cache and checks every read.
+
+    Each slot holds the fingerprint of the prefix it was computed for. Block operations run in
+    the contract's order (swap out, swap in, copy), then every scheduled token is written, then
+    each sequence's whole prefix is read back: a wrong prefix-cache hit, a missing copy-on-write,
+    a lost swap or an unallocated block shows up as a mismatch. Blocks keep stale contents
+    when freed, as real memory does.
+    """
+
+    def __init__(self, sched: Scheduler) -> None:
+        cc = sched.cache_config
+        self.sched = sched
+        self.bs = cc.block_size
+        self.gpu: list[list[int | None]] = [[None] * cc.block_size for _ in range(cc.num_gpu_blocks)]
+        self.cpu: list[list[int | None]] = [[None] * cc.block_size for _ in range(cc.num_cpu_blocks)]
+
+    def execute(self, out: SchedulerOutput) -> list[list[int]]:
+        bs = self.bs
+        refs = self.sched.block_manager.gpu.ref_counts
+        for g, c in out.blocks_to_swap_out:
+            self.cpu[c] = list(self.gpu[g])
+        for c, g in out.blocks_to_swap_in:
+            self.gpu[g] = list(self.cpu[c])
+        for s, d in out.blocks_to_copy:
+            assert refs[d] >= 1, f"copy into free block {d}"
+            self.gpu[d] = list(self.gpu[s])
+        fps_of = []
+        for i, seq in enumerate(out.seqs):
+            start, n = seq.num_computed_tokens, out.num_new_tokens[i]
+            assert n >= 1 and start + n <= len(seq.token_ids), (seq, n)
+            assert len(seq.block_table) * bs >= start + n, f"{seq}: no slot for its tokens"
+            fps = fingerprints(seq.token_ids, start + n)
+            fps_of.append(fps)
+            for p in range(start, start + n):
+                b = seq.block_table[p // bs]
+                assert refs[b] >= 1, f"{seq} writes free block {b}"
+                # a write into a shared block (a missing copy-on-write) shows up when a sharer
+                # reads the slot back: now or at its next step
+                self.gpu[b][p % bs] = fps[p]
+        sampled = []
+        for i, seq in enumerate(out.seqs):
+            fps = fps_of[i]
+            for p, fp in enumerate(fps):
+                got = self.gpu[seq.block_table[p // bs]][p % bs]
+                assert got == fp, f"{seq}: wrong K/V at position {p}"
+            k = out.num_samples(i)
+            if k == 0:
+                sampled.append([])
+            elif k == 1:
+                sampled.append([fake_token(seq.token_ids, seq.index)])
+            else:
+                sampled.append([fake_token(seq.token_ids, j) for j in range(k)])
+        return sampled
+
+
+def reference_outputs(prompt: list[int], sp: SamplingParams, max_len: int,
+                      eos: frozenset[int] = frozenset({EOS})) -> list[list[int]]:
+    """Each sample's output tokens, generated alone with the stop rules (no scheduler)."""
+    stop = set(sp.stop_token_ids) | (set() if sp.ignore_eos else set(eos))
+    if sp.max_tokens is not None:
+        max_len = min(max_len, len(prompt) + sp.max_tokens)
+    min_len = len(prompt) + sp.min_tokens
+    outs = []
+    for k in range(sp.n):
+        toks = list(prompt)
+        while True:
+            tok = fake_token(toks, k)
+            toks.append(tok)
+            if (tok in stop and len(toks) >= min_len) or len(toks) >= max_len:
+                break
+        outs.append(toks[len(prompt):])
+    return outs
+
+
+def seq_limit(sc: SchedulerConfig, cc: CacheConfig) -> int:
+    """Longest sequence the configuration can compute (computed here, not read off the scheduler)."""
+    limit = min(sc.max_model_len, cc.num_gpu_blocks * cc.block_size)
+    if sc.policy == "prefill_first":
+        limit = min(limit, sc.max_num_batched_tokens)
+    return limit
+
+
+def check_invariants(sched: Scheduler) -> None:
+    """Ref counts == owners; free + used == total; CPU pool likewise; queue membership."""
+    bm = sched.block_manager
+    gpu = bm.gpu
+    gpu.check_consistency()
+    live = [s for g in sched.unfinished_groups() for s in g.seqs if not s.status.is_finished]
+    owners = [0] * gpu.num_blocks
+    cpu_used = 0
+    for s in live:
+        for b in s.block_table:
+            owners[b] += 1
+        cpu_used += len(s.cpu_block_table)
+        if s.status is SequenceStatus.WAITING:
+            assert not s.block_table and not s.cpu_block_table, s
+        elif s.status is SequenceStatus.SWAPPED:
+            assert not s.block_table and s.cpu_block_table, s
+        else:
+            assert s.status is SequenceStatus.RUNNING and not s.cpu_block_table, s
+    assert owners == gpu.ref_counts, "ref counts differ from owners"
+    used = sum(1 for r in gpu.ref_counts if r)
+    assert used + gpu.num_free == gpu.num_blocks
+    assert cpu_used + bm.cpu.num_free == bm.cpu.num_blocks
+    running = [s for s in sched.running if s.status is SequenceStatus.RUNNING]
+    in_run = running + sched.prefilling
+    assert len(set(map(id, in_run))) == len(in_run), "a sequence is queued twice"
+    assert {id(s) for s in live if s.status is SequenceStatus.RUNNING} == set(map(id, in_run))
+    assert len(sched.waiting) == sum(1 for s in live if s.status is SequenceStatus.WAITING)
+    assert len(sched.swapped) == sum(1 for s in live if s.status is SequenceStatus.SWAPPED)
+
+
+def run_to_completion(sched: Scheduler, executor: FakeExecutor | None = None,
+                      max_steps: int = 100_000, check: bool = False) -> dict[str, SequenceGroup]:
+    """Step until nothing is left; returns finished groups by request id (each exactly once)."""
+    executor = executor or FakeExecutor(sched)
+    finished: dict[str, SequenceGroup] = {}
+    cfg = sched.config
+    for _ in range(max_steps):
+        if not sched.has_unfinished_requests():
+            return finished
+        out = sched.schedule()
+        assert len(out.seqs) <= cfg.max_num_seqs
+        assert sum(out.num_new_tokens) == out.num_batched_tokens <= cfg.max_num_batched_tokens
+        sampled = executor.execute(out)
+        for g in sched.update(out, sampled):
+            assert g.request_id not in finished, f"{g.request_id} finished twice"
+            finished[g.request_id] = g
+        if check:
+            check_invariants(sched)
+    raise AssertionError(f"no completion after {max_steps} steps: {sched.stats}")
