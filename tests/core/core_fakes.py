@@ -3,6 +3,8 @@ an independent reference of each request's tokens, and the invariant checks."""
 
 from __future__ import annotations
 
+import itertools
+
 from conveyor.core.config import CacheConfig, SchedulerConfig
 from conveyor.core.sampling_params import SamplingParams
 from conveyor.core.scheduler import Scheduler
@@ -160,3 +162,24 @@ def run_to_completion(sched: Scheduler, executor: FakeExecutor | None = None,
         if check:
             check_invariants(sched)
     raise AssertionError(f"no completion after {max_steps} steps: {sched.stats}")
+
+
+def make_scheduler(*, block_size: int = 4, num_gpu_blocks: int = 64, num_cpu_blocks: int = 0,
+                   prefix_caching: bool = True, eos: tuple[int, ...] = (EOS,), **sched_kw) -> Scheduler:
+    """A small scheduler with a fake clock (1.0, 2.0, ...); SchedulerConfig fields as keywords."""
+    kw = {"max_num_seqs": 8, "max_num_batched_tokens": 256, "max_model_len": 256}
+    kw.update(sched_kw)
+    ticks = itertools.count(1)
+    return Scheduler(SchedulerConfig(**kw),
+                     CacheConfig(block_size=block_size, num_gpu_blocks=num_gpu_blocks,
+                                 num_cpu_blocks=num_cpu_blocks, enable_prefix_caching=prefix_caching),
+                     eos_token_ids=eos, clock=lambda: float(next(ticks)))
+
+
+def step(sched: Scheduler, executor: FakeExecutor) -> tuple[SchedulerOutput, list[SequenceGroup]]:
+    out = sched.schedule()
+    return out, sched.update(out, executor.execute(out))
+
+
+def ids(seqs) -> list[str]:
+    return [s.group.request_id for s in seqs]
