@@ -86,3 +86,13 @@ def test_priority_queue_orders_by_priority_then_arrival_then_sequence():
     q.remove(s4)
     assert len(q) == 3
     assert [q.pop(), q.pop(), q.pop()] == [s2, s3, s1] and not q
+
+
+def test_core_never_imports_torch():
+    import subprocess
+    import sys
+
+    code = ("import sys, conveyor.core.scheduler, conveyor.core.chunked, conveyor.core.prefill_first, "
+            "conveyor.bench.scheduler; print('torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
