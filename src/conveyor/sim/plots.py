@@ -19,6 +19,17 @@ def _pyplot():
     return plt
 
 
+def _plain_log_labels(axis) -> None:
+    """Label a log axis 7, 8, 10, 20 rather than 7x10^0 (minor ticks only on a short range)."""
+    from matplotlib.ticker import FuncFormatter
+
+    fmt = FuncFormatter(lambda v, _: f"{v:g}")
+    axis.set_major_formatter(fmt)
+    low, high = axis.get_view_interval()
+    if low > 0 and high / low < 20:
+        axis.set_minor_formatter(fmt)
+
+
 def latency_vs_rate(results: list[RunResult], summaries: list[dict], path: Path) -> Path:
     plt = _pyplot()
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
@@ -36,9 +47,10 @@ def latency_vs_rate(results: list[RunResult], summaries: list[dict], path: Path)
                         label=f"{label} p{p}")
         ax.set_xlabel("request rate (req/s)")
         ax.set_title(title)
+        ax.grid(True, alpha=0.3)
         if metric != "goodput":
             ax.set_yscale("log")
-        ax.grid(True, alpha=0.3)
+            _plain_log_labels(ax.yaxis)
         ax.legend(fontsize=7)
     first = summaries[0]
     fig.suptitle(f"{first['model']} on {first['tp']} x {first['hardware']}")
@@ -60,6 +72,7 @@ def cdfs(results: list[RunResult], rate: float, path: Path) -> Path:
             if len(v):
                 ax.plot(v, np.arange(1, len(v) + 1) / len(v), label=r.label)
         ax.set_xscale("log")
+        _plain_log_labels(ax.xaxis)
         ax.set_xlabel(title)
         ax.set_ylabel("fraction of requests")
         ax.grid(True, alpha=0.3)
