@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import sys
+import time
 
 from conveyor.engine.args import add_cli_args, add_sampling_cli_args
 
@@ -21,6 +22,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                     "Works with stdin from a pipe too.")
     parser.add_argument("--system", default=None, metavar="TEXT",
                         help="system message (default: the chat template's own)")
+    parser.add_argument("--stats", action="store_true",
+                        help="after each reply, print its prompt/reply token counts and speed to stderr")
     add_sampling_cli_args(parser, max_tokens=256)
     add_cli_args(parser)
     parser.set_defaults(func=run)
@@ -59,6 +62,7 @@ def run(args: argparse.Namespace) -> int:
         history.append({"role": "user", "content": line})
         request_id = f"chat-{turn}"
         engine.add_request(request_id, chat_prompt(engine.tokenizer, history), params)
+        started = time.perf_counter()
         try:
             out = _stream_reply(engine)
         except KeyboardInterrupt:
@@ -71,6 +75,10 @@ def run(args: argparse.Namespace) -> int:
             print(f"[ignored: {out.finish_message}; /reset starts over]")
             continue
         history.append({"role": "assistant", "content": out.outputs[0].text})
+        if args.stats:
+            n_out, seconds = len(out.outputs[0].token_ids), time.perf_counter() - started
+            print(f"[prompt {len(out.prompt_token_ids)} tokens, reply {n_out} tokens, "
+                  f"{n_out / seconds:.1f} tok/s, {out.outputs[0].finish_reason}]", file=sys.stderr)
     if interactive:
         print()
     return 0
