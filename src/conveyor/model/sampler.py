@@ -68,7 +68,7 @@ class Sampler:
         want_logprobs = [p.logprobs for p in params]
         raw_logprobs = (torch.log_softmax(logits, dim=-1)
                         if any(n is not None for n in want_logprobs) else None)
-        logits = self._apply_penalties(logits.clone(), rows, vocab)
+        logits = self._apply_penalties(logits, rows, vocab)  # out of place
 
         greedy = torch.tensor([p.temperature == 0.0 for p in params], device=device)
         chosen = logits.argmax(dim=-1)
@@ -144,7 +144,10 @@ class Sampler:
         for i, r in enumerate(rows):
             if r.params.seed is not None:
                 uniforms[i] = seeded_uniform(r.params.seed, r.sample_index, r.position)
-        cdf = probs.double().cumsum(dim=-1)
-        targets = uniforms.to(device)[:, None] * cdf[:, -1:]
-        picked = torch.searchsorted(cdf, targets, right=True)[:, 0]
-        return picked.clamp_(max=vocab - 1)
+        cdf = probs.cumsum(dim=-1)
+        total = cdf[:, -1:]
+        # First token whose cdf reaches u * total; the clamps keep zero-probability tokens out
+        # (their cdf equals their predecessor's, which is found first) even at u = 0 or rounding.
+        targets = uniforms.to(device=device, dtype=cdf.dtype)[:, None] * total
+        targets = torch.minimum(targets.clamp_(min=torch.finfo(cdf.dtype).tiny), total)
+        return torch.searchsorted(cdf, targets)[:, 0].clamp_(max=vocab - 1)

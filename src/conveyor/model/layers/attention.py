@@ -6,9 +6,9 @@ with one ``scaled_dot_product_attention`` call per layer:
 * decode group (entries computing one token) first, then
 * prefill group (entries computing a chunk of >1 tokens, possibly after a cached prefix).
 
-For each group, keys and values are gathered from the paged cache through a ``[B, C]`` table of
-cache slots (slot = block_id * block_size + offset) and a boolean mask hides padding and
-future positions. Grouped-query attention is done without repeating K/V: the ``g`` query heads
+For each group, keys and values are gathered from the paged cache a whole block at a time
+through the ``[B, blocks]`` block table (one contiguous row per block, not per token) and a
+boolean mask hides padding and future positions. Grouped-query attention is done without repeating K/V: the ``g`` query heads
 that share a KV head are folded into the query-length axis, ``[B, kv_heads, Q * g, head_dim]``.
 """
 
@@ -26,7 +26,7 @@ class AttentionGroup:
     max_query_len: int
     token_start: int  # first flat token of this group
     num_tokens: int
-    key_slots: torch.Tensor  # [B, C] cache slots of each entry's context (padding: slot 0)
+    block_table: torch.Tensor  # [B, C / block_size] blocks of each entry's context (padding: 0)
     mask: torch.Tensor  # [B, 1, Q * g, C] bool, True = attend
     query_index: torch.Tensor | None  # [B, Q] index into the group's tokens (None: no padding)
     out_index: torch.Tensor | None  # [num_tokens] rows of the padded [B * Q] output that are real
@@ -73,10 +73,8 @@ def build_attention_metadata(
         g_tab, g_start, g_new = table[lo:hi], start_t[lo:hi], new_t[lo:hi]
         batch, max_q = hi - lo, int(g_new.max())
         ctx = g_start + g_new
-        max_ctx = int(ctx.max())
-        key_pos = torch.arange(max_ctx)[None, :]
-        key_slots = g_tab.gather(1, (key_pos // block_size).expand(batch, -1)) * block_size \
-            + key_pos % block_size
+        num_blocks = (int(ctx.max()) + block_size - 1) // block_size
+        key_pos = torch.arange(num_blocks * block_size)[None, :]
         q_off = torch.arange(max_q)[None, :]
         q_valid = q_off < g_new[:, None]  # [B, Q]
         q_pos = torch.where(q_valid, g_start[:, None] + q_off, 0)
@@ -89,7 +87,8 @@ def build_attention_metadata(
             query_index = torch.where(q_valid, first[:, None] + q_off, 0)
             out_index = (torch.arange(batch)[:, None] * max_q + q_off)[q_valid]
             query_index, out_index = query_index.to(device), out_index.to(device)
-        groups.append(AttentionGroup(batch, max_q, token_start, n_tok, key_slots.to(device),
+        groups.append(AttentionGroup(batch, max_q, token_start, n_tok,
+                                     g_tab[:, :num_blocks].contiguous().to(device),
                                      mask.to(device), query_index, out_index))
         token_start += n_tok
     return AttentionMetadata(slot_mapping.to(device), pos.to(device), groups)
@@ -117,8 +116,10 @@ def paged_attention(
         qg = q[grp.token_start: grp.token_start + grp.num_tokens]
         qg = qg[grp.query_index] if grp.query_index is not None else qg.view(b, nq, num_heads, head_dim)
         qg = qg.view(b, nq, kv_heads, g, head_dim).transpose(1, 2).reshape(b, kv_heads, nq * g, head_dim)
-        keys = flat_k[grp.key_slots].transpose(1, 2)  # [B, kv_heads, C, head_dim]
-        values = flat_v[grp.key_slots].transpose(1, 2)
+        # index_select copies whole blocks; advanced indexing would go element by element.
+        blocks = grp.block_table.view(-1)
+        keys = k_cache.index_select(0, blocks).view(b, -1, kv_heads, head_dim).transpose(1, 2)
+        values = v_cache.index_select(0, blocks).view(b, -1, kv_heads, head_dim).transpose(1, 2)
         o = F.scaled_dot_product_attention(qg, keys, values, attn_mask=grp.mask)
         o = o.view(b, kv_heads, nq, g, head_dim).transpose(1, 2).reshape(b * nq, num_heads * head_dim)
         outs.append(o[grp.out_index] if grp.out_index is not None else o)

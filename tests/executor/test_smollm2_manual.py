@@ -1,0 +1,111 @@
+"""SmolLM2 greedy decoding equals transformers, driven by hand-built SchedulerOutputs.
+
+The hand-built steps give each sequence its own blocks and exercise what the executor must
+handle whatever the scheduler does: one batch, mixed prefill chunks + decodes, a prefix
+computed by another sequence, swap out/in, and block copies.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from conveyor.core.sampling_params import SamplingParams
+from conveyor.core.scheduler_output import SchedulerOutput
+from conveyor.core.sequence import Sequence, SequenceGroup
+
+BLOCK = 16
+NUM_TOKENS = 48  # as in conftest's reference_tokens
+
+
+def _make_seqs(prompts: list[list[int]], params: SamplingParams, first_block: int = 0):
+    seqs, nxt = [], first_block
+    for i, ids in enumerate(prompts):
+        group = SequenceGroup(f"r{i}", list(ids), params, 0, 0.0)
+        seq = Sequence(i, group, 0, list(ids), len(ids))
+        group.seqs.append(seq)
+        need = (len(ids) + NUM_TOKENS + BLOCK - 1) // BLOCK
+        seq.block_table = list(range(nxt, nxt + need))
+        nxt += need
+        seqs.append(seq)
+    return seqs
+
+
+def _run(executor, seqs, chunk: int | None = None, max_tokens: int = NUM_TOKENS) -> list[list[int]]:
+    """Step until each sequence has max_tokens outputs; prefill in chunks of `chunk` tokens."""
+    while True:
+        active = [s for s in seqs if s.num_output_tokens < max_tokens]
+        if not active:
+            return [s.output_token_ids for s in seqs]
+        counts = [min(chunk or 10**9, len(s.token_ids) - s.num_computed_tokens) for s in active]
+        so = SchedulerOutput(seqs=active, num_new_tokens=counts)
+        out = executor.execute(so)
+        for s, n, toks in zip(active, counts, out.sampled_token_ids, strict=True):
+            s.num_computed_tokens += n
+            s.token_ids.extend(toks)
+
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=NUM_TOKENS, ignore_eos=True)
+
+
+def test_gguf_weights_equal_transformers_loader(executor, hf_model) -> None:
+    sd = hf_model.state_dict()
+    ours = executor.model
+    layer = ours.layers[3]
+    p = "model.layers.3."
+    qkv = torch.cat([sd[p + f"self_attn.{n}_proj.weight"] for n in "qkv"])
+    torch.testing.assert_close(layer.qkv_weight, qkv, rtol=0, atol=0)
+    torch.testing.assert_close(ours.embed_tokens, sd["model.embed_tokens.weight"], rtol=0, atol=0)
+    cfg = executor.model_config
+    assert (cfg.architecture, cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads) == \
+        ("llama", 30, 576, 9, 3)
+    assert cfg.eos_token_ids == [2] and cfg.tie_word_embeddings
+    assert executor.tokenizer.chat_template
+
+
+def test_one_batch(executor, prompt_ids, reference_tokens) -> None:
+    executor.initialize_cache(BLOCK, 256, 0)
+    assert _run(executor, _make_seqs(prompt_ids, GREEDY)) == reference_tokens
+
+
+def test_chunked_prefill_mixed_with_decodes(executor, prompt_ids, reference_tokens) -> None:
+    executor.initialize_cache(BLOCK, 256, 0)
+    # Prompts end their chunks at different steps, so chunks and decodes share steps.
+    assert _run(executor, _make_seqs(prompt_ids, GREEDY), chunk=7) == reference_tokens
+
+
+def test_prefix_computed_by_another_sequence(executor, prompt_ids, reference_tokens) -> None:
+    executor.initialize_cache(BLOCK, 256, 0)
+    first = _make_seqs(prompt_ids[:1], GREEDY)[0]
+    _run(executor, [first], max_tokens=1)
+    # The other prompts share the system-prompt prefix: reuse first's full prompt blocks.
+    others = _make_seqs(prompt_ids[1:], GREEDY, first_block=first.block_table[-1] + 1)
+    for s in others:
+        shared = 0
+        while (shared + BLOCK <= min(len(s.token_ids), first.num_prompt_tokens) - 1
+               and s.token_ids[shared:shared + BLOCK] == first.token_ids[shared:shared + BLOCK]):
+            shared += BLOCK
+        assert shared >= BLOCK
+        s.block_table[: shared // BLOCK] = first.block_table[: shared // BLOCK]
+        s.num_computed_tokens = shared
+    assert _run(executor, [first] + others) == reference_tokens
+
+
+def test_swap_out_in_and_block_copy(executor, prompt_ids, reference_tokens) -> None:
+    executor.initialize_cache(BLOCK, 256, 64)
+    seqs = _make_seqs(prompt_ids[:2], GREEDY)
+    _run(executor, seqs, max_tokens=10)
+    a = seqs[0]
+    # Swap a's blocks out, scribble over them, swap them back into other device blocks.
+    cpu = list(range(len(a.block_table)))
+    executor.execute(SchedulerOutput(blocks_to_swap_out=list(zip(a.block_table, cpu, strict=True))))
+    executor.kv_cache.cache[:, :, a.block_table] = 0
+    moved = list(range(200, 200 + len(a.block_table)))
+    executor.execute(SchedulerOutput(blocks_to_swap_in=list(zip(cpu, moved, strict=True))))
+    a.block_table = moved
+    # Copy b's blocks elsewhere (as copy-on-write would) and continue from the copies.
+    b = seqs[1]
+    copies = list(range(230, 230 + len(b.block_table)))
+    executor.execute(SchedulerOutput(blocks_to_copy=list(zip(b.block_table, copies, strict=True))))
+    executor.kv_cache.cache[:, :, b.block_table] = 0
+    b.block_table = copies
+    assert _run(executor, seqs) == reference_tokens[:2]
