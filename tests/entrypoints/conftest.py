@@ -1,0 +1,127 @@
+"""Fixtures for the HTTP server tests: ``conveyor serve`` as a real subprocess on 127.0.0.1 and a
+free port, ready once /health answers 200, stopped with SIGTERM at teardown."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+# Small and fixed, so that the server and the in-process LLM run the very same engine.
+ENGINE_KWARGS = {"max_model_len": 512, "num_gpu_blocks": 256, "max_num_seqs": 64,
+                 "block_size": 16, "seed": 0}
+BUSY_MAX_QUEUED = 6
+
+
+def engine_flags(**overrides: object) -> list[str]:
+    flags = []
+    for name, value in {**ENGINE_KWARGS, **overrides}.items():
+        flags += ["--" + name.replace("_", "-"), str(value)]
+    return flags
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServerProcess:
+    def __init__(self, args: list[str], log_path: Path) -> None:
+        self.args = args
+        self.port = free_port()
+        self.base_url = f"http://127.0.0.1:{self.port}"
+        self.log_path = log_path
+        self._log = open(log_path, "wb")  # noqa: SIM115 - closed in stop()
+        cmd = [sys.executable, "-m", "conveyor.entrypoints.cli", "serve", "--host", "127.0.0.1",
+               "--port", str(self.port), *args]
+        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT,
+                                     env={**os.environ, "TQDM_DISABLE": "1"})
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")[-4000:]
+
+    def wait_ready(self, timeout: float = 240.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log()}")
+            try:
+                if httpx.get(self.base_url + "/health", timeout=2).status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            time.sleep(0.25)
+        self.stop()
+        raise RuntimeError(f"server not ready after {timeout}s:\n{self.log()}")
+
+    def stop(self, timeout: float = 60.0) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._log.close()
+        return self.proc.returncode
+
+    def metrics(self) -> dict[str, float]:
+        """``{'name{label=value,...}': value}`` from /metrics (labels sorted, model_name left out)."""
+        text = httpx.get(self.base_url + "/metrics", timeout=10).text
+        out = {}
+        for family in text_string_to_metric_families(text):
+            for s in family.samples:
+                labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items())
+                                  if k != "model_name")
+                out[f"{s.name}{{{labels}}}" if labels else s.name] = s.value
+        return out
+
+
+@pytest.fixture(scope="session")
+def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, ServerProcess]]:
+    """Both test servers, started together (loading the model is the slow part)."""
+    started = {
+        # fcfs, room for 64 concurrent requests
+        "default": ServerProcess(engine_flags(), tmp_path_factory.mktemp("server") / "log"),
+        # saturated at 2 running sequences (the chunked policy caps running, not just a step),
+        # priority queue, bounded waiting queue
+        "busy": ServerProcess(engine_flags(max_num_seqs=2, queue="priority", policy="chunked")
+                              + ["--max-queued-requests", str(BUSY_MAX_QUEUED),
+                                 "--shutdown-timeout", "60"],
+                              tmp_path_factory.mktemp("server") / "log"),
+    }
+    try:
+        for s in started.values():
+            s.wait_ready()
+        yield started
+    finally:
+        for s in started.values():
+            s.stop()
+
+
+@pytest.fixture(scope="session")
+def server(servers) -> ServerProcess:
+    return servers["default"]
+
+
+@pytest.fixture(scope="session")
+def busy_server(servers) -> ServerProcess:
+    return servers["busy"]
+
+
+@pytest.fixture(scope="session")
+def llm():
+    """The offline API on the same engine settings, for output equality."""
+    from conveyor.engine.llm import LLM
+
+    return LLM(**ENGINE_KWARGS)
