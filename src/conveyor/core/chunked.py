@@ -238,7 +238,10 @@ def _admit_new(sched: Scheduler, step: _Step, num_partial: int) -> None:
     max_seqs = cfg.max_num_seqs
     waiting = sched.waiting
     now = None
+    retry = False  # the head just preempted lower-priority sequences: try it again
     while step.budget > 0 and len(step.seqs) < max_seqs:
+        if sched.swapped and not retry:  # victims swapped out for a head resume before others
+            break
         seq = waiting.peek()
         if seq is None:
             break
@@ -246,7 +249,8 @@ def _admit_new(sched: Scheduler, step: _Step, num_partial: int) -> None:
         seats = group.sampling_params.n if len(group.seqs) == 1 else 1
         num_running = len(sched.running) + len(sched.prefilling)
         if num_running and num_running + seats > max_seqs:
-            if sched.priority_queue and _preempt_lower_priority(sched, step, seq):
+            retry = sched.priority_queue and _preempt_lower_priority(sched, step, seq)
+            if retry:
                 continue
             break
         hits = bm.find_cached_prefix(seq)
@@ -257,9 +261,11 @@ def _admit_new(sched: Scheduler, step: _Step, num_partial: int) -> None:
         if partial and num_partial >= cfg.max_num_partial_prefills:
             break
         if bm.num_new_blocks_to_admit(hits, cached + chunk) > gpu.num_free:
-            if sched.priority_queue and _preempt_lower_priority(sched, step, seq):
+            retry = sched.priority_queue and _preempt_lower_priority(sched, step, seq)
+            if retry:
                 continue
             break
+        retry = False
         waiting.pop()
         if now is None:
             now = sched.clock()

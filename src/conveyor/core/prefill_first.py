@@ -45,7 +45,9 @@ def _prefill_step(sched: Scheduler) -> SchedulerOutput | None:
     num_new: list[int] = []
     total = 0
     now = sched.clock()
-    while len(seqs) < max_seqs and not sched.swapped:
+    while len(seqs) < max_seqs:
+        if sched.swapped:  # a victim of this step's priority preemption: it resumes first
+            break
         seq = waiting.peek()
         if seq is None:
             break
@@ -54,10 +56,13 @@ def _prefill_step(sched: Scheduler) -> SchedulerOutput | None:
         uncached = num_tokens - len(hits) * block_size
         if total + uncached > budget:
             break
-        if bm.num_new_blocks_to_admit(hits, num_tokens) > gpu.num_free:
-            if sched.priority_queue and _preempt_lower_priority(sched, seq):
-                continue  # blocks were freed: look the head up again
+        fits = bm.num_new_blocks_to_admit(hits, num_tokens) <= gpu.num_free
+        while not fits and sched.priority_queue and _preempt_lower_priority(sched, seq):
+            hits = bm.find_cached_prefix(seq)  # blocks were freed: look the head up again
+            fits = bm.num_new_blocks_to_admit(hits, num_tokens) <= gpu.num_free
+        if not fits:
             break
+        uncached = num_tokens - len(hits) * block_size
         waiting.pop()
         sched.admit(seq, hits, num_tokens, now)
         sched.join_running(seq)

@@ -112,8 +112,7 @@ class Scheduler:
             raise ValueError(f"request_id {request_id!r} is already in use by an unfinished request")
         if not isinstance(prompt_token_ids, (list, tuple)) or not prompt_token_ids:
             raise ValueError("prompt_token_ids must be a non-empty list of token ids")
-        if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0
-                   for t in prompt_token_ids):
+        if set(map(type, prompt_token_ids)) != {int} or min(prompt_token_ids) < 0:
             raise ValueError("prompt_token_ids must contain only integers >= 0")
         if not isinstance(sampling_params, SamplingParams):
             raise ValueError(f"sampling_params must be a SamplingParams, "
@@ -185,6 +184,10 @@ class Scheduler:
         self._changed_in_flight = False
         self.preempted_this_step = False
         out = self._policy(self)
+        if not out.seqs and (self.running or self.prefilling or self.waiting or self.swapped):
+            # Every policy admits a request that fits the empty cache (anything larger was
+            # ignored at add_request), so this is a scheduler bug: say so rather than spin.
+            raise RuntimeError(f"scheduler made no progress with work queued: {self.stats}")
         bm = self.block_manager
         if bm.blocks_to_copy:
             out.blocks_to_copy = bm.blocks_to_copy
