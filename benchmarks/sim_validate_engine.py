@@ -13,6 +13,11 @@ workload), records every engine step's batch shape and wall time, and fits this-
 overheads and efficiencies (peak rates come from benchmarks/sim_calibrate_cpu.py) by weighted
 least squares on the roofline model; it prints the YAML fields to paste. Lives outside
 ``conveyor.sim`` because it imports the engine (and so torch).
+
+``--threads`` (default 1) sets torch's intra-op threads. On a shared 2-core machine, torch's
+default of 2 threads makes every op wait for a descheduled OpenMP thread: step times then swing
+between 0.2 s and 5 s and say more about the neighbours than about the engine. One thread gives
+stable, reproducible step times; calibration and validation must use the same setting.
 """
 
 from __future__ import annotations
@@ -180,7 +185,7 @@ def fit(args) -> int:
     print(f"{len(t)} engine steps, {int(bound.sum())} compute-bound by the fit; "
           f"step time {t.min() * 1e3:.1f}-{t.max() * 1e3:.1f} ms; fit |error| median "
           f"{np.median(err):.1%}, p90 {np.percentile(err, 90):.1%}")
-    print("# this-cpu.yaml fields fitted from engine steps")
+    print(f"# this-cpu.yaml fields fitted from engine steps ({args.threads} torch thread(s))")
     print(f"matmul_efficiency: {1 / inv_me:.3f}")
     print(f"attention_efficiency: {1 / inv_ae:.3f}")
     print(f"memory_efficiency: {1 / inv_mm:.3f}")
@@ -193,10 +198,10 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--fit", action="store_true", help="calibrate this-cpu from engine steps instead")
     p.add_argument("--gpu", default="this-cpu", help="hardware spec for the simulator (default: this-cpu)")
-    p.add_argument("--requests", type=int, default=64)
-    p.add_argument("--rate", type=float, default=2.0, help="requests/s (Poisson)")
+    p.add_argument("--requests", type=int, default=32)
+    p.add_argument("--rate", type=float, default=0.5, help="requests/s (Poisson)")
     p.add_argument("--input-len", default="uniform:32-256")
-    p.add_argument("--output-len", default="uniform:32-128")
+    p.add_argument("--output-len", default="uniform:16-64")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--repeats", type=int, default=1, help="engine runs (the median is compared)")
     p.add_argument("--policy", default="prefill_first", choices=["prefill_first", "chunked"])
@@ -204,7 +209,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-num-batched-tokens", type=int, default=4096)
     p.add_argument("--max-model-len", type=int, default=2048)
     p.add_argument("--num-gpu-blocks", type=int, default=2048)
+    p.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default: 1)")
     args = p.parse_args(argv)
+    import torch
+
+    torch.set_num_threads(args.threads)
     return fit(args) if args.fit else validate(args)
 
 

@@ -134,3 +134,22 @@ def test_summary_fields():
 def test_bad_sim_config(field, value, match):
     with pytest.raises(ValueError, match=match):
         SimConfig(QWEN, L4, **{field: value})
+
+
+def test_parallel_samples_and_prompt_chunks_get_the_right_number_of_tokens():
+    clock = VirtualClock()
+    sched = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=16, max_model_len=128,
+                                      policy="chunked"),
+                      CacheConfig(block_size=4, num_gpu_blocks=64), clock=clock)
+    executor = SimulatedExecutor(CostModel(QWEN, L4), clock)
+    sched.add_request("n3", [5] * 40, SamplingParams(n=3, max_tokens=4, ignore_eos=True))
+    finished, chunks = [], 0
+    while sched.has_unfinished_requests():
+        out = sched.schedule()
+        sampled = executor.execute(out).sampled_token_ids
+        chunks += sum(1 for s in sampled if not s)
+        finished += sched.update(out, sampled)
+    (group,) = finished
+    assert chunks == 2  # a 40-token prompt in 16-token chunks: two chunks sample nothing
+    assert [s.num_output_tokens for s in group.seqs] == [4, 4, 4]
+    assert group.metrics.first_token_time > 0
