@@ -170,6 +170,6 @@ def test_scheduler_state_machine(policy, queue, mode):
     machine = type(f"Machine_{policy}_{queue}_{mode}", (SchedulerMachine,),
                    {"policy": policy, "queue": queue, "mode": mode})
     machine.TestCase.settings = settings(
-        max_examples=30, stateful_step_count=25, deadline=None,
+        max_examples=50, stateful_step_count=25, deadline=None,
         suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
     machine.TestCase().runTest()

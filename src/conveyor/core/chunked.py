@@ -61,7 +61,7 @@ def schedule_chunked(sched: Scheduler) -> SchedulerOutput:
     num_partial = _continue_prefills(sched, step)
     if not sched.swapped:
         _admit_new(sched, step, num_partial)
-    total = sum(step.num_new)
+    total = cfg.max_num_batched_tokens - step.budget
     return SchedulerOutput(seqs=step.seqs, num_new_tokens=step.num_new, num_batched_tokens=total,
                            is_prefill=bool(step.seqs) and step.num_decodes == 0,
                            num_decodes=step.num_decodes)

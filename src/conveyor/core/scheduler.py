@@ -358,7 +358,7 @@ class Scheduler:
                     now = self.clock()
                 metrics.first_token_time = now
             # chunked: a completed prefill leaves `prefilling` for `running`; fork children
-            # join running right after their parent under both policies
+            # join `running` (at its end) under both policies
             joins = self.chunked and i >= out.num_decodes
             family = self._fork(seq, len(toks)) if len(toks) > 1 else [seq]
             for s, tok in zip(family, toks, strict=True):
