@@ -50,3 +50,37 @@ def test_unfinished_character_is_held_then_flushed(tokenizer):
 def test_any_text_round_trips(tokenizer, text, prompt):
     output_ids = tokenizer.encode(text)
     assert _stream(tokenizer, tokenizer.encode(prompt), output_ids)[1] == tokenizer.decode(output_ids)
+
+
+@pytest.fixture(scope="module")
+def byte_fallback_tokenizer():
+    """A tiny SentencePiece-style tokenizer (▁ for spaces) whose unknown characters fall back to
+    <0xNN> byte tokens, like Llama 2's: an emoji is four tokens that decode alone to U+FFFD."""
+    from tokenizers import Tokenizer, decoders, models, normalizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2}
+    vocab.update({f"<0x{b:02X}>": 3 + b for b in range(256)})
+    for ch in "▁abcdefghijklmnopqrstuvwxyz,.!":
+        vocab[ch] = len(vocab)
+    merges = [("▁", "h"), ("e", "l"), ("el", "l"), ("▁h", "ell")]
+    vocab.update({a + b: len(vocab) + i for i, (a, b) in enumerate(merges)})
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, byte_fallback=True, unk_token="<unk>"))
+    tok.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(),
+                                     decoders.Fuse(), decoders.Strip(" ", 1, 0)])
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>",
+                                   unk_token="<unk>")
+
+
+@pytest.mark.parametrize("text", ["hello 🎉 wörld 你好", "a 😀😀 b", "你好 hello"])
+def test_byte_fallback_tokens(byte_fallback_tokenizer, text):
+    tok = byte_fallback_tokenizer
+    ids = tok.encode(text, add_special_tokens=False)
+    assert any(t.startswith("<0x") for t in tok.convert_ids_to_tokens(ids))
+    deltas, streamed = _stream(tok, [], ids)
+    assert streamed == tok.decode(ids) == text
+    assert not any("\ufffd" in d for d in deltas)
+    # after a prompt, the first word keeps its leading space (decoded in context, as in vLLM)
+    prompt = tok.encode("hello", add_special_tokens=False)
+    assert _stream(tok, prompt, ids)[1] == " " + text
