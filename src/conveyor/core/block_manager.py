@@ -227,8 +227,10 @@ class BlockManager:
         # handed to a swap-out of the same step, so it is freed when the step is built.
         self._cpu_freed_after_step.extend(seq.cpu_block_table)
         seq.cpu_block_table = []
+        for _ in range(self.num_blocks_for(num_tokens) - len(table)):
+            table.append(gpu.allocate())
         seq.block_table = table
         seq.num_registered_blocks = 0
-        self.grow(seq, num_tokens)
+        # only what is computed: a block completed later is filed when its step is scheduled
         self.register_full_blocks(seq, seq.num_computed_tokens)
         return mapping

@@ -263,16 +263,19 @@ class Scheduler:
         n = len(seq.token_ids)
         return seq.num_computed_tokens == n - 1 and n > seq.num_prompt_tokens
 
+    def _resume_tokens(self, seq: Sequence) -> int:
+        """Slots a swapped sequence needs back: its computed tokens plus the next one (its
+        decode, or one more prompt token), so that it can make progress in the step."""
+        return seq.num_computed_tokens + 1
+
     def swap_in(self, seq: Sequence) -> None:
         """Swapped -> running: blocks back from the CPU pool; the caller checked free blocks."""
-        num_tokens = len(seq.token_ids) if self.is_decoding(seq) else seq.num_computed_tokens
-        self.step_swap_in.extend(self.block_manager.swap_in(seq, num_tokens))
+        self.step_swap_in.extend(self.block_manager.swap_in(seq, self._resume_tokens(seq)))
         seq.status = RUNNING
         self.set_next_event(seq)
 
     def blocks_to_swap_in(self, seq: Sequence) -> int:
-        num_tokens = len(seq.token_ids) if self.is_decoding(seq) else seq.num_computed_tokens
-        return self.block_manager.num_blocks_to_swap_in(seq, num_tokens)
+        return self.block_manager.num_blocks_to_swap_in(seq, self._resume_tokens(seq))
 
     def lowest_priority(self, candidates: list[Sequence]) -> Sequence | None:
         best = None
