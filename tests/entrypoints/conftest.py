@@ -3,6 +3,7 @@ free port, ready once /health answers 200, stopped with SIGTERM at teardown."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -44,8 +45,11 @@ class ServerProcess:
         self._log = open(log_path, "wb")  # noqa: SIM115 - closed in stop()
         cmd = [sys.executable, "-m", "conveyor.entrypoints.cli", "serve", "--host", "127.0.0.1",
                "--port", str(self.port), *args]
+        # One torch thread: on a shared, oversubscribed CPU two spinning OpenMP threads per
+        # process make every step many times slower; the in-process LLM uses one too.
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT,
-                                     env={**os.environ, "TQDM_DISABLE": "1"})
+                                     env={**os.environ, "TQDM_DISABLE": "1",
+                                          "OMP_NUM_THREADS": "1"})
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")[-4000:]
@@ -125,3 +129,21 @@ def llm():
     from conveyor.engine.llm import LLM
 
     return LLM(**ENGINE_KWARGS)
+
+
+@contextlib.contextmanager
+def _one_torch_thread() -> Iterator[None]:
+    """Run the in-process LLM as the servers run (OMP_NUM_THREADS=1), then restore."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="session")
+def one_thread():
+    return _one_torch_thread

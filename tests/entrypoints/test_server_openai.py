@@ -31,15 +31,17 @@ def model_name(client) -> str:
 
 
 @pytest.fixture(scope="module")
-def expected_completions(llm) -> list:
-    return llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS),
-                        use_tqdm=False)
+def expected_completions(llm, one_thread) -> list:
+    with one_thread():
+        return llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS),
+                            use_tqdm=False)
 
 
 @pytest.fixture(scope="module")
-def expected_chat(llm):
-    return llm.chat(MESSAGES, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS),
-                    use_tqdm=False)[0]
+def expected_chat(llm, one_thread):
+    with one_thread():
+        return llm.chat(MESSAGES, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS),
+                        use_tqdm=False)[0]
 
 
 def test_models_and_health(server, client, model_name) -> None:
