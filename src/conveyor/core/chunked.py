@@ -20,6 +20,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from conveyor.core.prefill_first import decodes_without_preemption
+from conveyor.core.request_queue import priority_key
 from conveyor.core.scheduler_output import SchedulerOutput
 from conveyor.core.sequence import Sequence, SequenceStatus
 
@@ -209,11 +210,9 @@ def _prefill_victim(sched: Scheduler, seq: Sequence, step: _Step) -> Sequence | 
     if not sched.priority_queue:
         last = prefilling[-1] if prefilling else None
         return last if last is not None and last is not seq and last not in step.protected else None
-    from conveyor.core.scheduler import victim_key
-
     candidates = [s for s in prefilling + sched.running if s not in step.protected and s is not seq]
     victim = sched.lowest_priority(candidates)
-    if victim is None or victim_key(victim) <= victim_key(seq):
+    if victim is None or priority_key(victim) <= priority_key(seq):
         return None
     return victim
 

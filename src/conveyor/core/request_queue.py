@@ -13,6 +13,13 @@ from collections.abc import Iterator
 from conveyor.core.sequence import Sequence, SequenceStatus
 
 
+def priority_key(seq: Sequence) -> tuple[int, float, int]:
+    """Priority order: lower ``priority`` first, then earlier arrival, then earlier sequence.
+    The *largest* key is the lowest-priority, latest request (the preemption victim)."""
+    g = seq.group
+    return (g.priority, g.arrival_time, seq.seq_id)
+
+
 class FcfsQueue:
     """Arrival order; preempted sequences go back to the front."""
 
@@ -77,8 +84,7 @@ class PriorityQueue:
         return len(self._heap) > self._num_removed
 
     def append(self, seq: Sequence) -> None:
-        g = seq.group
-        heapq.heappush(self._heap, (g.priority, g.arrival_time, seq.seq_id, seq))
+        heapq.heappush(self._heap, (*priority_key(seq), seq))
 
     # A preempted sequence keeps its key, so it is back "in front" of everything it outranks.
     push_front = append

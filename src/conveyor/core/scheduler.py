@@ -27,8 +27,10 @@ from collections.abc import Callable
 from operator import attrgetter
 
 from conveyor.core.block_manager import BlockManager
+from conveyor.core.chunked import schedule_chunked
 from conveyor.core.config import CacheConfig, SchedulerConfig
-from conveyor.core.request_queue import make_queue
+from conveyor.core.prefill_first import schedule_prefill_first
+from conveyor.core.request_queue import make_queue, priority_key
 from conveyor.core.sampling_params import SamplingParams
 from conveyor.core.scheduler_output import SchedulerOutput
 from conveyor.core.sequence import Sequence, SequenceGroup, SequenceStatus
@@ -46,10 +48,6 @@ FINISHED_IGNORED = SequenceStatus.FINISHED_IGNORED
 _running_stamp = attrgetter("running_stamp")
 
 
-def victim_key(seq: Sequence) -> tuple[int, float, int]:
-    """Priority order: the *largest* key is the lowest-priority, latest request."""
-    g = seq.group
-    return (g.priority, g.arrival_time, seq.seq_id)
 
 
 class Scheduler:
@@ -91,11 +89,7 @@ class Scheduler:
         self.num_preemptions = 0
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
-        if scheduler_config.policy == "chunked":
-            from conveyor.core.chunked import schedule_chunked as policy
-        else:
-            from conveyor.core.prefill_first import schedule_prefill_first as policy
-        self._policy = policy
+        self._policy = schedule_chunked if self.chunked else schedule_prefill_first
 
     # ------------------------------------------------------------------ requests
 
@@ -282,7 +276,7 @@ class Scheduler:
         best_key = None
         for s in candidates:
             if s.status is RUNNING:
-                k = victim_key(s)
+                k = priority_key(s)
                 if best_key is None or k > best_key:
                     best, best_key = s, k
         return best
