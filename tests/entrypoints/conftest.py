@@ -39,6 +39,7 @@ def free_port() -> int:
 class ServerProcess:
     def __init__(self, args: list[str], log_path: Path) -> None:
         self.args = args
+        self.startup_responses: list[httpx.Response] = []  # /health while waiting for ready
         self.port = free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
@@ -60,7 +61,9 @@ class ServerProcess:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log()}")
             try:
-                if httpx.get(self.base_url + "/health", timeout=2).status_code == 200:
+                resp = httpx.get(self.base_url + "/health", timeout=2)
+                self.startup_responses.append(resp)
+                if resp.status_code == 200:
                     return
             except httpx.TransportError:
                 pass

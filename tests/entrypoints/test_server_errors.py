@@ -100,3 +100,12 @@ def test_bad_requests_do_not_disturb_a_running_stream(server) -> None:
     ok = httpx.post(server.base_url + "/v1/completions",
                     json={"prompt": "Still there?", "max_tokens": 2}, timeout=60)
     assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] >= 1
+
+
+def test_503_while_the_model_loads(server) -> None:
+    loading = [r for r in server.startup_responses if r.status_code != 200]
+    assert loading, "the model loads for seconds: /health must have answered before that"
+    assert all(r.status_code == 503 for r in loading)
+    err = loading[0].json()["error"]
+    assert "loading" in err["message"] and err["type"] == "server_error"
+    assert server.startup_responses[-1].status_code == 200
