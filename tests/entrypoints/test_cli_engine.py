@@ -65,3 +65,37 @@ def test_demo_runs_a_batch_and_reports_throughput():
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.count("Q: ") == 3 and proc.stdout.count("A: ") == 3
     assert "output tok/s" in proc.stdout and "Paris" in proc.stdout
+
+
+def _tiny_hf_model(directory):
+    """A random 2-layer Llama with a byte-level tokenizer, saved as an HF directory."""
+    import torch
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    vocab = {"<|endoftext|>": 0, "<|im_start|>": 1, "<|im_end|>": 2}
+    for ch in sorted(pre_tokenizers.ByteLevel.alphabet()):
+        vocab[ch] = len(vocab)
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|im_start|>", eos_token="<|im_end|>",
+                            unk_token="<|endoftext|>").save_pretrained(directory)
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=len(vocab), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                         bos_token_id=1, eos_token_id=2, tie_word_embeddings=True)
+    LlamaForCausalLM(config).save_pretrained(directory)
+
+
+@pytest.mark.slow
+def test_generate_with_an_hf_directory(tmp_path):
+    _tiny_hf_model(tmp_path)
+    proc = conveyor("generate", "Hello", "--model", str(tmp_path), "--json", "--max-tokens", "5",
+                    "--temperature", "0", "--num-gpu-blocks", "16", "--max-model-len", "128")
+    assert proc.returncode == 0, proc.stderr
+    (result,) = json.loads(proc.stdout)
+    assert result["num_prompt_tokens"] == 5  # one token per byte
+    assert 1 <= len(result["outputs"][0]["token_ids"]) <= 5
+    missing = conveyor("generate", "Hello", "--model", str(tmp_path / "nope"))
+    assert missing.returncode == 2 and "not found" in missing.stderr and "Traceback" not in missing.stderr
