@@ -1,0 +1,160 @@
+"""The machine's roofline for a workload: measured GEMM rate and memory bandwidth, model FLOPs
+and bytes, and the least time any engine could take.
+
+The time model is an ideal engine on this machine: prefill computes every prompt token once
+(logits only at the last position), decode runs the requests in batches of ``max_num_seqs``,
+one step per output token, each step bound by the larger of its FLOPs at the measured GEMM
+rate and its bytes (weights once + the KV cache it reads) at the measured bandwidth.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from conveyor.bench.workloads import Workload
+
+DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
+
+
+@dataclass(frozen=True)
+class MachineRates:
+    gemm_flops: float  # measured bf16 matmul FLOP/s (best of a few square GEMMs)
+    mem_bandwidth: float  # measured read bandwidth, bytes/s
+    num_threads: int
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    num_layers: int
+    hidden_size: int
+    intermediate_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+
+    @classmethod
+    def from_config(cls, config: Any) -> ModelShape:
+        """Take the shape fields off any object (ModelConfig) or dict that has them."""
+        get = config.get if isinstance(config, dict) else lambda k: getattr(config, k)
+        return cls(**{k: int(get(k)) for k in cls.__dataclass_fields__})
+
+    @property
+    def layer_linear_params(self) -> int:
+        q_out = self.num_heads * self.head_dim
+        kv_out = self.num_kv_heads * self.head_dim
+        attn = self.hidden_size * (q_out + 2 * kv_out) + q_out * self.hidden_size
+        return attn + 3 * self.hidden_size * self.intermediate_size
+
+    @property
+    def lm_head_params(self) -> int:
+        return self.hidden_size * self.vocab_size
+
+    def linear_flops_per_token(self) -> float:
+        return 2.0 * self.num_layers * self.layer_linear_params
+
+    def lm_head_flops(self) -> float:
+        return 2.0 * self.lm_head_params
+
+    def attention_flops(self, context: int) -> float:
+        """QK^T and PV for one query attending ``context`` keys, all layers."""
+        return 4.0 * self.num_layers * self.num_heads * self.head_dim * context
+
+    def weight_bytes(self, bytes_per_param: float) -> float:
+        return (self.num_layers * self.layer_linear_params + self.lm_head_params) * bytes_per_param
+
+    def kv_bytes_per_token(self, bytes_per_elem: float) -> float:
+        return 2.0 * self.num_layers * self.num_kv_heads * self.head_dim * bytes_per_elem
+
+
+@dataclass(frozen=True)
+class Roofline:
+    flops: float
+    bytes: float
+    prefill_s: float
+    decode_s: float
+    output_tokens_per_s: float
+    total_tokens_per_s: float
+    single_stream_decode_tokens_per_s: float  # one sequence, weights read once per token
+
+    @property
+    def time_s(self) -> float:
+        return self.prefill_s + self.decode_s
+
+    def to_dict(self) -> dict[str, float]:
+        return {**asdict(self), "time_s": self.time_s}
+
+
+def workload_roofline(shape: ModelShape, workload: Workload, rates: MachineRates,
+                      weight_dtype: str = "bfloat16", max_num_seqs: int = 64,
+                      max_num_batched_tokens: int = 4096, prefix_caching: bool = True,
+                      ) -> Roofline:
+    """The ideal engine's time for ``workload`` on a machine with ``rates``.
+
+    With ``prefix_caching`` the workload's shared prefix is computed once, not once per request.
+    """
+    bpp = DTYPE_BYTES[weight_dtype]
+    weights = shape.weight_bytes(bpp)
+    kv_tok = shape.kv_bytes_per_token(bpp)
+    flops = bytes_ = 0.0
+
+    prompt_tokens = workload.num_prompt_tokens
+    shared = workload.shared_prefix_len if prefix_caching else 0
+    computed = prompt_tokens - shared * (len(workload.requests) - 1)
+    prefill_flops = computed * shape.linear_flops_per_token()
+    for i, r in enumerate(workload.requests):
+        n = len(r.prompt_token_ids)
+        skip = shared if i else 0  # causal attention of the uncached positions only
+        pairs = n * (n + 1) // 2 - skip * (skip + 1) // 2
+        prefill_flops += shape.lm_head_flops() + shape.attention_flops(pairs)
+    prefill_steps = -(-computed // max_num_batched_tokens)
+    prefill_bytes = prefill_steps * weights + computed * kv_tok
+    prefill_s = max(prefill_flops / rates.gemm_flops, prefill_bytes / rates.mem_bandwidth)
+    flops += prefill_flops
+    bytes_ += prefill_bytes
+
+    decode_s = 0.0
+    reqs = workload.requests
+    for start in range(0, len(reqs), max_num_seqs):
+        wave = reqs[start:start + max_num_seqs]
+        # Each step after the first token: every live sequence reads its KV and writes one slot.
+        for step in range(1, max(r.max_tokens for r in wave)):
+            live = [len(r.prompt_token_ids) + step for r in wave if r.max_tokens > step]
+            step_flops = sum(shape.linear_flops_per_token() + shape.lm_head_flops()
+                             + shape.attention_flops(c) for c in live)
+            step_bytes = weights + sum(c for c in live) * kv_tok
+            decode_s += max(step_flops / rates.gemm_flops, step_bytes / rates.mem_bandwidth)
+            flops += step_flops
+            bytes_ += step_bytes
+    total = prefill_s + decode_s
+    single = 1.0 / max(weights / rates.mem_bandwidth,
+                       (shape.linear_flops_per_token() + shape.lm_head_flops()) / rates.gemm_flops)
+    return Roofline(flops, bytes_, prefill_s, decode_s, workload.num_output_tokens / total,
+                    (prompt_tokens + workload.num_output_tokens) / total, single)
+
+
+def measure_machine(gemm_size: int = 2048, bandwidth_mib: int = 256, repeats: int = 5,
+                    ) -> MachineRates:
+    """Short torch micro-benchmarks: best-of-``repeats`` bf16 GEMM and a streaming read."""
+    import torch
+
+    a = torch.randn(gemm_size, gemm_size).to(torch.bfloat16)
+    b = torch.randn(gemm_size, gemm_size).to(torch.bfloat16)
+    torch.matmul(a, b)  # warm up oneDNN's kernel selection
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        torch.matmul(a, b)
+        best = min(best, time.perf_counter() - t0)
+    gemm = 2.0 * gemm_size**3 / best
+
+    x = torch.ones(bandwidth_mib * 2**20 // 4, dtype=torch.float32)
+    x.sum()
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        x.sum()
+        best = min(best, time.perf_counter() - t0)
+    return MachineRates(gemm, x.numel() * 4 / best, torch.get_num_threads())

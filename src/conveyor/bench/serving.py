@@ -1,0 +1,375 @@
+"""`conveyor bench serve`: a seeded stream of requests against an OpenAI-compatible server.
+
+Requests arrive as a Poisson process (``--burstiness 1``) or a gamma process (other values:
+below 1 burstier, above 1 steadier) at each ``--request-rate`` of a sweep, at most
+``--max-concurrency`` in flight, bounded by ``--num-prompts`` and ``--duration``. Each request
+streams from ``/v1/completions`` over loopback; the client timestamps every chunk and reports
+TTFT, TPOT, ITL and end-to-end latency, throughput, goodput under ``--slo``, and the
+preemptions the server's ``/metrics`` counted. ``--spawn`` starts ``conveyor serve`` itself.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import math
+import random
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from conveyor.bench.report import (
+    format_serving_table,
+    percentiles,
+    plot_serving,
+    write_json,
+)
+from conveyor.bench.workloads import SPECS, make_workload
+
+LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1", "[::1]")
+
+
+@dataclass
+class RequestResult:
+    ok: bool
+    prompt_tokens: int
+    output_tokens: int = 0
+    send_time: float = 0.0
+    ttft: float = math.nan
+    e2e: float = math.nan
+    itl: list[float] = field(default_factory=list)
+    error: str = ""
+
+    @property
+    def tpot(self) -> float:
+        if self.output_tokens < 2:
+            return math.nan
+        return (self.e2e - self.ttft) / (self.output_tokens - 1)
+
+
+def arrival_offsets(n: int, rate: float, burstiness: float, seed: int) -> list[float]:
+    """Send times (s after the start) of ``n`` requests: gamma inter-arrivals with mean
+    1/rate and shape ``burstiness`` (1 = Poisson); all at 0 when the rate is infinite."""
+    if rate <= 0:
+        raise ValueError(f"request_rate must be > 0, got {rate}")
+    if burstiness <= 0:
+        raise ValueError(f"burstiness must be > 0, got {burstiness}")
+    if math.isinf(rate):
+        return [0.0] * n
+    rng = random.Random(seed)
+    t, out = 0.0, []
+    for _ in range(n):
+        out.append(t)
+        t += rng.gammavariate(burstiness, 1.0 / (rate * burstiness))
+    return out
+
+
+def parse_slo(text: str | None) -> dict[str, float]:
+    """``"ttft=0.5,tpot=0.1"`` (seconds) -> {"ttft": 0.5, "tpot": 0.1}; keys ttft, tpot, e2e."""
+    slo: dict[str, float] = {}
+    for part in (text or "").split(","):
+        if not part.strip():
+            continue
+        key, sep, value = part.partition("=")
+        key = key.strip().lower()
+        if not sep or key not in ("ttft", "tpot", "e2e"):
+            raise ValueError(f"--slo: expected ttft=SECONDS,tpot=SECONDS,e2e=SECONDS, got {part!r}")
+        slo[key] = float(value)
+    return slo
+
+
+def parse_rates(text: str) -> list[float]:
+    rates = [math.inf if r.strip().lower() == "inf" else float(r) for r in text.split(",")]
+    if not rates or any(r <= 0 for r in rates):
+        raise ValueError(f"--request-rate: positive numbers or inf, got {text!r}")
+    return rates
+
+
+def preemptions_from_metrics(text: str) -> float | None:
+    """Sum of the ``conveyor:`` counters about preemption in a Prometheus text page."""
+    total, seen = 0.0, False
+    for line in text.splitlines():
+        if line.startswith("#") or not line.startswith("conveyor:"):
+            continue
+        name, _, value = line.rpartition(" ")
+        metric = name.split("{", 1)[0]
+        if "preempt" in metric and not metric.endswith("_created"):
+            total += float(value)
+            seen = True
+    return total if seen else None
+
+
+def summarize(results: list[RequestResult], duration: float, slo: dict[str, float]) -> dict:
+    done = [r for r in results if r.ok]
+    out_tokens = sum(r.output_tokens for r in done)
+    good = [r for r in done if r.ttft <= slo.get("ttft", math.inf)
+            and (r.output_tokens < 2 or r.tpot <= slo.get("tpot", math.inf))
+            and r.e2e <= slo.get("e2e", math.inf)]
+    duration = max(duration, 1e-9)
+    return {
+        "sent": len(results),
+        "completed": len(done),
+        "failed": len(results) - len(done),
+        "errors": sorted({r.error for r in results if not r.ok})[:5],
+        "duration_s": duration,
+        "request_throughput": len(done) / duration,
+        "output_throughput": out_tokens / duration,
+        "total_token_throughput": (out_tokens + sum(r.prompt_tokens for r in done)) / duration,
+        "goodput": len(good) / duration,
+        "slo": slo,
+        "ttft": percentiles([r.ttft for r in done]),
+        "tpot": percentiles([r.tpot for r in done if not math.isnan(r.tpot)]),
+        "itl": percentiles([x for r in done for x in r.itl]),
+        "e2e": percentiles([r.e2e for r in done]),
+    }
+
+
+class ServeClient:
+    """Streams completions from one server; one instance per benchmark run."""
+
+    def __init__(self, base_url: str, timeout: float = 600.0) -> None:
+        import httpx
+
+        host = httpx.URL(base_url).host
+        if host not in LOOPBACK_HOSTS:
+            raise ValueError(f"--base-url must be a loopback address, got {base_url!r}")
+        self.base_url = base_url.rstrip("/")
+        self.client = httpx.AsyncClient(base_url=self.base_url, timeout=timeout)
+        self.model: str | None = None
+
+    async def close(self) -> None:
+        await self.client.aclose()
+
+    async def model_name(self) -> str:
+        if self.model is None:
+            r = await self.client.get("/v1/models")
+            r.raise_for_status()
+            self.model = r.json()["data"][0]["id"]
+        return self.model
+
+    async def metrics_preemptions(self) -> float | None:
+        try:
+            r = await self.client.get("/metrics")
+        except Exception:
+            return None
+        return preemptions_from_metrics(r.text) if r.status_code == 200 else None
+
+    async def complete(self, prompt: list[int], max_tokens: int) -> RequestResult:
+        body = {"model": await self.model_name(), "prompt": prompt, "max_tokens": max_tokens,
+                "temperature": 0.0, "ignore_eos": True, "stream": True,
+                "stream_options": {"include_usage": True}}
+        result = RequestResult(ok=False, prompt_tokens=len(prompt))
+        start = result.send_time = time.perf_counter()
+        last = None
+        chunks = 0
+        usage_tokens = None
+        try:
+            async with self.client.stream("POST", "/v1/completions", json=body) as resp:
+                if resp.status_code != 200:
+                    await resp.aread()
+                    result.error = f"HTTP {resp.status_code}: {resp.text[:200]}"
+                    return result
+                async for line in resp.aiter_lines():
+                    if not line.startswith("data:"):
+                        continue
+                    data = line[5:].strip()
+                    if data == "[DONE]":
+                        break
+                    chunk = json.loads(data)
+                    if chunk.get("usage"):
+                        usage_tokens = chunk["usage"].get("completion_tokens")
+                    if not chunk.get("choices"):
+                        continue
+                    now = time.perf_counter()
+                    chunks += 1
+                    if last is None:
+                        result.ttft = now - start
+                    else:
+                        result.itl.append(now - last)
+                    last = now
+        except Exception as e:  # a failed request is counted, never fatal to the run
+            result.error = f"{type(e).__name__}: {e}"[:200]
+            return result
+        result.e2e = time.perf_counter() - start
+        result.output_tokens = usage_tokens if usage_tokens is not None else chunks
+        result.ok = last is not None
+        if not result.ok:
+            result.error = "no tokens streamed"
+        return result
+
+
+async def run_rate(client: ServeClient, requests: list, rate: float, burstiness: float,
+                   max_concurrency: int | None, duration_limit: float | None, seed: int,
+                   slo: dict[str, float]) -> dict[str, Any]:
+    """Send ``requests`` at ``rate`` and summarize; stops sending after ``duration_limit``."""
+    await client.model_name()
+    before = await client.metrics_preemptions()
+    offsets = arrival_offsets(len(requests), rate, burstiness, seed)
+    gate = asyncio.Semaphore(max_concurrency) if max_concurrency else None
+    start = time.perf_counter()
+
+    async def one(req, offset: float) -> RequestResult | None:
+        delay = start + offset - time.perf_counter()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        if duration_limit is not None and time.perf_counter() - start > duration_limit:
+            return None
+        if gate is None:
+            return await client.complete(req.prompt_token_ids, req.max_tokens)
+        async with gate:
+            return await client.complete(req.prompt_token_ids, req.max_tokens)
+
+    results = await asyncio.gather(*(one(r, o) for r, o in zip(requests, offsets, strict=True)))
+    sent = [r for r in results if r is not None]
+    duration = time.perf_counter() - start
+    after = await client.metrics_preemptions()
+    summary = summarize(sent, duration, slo)
+    summary["request_rate"] = rate
+    summary["burstiness"] = burstiness
+    summary["max_concurrency"] = max_concurrency
+    summary["preemptions"] = (None if before is None or after is None
+                              else int(after - before))
+    return summary
+
+
+def free_loopback_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def engine_flags(args: argparse.Namespace) -> list[str]:
+    """The engine flags given on this command line that differ from the defaults, as argv."""
+    import dataclasses
+
+    from conveyor.engine.args import EngineArgs, from_cli_args
+
+    given, defaults = from_cli_args(args), EngineArgs()
+    argv: list[str] = []
+    for f in dataclasses.fields(EngineArgs):
+        value = getattr(given, f.name)
+        if value == getattr(defaults, f.name):
+            continue
+        flag = "--" + f.name.replace("_", "-")
+        if isinstance(value, bool):
+            argv.append(flag if value else "--no-" + f.name.replace("_", "-"))
+        else:
+            argv += [flag, str(value)]
+    return argv
+
+
+@contextlib.contextmanager
+def spawned_server(extra_argv: list[str], ready_timeout: float = 600.0,
+                   log_path: str | None = None) -> Iterator[str]:
+    """Start ``conveyor serve`` on a free loopback port; yield its base URL; stop it."""
+    import httpx
+
+    port = free_loopback_port()
+    cmd = [sys.executable, "-m", "conveyor.entrypoints.cli", "serve", "--host", "127.0.0.1",
+           "--port", str(port), *extra_argv]
+    log = open(log_path, "w") if log_path else subprocess.DEVNULL  # noqa: SIM115
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + ready_timeout
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"conveyor serve exited with {proc.returncode} before it was "
+                                   f"ready: {' '.join(cmd)}")
+            try:
+                if httpx.get(base + "/v1/models", timeout=2.0).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"conveyor serve not ready after {ready_timeout:.0f}s")
+            time.sleep(0.5)
+        yield base
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        if log_path:
+            log.close()
+
+
+async def run_sweep(base_url: str, args: argparse.Namespace) -> list[dict[str, Any]]:
+    workload = make_workload(args.workload, args.vocab_size, args.seed, args.num_prompts)
+    slo = parse_slo(args.slo)
+    client = ServeClient(base_url, timeout=args.request_timeout)
+    runs = []
+    try:
+        for rate in parse_rates(args.request_rate):
+            summary = await run_rate(client, workload.requests, rate, args.burstiness,
+                                     args.max_concurrency, args.duration, args.seed, slo)
+            summary["label"] = args.label
+            summary["workload"] = workload.name
+            runs.append(summary)
+            print(format_serving_table([summary]).splitlines()[-1], flush=True)
+    finally:
+        await client.close()
+    return runs
+
+
+def main(args: argparse.Namespace) -> int:
+    if args.from_json:
+        runs = []
+        for path in args.from_json:
+            runs += json.loads(open(path).read())["runs"]
+    else:
+        if bool(args.spawn) == bool(args.base_url):
+            raise SystemExit("bench serve: give exactly one of --base-url URL or --spawn")
+        if args.spawn:
+            with spawned_server(engine_flags(args), log_path=args.server_log) as base:
+                runs = asyncio.run(run_sweep(base, args))
+        else:
+            runs = asyncio.run(run_sweep(args.base_url, args))
+    print(format_serving_table(runs))
+    if args.json and not args.from_json:
+        write_json(args.json, {"command": " ".join(["conveyor", *sys.argv[1:]]),
+                               "label": args.label, "runs": runs})
+    if args.plot:
+        plot_serving(runs, args.plot, title=f"conveyor bench serve ({runs[0]['workload']})"
+                     if runs else "")
+    return 0 if all(r["completed"] == r["sent"] for r in runs) else 1
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    from conveyor.engine.args import add_cli_args
+
+    p = subparsers.add_parser("serve", help="serving benchmark against an OpenAI-compatible "
+                              "server (latency vs request rate)")
+    p.add_argument("--base-url", help="a running server, e.g. http://127.0.0.1:8000 (loopback)")
+    p.add_argument("--spawn", action="store_true",
+                   help="start `conveyor serve` (with the engine flags below) on a free port")
+    p.add_argument("--workload", default="W1", choices=sorted(SPECS),
+                   help="named workload (built with the engine flag --seed)")
+    p.add_argument("--num-prompts", type=int, default=64, help="requests per rate")
+    p.add_argument("--vocab-size", type=int, default=32000,
+                   help="prompt token ids are drawn below this (default fits Llama vocabularies)")
+    p.add_argument("--request-rate", default="inf",
+                   help="requests/s, a comma list for a sweep; inf sends all at once")
+    p.add_argument("--burstiness", type=float, default=1.0,
+                   help="gamma shape of inter-arrival times (1 = Poisson)")
+    p.add_argument("--max-concurrency", type=int, default=None)
+    p.add_argument("--duration", type=float, default=None,
+                   help="stop sending new requests after this many seconds (per rate)")
+    p.add_argument("--request-timeout", type=float, default=600.0)
+    p.add_argument("--slo", default=None, help="goodput SLO, e.g. ttft=1.0,tpot=0.2 (seconds)")
+    p.add_argument("--label", default="conveyor", help="run name in the JSON and the plot")
+    p.add_argument("--json", help="write the results here")
+    p.add_argument("--plot", help="latency vs rate PNG (one line per label)")
+    p.add_argument("--from-json", nargs="+",
+                   help="plot/print these saved runs together instead of running")
+    p.add_argument("--server-log", default=None, help="with --spawn: write the server's output here")
+    add_cli_args(p)
+    p.set_defaults(func=main)

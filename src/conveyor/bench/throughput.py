@@ -1,0 +1,418 @@
+"""`conveyor bench throughput`: Conveyor and its peers on one named workload, in one invocation.
+
+Every system configuration runs in its own worker process (``python -m
+conveyor.bench.throughput --worker JOB OUT``) one after another, so each gets the whole
+machine, its own thread settings and its own peak-RSS figure. Repeat ``k`` of every system
+uses the workload built with seed ``seed + k`` (fresh prompts, so Conveyor's prefix cache
+cannot carry one repeat's prompts into the next). Conveyor runs first and tells the peers its
+dtype. The parent then prints one table (best / median of the repeats, ratios to Conveyor),
+the machine's roofline for the workload, and with ``--profile`` the engine-overhead breakdown.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from conveyor.bench.peers import PEERS, WARMUP_SEED_OFFSET, PeerJob, peak_rss_mb, skip_reason
+from conveyor.bench.report import (
+    Measurement,
+    SystemResult,
+    format_table,
+    plot_throughput,
+    write_json,
+)
+from conveyor.bench.workloads import SPECS, Workload, make_workload, warmup_workload
+
+# ----------------------------------------------------------------------------- --profile
+
+def profile_engine(engine, run) -> dict[str, Any]:
+    """Call ``run()`` with timers around the engine's parts; summarize time outside the forward.
+
+    Wraps, on these instances only and for the duration of the call: ``engine.step``, the
+    scheduler's ``schedule``/``update``, the executor's ``execute``, the output processor's
+    ``process`` (detokenization, stop strings), plus forward hooks on the executor's model.
+    """
+    import torch
+
+    device = str(getattr(engine.executor, "device", "cpu"))
+    sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
+    clock = time.perf_counter
+    steps: list[dict[str, float]] = []
+    current: dict[str, float] = {}
+    restore = []
+
+    def wrap(obj, name: str, key: str, after=None) -> None:
+        original = getattr(obj, name)
+        own = name in vars(obj)
+
+        def timed(*a, **kw):
+            t0 = clock()
+            out = original(*a, **kw)
+            current[key] = current.get(key, 0.0) + clock() - t0
+            if after is not None:
+                after(out)
+            return out
+
+        setattr(obj, name, timed)
+        restore.append(lambda: setattr(obj, name, original) if own else delattr(obj, name))
+
+    def scheduled(out) -> None:
+        current["batch"] = len(out.seqs)
+        current["decode"] = float(bool(out.seqs) and all(n == 1 for n in out.num_new_tokens))
+
+    def step_done(_) -> None:
+        steps.append(dict(current))
+        current.clear()
+
+    model = engine.executor.model
+    started: list[float] = []
+
+    def pre(*_):
+        sync()
+        started.append(clock())
+
+    def post(*_):
+        sync()
+        current["forward"] = current.get("forward", 0.0) + clock() - started.pop()
+
+    wrap(engine.scheduler, "schedule", "schedule", scheduled)
+    wrap(engine.scheduler, "update", "update")
+    wrap(engine.executor, "execute", "execute")
+    if hasattr(engine, "_outputs"):
+        wrap(engine._outputs, "process", "outputs")
+    wrap(engine, "step", "step", step_done)
+    hooks = [model.register_forward_pre_hook(pre), model.register_forward_hook(post)]
+    try:
+        run()
+    finally:
+        for h in hooks:
+            h.remove()
+        for undo in reversed(restore):
+            undo()
+    ran = [s for s in steps if s.get("batch")]
+    summary = {"all_steps": _profile_summary(ran)}
+    decodes = [s for s in ran if s.get("decode")]
+    if decodes:
+        top = max(s["batch"] for s in decodes)
+        summary["decode_at_max_batch"] = _profile_summary([s for s in decodes if s["batch"] == top])
+    return summary
+
+
+def _profile_summary(steps: list[dict[str, float]]) -> dict[str, Any]:
+    if not steps:
+        return {}
+    total = {k: sum(s.get(k, 0.0) for s in steps)
+             for k in ("step", "schedule", "update", "execute", "forward", "outputs")}
+    step = total["step"]
+    parts = {
+        "schedule+update": total["schedule"] + total["update"],
+        "input prep+sampling": total["execute"] - total["forward"],
+        "outputs+detokenize": total["outputs"],
+    }
+    parts["other"] = step - total["execute"] - sum(parts.values()) + parts["input prep+sampling"]
+    batches = sorted({int(s["batch"]) for s in steps})
+    return {
+        "steps": len(steps),
+        "batch": batches[0] if len(batches) == 1 else f"{batches[0]}-{batches[-1]}",
+        "mean_step_ms": 1000 * step / len(steps),
+        "forward_pct": 100 * total["forward"] / step,
+        "overhead_pct": 100 * (step - total["forward"]) / step,
+        "breakdown_pct": {k: 100 * v / step for k, v in parts.items()},
+    }
+
+
+# ----------------------------------------------------------------------------- conveyor worker
+
+def _conveyor_generate(llm, workload: Workload) -> list:
+    from conveyor.core.sampling_params import SamplingParams
+
+    params = [SamplingParams(max_tokens=r.max_tokens, temperature=0.0, ignore_eos=True)
+              for r in workload.requests]
+    return llm.generate([r.prompt_token_ids for r in workload.requests], params, use_tqdm=False)
+
+
+def _measure(workload: Workload, outputs: list, wall: float) -> Measurement:
+    generated = sum(len(c.token_ids) for o in outputs for c in o.outputs)
+    if generated != workload.num_output_tokens:
+        raise RuntimeError(f"conveyor generated {generated} tokens, the workload asks for "
+                           f"{workload.num_output_tokens}")
+    m = Measurement(wall, workload.num_prompt_tokens, generated)
+    if len(outputs) == 1:  # single stream: the engine's own timestamps (scheduler clock)
+        metrics = outputs[0].metrics
+        m.ttft_s = metrics.first_token_time - metrics.arrival_time
+        m.decode_tokens_per_s = (generated - 1) / (metrics.finished_time - metrics.first_token_time)
+    return m
+
+
+def _memory_budget(llm) -> dict[str, float]:
+    engine = llm.llm_engine
+    model = engine.executor.model
+    weights = sum(t.numel() * t.element_size()
+                  for t in list(model.parameters()) + list(model.buffers()))
+    kv = engine.num_gpu_blocks * engine.executor.kv_cache_bytes_per_block(
+        engine.engine_args.block_size)
+    return {"weights_mb": weights / 2**20, "kv_cache_mb": kv / 2**20,
+            "budget_mb": (weights + kv) / 2**20 + 500.0}
+
+
+def run_conveyor(job: dict[str, Any]) -> SystemResult:
+    from conveyor.engine.args import EngineArgs
+    from conveyor.engine.llm import LLM
+
+    engine_args = EngineArgs(**job["engine_args"])
+    t0 = time.perf_counter()
+    llm = LLM(**dataclasses.asdict(engine_args))
+    load_s = time.perf_counter() - t0
+    config = llm.llm_engine.model_config
+    vocab = config.vocab_size
+    name, seed, n = job["workload"], job["seed"], job["num_requests"]
+    _conveyor_generate(llm, warmup_workload(make_workload(name, vocab, seed + WARMUP_SEED_OFFSET, n)))
+    repeats = []
+    for k in range(job["repeats"]):
+        workload = make_workload(name, vocab, seed + k, n)
+        t0 = time.perf_counter()
+        outputs = _conveyor_generate(llm, workload)
+        repeats.append(_measure(workload, outputs, time.perf_counter() - t0))
+    dtype = str(llm.llm_engine.executor.dtype).removeprefix("torch.")
+    label = f"{dtype}, {engine_args.policy}, max_num_seqs {engine_args.max_num_seqs}"
+    if name == "W2":
+        label += ", prefix caching " + ("on" if engine_args.enable_prefix_caching else "off")
+    extra: dict[str, Any] = {
+        "dtype": dtype,
+        "engine_args": dataclasses.asdict(engine_args),
+        "model_config": {k: getattr(config, k) for k in (
+            "name", "num_layers", "hidden_size", "intermediate_size", "num_heads",
+            "num_kv_heads", "head_dim", "vocab_size")},
+        "memory": _memory_budget(llm),
+        "stats": dataclasses.asdict(llm.llm_engine.get_stats()),
+    }
+    rss = peak_rss_mb()  # before profiling, which adds nothing but keep it clean
+    if job.get("profile"):
+        workload = make_workload(name, vocab, seed + job["repeats"], n)
+        extra["profile"] = profile_engine(llm.llm_engine, lambda: _conveyor_generate(llm, workload))
+    return SystemResult("conveyor", label, repeats, load_s=load_s, peak_rss_mb=rss, extra=extra)
+
+
+def worker_main(job_path: str, out_path: str) -> int:
+    job = json.loads(Path(job_path).read_text())
+    if job["system"] == "conveyor":
+        result = run_conveyor(job)
+    else:
+        import importlib
+
+        peer = PeerJob(**job["peer"])
+        result = importlib.import_module(PEERS[peer.system][0]).run(peer)
+    write_json(out_path, result.to_dict())
+    return 0
+
+
+# ----------------------------------------------------------------------------- orchestration
+
+def run_worker(job: dict[str, Any], system: str, config: str) -> SystemResult:
+    """Run one job in a fresh Python process; a failure becomes a skipped row with its reason."""
+    with tempfile.TemporaryDirectory(prefix="conveyor-bench-") as tmp:
+        job_path, out_path, log_path = (os.path.join(tmp, f) for f in ("job.json", "out.json",
+                                                                         "stderr.log"))
+        Path(job_path).write_text(json.dumps(job))
+        print(f"[bench] running {system} ({config}) ...", file=sys.stderr, flush=True)
+        t0 = time.perf_counter()
+        with open(log_path, "w") as log:
+            proc = subprocess.run([sys.executable, "-m", "conveyor.bench.throughput", "--worker",
+                                   job_path, out_path], stderr=log, check=False)
+        if proc.returncode != 0 or not os.path.exists(out_path):
+            tail = Path(log_path).read_text().strip().splitlines()[-15:]
+            print("\n".join(tail), file=sys.stderr)
+            reason = tail[-1][:120] if tail else f"exit {proc.returncode}"
+            return SystemResult(system, config, skipped=f"failed ({reason})")
+        print(f"[bench] {system} done in {time.perf_counter() - t0:.0f}s", file=sys.stderr,
+              flush=True)
+        return SystemResult.from_dict(json.loads(Path(out_path).read_text()))
+
+
+def _ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x.strip()]
+
+
+def peer_jobs(args: argparse.Namespace, model_path: str, dtype: str) -> list[PeerJob]:
+    jobs = []
+    for name in [c.strip() for c in (args.compare or "").split(",") if c.strip()]:
+        settings: list[int | None] = [None]
+        if name == "transformers" and args.workload != "S1":
+            settings = _ints(args.transformers_batch_sizes)
+        elif name == "llamacpp" and args.workload != "S1":
+            settings = _ints(args.llamacpp_parallel)
+        for s in settings:
+            jobs.append(PeerJob(name, model_path, args.workload, args.seed, args.num_requests,
+                                args.repeats, dtype, s, args.threads))
+    return jobs
+
+
+def run_all(args: argparse.Namespace) -> dict[str, Any]:
+    from conveyor.engine.args import from_cli_args
+    from conveyor.model.loader import default_model_path
+
+    engine_args = from_cli_args(args)
+    model_path = engine_args.model or default_model_path()
+    for name in [c.strip() for c in (args.compare or "").split(",") if c.strip()]:
+        skip_reason(name)  # unknown names fail before anything runs
+
+    rates = None
+    if not args.no_roofline:
+        from conveyor.bench.roofline import measure_machine
+
+        print("[bench] measuring this machine's GEMM rate and memory bandwidth ...",
+              file=sys.stderr, flush=True)
+        rates = measure_machine()
+
+    base = {"system": "conveyor", "workload": args.workload, "seed": args.seed,
+            "num_requests": args.num_requests, "repeats": args.repeats, "profile": args.profile}
+    variants = [engine_args]
+    if args.workload == "W2":  # with vs without prefix caching
+        variants.append(dataclasses.replace(engine_args, enable_prefix_caching=False))
+    results = []
+    for i, ea in enumerate(variants):
+        job = {**base, "engine_args": dataclasses.asdict(ea), "profile": args.profile and i == 0}
+        results.append(run_worker(job, "conveyor", "prefix caching off" if i else "engine flags"))
+    conveyor = results[0]
+    dtype = conveyor.extra.get("dtype") or (args.dtype if args.dtype != "auto" else "bfloat16")
+    for peer in peer_jobs(args, model_path, dtype):
+        reason = skip_reason(peer.system)
+        config = f"setting {peer.setting}" if peer.setting else ""
+        if reason:
+            results.append(SystemResult(peer.system, config, skipped=reason))
+            continue
+        results.append(run_worker({"system": peer.system, "peer": dataclasses.asdict(peer)},
+                                  peer.system, config))
+    payload: dict[str, Any] = {
+        "command": " ".join(["conveyor", *sys.argv[1:]]),
+        "workload": dataclasses.asdict(SPECS[args.workload]) | {"name": args.workload,
+                                                                "seed": args.seed},
+        "results": [r.to_dict() for r in results],
+        "orchestrator_peak_rss_mb": peak_rss_mb(),
+    }
+    if rates is not None and conveyor.repeats:
+        payload["roofline"] = roofline_summary(args, conveyor, rates)
+    return payload
+
+
+def roofline_summary(args: argparse.Namespace, conveyor: SystemResult, rates) -> dict[str, Any]:
+    from conveyor.bench.roofline import ModelShape, workload_roofline
+
+    ea = conveyor.extra["engine_args"]
+    shape = ModelShape.from_config(conveyor.extra["model_config"])
+    workload = make_workload(args.workload, shape.vocab_size, args.seed, args.num_requests)
+    roof = workload_roofline(shape, workload, rates, conveyor.extra["dtype"], ea["max_num_seqs"],
+                             ea["max_num_batched_tokens"], ea["enable_prefix_caching"])
+    single = args.workload == "S1"
+    if single:
+        achieved = conveyor.best_and_median("decode_tokens_per_s")[0]
+        ideal = roof.single_stream_decode_tokens_per_s
+    else:
+        achieved = conveyor.best_and_median("output_tokens_per_s")[0]
+        ideal = roof.output_tokens_per_s
+    return {"machine": dataclasses.asdict(rates), "model": dataclasses.asdict(shape),
+            **roof.to_dict(), "metric": "decode tok/s" if single else "output tok/s",
+            "conveyor_best": achieved, "fraction_of_roofline": achieved / ideal}
+
+
+def format_roofline(r: dict[str, Any]) -> str:
+    m = r["machine"]
+    ideal = (r["single_stream_decode_tokens_per_s"] if r["metric"] == "decode tok/s"
+             else r["output_tokens_per_s"])
+    return "\n".join([
+        f"roofline: bf16 GEMM {m['gemm_flops'] / 1e9:,.0f} GFLOP/s, memory read "
+        f"{m['mem_bandwidth'] / 1e9:.1f} GB/s ({m['num_threads']} threads, measured now)",
+        f"  workload: {r['flops'] / 1e12:.2f} TFLOP, {r['bytes'] / 1e9:.1f} GB moved; ideal time "
+        f"{r['time_s']:.2f}s (prefill {r['prefill_s']:.2f}s + decode {r['decode_s']:.2f}s)",
+        f"  ideal {r['metric']} {ideal:,.0f}; conveyor best {r['conveyor_best']:,.0f} = "
+        f"{100 * r['fraction_of_roofline']:.0f}% of the roofline",
+    ])
+
+
+def format_profile(p: dict[str, Any]) -> str:
+    lines = ["engine overhead (--profile: time outside the model forward, % of step time)"]
+    for key in ("all_steps", "decode_at_max_batch"):
+        s = p.get(key)
+        if not s:
+            continue
+        parts = ", ".join(f"{k} {v:.1f}%" for k, v in s["breakdown_pct"].items())
+        lines.append(f"  {key} ({s['steps']} steps, batch {s['batch']}): overhead "
+                     f"{s['overhead_pct']:.1f}% of {s['mean_step_ms']:.1f} ms/step — {parts}")
+    return "\n".join(lines)
+
+
+def print_report(payload: dict[str, Any], workload: str) -> None:
+    results = [SystemResult.from_dict(d) for d in payload["results"]]
+    single = workload == "S1"
+    print(f"\nworkload {workload}: {SPECS[workload].description}")
+    print(format_table(results, single_stream=single))
+    ran = {r.config: r for r in results if r.system == "conveyor" and r.repeats}
+    if workload == "W2" and len(ran) == 2:
+        on, off = list(ran.values())
+        x = on.best_and_median("output_tokens_per_s")[0] / off.best_and_median(
+            "output_tokens_per_s")[0]
+        print(f"W2 prefix caching: {x:.2f}x output tok/s with vs without")
+    conveyor = results[0]
+    mem = conveyor.extra.get("memory")
+    if mem and conveyor.peak_rss_mb:
+        print(f"conveyor peak RSS {conveyor.peak_rss_mb:,.0f} MB; weights {mem['weights_mb']:,.0f}"
+              f" MB + KV cache {mem['kv_cache_mb']:,.0f} MB + 500 MB = {mem['budget_mb']:,.0f} MB")
+    if "roofline" in payload:
+        print(format_roofline(payload["roofline"]))
+    if conveyor.extra.get("profile"):
+        print(format_profile(conveyor.extra["profile"]))
+
+
+def main(args: argparse.Namespace) -> int:
+    if args.repeats < 1:
+        raise SystemExit("--repeats must be >= 1")
+    payload = run_all(args)
+    print_report(payload, args.workload)
+    if args.json:
+        write_json(args.json, payload)
+    if args.plot:
+        results = [SystemResult.from_dict(d) for d in payload["results"]]
+        plot_throughput(results, args.plot, f"conveyor bench throughput, workload {args.workload}"
+                        f" ({SPECS[args.workload].description})", args.workload == "S1")
+    return 0 if payload["results"] and payload["results"][0]["repeats"] else 1
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    from conveyor.engine.args import add_cli_args
+
+    p = subparsers.add_parser("throughput", help="offline throughput on a named workload, "
+                              "side by side with transformers and llama.cpp")
+    p.add_argument("--workload", default="W1", choices=sorted(SPECS),
+                   help="named workload (built with the engine flag --seed)")
+    p.add_argument("--compare", default="",
+                   help=f"comma list of peers to run too: {', '.join(PEERS)}")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--num-requests", type=int, default=None,
+                   help="override the workload's request count (smoke runs)")
+    p.add_argument("--threads", type=int, default=2, help="threads for the peers")
+    p.add_argument("--transformers-batch-sizes", default="64",
+                   help="static batch sizes to run transformers at (one row each)")
+    p.add_argument("--llamacpp-parallel", default="16,64",
+                   help="parallel sequences to run llama.cpp with (one row each)")
+    p.add_argument("--profile", action="store_true",
+                   help="one extra Conveyor pass timing the engine outside the model forward")
+    p.add_argument("--no-roofline", action="store_true", help="skip the machine micro-benchmarks")
+    p.add_argument("--json", help="write all results here")
+    p.add_argument("--plot", help="bar chart PNG of the table")
+    add_cli_args(p)
+    p.set_defaults(func=main)
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 4 and sys.argv[1] == "--worker":
+        sys.exit(worker_main(sys.argv[2], sys.argv[3]))
+    sys.exit("usage: python -m conveyor.bench.throughput --worker JOB.json OUT.json")

@@ -1,0 +1,64 @@
+"""Roofline arithmetic: model FLOPs/bytes for a workload and the ideal time on given rates."""
+
+import pytest
+
+from conveyor.bench.roofline import MachineRates, ModelShape, measure_machine, workload_roofline
+from conveyor.bench.workloads import BenchRequest, Workload, make_workload
+
+# SmolLM2-135M's shape
+SMOL = ModelShape(num_layers=30, hidden_size=576, intermediate_size=1536, num_heads=9,
+                  num_kv_heads=3, head_dim=64, vocab_size=49152)
+RATES = MachineRates(gemm_flops=830e9, mem_bandwidth=44e9, num_threads=2)
+
+
+def test_parameter_counts_match_smollm2_135m():
+    linear = SMOL.num_layers * SMOL.layer_linear_params
+    assert linear == 106_168_320
+    # + the (tied) embedding used as the LM head: SmolLM2's 134.5M parameters, minus norms
+    assert linear + SMOL.lm_head_params == 134_479_872
+    assert SMOL.weight_bytes(2) == 2 * 134_479_872
+    assert SMOL.kv_bytes_per_token(2) == 2 * 30 * 3 * 64 * 2
+
+
+def test_from_config_accepts_objects_and_dicts():
+    d = {k: getattr(SMOL, k) for k in SMOL.__dataclass_fields__} | {"name": "x"}
+    assert ModelShape.from_config(d) == SMOL
+    assert ModelShape.from_config(type("C", (), d)) == SMOL
+
+
+def test_single_stream_decode_is_bandwidth_bound():
+    roof = workload_roofline(SMOL, make_workload("S1", SMOL.vocab_size), RATES)
+    # one token reads every weight once: 269 MB at 44 GB/s
+    assert roof.single_stream_decode_tokens_per_s == pytest.approx(44e9 / SMOL.weight_bytes(2))
+    assert roof.decode_s > 20 * roof.prefill_s
+    weights_only = 255 * SMOL.weight_bytes(2) / 44e9  # + a little KV cache read per step
+    assert weights_only < roof.decode_s < 1.05 * weights_only
+
+
+def test_w1_is_compute_bound_at_batch_64():
+    w = make_workload("W1", SMOL.vocab_size)
+    roof = workload_roofline(SMOL, w, RATES)
+    assert roof.flops / RATES.gemm_flops == pytest.approx(roof.time_s, rel=0.01)
+    assert 1000 < roof.output_tokens_per_s < 2000  # issue 8: ~1,250 on this kind of machine
+    assert roof.output_tokens_per_s == pytest.approx(w.num_output_tokens / roof.time_s)
+
+
+def test_prefix_caching_computes_the_shared_prefix_once():
+    w = make_workload("W2", SMOL.vocab_size)
+    cached = workload_roofline(SMOL, w, RATES, prefix_caching=True)
+    uncached = workload_roofline(SMOL, w, RATES, prefix_caching=False)
+    assert cached.prefill_s < uncached.prefill_s / 5
+    assert cached.decode_s == uncached.decode_s
+
+
+def test_batches_of_max_num_seqs_make_decode_longer():
+    reqs = [BenchRequest([300] * 16, 32) for _ in range(8)]
+    w = Workload("t", "", 0, reqs)
+    wide = workload_roofline(SMOL, w, RATES, max_num_seqs=8)
+    narrow = workload_roofline(SMOL, w, RATES, max_num_seqs=1)
+    assert narrow.decode_s > 4 * wide.decode_s  # bandwidth bound: 8 waves instead of 1
+
+
+def test_measure_machine_gives_positive_rates():
+    rates = measure_machine(gemm_size=128, bandwidth_mib=8, repeats=2)
+    assert rates.gemm_flops > 0 and rates.mem_bandwidth > 0 and rates.num_threads >= 1
