@@ -48,7 +48,10 @@ class ServerState:
         try:
             engine = await asyncio.to_thread(self._build_engine)
         except Exception as e:
-            logger.exception("failed to load the engine")
+            if isinstance(e, ValueError):  # a bad flag or model path: the message says it all
+                logger.error("cannot start the engine: %s", e)
+            else:
+                logger.exception("failed to load the engine")
             self.load_error = e
             self.on_fatal()
             return

@@ -78,7 +78,8 @@ async def create_chat_completion(state: ServerState, request: Request) -> Respon
     job = Job(request_id, prompt_ids, make_params(req.sampling_params, max_tokens), req.priority,
               prompt["prompt"])
     engine = check_admission(state, 1)
-    head = {"id": request_id, "created": now_s(), "model": req.model or state.model_names[0]}
+    head = {"id": request_id, "object": "chat.completion", "created": now_s(),
+            "model": req.model or state.model_names[0]}
     tok = TokenText(state.tokenizer)
     if req.stream:
         return sse_response(_stream(state, engine, req, job, head, tok))
@@ -108,7 +109,7 @@ async def _whole(state: ServerState, engine: AsyncEngine, req: ChatCompletionReq
             "logprobs": _logprobs(tok, ch.token_ids, ch.logprobs, top_n) if req.logprobs else None,
             "finish_reason": ch.finish_reason} for j, ch in enumerate(choices)]
     completion_tokens = sum(len(ch.token_ids) for ch in choices)
-    return JSONResponse({**head, "object": "chat.completion", "choices": out,
+    return JSONResponse({**head, "choices": out,
                          "usage": usage(len(job.prompt_token_ids), completion_tokens),
                          "system_fingerprint": None})
 
