@@ -163,6 +163,13 @@ class AsyncEngine:
             self._aborts.append(request_id)
         self._wake.set()
 
+    def abort_all(self) -> int:
+        """Abort every request that has a live stream (event-loop thread); how many there were."""
+        request_ids = list(self._streams)
+        for rid in request_ids:
+            self.abort(rid)
+        return len(request_ids)
+
     # ---------------------------------------------------------------- engine thread
     def _run(self) -> None:
         try:

@@ -3,9 +3,11 @@ let running requests finish for up to ``shutdown_timeout`` seconds, abort the re
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import signal
+import socket
 import threading
 from collections.abc import Iterator
 from types import FrameType
@@ -38,6 +40,27 @@ class _Server(uvicorn.Server):
         finally:
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        # uvicorn cancels what still runs when timeout_graceful_shutdown expires, which would
+        # cut streams mid-air; abort those requests a moment earlier instead, so that each
+        # client gets its last chunk (finish_reason "abort") and [DONE].
+        timeout = self.config.timeout_graceful_shutdown
+        aborter = None
+        if timeout is not None and self._state.engine is not None:
+            aborter = asyncio.create_task(self._abort_after(max(0.0, timeout - 1.0)))
+        try:
+            await super().shutdown(sockets)
+        finally:
+            if aborter is not None:
+                aborter.cancel()
+
+    async def _abort_after(self, delay: float) -> None:
+        await asyncio.sleep(delay)
+        assert self._state.engine is not None
+        n = self._state.engine.abort_all()
+        if n:
+            logger.warning("shutdown timeout: aborted %d running request(s)", n)
 
     def _on_signal(self, sig: int, frame: FrameType | None) -> None:
         if not self._state.draining:
