@@ -103,7 +103,7 @@ class AsyncEngine:
         return len(self._streams)
 
     def num_queued_requests(self) -> int:
-        """Requests accepted but not yet scheduled: still in the inbox or in the engine's waiting queue."""
+        """Requests accepted but not yet scheduled (in the inbox or the engine's waiting queue)."""
         with self._lock:
             return len(self._inbox) + self.stats.num_waiting
 
@@ -124,12 +124,14 @@ class AsyncEngine:
             self._thread.join(timeout)
 
     # ---------------------------------------------------------------- requests
-    async def generate(self, prompt: str | list[int] | dict[str, Any], sampling_params: SamplingParams,
-                       request_id: str, priority: int = 0) -> AsyncIterator[RequestOutput]:
+    async def generate(self, prompt: str | list[int] | dict[str, Any],
+                       sampling_params: SamplingParams, request_id: str,
+                       priority: int = 0) -> AsyncIterator[RequestOutput]:
         """Submit one request and yield its RequestOutput deltas until it finishes.
 
-        ``prompt`` is anything ``LLMEngine.add_request`` takes. Raises ValueError when the engine rejects the request (bad prompt or parameters) and
-        EngineStoppedError when the engine no longer admits requests.
+        ``prompt`` is anything ``LLMEngine.add_request`` takes. Raises ValueError when the engine
+        rejects the request (bad prompt or parameters) and EngineStoppedError when the engine no
+        longer admits requests.
         """
         if self._loop is None:
             raise RuntimeError("AsyncEngine.start() was not called")
@@ -182,7 +184,7 @@ class AsyncEngine:
                 self._admit(inbox)
                 if stopping:
                     aborts.extend(self._sent)
-                outputs = self._abort_all(aborts)
+                outputs = self._abort_in_engine(aborts)
                 if self.engine.has_unfinished_requests():
                     self._publish_stats()  # queue counts include what was just admitted
                     started = time.monotonic()
@@ -211,7 +213,7 @@ class AsyncEngine:
                 continue
             self._sent[req.request_id] = {}
 
-    def _abort_all(self, request_ids: list[str]) -> list[RequestOutput]:
+    def _abort_in_engine(self, request_ids: list[str]) -> list[RequestOutput]:
         outputs = []
         for rid in dict.fromkeys(request_ids):
             out = self.engine.abort_request(rid)
