@@ -24,17 +24,24 @@ from conveyor.core.sequence import SequenceStatus
 
 COMBOS = list(itertools.product(["prefill_first", "chunked"], ["fcfs", "priority"],
                                  ["recompute", "swap"]))
-REGRESSIONS = {("chunked", "fcfs", "swap"): [2320]}  # a resumed mid-prefill sequence stalled
+# Profiles: (max_num_seqs, max_model_len, num_gpu_blocks / num_cpu_blocks, prompt, max_tokens,
+# n) upper bounds. Seeds that once exposed a bug are listed in REGRESSIONS.
+PROFILES = {"small": (6, 80, 40, 40, 16, 3), "large": (12, 200, 90, 120, 60, 4)}
+REGRESSIONS = {
+    ("small", "chunked", "fcfs", "swap"): [2320],  # a resumed mid-prefill sequence stalled
+    ("large", "chunked", "priority", "recompute"): [149],  # preempted for a slot it never took
+}
 
 
-def run_random(seed: int, policy: str, queue: str, mode: str) -> None:
+def run_random(seed: int, policy: str, queue: str, mode: str, profile: str = "small") -> None:
+    max_seqs, max_len, max_blocks, max_prompt, max_out, max_n = PROFILES[profile]
     rng = random.Random(seed)
-    seqs = rng.randint(1, 6)
-    sc = SchedulerConfig(seqs, seqs + rng.randint(0, 60), rng.randint(4, 80), policy=policy,
+    seqs = rng.randint(1, max_seqs)
+    sc = SchedulerConfig(seqs, seqs + rng.randint(0, 60), rng.randint(4, max_len), policy=policy,
                          queue=queue, preemption_mode=mode,
                          long_prefill_token_threshold=rng.randint(0, 12),
                          max_num_partial_prefills=rng.randint(1, 3))
-    cc = CacheConfig(rng.choice([1, 2, 4, 8]), rng.randint(3, 40), rng.randint(1, 40),
+    cc = CacheConfig(rng.choice([1, 2, 4, 8]), rng.randint(3, max_blocks), rng.randint(1, max_blocks),
                      rng.random() < 0.7)
     ticks = itertools.count()
     sched = Scheduler(sc, cc, eos_token_ids=(EOS,), clock=lambda: float(next(ticks)))
@@ -61,11 +68,11 @@ def run_random(seed: int, policy: str, queue: str, mode: str) -> None:
                 prompt = base[:rng.randint(0, len(base))]
                 prompt += [rng.randrange(VOCAB) for _ in range(rng.randint(0, 10))]
             else:
-                prompt = [rng.randrange(VOCAB) for _ in range(rng.randint(1, 40))]
+                prompt = [rng.randrange(VOCAB) for _ in range(rng.randint(1, max_prompt))]
             prompt = prompt or [1]
             prompts.append(prompt)
-            max_tokens = rng.randint(1, 16)
-            sp = SamplingParams(n=rng.randint(1, 3), max_tokens=max_tokens,
+            max_tokens = rng.randint(1, max_out)
+            sp = SamplingParams(n=rng.randint(1, max_n), max_tokens=max_tokens,
                                 min_tokens=rng.randint(0, max_tokens),
                                 ignore_eos=rng.random() < 0.5,
                                 stop_token_ids=[rng.randrange(VOCAB) for _ in range(rng.randint(0, 2))])
@@ -102,9 +109,10 @@ def run_random(seed: int, policy: str, queue: str, mode: str) -> None:
 
 
 @pytest.mark.parametrize(("policy", "queue", "mode"), COMBOS)
-def test_random_runs(policy, queue, mode):
-    for seed in list(range(120)) + REGRESSIONS.get((policy, queue, mode), []):
+@pytest.mark.parametrize(("profile", "num_seeds"), [("small", 100), ("large", 12)])
+def test_random_runs(policy, queue, mode, profile, num_seeds):
+    for seed in list(range(num_seeds)) + REGRESSIONS.get((profile, policy, queue, mode), []):
         try:
-            run_random(seed, policy, queue, mode)
+            run_random(seed, policy, queue, mode, profile)
         except Exception as e:
             raise AssertionError(f"seed {seed}: {e}") from e

@@ -33,7 +33,7 @@ RUNNING = SequenceStatus.RUNNING
 class _Step:
     """The step being built."""
 
-    __slots__ = ("seqs", "num_new", "num_decodes", "budget", "protected")
+    __slots__ = ("seqs", "num_new", "num_decodes", "budget", "protected", "partial")
 
     def __init__(self, budget: int) -> None:
         self.seqs: list[Sequence] = []
@@ -44,6 +44,7 @@ class _Step:
         # already be shared through the prefix cache) or swapped in (their blocks are not
         # filled before the step runs)
         self.protected: set[Sequence] = set()
+        self.partial: set[Sequence] = set()  # mid-prefill sequences left part-way after the step
 
     def unschedule_decode(self, seq: Sequence) -> None:
         k = self.seqs.index(seq)
@@ -59,9 +60,9 @@ def schedule_chunked(sched: Scheduler) -> SchedulerOutput:
     _schedule_decodes(sched, step)
     if sched.swapped and not sched.preempted_this_step:
         _resume_swapped(sched, step)
-    num_partial = _continue_prefills(sched, step)
+    _continue_prefills(sched, step)
     if not sched.swapped:
-        _admit_new(sched, step, num_partial)
+        _admit_new(sched, step)
     total = cfg.max_num_batched_tokens - step.budget
     return SchedulerOutput(seqs=step.seqs, num_new_tokens=step.num_new, num_batched_tokens=total,
                            is_prefill=bool(step.seqs) and step.num_decodes == 0,
@@ -165,18 +166,17 @@ def _chunk_size(sched: Scheduler, remaining: int, budget: int) -> int:
     return chunk
 
 
-def _continue_prefills(sched: Scheduler, step: _Step) -> int:
-    """Schedule chunks of mid-prefill sequences; returns how many stay part-way through."""
+def _continue_prefills(sched: Scheduler, step: _Step) -> None:
+    """Schedule chunks of mid-prefill sequences (``step.partial``: those left part-way)."""
     bm = sched.block_manager
     gpu = bm.gpu
     bs = bm.block_size
     max_seqs = sched.config.max_num_seqs
-    num_partial = 0
     for seq in list(sched.prefilling):
         if seq.status is not RUNNING:
             continue
         if step.budget <= 0 or len(step.seqs) >= max_seqs:
-            num_partial += 1
+            step.partial.add(seq)
             continue
         computed = seq.num_computed_tokens
         remaining = len(seq.token_ids) - computed
@@ -191,7 +191,7 @@ def _continue_prefills(sched: Scheduler, step: _Step) -> int:
                 break
             _preempt(sched, step, victim)
         if chunk <= 0:
-            num_partial += 1
+            step.partial.add(seq)
             continue
         bm.grow(seq, computed + chunk)
         step.seqs.append(seq)
@@ -199,8 +199,7 @@ def _continue_prefills(sched: Scheduler, step: _Step) -> int:
         step.budget -= chunk
         step.protected.add(seq)
         if chunk < remaining:
-            num_partial += 1
-    return num_partial
+            step.partial.add(seq)
 
 
 def _prefill_victim(sched: Scheduler, seq: Sequence, step: _Step) -> Sequence | None:
@@ -218,6 +217,7 @@ def _prefill_victim(sched: Scheduler, seq: Sequence, step: _Step) -> Sequence | 
 
 
 def _preempt(sched: Scheduler, step: _Step, victim: Sequence) -> None:
+    step.partial.discard(victim)
     if victim in sched.prefilling:
         sched.prefilling.remove(victim)
     else:
@@ -229,7 +229,9 @@ def _preempt(sched: Scheduler, step: _Step, victim: Sequence) -> None:
 
 # ---------------------------------------------------------------------- 4. new requests
 
-def _admit_new(sched: Scheduler, step: _Step, num_partial: int) -> None:
+def _admit_new(sched: Scheduler, step: _Step) -> None:
+    """Admit from the head of ``waiting``; under the priority queue a head may preempt
+    strictly lower-priority sequences for a partial-prefill slot, a seat or blocks."""
     bm = sched.block_manager
     gpu = bm.gpu
     bs = bm.block_size
@@ -244,23 +246,23 @@ def _admit_new(sched: Scheduler, step: _Step, num_partial: int) -> None:
         seq = waiting.peek()
         if seq is None:
             break
-        group = seq.group
-        seats = group.sampling_params.n if len(group.seqs) == 1 else 1
-        num_running = len(sched.running) + len(sched.prefilling)
-        if num_running and num_running + seats > max_seqs:
-            retry = sched.priority_queue and _preempt_lower_priority(sched, step, seq)
-            if retry:
-                continue
-            break
         hits = bm.find_cached_prefix(seq)
         cached = len(hits) * bs
         num_tokens = len(seq.token_ids)
         chunk = _chunk_size(sched, num_tokens - cached, step.budget)
         partial = cached + chunk < num_tokens
-        if partial and num_partial >= cfg.max_num_partial_prefills:
-            break
-        if bm.num_new_blocks_to_admit(hits, cached + chunk) > gpu.num_free:
-            retry = sched.priority_queue and _preempt_lower_priority(sched, step, seq)
+        group = seq.group
+        seats = group.sampling_params.n if len(group.seqs) == 1 else 1
+        num_running = len(sched.running) + len(sched.prefilling)
+        blocked_by = None
+        if partial and len(step.partial) >= cfg.max_num_partial_prefills:
+            blocked_by = step.partial
+        elif num_running and num_running + seats > max_seqs:
+            blocked_by = sched.prefilling + sched.running
+        elif bm.num_new_blocks_to_admit(hits, cached + chunk) > gpu.num_free:
+            blocked_by = sched.prefilling + sched.running
+        if blocked_by is not None:
+            retry = sched.priority_queue and _preempt_lower_priority(sched, step, seq, blocked_by)
             if retry:
                 continue
             break
@@ -275,12 +277,13 @@ def _admit_new(sched: Scheduler, step: _Step, num_partial: int) -> None:
         step.budget -= chunk
         step.protected.add(seq)
         if partial:
-            num_partial += 1
+            step.partial.add(seq)
 
 
-def _preempt_lower_priority(sched: Scheduler, step: _Step, head: Sequence) -> bool:
-    """Preempt the lowest-priority sequence holding blocks if it ranks strictly below ``head``."""
-    candidates = [s for s in sched.prefilling + sched.running if s not in step.protected]
+def _preempt_lower_priority(sched: Scheduler, step: _Step, head: Sequence,
+                            among: set[Sequence] | list[Sequence]) -> bool:
+    """Preempt the lowest-priority of ``among`` if it ranks strictly below ``head``."""
+    candidates = [s for s in among if s not in step.protected]
     victim = sched.lowest_priority(candidates)
     if victim is None or victim.group.priority <= head.group.priority:
         return False
