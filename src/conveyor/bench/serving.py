@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import json
 import math
 import random
@@ -246,8 +247,6 @@ def free_loopback_port() -> int:
 
 def engine_flags(args: argparse.Namespace) -> list[str]:
     """The engine flags given on this command line that differ from the defaults, as argv."""
-    import dataclasses
-
     from conveyor.engine.args import EngineArgs, from_cli_args
 
     given, defaults = from_cli_args(args), EngineArgs()
@@ -304,6 +303,9 @@ def spawned_server(extra_argv: list[str], ready_timeout: float = 600.0,
 
 async def run_sweep(base_url: str, args: argparse.Namespace) -> list[dict[str, Any]]:
     workload = make_workload(args.workload, args.vocab_size, args.seed, args.num_prompts)
+    if args.output_len is not None:
+        workload = dataclasses.replace(workload, requests=[
+            dataclasses.replace(r, max_tokens=args.output_len) for r in workload.requests])
     slo = parse_slo(args.slo)
     client = ServeClient(base_url, timeout=args.request_timeout)
     runs = []
@@ -354,6 +356,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--workload", default="W1", choices=sorted(SPECS),
                    help="named workload (built with the engine flag --seed)")
     p.add_argument("--num-prompts", type=int, default=64, help="requests per rate")
+    p.add_argument("--output-len", type=int, default=None,
+                   help="override the workload's output tokens per request")
     p.add_argument("--vocab-size", type=int, default=32000,
                    help="prompt token ids are drawn below this (default fits Llama vocabularies)")
     p.add_argument("--request-rate", default="inf",

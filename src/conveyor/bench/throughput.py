@@ -252,7 +252,7 @@ def peer_jobs(args: argparse.Namespace, model_path: str, dtype: str) -> list[Pee
             settings = _ints(args.llamacpp_parallel)
         for s in settings:
             jobs.append(PeerJob(name, model_path, args.workload, args.seed, args.num_requests,
-                                args.repeats, dtype, s, args.threads))
+                                args.peer_repeats or args.repeats, dtype, s, args.threads))
     return jobs
 
 
@@ -398,6 +398,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--num-requests", type=int, default=None,
                    help="override the workload's request count (smoke runs)")
+    p.add_argument("--peer-repeats", type=int, default=None,
+                   help="repeats for the peers (default: --repeats; slow peers take minutes)")
     p.add_argument("--threads", type=int, default=2, help="threads for the peers")
     p.add_argument("--transformers-batch-sizes", default="64",
                    help="static batch sizes to run transformers at (one row each)")

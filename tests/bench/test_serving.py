@@ -1,0 +1,102 @@
+"""The serving benchmark: arrivals, SLO/metrics parsing, and the client against a real server."""
+
+import json
+import math
+import statistics
+
+import pytest
+
+from conveyor.bench.serving import (
+    RequestResult,
+    arrival_offsets,
+    parse_rates,
+    parse_slo,
+    preemptions_from_metrics,
+    summarize,
+)
+from conveyor.entrypoints.cli import main as cli_main
+
+
+def test_poisson_arrivals_are_seeded_with_the_requested_mean_gap():
+    a = arrival_offsets(2000, rate=4.0, burstiness=1.0, seed=0)
+    assert a == arrival_offsets(2000, rate=4.0, burstiness=1.0, seed=0)
+    assert a != arrival_offsets(2000, rate=4.0, burstiness=1.0, seed=1)
+    gaps = [b - a_ for a_, b in zip(a, a[1:], strict=False)]
+    assert a[0] == 0.0 and all(g >= 0 for g in gaps)
+    assert statistics.fmean(gaps) == pytest.approx(0.25, rel=0.1)
+
+
+def test_burstier_gamma_arrivals_vary_more():
+    def cv(burstiness):
+        a = arrival_offsets(3000, 4.0, burstiness, seed=0)
+        gaps = [b - a_ for a_, b in zip(a, a[1:], strict=False)]
+        return statistics.pstdev(gaps) / statistics.fmean(gaps)
+
+    assert cv(0.25) > 1.5 > cv(1.0) > 0.8 > cv(4.0)
+
+
+def test_infinite_rate_sends_everything_at_once_and_bad_rates_fail():
+    assert arrival_offsets(3, math.inf, 1.0, 0) == [0.0, 0.0, 0.0]
+    assert parse_rates("1,2.5,inf") == [1.0, 2.5, math.inf]
+    with pytest.raises(ValueError, match="request-rate"):
+        parse_rates("0")
+    with pytest.raises(ValueError, match="burstiness"):
+        arrival_offsets(3, 1.0, 0.0, 0)
+
+
+def test_slo_parsing():
+    assert parse_slo("ttft=0.5, tpot=0.1") == {"ttft": 0.5, "tpot": 0.1}
+    assert parse_slo(None) == {}
+    with pytest.raises(ValueError, match="--slo"):
+        parse_slo("latency=3")
+
+
+def test_preemptions_are_read_from_conveyor_counters():
+    page = "\n".join([
+        "# HELP conveyor:num_preemptions_total Preemptions of running requests.",
+        "# TYPE conveyor:num_preemptions_total counter",
+        "conveyor:num_preemptions_total 7.0",
+        "conveyor:num_preemptions_created 1.7e9",
+        "conveyor:num_requests_running 3.0",
+        "vllm:num_preemptions_total 99.0",
+    ])
+    assert preemptions_from_metrics(page) == 7.0
+    assert preemptions_from_metrics("conveyor:num_requests_running 3.0") is None
+
+
+def test_summary_goodput_counts_requests_within_every_slo():
+    fast = RequestResult(True, 10, output_tokens=5, ttft=0.1, e2e=0.5, itl=[0.1] * 4)
+    slow = RequestResult(True, 10, output_tokens=5, ttft=2.0, e2e=2.4, itl=[0.1] * 4)
+    failed = RequestResult(False, 10, error="HTTP 500")
+    s = summarize([fast, slow, failed], duration=2.0, slo={"ttft": 1.0})
+    assert (s["sent"], s["completed"], s["failed"]) == (3, 2, 1)
+    assert s["goodput"] == 0.5 and s["request_throughput"] == 1.0
+    assert s["output_throughput"] == 5.0
+    assert s["tpot"]["mean"] == pytest.approx(0.1)
+    assert s["ttft"]["p50"] == pytest.approx(1.05)
+
+
+@pytest.mark.slow
+def test_client_against_a_spawned_server(tmp_path, capsys):
+    out, plot = tmp_path / "serve.json", tmp_path / "serve.png"
+    rc = cli_main(["bench", "serve", "--spawn", "--num-prompts", "3", "--output-len", "4",
+                   "--request-rate", "20,inf", "--max-concurrency", "2", "--label", "tiny",
+                   "--slo", "ttft=600,tpot=600", "--json", str(out), "--plot", str(plot),
+                   "--max-model-len", "512", "--num-gpu-blocks", "96", "--max-num-seqs", "4",
+                   "--server-log", str(tmp_path / "server.log")])
+    assert rc == 0
+    runs = json.loads(out.read_text())["runs"]
+    assert [r["request_rate"] for r in runs] == [20.0, math.inf]
+    for r in runs:
+        assert r["completed"] == r["sent"] == 3 and r["label"] == "tiny"
+        assert r["output_throughput"] > 0 and r["goodput"] == r["request_throughput"]
+        assert 0 < r["ttft"]["p50"] <= r["e2e"]["p50"]
+        assert r["tpot"]["mean"] > 0 and r["itl"]["p99"] > 0
+        assert r["preemptions"] is not None and r["preemptions"] >= 0
+    assert plot.read_bytes()[:4] == b"\x89PNG"
+    assert "| tiny | inf | 3/3 |" in capsys.readouterr().out
+    # merging saved runs into one picture, no server needed
+    merged = tmp_path / "merged.png"
+    assert cli_main(["bench", "serve", "--from-json", str(out), str(out), "--plot",
+                     str(merged)]) == 0
+    assert merged.exists()
