@@ -134,3 +134,33 @@ def test_bad_dtype_and_device() -> None:
         ModelExecutor("unused", dtype="int3", device="cpu")
     with pytest.raises(ValueError, match="device"):
         ModelExecutor("unused", device="tpu")
+
+
+def test_many_decodes_of_different_lengths(tmp_path) -> None:
+    """More decodes than one attention group holds, with contexts of many lengths."""
+    ref = _build("qwen3", str(tmp_path))
+    ex = ModelExecutor(str(tmp_path), dtype="float32", device="cpu")
+    cfg = ex.model_config
+    block_size, n = 4, 37
+    gen = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(3, VOCAB, (int(length),), generator=gen).tolist()
+               for length in torch.randint(3, 30, (n,), generator=gen)]
+    cache = KVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, block_size, 400, 0,
+                    torch.float32, torch.device("cpu"))
+    perm = torch.randperm(400, generator=gen).tolist()  # scattered blocks
+    tables = [perm[i * 10:(i + 1) * 10] for i in range(n)]
+    # Prefill all but each prompt's last token, then decode the last tokens together.
+    meta = build_attention_metadata(tables, [0] * n, [len(p) - 1 for p in prompts], block_size,
+                                    cfg.num_queries_per_kv, torch.device("cpu"))
+    ids = [t for p in prompts for t in p[:-1]]
+    ex.model(torch.tensor(ids), meta.positions, cache.layers, meta, torch.tensor([0]))
+    order = sorted(range(n), key=lambda i: len(prompts[i]))
+    meta = build_attention_metadata([tables[i] for i in order], [len(prompts[i]) - 1 for i in order],
+                                    [1] * n, block_size, cfg.num_queries_per_kv, torch.device("cpu"))
+    assert len(meta.groups) > 1
+    logits = ex.model(torch.tensor([prompts[i][-1] for i in order]), meta.positions, cache.layers,
+                      meta, torch.arange(n))
+    with torch.no_grad():
+        for row, i in enumerate(order):
+            expected = ref(torch.tensor([prompts[i]])).logits[0, -1]
+            torch.testing.assert_close(logits[row], expected, rtol=1e-4, atol=1e-4)

@@ -54,7 +54,10 @@ class ModelExecutor:
             return ExecutorOutput(sampled_token_ids=[])
 
         n = len(so.seqs)
-        order = sorted(range(n), key=lambda i: so.num_new_tokens[i] != 1)  # stable
+        # Decodes first, shortest context first (attention groups pad less); then prefill chunks.
+        order = sorted(range(n), key=lambda i: (so.num_new_tokens[i] != 1,
+                                                so.seqs[i].num_computed_tokens
+                                                if so.num_new_tokens[i] == 1 else 0))
         input_ids: list[int] = []
         starts, counts, tables = [], [], []
         sample_entries: list[int] = []  # original entry index, in logits-row order

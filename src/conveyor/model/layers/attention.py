@@ -1,15 +1,16 @@
 """Paged attention over block tables, batched: no Python loop over sequences.
 
-A step's tokens are laid out flat. Entries are split into two groups that are each attended
-with one ``scaled_dot_product_attention`` call per layer:
+A step's tokens are laid out flat. Entries are split into groups, each attended with one
+``scaled_dot_product_attention`` call per layer:
 
-* decode group (entries computing one token) first, then
-* prefill group (entries computing a chunk of >1 tokens, possibly after a cached prefix).
+* decode groups (entries computing one token, up to ``DECODE_GROUP_SIZE`` per group) first, then
+* one prefill group (entries computing a chunk of >1 tokens, possibly after a cached prefix).
 
 For each group, keys and values are gathered from the paged cache a whole block at a time
 through the ``[B, blocks]`` block table (one contiguous row per block, not per token) and a
-boolean mask hides padding and future positions. Grouped-query attention is done without repeating K/V: the ``g`` query heads
-that share a KV head are folded into the query-length axis, ``[B, kv_heads, Q * g, head_dim]``.
+boolean mask hides padding and future positions. Grouped-query attention is done without
+repeating K/V: the ``g`` query heads that share a KV head are folded into the query-length
+axis, ``[B, kv_heads, Q * g, head_dim]``.
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+DECODE_GROUP_SIZE = 16
 
 
 @dataclass
@@ -47,7 +50,11 @@ def build_attention_metadata(
     num_queries_per_kv: int,
     device: torch.device,
 ) -> AttentionMetadata:
-    """Entries must be ordered decode (num_new == 1) first, then prefill chunks."""
+    """Entries must be ordered decode (num_new == 1) first, then prefill chunks.
+
+    Decodes are attended in groups of ``DECODE_GROUP_SIZE``, each padded to its own longest
+    context: with decodes sorted by context length, little of the padding is computed.
+    """
     num_decode = 0
     while num_decode < len(num_new) and num_new[num_decode] == 1:
         num_decode += 1
@@ -67,9 +74,11 @@ def build_attention_metadata(
 
     groups = []
     token_start = 0
-    for lo, hi in ((0, num_decode), (num_decode, len(num_new))):
-        if lo == hi:
-            continue
+    ranges = [(lo, min(lo + DECODE_GROUP_SIZE, num_decode))
+              for lo in range(0, num_decode, DECODE_GROUP_SIZE)]
+    if num_decode < len(num_new):
+        ranges.append((num_decode, len(num_new)))
+    for lo, hi in ranges:
         g_tab, g_start, g_new = table[lo:hi], start_t[lo:hi], new_t[lo:hi]
         batch, max_q = hi - lo, int(g_new.max())
         ctx = g_start + g_new

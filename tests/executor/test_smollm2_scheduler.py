@@ -1,0 +1,65 @@
+"""SmolLM2 greedy decoding through the real Scheduler equals transformers token for token.
+
+Variants: one batch (prefill_first), chunked prefill (chunks of 7 tokens, mixed with decodes),
+prefix-cache hits, and a cache so small that preemption happens (recompute and swap).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from conveyor.core.config import CacheConfig, SchedulerConfig
+from conveyor.core.sampling_params import SamplingParams
+from conveyor.core.scheduler import Scheduler
+
+NUM_TOKENS = 48  # as in conftest's reference_tokens
+BLOCK = 16
+GREEDY = SamplingParams(temperature=0.0, max_tokens=NUM_TOKENS, ignore_eos=True)
+
+
+def _generate(executor, scheduler: Scheduler, prompts, prefix: str = "r") -> list[list[int]]:
+    groups = [scheduler.add_request(f"{prefix}{i}", list(ids), GREEDY) for i, ids in enumerate(prompts)]
+    while scheduler.has_unfinished_requests():
+        so = scheduler.schedule()
+        out = executor.execute(so)
+        for i, toks in enumerate(out.sampled_token_ids):
+            assert len(toks) == so.num_samples(i)
+        scheduler.update(so, out.sampled_token_ids)
+    return [g.seqs[0].output_token_ids for g in groups]
+
+
+def _scheduler(executor, num_blocks: int, num_cpu_blocks: int = 0, **sched) -> Scheduler:
+    executor.initialize_cache(BLOCK, num_blocks, num_cpu_blocks)
+    config = SchedulerConfig(**{"max_num_seqs": 8, "max_num_batched_tokens": 2048,
+                                "max_model_len": 1024, **sched})
+    cache = CacheConfig(block_size=BLOCK, num_gpu_blocks=num_blocks, num_cpu_blocks=num_cpu_blocks,
+                        enable_prefix_caching=True)
+    return Scheduler(config, cache, eos_token_ids=executor.model_config.eos_token_ids)
+
+
+def test_one_batch(executor, prompt_ids, reference_tokens) -> None:
+    sched = _scheduler(executor, 256)
+    assert _generate(executor, sched, prompt_ids) == reference_tokens
+
+
+def test_chunked_prefill_chunks_of_7(executor, prompt_ids, reference_tokens) -> None:
+    sched = _scheduler(executor, 256, policy="chunked", max_num_batched_tokens=32,
+                       long_prefill_token_threshold=7, max_num_partial_prefills=2)
+    assert _generate(executor, sched, prompt_ids) == reference_tokens
+
+
+def test_prefix_cache_hits(executor, prompt_ids, reference_tokens) -> None:
+    sched = _scheduler(executor, 256)
+    assert _generate(executor, sched, prompt_ids, "a") == reference_tokens
+    hits = sched.stats.prefix_cache_hits
+    assert _generate(executor, sched, prompt_ids, "b") == reference_tokens  # whole prompts cached
+    assert sched.stats.prefix_cache_hits - hits >= sum(len(p) // BLOCK * BLOCK - BLOCK
+                                                       for p in prompt_ids)
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_preemption(executor, prompt_ids, reference_tokens, mode: str) -> None:
+    cpu = 64 if mode == "swap" else 0
+    sched = _scheduler(executor, 24, cpu, preemption_mode=mode)
+    assert _generate(executor, sched, prompt_ids) == reference_tokens
+    assert sched.stats.num_preemptions > 0
