@@ -1,8 +1,9 @@
 """SmolLM2 greedy decoding equals transformers, driven by hand-built SchedulerOutputs.
 
 The hand-built steps give each sequence its own blocks and exercise what the executor must
-handle whatever the scheduler does: one batch, mixed prefill chunks + decodes, a prefix
-computed by another sequence, swap out/in, and block copies.
+handle whatever the scheduler does: a prefix computed by another sequence, swap out/in and
+block copies (one batch, chunked prefill and preemption go through the real Scheduler in
+test_smollm2_scheduler.py).
 """
 
 from __future__ import annotations
@@ -30,13 +31,13 @@ def _make_seqs(prompts: list[list[int]], params: SamplingParams, first_block: in
     return seqs
 
 
-def _run(executor, seqs, chunk: int | None = None, max_tokens: int = NUM_TOKENS) -> list[list[int]]:
-    """Step until each sequence has max_tokens outputs; prefill in chunks of `chunk` tokens."""
+def _run(executor, seqs, max_tokens: int = NUM_TOKENS) -> list[list[int]]:
+    """Step until each sequence has max_tokens outputs (whole prompts, then decodes)."""
     while True:
         active = [s for s in seqs if s.num_output_tokens < max_tokens]
         if not active:
             return [s.output_token_ids for s in seqs]
-        counts = [min(chunk or 10**9, len(s.token_ids) - s.num_computed_tokens) for s in active]
+        counts = [len(s.token_ids) - s.num_computed_tokens for s in active]
         so = SchedulerOutput(seqs=active, num_new_tokens=counts)
         out = executor.execute(so)
         for s, n, toks in zip(active, counts, out.sampled_token_ids, strict=True):
@@ -60,17 +61,6 @@ def test_gguf_weights_equal_transformers_loader(executor, hf_model) -> None:
         ("llama", 30, 576, 9, 3)
     assert cfg.eos_token_ids == [2] and cfg.tie_word_embeddings
     assert executor.tokenizer.chat_template
-
-
-def test_one_batch(executor, prompt_ids, reference_tokens) -> None:
-    executor.initialize_cache(BLOCK, 256, 0)
-    assert _run(executor, _make_seqs(prompt_ids, GREEDY)) == reference_tokens
-
-
-def test_chunked_prefill_mixed_with_decodes(executor, prompt_ids, reference_tokens) -> None:
-    executor.initialize_cache(BLOCK, 256, 0)
-    # Prompts end their chunks at different steps, so chunks and decodes share steps.
-    assert _run(executor, _make_seqs(prompt_ids, GREEDY), chunk=7) == reference_tokens
 
 
 def test_prefix_computed_by_another_sequence(executor, prompt_ids, reference_tokens) -> None:
