@@ -100,6 +100,23 @@ class SchedulerMachine(RuleBasedStateMachine):
         assert self.sched.abort(rid) is None
         check_invariants(self.sched)
 
+    def _running(self):
+        return [s for s in self.sched.running if s.status is SequenceStatus.RUNNING]
+
+    @precondition(lambda self: self._running())
+    @rule(data=st.data())
+    def stop_string(self, data):
+        """The engine finishes a running sequence (a stop string matched)."""
+        seq = data.draw(st.sampled_from(self._running()), label="stop")
+        rid = seq.group.request_id
+        group = self.sched.finish_sequence(seq, SequenceStatus.FINISHED_STOPPED, "stop")
+        assert seq.status is SequenceStatus.FINISHED_STOPPED and not seq.block_table
+        self.aborted.add(rid)  # its tokens are a prefix of the reference
+        if group is not None:
+            assert group.is_finished
+            self._record(group)
+        check_invariants(self.sched)
+
     @rule(steps=st.integers(1, 6))
     def step(self, steps):
         for _ in range(steps):
