@@ -73,7 +73,7 @@ def test_disconnect_aborts_and_frees_while_others_continue(server) -> None:
     long_prompt = " ".join(["The quick brown fox jumps over the lazy dog."] * 30)  # ~300 tokens
     body = {"prompt": long_prompt, "max_tokens": 200, "temperature": 0.0, "stream": True,
             "ignore_eos": True}
-    others_tokens = 40
+    others_tokens = 30
 
     async def run() -> tuple[dict, dict, list]:
         async with httpx.AsyncClient(base_url=server.base_url, timeout=240) as http:

@@ -55,7 +55,7 @@ def test_high_priority_first_token_before_earlier_low_priority(busy_server) -> N
 
     async def run() -> None:
         async with httpx.AsyncClient(base_url=busy_server.base_url, timeout=240) as http:
-            blockers = [asyncio.create_task(_stream(http, _body(10, 40, i))) for i in range(2)]
+            blockers = [asyncio.create_task(_stream(http, _body(10, 24, i))) for i in range(2)]
             await _wait_metric(busy_server, "conveyor:num_requests_running", 2)
             lows = [asyncio.create_task(_stream(http, _body(10, 4, 10 + i), mark(f"low{i}")))
                     for i in range(3)]
