@@ -157,9 +157,6 @@ class BlockManager:
         self.blocks_to_copy = keep
         return redirect
 
-    def capacity(self, seq: Sequence) -> int:
-        return len(seq.block_table) * self.block_size
-
     # ------------------------------------------------------------------ fork / free
 
     def fork(self, parent: Sequence, child: Sequence) -> None:

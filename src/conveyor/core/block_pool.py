@@ -50,9 +50,6 @@ class BlockPool:
         """Registered blocks (in use or evictable)."""
         return len(self._table)
 
-    def is_registered(self, block: int) -> bool:
-        return self._hash[block] is not None
-
     # ------------------------------------------------------------------ allocate / free
 
     def allocate(self) -> int:
