@@ -262,3 +262,11 @@ def test_stats_snapshot():
     assert (s.num_running, s.num_waiting, s.num_swapped) == (1, 1, 0)
     assert s.num_total_blocks == 10 and s.num_free_blocks == 7
     assert s.kv_usage == pytest.approx(0.3)
+
+
+def test_a_step_without_progress_is_reported_not_spun():
+    sched = make_scheduler()
+    sched.add_request("a", [1, 2, 3], SamplingParams(max_tokens=2))
+    sched._policy = lambda s: SchedulerOutput()  # a policy bug: queued work, nothing scheduled
+    with pytest.raises(RuntimeError, match="no progress"):
+        sched.schedule()
