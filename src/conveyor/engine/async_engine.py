@@ -90,17 +90,9 @@ class AsyncEngine:
         return self.engine.max_model_len
 
     @property
-    def is_running(self) -> bool:
-        return self._thread is not None and self._thread.is_alive() and not self._stopping
-
-    @property
     def error(self) -> BaseException | None:
         """Why the engine thread died (None while it lives)."""
         return self._dead
-
-    @property
-    def num_unfinished_streams(self) -> int:
-        return len(self._streams)
 
     def num_queued_requests(self) -> int:
         """Requests accepted but not yet scheduled (in the inbox or the engine's waiting queue)."""
