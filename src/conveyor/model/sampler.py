@@ -70,11 +70,14 @@ class Sampler:
                         if any(n is not None for n in want_logprobs) else None)
         logits = self._apply_penalties(logits, rows, vocab)  # out of place
 
-        greedy = torch.tensor([p.temperature == 0.0 for p in params], device=device)
-        chosen = logits.argmax(dim=-1)
-        if not bool(greedy.all()):
-            sampled = self._sample(logits, rows, vocab)
-            chosen = torch.where(greedy, chosen, sampled)
+        is_greedy = [p.temperature == 0.0 for p in params]
+        if all(is_greedy):
+            chosen = logits.argmax(dim=-1)
+        else:
+            chosen = self._sample(logits, rows, vocab)
+            if any(is_greedy):
+                greedy = torch.tensor(is_greedy, device=device)
+                chosen = torch.where(greedy, logits.argmax(dim=-1), chosen)
         token_ids = chosen.tolist()
 
         logprob_dicts = None
