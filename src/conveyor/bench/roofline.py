@@ -137,7 +137,7 @@ def workload_roofline(shape: ModelShape, workload: Workload, rates: MachineRates
 
 def measure_machine(gemm_size: int = 2048, bandwidth_mib: int = 256, repeats: int = 5,
                     ) -> MachineRates:
-    """Short torch micro-benchmarks: best-of-``repeats`` bf16 GEMM and a streaming read."""
+    """Short torch micro-benchmarks: best-of-``repeats`` bf16 GEMM and streaming reads."""
     import torch
 
     a = torch.randn(gemm_size, gemm_size).to(torch.bfloat16)
@@ -150,11 +150,16 @@ def measure_machine(gemm_size: int = 2048, bandwidth_mib: int = 256, repeats: in
         best = min(best, time.perf_counter() - t0)
     gemm = 2.0 * gemm_size**3 / best
 
+    # Read bandwidth: the better of two streaming kernels over bandwidth_mib of float32
+    # (a reduction and a matrix-vector product, which is what decode does with the weights).
     x = torch.ones(bandwidth_mib * 2**20 // 4, dtype=torch.float32)
-    x.sum()
+    matrix = x.view(-1, 1024)
+    vector = torch.ones(matrix.shape[0], dtype=torch.float32)
     best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        x.sum()
-        best = min(best, time.perf_counter() - t0)
+    for kernel in (x.sum, lambda: torch.mv(matrix.T, vector)):
+        kernel()
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            kernel()
+            best = min(best, time.perf_counter() - t0)
     return MachineRates(gemm, x.numel() * 4 / best, torch.get_num_threads())

@@ -361,6 +361,12 @@ def print_report(payload: dict[str, Any], workload: str) -> None:
         x = on.best_and_median("output_tokens_per_s")[0] / off.best_and_median(
             "output_tokens_per_s")[0]
         print(f"W2 prefix caching: {x:.2f}x output tok/s with vs without")
+    for r in ran.values():
+        stats = r.extra.get("stats") or {}
+        if stats.get("prefix_cache_queries"):
+            print(f"conveyor ({r.config}): prefix cache hits {stats['prefix_cache_hits']:,} of "
+                  f"{stats['prefix_cache_queries']:,} prompt tokens queried, "
+                  f"{stats.get('num_preemptions', 0)} preemptions")
     conveyor = results[0]
     mem = conveyor.extra.get("memory")
     if mem and conveyor.peak_rss_mb:
