@@ -7,6 +7,7 @@ median TTFT / TPOT with their ratios. Exit status 1 when a ratio is outside [0.7
 
     .venv/bin/python benchmarks/sim_validate_engine.py            # validate
     .venv/bin/python benchmarks/sim_validate_engine.py --fit      # calibrate this-cpu.yaml
+    .venv/bin/python benchmarks/sim_validate_engine.py --refit    # both, back to back
 
 ``--fit`` instead runs an offline batch (a different seed and shape from the validation
 workload), records every engine step's batch shape and wall time, and fits this-cpu's
@@ -17,16 +18,22 @@ least squares on the roofline model; it prints the YAML fields to paste. Lives o
 ``--threads`` (default 1) sets torch's intra-op threads. On a shared 2-core machine, torch's
 default of 2 threads makes every op wait for a descheduled OpenMP thread: step times then swing
 between 0.2 s and 5 s and say more about the neighbours than about the engine. One thread gives
-stable, reproducible step times; calibration and validation must use the same setting.
+stable step times; calibration and validation must use the same setting.
+
+``--clock`` (default ``cpu``): the engine's scheduler and output processor are given a clock
+that counts this process's CPU time, with the idle gaps between arrivals skipped instead of
+slept. With one thread that is the time the engine's work takes on a core of its own; wall time
+on a machine shared by several busy sessions swings 2x within minutes. ``--clock wall`` uses
+real time (on a quiet machine the two agree).
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import math
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 
@@ -37,6 +44,40 @@ from conveyor.sim.metrics import SLO
 from conveyor.sim.runner import SimConfig, simulate
 from conveyor.sim.specs import GB, load_hardware, load_model
 from conveyor.sim.workload import Workload, generate
+
+
+class WallClock:
+    """Real time; idle gaps are slept through."""
+
+    def __call__(self) -> float:
+        return time.monotonic()
+
+    def idle_until(self, t: float) -> None:
+        time.sleep(max(0.0, t - self()))
+
+
+class CpuClock:
+    """This process's CPU time, plus the idle gaps between arrivals (skipped, not slept).
+
+    With one torch thread it measures what the engine's work takes on a core of its own,
+    whatever the neighbours do; wall time on the shared machine measures them too.
+    """
+
+    def __init__(self) -> None:
+        self.offset = 0.0
+
+    def __call__(self) -> float:
+        return time.process_time() + self.offset
+
+    def idle_until(self, t: float) -> None:
+        self.offset += max(0.0, t - self())
+
+
+def use_clock(engine, clock) -> None:
+    """Make the engine stamp request metrics with ``clock`` (its scheduler and output processor)."""
+    engine._clock = clock
+    engine.scheduler.clock = clock
+    engine._outputs._clock = clock
 
 
 def run_engine(engine, workload: Workload, seed: int, record_steps: bool = False):
@@ -56,10 +97,11 @@ def run_engine(engine, workload: Workload, seed: int, record_steps: bool = False
         engine.executor.execute = recording_execute
     n = len(workload)
     results: dict[int, tuple] = {}
-    t0 = time.monotonic()
+    clock = engine._clock
+    t0 = clock()
     i = 0
     while len(results) < n:
-        now = time.monotonic() - t0
+        now = clock() - t0
         while i < n and workload.arrival_s[i] <= now:
             params = SamplingParams(max_tokens=int(workload.output_tokens[i]), ignore_eos=True,
                                     temperature=0.0)
@@ -69,12 +111,12 @@ def run_engine(engine, workload: Workload, seed: int, record_steps: bool = False
         if not engine.has_unfinished_requests():
             if i >= n:
                 raise RuntimeError(f"engine finished {len(results)} of {n} requests")
-            time.sleep(max(0.0, float(workload.arrival_s[i]) - now))
+            clock.idle_until(t0 + float(workload.arrival_s[i]))
             continue
         shape_now.clear()
-        start = time.perf_counter()
+        start = clock()
         outputs = engine.step()
-        elapsed = time.perf_counter() - start
+        elapsed = clock() - start
         if shape_now:
             steps.append((*shape_now[0], elapsed))
         for out in outputs:
@@ -105,6 +147,7 @@ def make_engine(args):
                                   max_num_batched_tokens=args.max_num_batched_tokens,
                                   max_model_len=args.max_model_len,
                                   num_gpu_blocks=args.num_gpu_blocks, policy=args.policy, seed=0))
+    use_clock(engine, CpuClock() if args.clock == "cpu" else WallClock())
     engine.add_request("warmup", [1] * 64, SamplingParams(max_tokens=8, ignore_eos=True))
     while engine.has_unfinished_requests():
         engine.step()
@@ -119,8 +162,8 @@ def sim_config(args, engine, hardware) -> SimConfig:
                      num_gpu_blocks=engine.num_gpu_blocks)
 
 
-def validate(args) -> int:
-    hardware = load_hardware(args.gpu)
+def validate(args, hardware=None) -> int:
+    hardware = hardware or load_hardware(args.gpu)
     workload = generate(args.requests, args.rate, args.input_len, args.output_len, seed=args.seed)
     print(f"workload: {workload.name}")
     measured = []
@@ -132,7 +175,8 @@ def validate(args) -> int:
     result = simulate(config, workload, rate=args.rate)
     simulated = latency_figures(result.arrival_s, result.first_token_s, result.finished_s,
                                 result.output_tokens.astype(float))
-    print(f"engine: {engine.num_gpu_blocks} KV blocks x {engine.engine_args.block_size}, "
+    print(f"engine ({args.clock} clock, {args.threads} thread(s)): {engine.num_gpu_blocks} KV blocks "
+          f"x {engine.engine_args.block_size}, "
           f"policy {args.policy}, max_num_seqs {args.max_num_seqs}; sim: {hardware.name} spec, "
           f"{result.num_steps} steps")
     print(f"\n{'metric':16} {'engine (median of ' + str(args.repeats) + ')':>24} {'simulated':>10} "
@@ -150,53 +194,68 @@ def validate(args) -> int:
     return 0 if ok else 1
 
 
-def fit(args) -> int:
-    """Weighted least squares of the roofline model on recorded engine steps."""
+def fit(args) -> dict:
+    """Least squares of the cost model's compute + overhead terms on recorded engine steps."""
     hardware = load_hardware(args.gpu)
-    workload = generate(args.requests, math.inf, "uniform:16-512", "uniform:16-160", seed=args.seed + 1)
-    engine = make_engine(args)
-    _, steps = run_engine(engine, workload, args.seed + 1, record_steps=True)
-    model = load_model("smollm2-135m")
-    base = CostModel(model, dataclasses.replace(hardware, matmul_efficiency=1.0,
-                                                attention_efficiency=1.0, memory_efficiency=1.0))
+    workload = generate(args.requests, args.rate, "uniform:16-384", "uniform:8-96",
+                        seed=args.seed + 1)
+    if args.steps and Path(args.steps).exists():  # refit recorded steps without the engine
+        steps = np.load(args.steps)
+        print(f"calibration steps from {args.steps}")
+    else:
+        print(f"calibration workload: {workload.name}")
+        _, steps = run_engine(make_engine(args), workload, args.seed + 1, record_steps=True)
+        if args.steps:
+            np.save(args.steps, steps)
+    base = CostModel(load_model("smollm2-135m"),
+                     dataclasses.replace(hardware, matmul_efficiency=1.0, attention_efficiency=1.0))
     tokens, seqs, samples, pairs, context = (steps[:, k] for k in range(5))
     t = steps[:, -1]
     peak = hardware.peak_matrix_tflops * 1e12
     linear_s = (tokens * base.linear_flops_per_token + samples * base.lm_head_flops_per_sample) / peak
     attention_s = pairs * base.attention_flops_per_pair / peak
     memory_s = (base.weight_bytes_per_step + (context + 2 * tokens) * base.kv_bytes_per_token) \
-        / (hardware.memory_bandwidth_gbs * GB)
-    # t = a + b*seqs + max(linear/me + attention/ae, memory/mm): alternate between assigning
-    # each step its bound and solving the then-linear problem for (a, b, 1/me, 1/ae, 1/mm).
-    x = np.array([1e-3, 1e-5, 1.0, 1.0, 1.0])
-    for _ in range(50):
-        compute = linear_s * x[2] + attention_s * x[3]
-        bound = compute >= memory_s * x[4]
-        design = np.stack([np.ones_like(t), seqs, linear_s * bound, attention_s * bound,
-                           memory_s * ~bound], axis=1) / t[:, None]
-        new, *_ = np.linalg.lstsq(design, np.ones_like(t), rcond=None)
-        new = np.maximum(new, [0, 0, 1, 1, 1])  # efficiencies <= 1, overheads >= 0
+        / (hardware.memory_bandwidth_gbs * GB * hardware.memory_efficiency)
+    # t = a + b*seqs + max(linear/me + attention/ae, memory), memory_efficiency kept from the
+    # calibration script. Given which steps are compute-bound, this is linear in
+    # (a, b, 1/me, 1/ae): solve, re-classify, repeat. Relative errors (rows divided by t);
+    # a coefficient that comes out negative drops its column.
+    x = np.array([0.0, 0.0, 1.0, 1.0])
+    for _ in range(100):
+        bound = linear_s * x[2] + attention_s * x[3] >= memory_s
+        columns = np.stack([np.ones_like(t), seqs, linear_s * bound, attention_s * bound], axis=1)
+        target = t - memory_s * ~bound
+        keep = np.ones(4, dtype=bool)
+        while True:
+            new = np.zeros(4)
+            new[keep], *_ = np.linalg.lstsq(columns[:, keep] / t[:, None], target / t, rcond=None)
+            if (new >= 0).all():
+                break
+            keep &= new > 0
+        new[2:] = np.maximum(new[2:], 1.0)  # efficiencies <= 1
         if np.allclose(new, x):
             break
         x = new
-    a, b, inv_me, inv_ae, inv_mm = x
-    pred = a + b * seqs + np.maximum(linear_s * inv_me + attention_s * inv_ae, memory_s * inv_mm)
+    a, b, inv_me, inv_ae = x
+    compute = linear_s * inv_me + attention_s * inv_ae
+    pred = a + b * seqs + np.maximum(compute, memory_s)
     err = np.abs(pred - t) / t
-    print(f"{len(t)} engine steps, {int(bound.sum())} compute-bound by the fit; "
-          f"step time {t.min() * 1e3:.1f}-{t.max() * 1e3:.1f} ms; fit |error| median "
-          f"{np.median(err):.1%}, p90 {np.percentile(err, 90):.1%}")
+    print(f"{len(t)} engine steps, step time {t.min() * 1e3:.0f}-{t.max() * 1e3:.0f} ms; memory-bound "
+          f"by the fit: {int((memory_s > compute).sum())}; |error| median {np.median(err):.1%}, "
+          f"p90 {np.percentile(err, 90):.1%}")
+    fitted = {"matmul_efficiency": round(1 / inv_me, 4), "attention_efficiency": round(1 / inv_ae, 4),
+              "step_overhead_ms": round(a * 1e3, 2), "per_seq_overhead_us": round(b * 1e6, 1)}
     print(f"# this-cpu.yaml fields fitted from engine steps ({args.threads} torch thread(s))")
-    print(f"matmul_efficiency: {1 / inv_me:.3f}")
-    print(f"attention_efficiency: {1 / inv_ae:.3f}")
-    print(f"memory_efficiency: {1 / inv_mm:.3f}")
-    print(f"step_overhead_ms: {a * 1e3:.2f}")
-    print(f"per_seq_overhead_us: {b * 1e6:.1f}")
-    return 0
+    for key, value in fitted.items():
+        print(f"{key}: {value}")
+    return fitted
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--fit", action="store_true", help="calibrate this-cpu from engine steps instead")
+    p.add_argument("--refit", action="store_true",
+                   help="calibrate, then validate with the fresh fit (one command, same conditions)")
     p.add_argument("--gpu", default="this-cpu", help="hardware spec for the simulator (default: this-cpu)")
     p.add_argument("--requests", type=int, default=32)
     p.add_argument("--rate", type=float, default=0.5, help="requests/s (Poisson)")
@@ -210,11 +269,23 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-model-len", type=int, default=2048)
     p.add_argument("--num-gpu-blocks", type=int, default=2048)
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default: 1)")
+    p.add_argument("--clock", default="cpu", choices=["cpu", "wall"],
+                   help="engine time: process CPU time with idle gaps skipped (default; immune to "
+                        "neighbours on a shared machine) or wall time")
+    p.add_argument("--steps", help="--fit: save the recorded engine steps here (.npy), or refit "
+                                   "them if the file exists")
     args = p.parse_args(argv)
     import torch
 
     torch.set_num_threads(args.threads)
-    return fit(args) if args.fit else validate(args)
+    if args.fit:
+        fit(args)
+        return 0
+    if args.refit:
+        fitted = fit(args)
+        print()
+        return validate(args, dataclasses.replace(load_hardware(args.gpu), **fitted))
+    return validate(args)
 
 
 if __name__ == "__main__":
