@@ -164,3 +164,24 @@ def test_many_decodes_of_different_lengths(tmp_path) -> None:
         for row, i in enumerate(order):
             expected = ref(torch.tensor([prompts[i]])).logits[0, -1]
             torch.testing.assert_close(logits[row], expected, rtol=1e-4, atol=1e-4)
+
+
+def test_bfloat16_with_prepacked_weights_is_close(tmp_path) -> None:
+    from conveyor.model.device import prepack_linear_weights
+
+    ref = _build("qwen2", str(tmp_path))  # QKV bias: the packed path with a bias
+    ex = ModelExecutor(str(tmp_path), dtype="bfloat16", device="cpu")
+    cfg = ex.model_config
+    assert cfg.dtype == "bfloat16"
+    packed = prepack_linear_weights(torch.device("cpu"), torch.bfloat16)
+    assert ex.model.layers[0].qkv_proj.packed == packed and ex.model.lm_head.packed == packed
+    prompt = torch.randint(3, VOCAB, (30,), generator=torch.Generator().manual_seed(3)).tolist()
+    cache = KVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, 16, 4, 0, torch.bfloat16,
+                    torch.device("cpu"))
+    meta = build_attention_metadata([[0, 1]], [0], [30], 16, cfg.num_queries_per_kv,
+                                    torch.device("cpu"))
+    got = ex.model(torch.tensor(prompt), meta.positions, cache.layers, meta, torch.arange(30))
+    with torch.no_grad():
+        expected = ref(torch.tensor([prompt])).logits[0]
+    assert (got - expected).abs().max() <= 0.05 * expected.abs().max()
+    assert (got.argmax(-1) == expected.argmax(-1)).float().mean() >= 0.9

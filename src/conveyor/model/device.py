@@ -39,3 +39,9 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype
 
 def dtype_name(dtype: torch.dtype) -> str:
     return next(k for k, v in _DTYPES.items() if v == dtype)
+
+
+def prepack_linear_weights(device: torch.device, dtype: torch.dtype) -> bool:
+    """Pack matmul weights for oneDNN: CPU bf16 with native bf16 support (see layers/linear.py)."""
+    return (device.type == "cpu" and dtype == torch.bfloat16 and cpu_has_native_bf16()
+            and hasattr(torch.ops.mkldnn, "_linear_pointwise"))

@@ -14,6 +14,7 @@ from torch import nn
 
 from conveyor.model.config import ModelConfig
 from conveyor.model.layers.attention import AttentionMetadata, paged_attention
+from conveyor.model.layers.linear import Linear
 from conveyor.model.layers.norm import RMSNorm
 from conveyor.model.layers.rotary import RotaryEmbedding, apply_rotary, rope_inv_freq
 
@@ -29,21 +30,19 @@ class DecoderLayer(nn.Module):
         q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
         self.q_size, self.kv_size = q_size, kv_size
         self.input_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.qkv_weight = _param(q_size + 2 * kv_size, cfg.hidden_size)
-        self.qkv_bias: nn.Parameter | None = _param(q_size + 2 * kv_size) if cfg.attention_bias else None
-        self.o_weight = _param(cfg.hidden_size, q_size)
-        self.o_bias: nn.Parameter | None = None
+        self.qkv_proj = Linear(cfg.hidden_size, q_size + 2 * kv_size, bias=cfg.attention_bias)
+        self.o_proj = Linear(q_size, cfg.hidden_size)
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.post_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.gate_up_weight = _param(2 * cfg.intermediate_size, cfg.hidden_size)
-        self.down_weight = _param(cfg.hidden_size, cfg.intermediate_size)
+        self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size)
+        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         t = x.shape[0]
         h = self.input_norm(x)
-        qkv = F.linear(h, self.qkv_weight, self.qkv_bias)
+        qkv = self.qkv_proj(h)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(t, self.num_heads, self.head_dim)
         k = k.view(t, self.num_kv_heads, self.head_dim)
@@ -52,10 +51,9 @@ class DecoderLayer(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         attn = paged_attention(q, k, v, k_cache, v_cache, meta)
-        x = x + F.linear(attn, self.o_weight, self.o_bias)
-        gate_up = F.linear(self.post_norm(x), self.gate_up_weight)
-        gate, up = gate_up.chunk(2, dim=-1)
-        return x + F.linear(F.silu(gate) * up, self.down_weight)
+        x = x + self.o_proj(attn)
+        gate, up = self.gate_up_proj(self.post_norm(x)).chunk(2, dim=-1)
+        return x + self.down_proj(F.silu(gate) * up)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -65,8 +63,7 @@ class LlamaForCausalLM(nn.Module):
         self.embed_tokens = _param(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = self.embed_tokens if cfg.tie_word_embeddings else _param(cfg.vocab_size,
-                                                                                cfg.hidden_size)
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size)
         self.rotary = RotaryEmbedding(rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling,
                                                     rope_freq_factors))
 
@@ -85,7 +82,7 @@ class LlamaForCausalLM(nn.Module):
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
             x = layer(x, cos, sin, k_cache, v_cache, meta)
         x = self.norm(x[logits_indices])
-        return F.linear(x, self.lm_head).float()
+        return self.lm_head(x).float()
 
     def load_weights(self, weights: dict[str, torch.Tensor]) -> None:
         """Take transformers-named tensors, fuse them into this module's parameters."""
@@ -109,9 +106,9 @@ class LlamaForCausalLM(nn.Module):
         put(self.norm.weight, take("model.norm.weight"), "model.norm.weight")
         lm_head = take("lm_head.weight", required=not cfg.tie_word_embeddings)
         if cfg.tie_word_embeddings:
-            self.lm_head = self.embed_tokens
+            self.lm_head.weight = self.embed_tokens  # shared until prepack() packs a copy
         else:
-            put(self.lm_head, lm_head, "lm_head.weight")
+            put(self.lm_head.weight, lm_head, "lm_head.weight")
         for i, layer in enumerate(self.layers):
             p = f"model.layers.{i}."
             a = p + "self_attn."
@@ -119,31 +116,41 @@ class LlamaForCausalLM(nn.Module):
             put(layer.post_norm.weight, take(p + "post_attention_layernorm.weight"),
                 p + "post_attention_layernorm")
             qkv = torch.cat([take(a + n + "_proj.weight") for n in "qkv"])
-            put(layer.qkv_weight, qkv, a + "qkv_proj.weight")
+            put(layer.qkv_proj.weight, qkv, a + "qkv_proj.weight")
             biases = [take(a + n + "_proj.bias", required=False) for n in "qkv"]
             if any(b is not None for b in biases):
                 sizes = (layer.q_size, layer.kv_size, layer.kv_size)
-                layer.qkv_bias = _param(sum(sizes))
-                put(layer.qkv_bias, torch.cat([b if b is not None else torch.zeros(s)
+                layer.qkv_proj.bias = _param(sum(sizes))
+                put(layer.qkv_proj.bias, torch.cat([b if b is not None else torch.zeros(s)
                                                for b, s in zip(biases, sizes, strict=True)]),
                     a + "qkv_proj.bias")
             else:
-                layer.qkv_bias = None
-            put(layer.o_weight, take(a + "o_proj.weight"), a + "o_proj.weight")
+                layer.qkv_proj.bias = None
+            put(layer.o_proj.weight, take(a + "o_proj.weight"), a + "o_proj.weight")
             o_bias = take(a + "o_proj.bias", required=False)
-            layer.o_bias = None if o_bias is None else nn.Parameter(o_bias, requires_grad=False)
+            layer.o_proj.bias = None if o_bias is None else _param(*o_bias.shape)
+            if o_bias is not None:
+                put(layer.o_proj.bias, o_bias, a + "o_proj.bias")
             if layer.q_norm is not None:
                 put(layer.q_norm.weight, take(a + "q_norm.weight"), a + "q_norm.weight")
                 put(layer.k_norm.weight, take(a + "k_norm.weight"), a + "k_norm.weight")
             m = p + "mlp."
-            put(layer.gate_up_weight,
+            put(layer.gate_up_proj.weight,
                 torch.cat([take(m + "gate_proj.weight"), take(m + "up_proj.weight")]),
                 m + "gate_up_proj.weight")
-            put(layer.down_weight, take(m + "down_proj.weight"), m + "down_proj.weight")
+            put(layer.down_proj.weight, take(m + "down_proj.weight"), m + "down_proj.weight")
         remaining.pop("rope_freqs", None)
         leftover = [k for k in remaining if "rotary_emb" not in k]
         if leftover:
             raise ValueError(f"unexpected weights in the checkpoint: {leftover[:5]}")
+
+    def prepack(self) -> None:
+        """Pack every matmul weight for oneDNN (the tied lm_head gets its own packed copy)."""
+        if self.lm_head.weight is self.embed_tokens:
+            self.lm_head.weight = nn.Parameter(self.embed_tokens.data.clone(), requires_grad=False)
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.prepack()
 
     def num_params(self) -> int:
         seen, total = set(), 0

@@ -36,7 +36,7 @@ class LoadedModel:
 
 
 def load_model(model: str | None, dtype: torch.dtype, device: torch.device) -> LoadedModel:
-    from conveyor.model.device import dtype_name
+    from conveyor.model.device import dtype_name, prepack_linear_weights
     from conveyor.model.tokenizer import load_tokenizer
 
     path = model or default_model_path()
@@ -67,4 +67,6 @@ def load_model(model: str | None, dtype: torch.dtype, device: torch.device) -> L
     net.rotary.to(device)
     config.dtype = dtype_name(dtype)
     config.num_params = net.num_params()
+    if prepack_linear_weights(device, dtype):
+        net.prepack()
     return LoadedModel(config, net, tokenizer)
