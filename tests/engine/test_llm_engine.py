@@ -208,3 +208,36 @@ def test_stats_count_tokens_and_finish_reasons(engine):
     assert after.prompt_tokens_total > before.prompt_tokens_total
     assert after.finished_by_reason["length"] - before.finished_by_reason.get("length", 0) == 2
     assert after.num_steps == before.num_steps + 3
+
+
+STORIES = [f"Story number {i}: once upon a time there was a" for i in range(4)]
+
+
+@pytest.fixture(scope="module")
+def stories_reference(llm):
+    """Greedy outputs of STORIES on the roomy shared engine."""
+    finals = run(llm.llm_engine, {p: (p, greedy(max_tokens=12, ignore_eos=True)) for p in STORIES})[0]
+    return {p: finals[p].outputs[0] for p in STORIES}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("policy", "preemption_mode"), [("prefill_first", "recompute"), ("chunked", "swap")])
+def test_preemption_under_a_tiny_cache_gives_the_same_tokens(engine, stories_reference, policy,
+                                                            preemption_mode):
+    """Four requests in a KV cache too small for all of them: the scheduler must preempt, and
+    greedy outputs (float32) must still equal the roomy shared engine's."""
+    import copy
+
+    from conveyor.engine.llm_engine import LLMEngine
+
+    args = engine.engine_args.replace(num_gpu_blocks=8, block_size=4, policy=policy,
+                                      preemption_mode=preemption_mode, max_num_batched_tokens=64,
+                                      max_model_len=64, swap_space=0.01)
+    small = LLMEngine(args, executor=copy.copy(engine.executor))  # same weights, its own cache
+    finals = run(small, {p: (p, greedy(max_tokens=12, ignore_eos=True)) for p in STORIES})[0]
+    assert small.get_stats().num_preemptions > 0
+    for p in STORIES:
+        assert finals[p].outputs[0].token_ids == stories_reference[p].token_ids
+        assert finals[p].outputs[0].text == stories_reference[p].text
+    stats = small.get_stats()
+    assert stats.num_free_blocks == stats.num_total_blocks == 8

@@ -26,11 +26,15 @@ Prompt = str | list[int] | dict[str, Any]
 
 
 class LLMEngine:
-    def __init__(self, engine_args: EngineArgs | None = None) -> None:
-        from conveyor.executor.model_executor import ModelExecutor
-
+    def __init__(self, engine_args: EngineArgs | None = None, executor: Any | None = None) -> None:
+        """``executor``: an already loaded ModelExecutor-like object to use instead of loading
+        ``engine_args.model`` (its KV cache is (re)initialized here)."""
         self.engine_args = args = engine_args or EngineArgs()
-        self.executor = ModelExecutor(args.model, dtype=args.dtype, device=args.device, seed=args.seed)
+        if executor is None:
+            from conveyor.executor.model_executor import ModelExecutor
+
+            executor = ModelExecutor(args.model, dtype=args.dtype, device=args.device, seed=args.seed)
+        self.executor = executor
         self.tokenizer = self.executor.tokenizer
         self.model_config = self.executor.model_config
         self.max_model_len = _max_model_len(args, self.model_config.max_position_embeddings)
