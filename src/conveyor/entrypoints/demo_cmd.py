@@ -32,8 +32,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                     "print every answer, then the throughput and scheduler statistics.")
     parser.add_argument("--num-prompts", type=int, default=len(DEMO_QUESTIONS),
                         help=f"how many demo questions to ask (1-{len(DEMO_QUESTIONS)}, default: all)")
-    parser.add_argument("--max-tokens", type=int, default=64,
-                        help="most tokens per answer (default: 64)")
+    parser.add_argument("--max-tokens", type=int, default=48,
+                        help="most tokens per answer (default: 48)")
     parser.add_argument("--temperature", type=float, default=0.0,
                         help="sampling temperature; 0 is greedy (default: 0)")
     add_cli_args(parser)
