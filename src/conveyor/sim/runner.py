@@ -3,8 +3,8 @@
 The loop is the engine's loop with the model replaced: requests are added when the virtual
 clock reaches their arrival time, then ``schedule() -> execute() -> update()`` repeats; an
 idle engine jumps to the next arrival. Each request's prompt is distinct (its token ids are
-its index), so a prefix cache could never hit: it is off by default, which changes no result
-and halves the scheduler's work.
+its index), so the prefix cache only hits when a preempted sequence is recomputed and finds its
+own blocks still cached.
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ class SimConfig:
     block_size: int = 16
     num_gpu_blocks: int | None = None  # None: derived from memory minus weights
     swap_space_gb: float = 4.0  # CPU pool for preemption_mode="swap"
-    enable_prefix_caching: bool = False  # prompts are distinct: it could never hit (see runner doc)
+    enable_prefix_caching: bool = True
     long_prefill_token_threshold: int = 0
     max_num_partial_prefills: int = 1
 
