@@ -12,6 +12,8 @@ from conveyor.core.config import CacheConfig, SchedulerConfig
 from conveyor.core.sampling_params import SamplingParams
 from conveyor.core.scheduler import Scheduler
 
+pytestmark = pytest.mark.slow  # SmolLM2 in float32 against transformers
+
 NUM_TOKENS = 48  # as in conftest's reference_tokens
 BLOCK = 16
 GREEDY = SamplingParams(temperature=0.0, max_tokens=NUM_TOKENS, ignore_eos=True)
