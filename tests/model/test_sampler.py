@@ -102,3 +102,15 @@ def test_logprobs_hold_sampled_and_top_n() -> None:
     assert list(out.logprobs[1]) == [out.token_ids[1]]
     assert abs(out.logprobs[1][out.token_ids[1]] - float(ref[1, out.token_ids[1]])) < 1e-5
     assert list(out.logprobs[2]) == [out.token_ids[2]]
+
+
+def test_stop_tokens_are_masked_until_min_tokens() -> None:
+    logits = torch.zeros(3, 10)
+    logits[:, 7] = 50.0  # EOS is by far the likeliest token
+    logits[:, 4] = 40.0  # then a stop token id
+    params = SamplingParams(temperature=0.0, min_tokens=2, stop_token_ids=[4])
+    sampler = Sampler(eos_token_ids=[7])
+    out = sampler(logits, [_row(params, output=()), _row(params, output=[1]),
+                           _row(params, output=[1, 2])])
+    assert out.token_ids[0] not in (4, 7) and out.token_ids[1] not in (4, 7)
+    assert out.token_ids[2] == 7  # min_tokens reached: stopping is allowed again

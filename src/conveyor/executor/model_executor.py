@@ -28,7 +28,7 @@ class ModelExecutor:
         self.model = loaded.model
         self.model_config: ModelConfig = loaded.config
         self.tokenizer = loaded.tokenizer
-        self.sampler = Sampler(seed)
+        self.sampler = Sampler(seed, self.model_config.eos_token_ids)
         self.kv_cache: KVCache | None = None
 
     def kv_cache_bytes_per_block(self, block_size: int) -> int:

@@ -2,6 +2,8 @@
 
 One row per sampled token (an n>1 fork repeats its logits row n times). Order, as in
 transformers: repetition / presence / frequency penalties, temperature, top-k, top-p, min-p.
+Before ``min_tokens`` outputs exist, EOS and ``stop_token_ids`` are masked out (as vLLM does),
+so a request never emits a stop token it is not allowed to stop on.
 Greedy rows (temperature 0) take the argmax of the penalized logits.
 
 Randomness: each row draws a single uniform number and picks the token where the cumulative
@@ -58,8 +60,9 @@ def _padded(rows: list[list[int]], pad: int, device: torch.device) -> torch.Tens
 
 
 class Sampler:
-    def __init__(self, seed: int = 0) -> None:
+    def __init__(self, seed: int = 0, eos_token_ids: tuple[int, ...] | list[int] = ()) -> None:
         self.generator = torch.Generator().manual_seed(seed)
+        self.eos_token_ids = list(eos_token_ids)
 
     def __call__(self, logits: torch.Tensor, rows: list[SampleRow]) -> SamplerOutput:
         """logits: float32 [R, vocab], one row per entry of ``rows``."""
@@ -69,6 +72,7 @@ class Sampler:
         raw_logprobs = (torch.log_softmax(logits, dim=-1)
                         if any(n is not None for n in want_logprobs) else None)
         logits = self._apply_penalties(logits, rows, vocab)  # out of place
+        logits = self._mask_stop_tokens_before_min_tokens(logits, rows, vocab)
 
         is_greedy = [p.temperature == 0.0 for p in params]
         if all(is_greedy):
@@ -114,6 +118,18 @@ class Sampler:
             presence = torch.tensor([p.presence_penalty for p in params], device=device)[:, None]
             frequency = torch.tensor([p.frequency_penalty for p in params], device=device)[:, None]
             logits = logits - frequency * counts - presence * (counts > 0)
+        return logits
+
+    def _mask_stop_tokens_before_min_tokens(self, logits: torch.Tensor, rows: list[SampleRow],
+                                            vocab: int) -> torch.Tensor:
+        masked = [(i, r.params) for i, r in enumerate(rows)
+                  if len(r.output_token_ids) < r.params.min_tokens]
+        if not masked:
+            return logits
+        logits = logits.clone()
+        for i, p in masked:
+            ids = [t for t in self.eos_token_ids + p.stop_token_ids if t < vocab]
+            logits[i, ids] = float("-inf")
         return logits
 
     def _sample(self, logits: torch.Tensor, rows: list[SampleRow], vocab: int) -> torch.Tensor:
