@@ -99,6 +99,7 @@ def test_eos_and_min_tokens(engine, tokenizer):
     longer = len(natural.token_ids) + 3
     forced = run(engine, {"m": (prompt, greedy(max_tokens=longer + 8, min_tokens=longer))})[0]["m"]
     assert len(forced.outputs[0].token_ids) >= longer  # EOS could not end it before min_tokens
+    assert tokenizer.eos_token_id not in forced.outputs[0].token_ids[:longer]  # nor appear in it
 
 
 def test_n3_with_seed_is_reproducible_and_samples_differ(engine):
