@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import math
 import statistics
+import textwrap
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -160,9 +161,10 @@ def plot_throughput(results: list[SystemResult], path: str | Path, title: str,
     for bar, value in zip(bars, best, strict=True):
         ax.annotate(f"{value:,.0f}", (bar.get_x() + bar.get_width() / 2, value),
                     ha="center", va="bottom", fontsize=8)
-    ax.set_xticks(range(len(ran)), [r.label.replace(" (", "\n(") for r in ran], fontsize=7)
+    ax.set_xticks(range(len(ran)), [r.system + "\n" + textwrap.fill(r.config, 24) for r in ran],
+                  fontsize=7)
     ax.set_ylabel(f"{label} (bar: best of repeats)")
-    ax.set_title(title, fontsize=10)
+    ax.set_title(textwrap.fill(title, 70), fontsize=9)
     ax.legend(loc="upper right", fontsize=8)
     skipped = [r.label + ": " + r.skipped for r in results if r.skipped]
     if skipped:
