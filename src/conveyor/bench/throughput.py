@@ -231,7 +231,8 @@ def run_worker(job: dict[str, Any], system: str, config: str) -> SystemResult:
         if proc.returncode != 0 or not os.path.exists(out_path):
             tail = Path(log_path).read_text().strip().splitlines()[-15:]
             print("\n".join(tail), file=sys.stderr)
-            reason = tail[-1][:120] if tail else f"exit {proc.returncode}"
+            last = tail[-1][:100] if tail else ""
+            reason = f"exit {proc.returncode}: {last}" if last else f"exit {proc.returncode}"
             return SystemResult(system, config, skipped=f"failed ({reason})")
         print(f"[bench] {system} done in {time.perf_counter() - t0:.0f}s", file=sys.stderr,
               flush=True)
