@@ -16,11 +16,5 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser("bench", help="benchmarks (scheduler, throughput, serve)")
     inner = parser.add_subparsers(dest="benchmark", metavar="BENCHMARK")
     for name in BENCHMARKS:
-        try:
-            module = importlib.import_module(name)
-        except ModuleNotFoundError as e:
-            if e.name != name:
-                raise
-            continue
-        module.add_parser(inner)
+        importlib.import_module(name).add_parser(inner)
     parser.set_defaults(func=lambda args: (parser.print_help(), 2)[1])

@@ -25,13 +25,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="conveyor", description="Conveyor: a continuous-batching LLM inference engine.")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name in SUBCOMMANDS:
-        try:
-            module = importlib.import_module(name)
-        except ModuleNotFoundError as e:
-            if e.name != name:
-                raise
-            continue  # subcommand not built yet
-        module.add_parser(subparsers)
+        importlib.import_module(name).add_parser(subparsers)
     return parser
 
 
