@@ -14,6 +14,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from conveyor.bench.workloads import Workload
+from conveyor.sim.specs import linear_params_per_layer
 
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 
@@ -43,10 +44,8 @@ class ModelShape:
 
     @property
     def layer_linear_params(self) -> int:
-        q_out = self.num_heads * self.head_dim
-        kv_out = self.num_kv_heads * self.head_dim
-        attn = self.hidden_size * (q_out + 2 * kv_out) + q_out * self.hidden_size
-        return attn + 3 * self.hidden_size * self.intermediate_size
+        return linear_params_per_layer(self.hidden_size, self.intermediate_size, self.num_heads,
+                                       self.num_kv_heads, self.head_dim)
 
     @property
     def lm_head_params(self) -> int:

@@ -49,6 +49,15 @@ class HardwareSpec:
         return self.memory_gb * GB
 
 
+def linear_params_per_layer(hidden_size: int, intermediate_size: int, num_heads: int,
+                            num_kv_heads: int, head_dim: int) -> int:
+    """Weights of one Llama-family decoder layer's matmuls (the bench's roofline uses it too)."""
+    h, q, kv = hidden_size, num_heads * head_dim, num_kv_heads * head_dim
+    attention = h * q + 2 * h * kv + q * h  # q, k, v, o projections
+    mlp = 3 * h * intermediate_size  # gate, up, down
+    return attention + mlp
+
+
 @dataclass(frozen=True)
 class ModelSpec:
     """A Llama-family decoder (Llama, Qwen2/3, SmolLM2): what FLOPs and bytes depend on."""
@@ -70,10 +79,8 @@ class ModelSpec:
 
     @property
     def linear_params_per_layer(self) -> int:
-        h, q, kv = self.hidden_size, self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        attention = h * q + 2 * h * kv + q * h  # q, k, v, o projections
-        mlp = 3 * h * self.intermediate_size  # gate, up, down
-        return attention + mlp
+        return linear_params_per_layer(self.hidden_size, self.intermediate_size, self.num_heads,
+                                       self.num_kv_heads, self.head_dim)
 
     @property
     def lm_head_params(self) -> int:
