@@ -12,7 +12,7 @@ import torch
 from conveyor.core.scheduler_output import ExecutorOutput, SchedulerOutput
 from conveyor.executor.kv_cache import KVCache
 from conveyor.model.config import ModelConfig
-from conveyor.model.device import resolve_device, resolve_dtype
+from conveyor.model.device import resolve_device, resolve_dtype, use_decode_kernel
 from conveyor.model.layers.attention import build_attention_metadata
 from conveyor.model.loader import load_model
 from conveyor.model.sampler import Sampler, SampleRow
@@ -29,6 +29,9 @@ class ModelExecutor:
         self.model_config: ModelConfig = loaded.config
         self.tokenizer = loaded.tokenizer
         self.sampler = Sampler(seed, self.model_config.eos_token_ids)
+        c = self.model_config
+        self.decode_kernel = use_decode_kernel(self.device, self.dtype, c.head_dim,
+                                               c.num_queries_per_kv)
         self.kv_cache: KVCache | None = None
 
     def kv_cache_bytes_per_block(self, block_size: int) -> int:
@@ -74,7 +77,8 @@ class ModelExecutor:
                 logits_indices.append(len(input_ids) - 1)
 
         meta = build_attention_metadata(tables, starts, counts, cache.block_size,
-                                        self.model_config.num_queries_per_kv, self.device)
+                                        self.model_config.num_queries_per_kv, self.device,
+                                        self.decode_kernel)
         sampled: list[list[int]] = [[] for _ in range(n)]
         logprobs: list[list[dict[int, float]]] = [[] for _ in range(n)]
         if not sample_entries:

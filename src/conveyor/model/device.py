@@ -45,3 +45,12 @@ def prepack_linear_weights(device: torch.device, dtype: torch.dtype) -> bool:
     """Pack matmul weights for oneDNN: CPU bf16 with native bf16 support (see layers/linear.py)."""
     return (device.type == "cpu" and dtype == torch.bfloat16 and cpu_has_native_bf16()
             and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
+
+
+def use_decode_kernel(device: torch.device, dtype: torch.dtype, head_dim: int,
+                      num_queries_per_kv: int) -> bool:
+    """The C++ paged decode attention kernel: CPU, float32/bf16, head_dim in 16..256 by 16s."""
+    from conveyor.model.kernels.decode_attention import decode_kernel_available
+
+    return (head_dim % 16 == 0 and head_dim <= 256 and num_queries_per_kv <= 16
+            and decode_kernel_available(device, dtype))

@@ -1,16 +1,17 @@
 """Paged attention over block tables, batched: no Python loop over sequences.
 
-A step's tokens are laid out flat. Entries are split into groups, each attended with one
-``scaled_dot_product_attention`` call per layer:
+A step's tokens are laid out flat: entries computing one token (decodes) first, then entries
+computing a chunk of >1 tokens (prefill, possibly after a cached prefix).
 
-* decode groups (entries computing one token, up to ``DECODE_GROUP_SIZE`` per group) first, then
-* one prefill group (entries computing a chunk of >1 tokens, possibly after a cached prefix).
-
-For each group, keys and values are gathered from the paged cache a whole block at a time
-through the ``[B, blocks]`` block table (one contiguous row per block, not per token) and a
-boolean mask hides padding and future positions. Grouped-query attention is done without
-repeating K/V: the ``g`` query heads that share a KV head are folded into the query-length
-axis, ``[B, kv_heads, Q * g, head_dim]``.
+* Decodes go to the C++ kernel (``kernels/paged_decode_attention.cpp``) when it runs here: it
+  reads each sequence's keys and values straight from their blocks.
+* Otherwise (CUDA, float16, no compiler, ``CONVEYOR_ATTENTION=torch``) and for prefill chunks,
+  entries are split into groups, each attended with one ``scaled_dot_product_attention`` call
+  per layer: decode groups of up to ``DECODE_GROUP_SIZE``, then one prefill group. For each
+  group, keys and values are gathered a whole block at a time through the ``[B, blocks]``
+  block table and a boolean mask hides padding and future positions. Grouped-query attention
+  is done without repeating K/V: the ``g`` query heads that share a KV head are folded into
+  the query-length axis, ``[B, kv_heads, Q * g, head_dim]``.
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+from conveyor.model.kernels.decode_attention import paged_decode_attention
 
 DECODE_GROUP_SIZE = 16
 
@@ -36,10 +39,19 @@ class AttentionGroup:
 
 
 @dataclass
+class DecodeBatch:
+    """The leading single-token entries, for the decode kernel."""
+    num_seqs: int
+    block_tables: torch.Tensor  # [S, max_blocks] int32 (padding: 0)
+    context_lens: torch.Tensor  # [S] int32, this step's token included
+
+
+@dataclass
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T] cache slot where each new token's K/V goes
     positions: torch.Tensor  # [T] position of each new token in its sequence
-    groups: list[AttentionGroup]
+    decode: DecodeBatch | None  # set when the decode kernel serves the decodes
+    groups: list[AttentionGroup]  # scaled_dot_product_attention groups, after the decodes
 
 
 def build_attention_metadata(
@@ -49,11 +61,13 @@ def build_attention_metadata(
     block_size: int,
     num_queries_per_kv: int,
     device: torch.device,
+    decode_kernel: bool = False,
 ) -> AttentionMetadata:
     """Entries must be ordered decode (num_new == 1) first, then prefill chunks.
 
-    Decodes are attended in groups of ``DECODE_GROUP_SIZE``, each padded to its own longest
-    context: with decodes sorted by context length, little of the padding is computed.
+    With ``decode_kernel``, the decodes form one ``DecodeBatch``. Without it they are attended
+    in groups of ``DECODE_GROUP_SIZE``, each padded to its own longest context: with decodes
+    sorted by context length, little of the padding is computed.
     """
     num_decode = 0
     while num_decode < len(num_new) and num_new[num_decode] == 1:
@@ -72,10 +86,17 @@ def build_attention_metadata(
     pos = start_t[entry_of_token] + offset_in_entry
     slot_mapping = table[entry_of_token, pos // block_size] * block_size + pos % block_size
 
+    decode = None
     groups = []
     token_start = 0
     ranges = [(lo, min(lo + DECODE_GROUP_SIZE, num_decode))
               for lo in range(0, num_decode, DECODE_GROUP_SIZE)]
+    if decode_kernel and num_decode:
+        decode_width = max(len(t) for t in block_tables[:num_decode])
+        decode = DecodeBatch(num_decode,
+                             table[:num_decode, :decode_width].to(torch.int32).contiguous(),
+                             (start_t[:num_decode] + 1).to(torch.int32))
+        ranges, token_start = [], num_decode
     if num_decode < len(num_new):
         ranges.append((num_decode, len(num_new)))
     for lo, hi in ranges:
@@ -100,7 +121,7 @@ def build_attention_metadata(
                                      g_tab[:, :num_blocks].contiguous().to(device),
                                      mask.to(device), query_index, out_index))
         token_start += n_tok
-    return AttentionMetadata(slot_mapping.to(device), pos.to(device), groups)
+    return AttentionMetadata(slot_mapping.to(device), pos.to(device), decode, groups)
 
 
 def paged_attention(
@@ -120,6 +141,11 @@ def paged_attention(
     flat_k.index_copy_(0, meta.slot_mapping, k)
     flat_v.index_copy_(0, meta.slot_mapping, v)
     outs = []
+    if meta.decode is not None:
+        d = meta.decode
+        o = paged_decode_attention(q[:d.num_seqs], k_cache, v_cache, d.block_tables,
+                                   d.context_lens, head_dim ** -0.5)
+        outs.append(o.view(d.num_seqs, num_heads * head_dim))
     for grp in meta.groups:
         b, nq = grp.batch, grp.max_query_len
         qg = q[grp.token_start: grp.token_start + grp.num_tokens]

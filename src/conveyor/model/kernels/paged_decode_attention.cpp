@@ -1,0 +1,201 @@
+// Decode attention read straight from the paged KV cache (CPU).
+//
+// One query token per sequence. For each (sequence, KV head) the g query heads that share the
+// KV head walk the sequence's block table together: each key row is read from its block once,
+// converted to float once and dotted with all g queries; the same for values. Nothing is
+// gathered into a contiguous copy first, which is what makes this faster than
+// index_select + scaled_dot_product_attention for decode.
+//
+// Layouts (element strides; T is float or bf16 stored as uint16_t):
+//   q:            [num_seqs, num_heads, head_dim], row stride q_stride between sequences
+//   k/v cache:    [num_blocks, block_size, num_kv_heads, head_dim], contiguous
+//   block_tables: [num_seqs, max_blocks] int32
+//   context_lens: [num_seqs] int32 (tokens to attend, including this step's)
+//   out:          [num_seqs, num_heads, head_dim], contiguous
+//
+// Built by conveyor/model/kernels/build.py with the system C++ compiler and OpenMP; loaded
+// with ctypes. The OpenMP runtime is the one torch already loaded (same soname).
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+// 16 floats: GCC/Clang vector extensions, lowered to AVX-512 (or two AVX2 halves, ...) by
+// -march=native. head_dim must be a multiple of 16 (the Python side checks).
+typedef float vfloat __attribute__((vector_size(64)));
+typedef uint32_t vuint __attribute__((vector_size(64)));
+typedef int32_t vint __attribute__((vector_size(64)));
+typedef uint16_t vhalf __attribute__((vector_size(32)));
+constexpr int kLanes = 16;
+constexpr int kMaxChunks = 16;  // head_dim <= 256
+constexpr int kMaxGroup = 16;   // query heads per KV head
+
+inline vfloat load(const float* p) {
+  vfloat v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+
+inline vfloat load(const uint16_t* p) {  // bf16 -> float: the bf16 bits are a float's top half
+  vhalf h;
+  std::memcpy(&h, p, sizeof h);
+  return reinterpret_cast<vfloat>(__builtin_convertvector(h, vuint) << 16);
+}
+
+inline void store(float x, float* out) { *out = x; }
+
+inline void store(float x, uint16_t* out) {  // round to nearest even, as torch does
+  uint32_t bits;
+  std::memcpy(&bits, &x, sizeof bits);
+  bits += 0x7FFF + ((bits >> 16) & 1);
+  *out = static_cast<uint16_t>(bits >> 16);
+}
+
+inline vfloat shuffle(vfloat v, vuint idx) { return __builtin_shuffle(v, idx); }
+
+inline float hsum(vfloat v) {  // a tree: a left-to-right sum would be 16 dependent adds
+  v += shuffle(v, vuint{8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7});
+  v += shuffle(v, vuint{4, 5, 6, 7, 0, 1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 3});
+  v += shuffle(v, vuint{2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1});
+  v += shuffle(v, vuint{1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0});
+  return v[0];
+}
+
+// exp(x) for x <= 0 (softmax after subtracting the max), 16 at a time: 2^n * 2^f with
+// n = round(x log2 e) and a degree-6 polynomial for 2^f, f in [-0.5, 0.5] (relative error
+// about 1e-7, below float rounding of the sum). Scalar expf would be a library call per score.
+inline vfloat exp_nonpositive(vfloat x) {
+  x = x < -87.f ? vfloat{} - 87.f : x;  // exp(-87) ~ 1.6e-38: still a normal float
+  const vfloat t = x * 1.44269504f;
+  const vfloat n = __builtin_convertvector(__builtin_convertvector(t + (t < 0 ? -0.5f : 0.5f),
+                                                                   vint), vfloat);
+  const vfloat f = (t - n) * 0.69314718f;  // 2^(t-n) = e^f, |f| <= 0.35
+  vfloat p = f * (1.f / 720) + 1.f / 120;
+  p = p * f + 1.f / 24;
+  p = p * f + 1.f / 6;
+  p = p * f + 0.5f;
+  p = p * f + 1.f;
+  p = p * f + 1.f;
+  const vint bits = (__builtin_convertvector(n, vint) + 127) << 23;
+  return p * reinterpret_cast<vfloat>(bits);
+}
+
+// One (sequence, KV head): its `group` query heads attend over the sequence's blocks.
+// CHUNKS = head_dim / 16 when known at compile time (loops unroll), 0 for any other size.
+template <typename T, int CHUNKS>
+void attend(T* out, const T* q, const T* k_cache, const T* v_cache, const int32_t* table,
+            int64_t ctx, int64_t h, int64_t group, int64_t head_dim, int64_t block_size,
+            int64_t token_stride, float scale, float* scores) {
+  const int64_t chunks = CHUNKS ? CHUNKS : head_dim / kLanes;
+  const int64_t block_stride = block_size * token_stride;
+  // Visit the context's rows block by block (no division per row): f(t, row of token t).
+  auto for_each_row = [&](const T* cache, auto&& f) {
+    for (int64_t start = 0, b = 0; start < ctx; start += block_size, ++b) {
+      const T* base = cache + table[b] * block_stride + h * head_dim;
+      const int64_t n = std::min(block_size, ctx - start);
+      for (int64_t j = 0; j < n; ++j) f(start + j, base + j * token_stride);
+    }
+  };
+
+  vfloat qv[kMaxGroup][kMaxChunks];
+  for (int64_t g = 0; g < group; ++g)
+    for (int64_t c = 0; c < chunks; ++c) qv[g][c] = load(q + (h * group + g) * head_dim + c * kLanes) * scale;
+
+  const int64_t padded = (ctx + kLanes - 1) / kLanes * kLanes;  // a score row's length
+  // scores[g][t] = q_g . k_t; each key row is loaded once for all g query heads.
+  for_each_row(k_cache, [&](int64_t t, const T* k) {
+    vfloat kv[kMaxChunks];
+    for (int64_t c = 0; c < chunks; ++c) kv[c] = load(k + c * kLanes);
+    for (int64_t g = 0; g < group; ++g) {
+      vfloat dot = qv[g][0] * kv[0];
+      for (int64_t c = 1; c < chunks; ++c) dot += qv[g][c] * kv[c];
+      scores[g * padded + t] = hsum(dot);
+    }
+  });
+
+  // Unnormalised softmax, 16 scores at a time; the row has room up to a multiple of 16.
+  float inv_sum[kMaxGroup];
+  for (int64_t g = 0; g < group; ++g) {
+    float* sg = scores + g * padded;
+    float mx = sg[0];
+    for (int64_t t = 1; t < ctx; ++t) mx = sg[t] > mx ? sg[t] : mx;
+    for (int64_t t = ctx; t < padded; ++t) sg[t] = -INFINITY;  // padding: exp gives ~1e-38
+    vfloat sum{};
+    for (int64_t t = 0; t < padded; t += kLanes) {
+      const vfloat e = exp_nonpositive(load(sg + t) - mx);
+      std::memcpy(sg + t, &e, sizeof e);
+      sum += e;
+    }
+    inv_sum[g] = 1.f / hsum(sum);
+  }
+
+  // out_g = sum_t p[g][t] v_t / sum_t p[g][t]
+  vfloat acc[kMaxGroup][kMaxChunks] = {};
+  for_each_row(v_cache, [&](int64_t t, const T* v) {
+    vfloat vv[kMaxChunks];
+    for (int64_t c = 0; c < chunks; ++c) vv[c] = load(v + c * kLanes);
+    for (int64_t g = 0; g < group; ++g) {
+      const float p = scores[g * padded + t];
+      for (int64_t c = 0; c < chunks; ++c) acc[g][c] += p * vv[c];
+    }
+  });
+  for (int64_t g = 0; g < group; ++g) {
+    T* o = out + (h * group + g) * head_dim;
+    for (int64_t c = 0; c < chunks; ++c)
+      for (int i = 0; i < kLanes; ++i) store(acc[g][c][i] * inv_sum[g], o + c * kLanes + i);
+  }
+}
+
+template <typename T>
+void decode_attention(T* out, const T* q, const T* k_cache, const T* v_cache,
+                      const int32_t* block_tables, const int32_t* context_lens,
+                      int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,
+                      int64_t head_dim, int64_t block_size, int64_t max_blocks,
+                      int64_t q_stride, float scale, int num_threads) {
+  const int64_t group = num_heads / num_kv_heads;
+  const int64_t token_stride = num_kv_heads * head_dim;
+#pragma omp parallel num_threads(num_threads)
+  {
+    std::vector<float> scores;
+#pragma omp for collapse(2) schedule(dynamic, 1)
+    for (int64_t s = 0; s < num_seqs; ++s) {
+      for (int64_t h = 0; h < num_kv_heads; ++h) {
+        const int64_t ctx = context_lens[s];
+        scores.resize(group * ((ctx + kLanes - 1) / kLanes * kLanes));
+        const int32_t* table = block_tables + s * max_blocks;
+        T* o = out + s * num_heads * head_dim;
+        const T* qs = q + s * q_stride;
+        if (head_dim == 64)
+          attend<T, 4>(o, qs, k_cache, v_cache, table, ctx, h, group, head_dim, block_size,
+                       token_stride, scale, scores.data());
+        else if (head_dim == 128)
+          attend<T, 8>(o, qs, k_cache, v_cache, table, ctx, h, group, head_dim, block_size,
+                       token_stride, scale, scores.data());
+        else
+          attend<T, 0>(o, qs, k_cache, v_cache, table, ctx, h, group, head_dim, block_size,
+                       token_stride, scale, scores.data());
+      }
+    }
+  }
+}
+
+}  // namespace
+
+#define CONVEYOR_DECODE_ATTENTION(NAME, T)                                                     \
+  extern "C" void NAME(void* out, const void* q, const void* k_cache, const void* v_cache,  \
+                       const int32_t* block_tables, const int32_t* context_lens,            \
+                       int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,           \
+                       int64_t head_dim, int64_t block_size, int64_t max_blocks,            \
+                       int64_t q_stride, float scale, int num_threads) {                    \
+    decode_attention<T>(static_cast<T*>(out), static_cast<const T*>(q),                     \
+                        static_cast<const T*>(k_cache), static_cast<const T*>(v_cache),     \
+                        block_tables, context_lens, num_seqs, num_heads, num_kv_heads,      \
+                        head_dim, block_size, max_blocks, q_stride, scale, num_threads);    \
+  }
+
+CONVEYOR_DECODE_ATTENTION(decode_attention_f32, float)
+CONVEYOR_DECODE_ATTENTION(decode_attention_bf16, uint16_t)
