@@ -40,13 +40,14 @@ def _reference(q, k_cache, v_cache, tables, lens):
     (80, 4, 4, 1),  # no compile-time head size; one token per block
     (16, 14, 2, 32),  # a group of 7
 ])
-def test_kernel_equals_reference(dtype, head_dim, num_heads, kv_heads, block_size) -> None:
+@pytest.mark.parametrize("num_seqs", [3, 12])  # few: a task per KV head; many: per sequence
+def test_kernel_equals_reference(dtype, head_dim, num_heads, kv_heads, block_size, num_seqs) -> None:
     gen = torch.Generator().manual_seed(head_dim)
-    num_blocks = 1100
+    num_blocks = 2000
     k_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=gen).to(dtype)
     v_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=gen).to(dtype)
-    lens = torch.tensor([1, block_size, block_size + 1, 3 * block_size - 1, 97, 2, 150],
-                        dtype=torch.int32)
+    lens = torch.tensor([1, block_size, block_size + 1, 3 * block_size - 1, 97, 2, 150, 16, 33,
+                         64, 5, 80][:num_seqs], dtype=torch.int32)
     max_blocks = int((lens.max() + block_size - 1) // block_size)
     perm = torch.randperm(num_blocks, generator=gen)  # scattered blocks
     tables = perm[:len(lens) * max_blocks].view(len(lens), max_blocks).to(torch.int32)

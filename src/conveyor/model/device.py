@@ -47,10 +47,15 @@ def prepack_linear_weights(device: torch.device, dtype: torch.dtype) -> bool:
             and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
 
 
+def use_int4_weights(device: torch.device, dtype: torch.dtype) -> bool:
+    """Keep a GGUF file's 4-bit blocks for small batches (layers/int4.py): CPU bf16 only."""
+    return (prepack_linear_weights(device, dtype)
+            and hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu"))
+
+
 def use_decode_kernel(device: torch.device, dtype: torch.dtype, head_dim: int,
                       num_queries_per_kv: int) -> bool:
     """The C++ paged decode attention kernel: CPU, float32/bf16, head_dim in 16..256 by 16s."""
     from conveyor.model.kernels.decode_attention import decode_kernel_available
 
-    return (head_dim % 16 == 0 and head_dim <= 256 and num_queries_per_kv <= 16
-            and decode_kernel_available(device, dtype))
+    return head_dim % 16 == 0 and head_dim <= 256 and decode_kernel_available(device, dtype)

@@ -2,6 +2,7 @@
 
 llama.cpp's converter permutes the rows of Llama's Q and K projections (to interleaved rope
 pairs); we undo that so the weights work with the HF "rotate_half" rotary layout.
+``read_gguf_int4`` also returns the 4-bit (Q4_0 / Q4_1) tensors as their blocks, undequantized.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import numpy as np
 import torch
 
 from conveyor.model.config import SUPPORTED_ARCHITECTURES, ModelConfig, check_architecture
+from conveyor.model.layers.int4 import GROUP, Int4Blocks
 
 _LAYER_NAMES = {
     "attn_norm": "input_layernorm",
@@ -95,6 +97,38 @@ def _hf_name(gguf_name: str) -> str:
     return f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}.{m.group(3)}"
 
 
+def _fix_rows(name: str, arr: np.ndarray, cfg: ModelConfig) -> np.ndarray:
+    """Undo llama.cpp's Q/K row permutation (rows come first in every array passed)."""
+    if cfg.architecture == "llama":
+        if re.fullmatch(r"blk\.\d+\.attn_q\.(weight|bias)", name):
+            return _unpermute(arr, cfg.num_heads)
+        if re.fullmatch(r"blk\.\d+\.attn_k\.(weight|bias)", name):
+            return _unpermute(arr, cfg.num_kv_heads)
+    return arr
+
+
+def read_gguf_int4(reader: Any, cfg: ModelConfig) -> dict[str, Int4Blocks]:
+    """The Q4_0 / Q4_1 tensors as 4-bit codes, scales and minimums (w = scale * code + min)."""
+    from gguf import GGMLQuantizationType as Q
+
+    out = {}
+    for t in reader.tensors:
+        if t.tensor_type not in (Q.Q4_0, Q.Q4_1):
+            continue
+        raw = np.asarray(t.data)
+        rows = raw.shape[0]
+        head = 2 if t.tensor_type == Q.Q4_0 else 4  # fp16 d (Q4_1: then fp16 m), then 16 bytes
+        blocks = raw.reshape(rows, -1, head + GROUP // 2)
+        scale = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+        low = (blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
+               if t.tensor_type == Q.Q4_1 else -8 * scale)
+        nibbles = blocks[..., head:]
+        codes = np.concatenate([nibbles & 0xF, nibbles >> 4], axis=-1).reshape(rows, -1)
+        parts = [np.ascontiguousarray(_fix_rows(t.name, a, cfg)) for a in (codes, scale, low)]
+        out[_hf_name(t.name)] = Int4Blocks(*(torch.from_numpy(a) for a in parts))
+    return out
+
+
 def read_gguf_weights(reader: Any, cfg: ModelConfig) -> dict[str, torch.Tensor]:
     from gguf.quants import dequantize
 
@@ -106,10 +140,6 @@ def read_gguf_weights(reader: Any, cfg: ModelConfig) -> dict[str, torch.Tensor]:
             raise ValueError(f"GGUF tensor {t.name!r} has type {t.tensor_type.name}, which the "
                              "gguf package cannot dequantize") from e
         arr = np.array(arr, dtype=np.float32).reshape(tuple(reversed([int(d) for d in t.shape])))
-        if cfg.architecture == "llama":
-            if re.fullmatch(r"blk\.\d+\.attn_q\.(weight|bias)", t.name):
-                arr = _unpermute(arr, cfg.num_heads)
-            elif re.fullmatch(r"blk\.\d+\.attn_k\.(weight|bias)", t.name):
-                arr = _unpermute(arr, cfg.num_kv_heads)
+        arr = _fix_rows(t.name, arr, cfg)
         weights[_hf_name(t.name)] = torch.from_numpy(np.ascontiguousarray(arr))  # arr is a fresh copy
     return weights

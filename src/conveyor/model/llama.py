@@ -14,6 +14,7 @@ from torch import nn
 
 from conveyor.model.config import ModelConfig
 from conveyor.model.layers.attention import AttentionMetadata, paged_attention
+from conveyor.model.layers.int4 import Int4Blocks, PackedInt4
 from conveyor.model.layers.linear import Linear
 from conveyor.model.layers.norm import RMSNorm
 from conveyor.model.layers.rotary import RotaryEmbedding, apply_rotary, rope_inv_freq
@@ -151,6 +152,26 @@ class LlamaForCausalLM(nn.Module):
         for module in self.modules():
             if isinstance(module, Linear):
                 module.prepack()
+
+    def attach_int4(self, blocks: dict[str, Int4Blocks]) -> int:
+        """Give each projection whose checkpoint weights were all 4-bit its 4-bit copy (a fused
+        projection needs every part). Returns the bytes added."""
+        dtype = self.embed_tokens.dtype
+        added = 0
+        for i, layer in enumerate(self.layers):
+            a, m = f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp."
+            for linear, names in ((layer.qkv_proj, [a + "q_proj", a + "k_proj", a + "v_proj"]),
+                                  (layer.o_proj, [a + "o_proj"]),
+                                  (layer.gate_up_proj, [m + "gate_proj", m + "up_proj"]),
+                                  (layer.down_proj, [m + "down_proj"])):
+                parts = [blocks.get(n + ".weight") for n in names]
+                if all(p is not None for p in parts):
+                    linear.int4 = PackedInt4.pack(Int4Blocks.cat(parts), dtype)
+                    added += linear.int4.nbytes()
+        if not self.config.tie_word_embeddings and "lm_head.weight" in blocks:
+            self.lm_head.int4 = PackedInt4.pack(blocks["lm_head.weight"], dtype)
+            added += self.lm_head.int4.nbytes()
+        return added
 
     def num_params(self) -> int:
         seen, total = set(), 0

@@ -32,7 +32,6 @@ typedef int32_t vint __attribute__((vector_size(64)));
 typedef uint16_t vhalf __attribute__((vector_size(32)));
 constexpr int kLanes = 16;
 constexpr int kMaxChunks = 16;  // head_dim <= 256
-constexpr int kMaxGroup = 16;   // query heads per KV head
 
 inline vfloat load(const float* p) {
   vfloat v;
@@ -84,69 +83,101 @@ inline vfloat exp_nonpositive(vfloat x) {
   return p * reinterpret_cast<vfloat>(bits);
 }
 
-// One (sequence, KV head): its `group` query heads attend over the sequence's blocks.
-// CHUNKS = head_dim / 16 when known at compile time (loops unroll), 0 for any other size.
+struct Scratch {  // per thread, reused across tasks
+  std::vector<float> scores, inv_sum;
+  std::vector<vfloat> qv, acc;
+};
+
+// One sequence, KV heads [h0, h1): each of them with its `group` query heads. The context is
+// read block by block and, within a block, token row by token row with all the range's heads
+// at once: a sequential stream the hardware prefetcher follows, plus a software prefetch of
+// the next block (blocks are scattered). CHUNKS = head_dim / 16 when known at compile time
+// (loops unroll), 0 for any other size.
 template <typename T, int CHUNKS>
 void attend(T* out, const T* q, const T* k_cache, const T* v_cache, const int32_t* table,
-            int64_t ctx, int64_t h, int64_t group, int64_t head_dim, int64_t block_size,
-            int64_t token_stride, float scale, float* scores) {
+            int64_t ctx, int64_t h0, int64_t h1, int64_t group, int64_t head_dim,
+            int64_t block_size, int64_t token_stride, float scale, Scratch& scratch) {
   const int64_t chunks = CHUNKS ? CHUNKS : head_dim / kLanes;
   const int64_t block_stride = block_size * token_stride;
-  // Visit the context's rows block by block (no division per row): f(t, row of token t).
+  const int64_t heads = (h1 - h0) * group;  // query heads handled here
+  const int64_t padded = (ctx + kLanes - 1) / kLanes * kLanes;  // a score row's length
+  scratch.scores.resize(heads * padded);
+  scratch.qv.resize(heads * chunks);
+  scratch.acc.assign(heads * chunks, vfloat{});
+  scratch.inv_sum.resize(heads);
+  float* scores = scratch.scores.data();
+  vfloat* qv = scratch.qv.data();
+  vfloat* acc = scratch.acc.data();
+
+  // f(t, row of token t, first element of head h0) for every context token, block by block.
   auto for_each_row = [&](const T* cache, auto&& f) {
-    for (int64_t start = 0, b = 0; start < ctx; start += block_size, ++b) {
-      const T* base = cache + table[b] * block_stride + h * head_dim;
-      const int64_t n = std::min(block_size, ctx - start);
-      for (int64_t j = 0; j < n; ++j) f(start + j, base + j * token_stride);
+    const int64_t num_blocks = (ctx + block_size - 1) / block_size;
+    for (int64_t b = 0; b < num_blocks; ++b) {
+      const T* base = cache + table[b] * block_stride + h0 * head_dim;
+      const T* next = b + 1 < num_blocks ? cache + table[b + 1] * block_stride : nullptr;
+      const int64_t n = std::min(block_size, ctx - b * block_size);
+      for (int64_t j = 0; j < n; ++j) {
+        if (next)
+          for (int64_t e = 0; e < token_stride; e += 64 / sizeof(T))
+            __builtin_prefetch(next + j * token_stride + e);
+        f(b * block_size + j, base + j * token_stride);
+      }
     }
   };
 
-  vfloat qv[kMaxGroup][kMaxChunks];
-  for (int64_t g = 0; g < group; ++g)
-    for (int64_t c = 0; c < chunks; ++c) qv[g][c] = load(q + (h * group + g) * head_dim + c * kLanes) * scale;
+  // qv[i * chunks + c]: query head i, scaled, as vectors; acc likewise for the output.
+  for (int64_t i = 0; i < heads; ++i)
+    for (int64_t c = 0; c < chunks; ++c)
+      qv[i * chunks + c] = load(q + (h0 * group + i) * head_dim + c * kLanes) * scale;
 
-  const int64_t padded = (ctx + kLanes - 1) / kLanes * kLanes;  // a score row's length
-  // scores[g][t] = q_g . k_t; each key row is loaded once for all g query heads.
-  for_each_row(k_cache, [&](int64_t t, const T* k) {
-    vfloat kv[kMaxChunks];
-    for (int64_t c = 0; c < chunks; ++c) kv[c] = load(k + c * kLanes);
-    for (int64_t g = 0; g < group; ++g) {
-      vfloat dot = qv[g][0] * kv[0];
-      for (int64_t c = 1; c < chunks; ++c) dot += qv[g][c] * kv[c];
-      scores[g * padded + t] = hsum(dot);
+  // scores[i][t] = q_i . k_t (i: query head); each key row is loaded once for its g query heads.
+  for_each_row(k_cache, [&](int64_t t, const T* row) {
+    for (int64_t h = 0; h < h1 - h0; ++h) {
+      vfloat kv[kMaxChunks];
+      for (int64_t c = 0; c < chunks; ++c) kv[c] = load(row + h * head_dim + c * kLanes);
+      for (int64_t g = 0; g < group; ++g) {
+        const int64_t i = h * group + g;
+        const vfloat* qi = qv + i * chunks;
+        vfloat dot = qi[0] * kv[0];
+        for (int64_t c = 1; c < chunks; ++c) dot += qi[c] * kv[c];
+        scores[i * padded + t] = hsum(dot);
+      }
     }
   });
 
-  // Unnormalised softmax, 16 scores at a time; the row has room up to a multiple of 16.
-  float inv_sum[kMaxGroup];
-  for (int64_t g = 0; g < group; ++g) {
-    float* sg = scores + g * padded;
-    float mx = sg[0];
-    for (int64_t t = 1; t < ctx; ++t) mx = sg[t] > mx ? sg[t] : mx;
-    for (int64_t t = ctx; t < padded; ++t) sg[t] = -INFINITY;  // padding: exp gives ~1e-38
+  // Unnormalised softmax, 16 scores at a time; the rows have room up to a multiple of 16.
+  for (int64_t i = 0; i < heads; ++i) {
+    float* si = scores + i * padded;
+    float mx = si[0];
+    for (int64_t t = 1; t < ctx; ++t) mx = si[t] > mx ? si[t] : mx;
+    for (int64_t t = ctx; t < padded; ++t) si[t] = -INFINITY;  // padding: exp gives ~1e-38
     vfloat sum{};
     for (int64_t t = 0; t < padded; t += kLanes) {
-      const vfloat e = exp_nonpositive(load(sg + t) - mx);
-      std::memcpy(sg + t, &e, sizeof e);
+      const vfloat e = exp_nonpositive(load(si + t) - mx);
+      std::memcpy(si + t, &e, sizeof e);
       sum += e;
     }
-    inv_sum[g] = 1.f / hsum(sum);
+    scratch.inv_sum[i] = 1.f / hsum(sum);
   }
 
-  // out_g = sum_t p[g][t] v_t / sum_t p[g][t]
-  vfloat acc[kMaxGroup][kMaxChunks] = {};
-  for_each_row(v_cache, [&](int64_t t, const T* v) {
-    vfloat vv[kMaxChunks];
-    for (int64_t c = 0; c < chunks; ++c) vv[c] = load(v + c * kLanes);
-    for (int64_t g = 0; g < group; ++g) {
-      const float p = scores[g * padded + t];
-      for (int64_t c = 0; c < chunks; ++c) acc[g][c] += p * vv[c];
+  // out_i = sum_t p[i][t] v_t / sum_t p[i][t]
+  for_each_row(v_cache, [&](int64_t t, const T* row) {
+    for (int64_t h = 0; h < h1 - h0; ++h) {
+      vfloat vv[kMaxChunks];
+      for (int64_t c = 0; c < chunks; ++c) vv[c] = load(row + h * head_dim + c * kLanes);
+      for (int64_t g = 0; g < group; ++g) {
+        const int64_t i = h * group + g;
+        const float p = scores[i * padded + t];
+        vfloat* ai = acc + i * chunks;
+        for (int64_t c = 0; c < chunks; ++c) ai[c] += p * vv[c];
+      }
     }
   });
-  for (int64_t g = 0; g < group; ++g) {
-    T* o = out + (h * group + g) * head_dim;
+  for (int64_t i = 0; i < heads; ++i) {
+    const float inv_sum = scratch.inv_sum[i];
+    T* o = out + (h0 * group + i) * head_dim;
     for (int64_t c = 0; c < chunks; ++c)
-      for (int i = 0; i < kLanes; ++i) store(acc[g][c][i] * inv_sum[g], o + c * kLanes + i);
+      for (int l = 0; l < kLanes; ++l) store(acc[i * chunks + c][l] * inv_sum, o + c * kLanes + l);
   }
 }
 
@@ -158,27 +189,29 @@ void decode_attention(T* out, const T* q, const T* k_cache, const T* v_cache,
                       int64_t q_stride, float scale, int num_threads) {
   const int64_t group = num_heads / num_kv_heads;
   const int64_t token_stride = num_kv_heads * head_dim;
+  // A task is one sequence and a range of KV heads: all heads (a whole token row per read)
+  // when there are enough sequences to keep the threads busy, else one head per task.
+  const int64_t span = num_seqs >= 4 * num_threads ? num_kv_heads : 1;
+  const int64_t ranges = num_kv_heads / span;
 #pragma omp parallel num_threads(num_threads)
   {
-    std::vector<float> scores;
-#pragma omp for collapse(2) schedule(dynamic, 1)
-    for (int64_t s = 0; s < num_seqs; ++s) {
-      for (int64_t h = 0; h < num_kv_heads; ++h) {
-        const int64_t ctx = context_lens[s];
-        scores.resize(group * ((ctx + kLanes - 1) / kLanes * kLanes));
-        const int32_t* table = block_tables + s * max_blocks;
-        T* o = out + s * num_heads * head_dim;
-        const T* qs = q + s * q_stride;
-        if (head_dim == 64)
-          attend<T, 4>(o, qs, k_cache, v_cache, table, ctx, h, group, head_dim, block_size,
-                       token_stride, scale, scores.data());
-        else if (head_dim == 128)
-          attend<T, 8>(o, qs, k_cache, v_cache, table, ctx, h, group, head_dim, block_size,
-                       token_stride, scale, scores.data());
-        else
-          attend<T, 0>(o, qs, k_cache, v_cache, table, ctx, h, group, head_dim, block_size,
-                       token_stride, scale, scores.data());
-      }
+    Scratch scratch;
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t task = 0; task < num_seqs * ranges; ++task) {
+      const int64_t s = task / ranges, h0 = task % ranges * span;
+      const int64_t ctx = context_lens[s];
+      const int32_t* table = block_tables + s * max_blocks;
+      T* o = out + s * num_heads * head_dim;
+      const T* qs = q + s * q_stride;
+      if (head_dim == 64)
+        attend<T, 4>(o, qs, k_cache, v_cache, table, ctx, h0, h0 + span, group, head_dim,
+                     block_size, token_stride, scale, scratch);
+      else if (head_dim == 128)
+        attend<T, 8>(o, qs, k_cache, v_cache, table, ctx, h0, h0 + span, group, head_dim,
+                     block_size, token_stride, scale, scratch);
+      else
+        attend<T, 0>(o, qs, k_cache, v_cache, table, ctx, h0, h0 + span, group, head_dim,
+                     block_size, token_stride, scale, scratch);
     }
   }
 }
