@@ -57,10 +57,9 @@ class ModelExecutor:
             return ExecutorOutput(sampled_token_ids=[])
 
         n = len(so.seqs)
-        # Decodes first, shortest context first (attention groups pad less); then prefill chunks.
-        order = sorted(range(n), key=lambda i: (so.num_new_tokens[i] != 1,
-                                                so.seqs[i].num_computed_tokens
-                                                if so.num_new_tokens[i] == 1 else 0))
+        # Decodes first, then prefill chunks, each by length (attention groups pad less).
+        order = sorted(range(n), key=lambda i: (so.num_new_tokens[i] != 1, so.num_new_tokens[i],
+                                                so.seqs[i].num_computed_tokens))
         input_ids: list[int] = []
         starts, counts, tables = [], [], []
         sample_entries: list[int] = []  # original entry index, in logits-row order

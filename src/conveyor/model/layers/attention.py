@@ -7,7 +7,8 @@ computing a chunk of >1 tokens (prefill, possibly after a cached prefix).
   reads each sequence's keys and values straight from their blocks.
 * Otherwise (CUDA, float16, no compiler, ``CONVEYOR_ATTENTION=torch``) and for prefill chunks,
   entries are split into groups, each attended with one ``scaled_dot_product_attention`` call
-  per layer: decode groups of up to ``DECODE_GROUP_SIZE``, then one prefill group. For each
+  per layer: decode groups of up to ``DECODE_GROUP_SIZE``, then prefill groups (entries of
+  similar length together, see ``_prefill_ranges``). For each
   group, keys and values are gathered a whole block at a time through the ``[B, blocks]``
   block table and a boolean mask hides padding and future positions. Grouped-query attention
   is done without repeating K/V: the ``g`` query heads that share a KV head are folded into
@@ -24,6 +25,7 @@ import torch.nn.functional as F
 from conveyor.model.kernels.decode_attention import paged_decode_attention
 
 DECODE_GROUP_SIZE = 16
+PREFILL_PADDING_LIMIT = 2.0  # a prefill group's padded work may be at most this x its real work
 
 
 @dataclass
@@ -98,7 +100,7 @@ def build_attention_metadata(
                              (start_t[:num_decode] + 1).to(torch.int32))
         ranges, token_start = [], num_decode
     if num_decode < len(num_new):
-        ranges.append((num_decode, len(num_new)))
+        ranges += _prefill_ranges(starts, num_new, num_decode)
     for lo, hi in ranges:
         g_tab, g_start, g_new = table[lo:hi], start_t[lo:hi], new_t[lo:hi]
         batch, max_q = hi - lo, int(g_new.max())
@@ -122,6 +124,25 @@ def build_attention_metadata(
                                      mask.to(device), query_index, out_index))
         token_start += n_tok
     return AttentionMetadata(slot_mapping.to(device), pos.to(device), decode, groups)
+
+
+def _prefill_ranges(starts: list[int], num_new: list[int], lo: int) -> list[tuple[int, int]]:
+    """Split the prefill entries ``lo:`` into consecutive groups whose padded work (entries x
+    longest query x longest context) stays within ``PREFILL_PADDING_LIMIT`` x their real work
+    (sum of query x context). Entries should come sorted by length: one 560-token prompt
+    padded together with 63 48-token ones (a shared prefix cached) would do ten times the work.
+    """
+    ranges, begin = [], lo
+    max_q = max_c = real = 0
+    for i in range(lo, len(num_new)):
+        q, c = num_new[i], starts[i] + num_new[i]
+        grown = (max(max_q, q), max(max_c, c), real + q * c)
+        if i > begin and (i + 1 - begin) * grown[0] * grown[1] > PREFILL_PADDING_LIMIT * grown[2]:
+            ranges.append((begin, i))
+            begin, grown = i, (q, c, q * c)
+        max_q, max_c, real = grown
+    ranges.append((begin, len(num_new)))
+    return ranges
 
 
 def paged_attention(

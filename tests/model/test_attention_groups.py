@@ -1,0 +1,43 @@
+"""How prefill chunks are grouped for scaled_dot_product_attention, and that grouping never changes results."""
+
+from __future__ import annotations
+
+import torch
+
+from conveyor.model.layers import attention
+from conveyor.model.layers.attention import (
+    _prefill_ranges,
+    build_attention_metadata,
+    paged_attention,
+)
+
+
+def test_a_long_prompt_is_not_padded_together_with_short_ones() -> None:
+    # one uncached 560-token prompt after 5 prompts of 48 new tokens behind a 512-token cached prefix
+    starts, num_new = [512] * 5 + [0], [48] * 5 + [560]
+    assert _prefill_ranges(starts, num_new, 0) == [(0, 5), (5, 6)]
+    # similar lengths stay in one group
+    assert _prefill_ranges([0] * 4, [30, 32, 40, 41], 0) == [(0, 4)]
+    # decodes before ``lo`` are not touched
+    assert _prefill_ranges([9, 0, 0, 0], [1, 5, 6, 500], 1) == [(1, 3), (3, 4)]
+
+
+def test_grouping_does_not_change_the_output(monkeypatch) -> None:
+    gen = torch.Generator().manual_seed(3)
+    bs, kv_heads, num_heads, head_dim = 4, 2, 4, 16
+    k_cache = torch.randn(200, bs, kv_heads, head_dim, generator=gen)
+    v_cache = torch.randn(200, bs, kv_heads, head_dim, generator=gen)
+    starts, num_new = [8, 8, 8, 0], [3, 4, 4, 40]  # sorted by length, as the executor orders them
+    tables = [[0, 1, 2, 3], [10, 11, 12, 13], [20, 21, 22, 23], list(range(30, 40))]
+    t = sum(num_new)
+    q = torch.randn(t, num_heads, head_dim, generator=gen)
+    k = torch.randn(t, kv_heads, head_dim, generator=gen)
+    v = torch.randn(t, kv_heads, head_dim, generator=gen)
+    outs = []
+    for limit in (float("inf"), 2.0):
+        monkeypatch.setattr(attention, "PREFILL_PADDING_LIMIT", limit)
+        meta = build_attention_metadata(tables, starts, num_new, bs, num_heads // kv_heads,
+                                        torch.device("cpu"))
+        outs.append((len(meta.groups), paged_attention(q, k, v, k_cache.clone(), v_cache.clone(), meta)))
+    assert outs[0][0] == 1 and outs[1][0] == 2
+    torch.testing.assert_close(outs[1][1], outs[0][1], rtol=1e-5, atol=1e-5)
