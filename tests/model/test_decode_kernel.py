@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conveyor.model.kernels import build, decode_attention
+from conveyor.model.kernels import build
 from conveyor.model.kernels.decode_attention import decode_kernel_available, paged_decode_attention
 from conveyor.model.layers.attention import build_attention_metadata, paged_attention
 
@@ -83,26 +83,26 @@ def test_metadata_with_kernel_equals_torch_path(dtype) -> None:
     torch.testing.assert_close(outs[1].float(), outs[0].float(), rtol=tol, atol=tol)
 
 
-def test_env_turns_the_kernel_off(monkeypatch) -> None:
-    monkeypatch.setenv("CONVEYOR_ATTENTION", "torch")
-    decode_attention._library.cache_clear()
+def test_env_turns_the_kernels_off(monkeypatch) -> None:
+    monkeypatch.setenv("CONVEYOR_KERNELS", "off")
+    build.kernel_library.cache_clear()
     try:
         assert not decode_kernel_available(CPU, torch.float32)
     finally:
-        monkeypatch.delenv("CONVEYOR_ATTENTION")
-        decode_attention._library.cache_clear()
+        monkeypatch.delenv("CONVEYOR_KERNELS")
+        build.kernel_library.cache_clear()
 
 
 def test_no_compiler_falls_back_with_a_warning(monkeypatch, tmp_path) -> None:
     monkeypatch.setenv("CONVEYOR_CACHE_DIR", str(tmp_path))
     monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
-    decode_attention._library.cache_clear()
+    build.kernel_library.cache_clear()
     try:
         with pytest.warns(UserWarning, match="torch path"):
             assert not decode_kernel_available(CPU, torch.float32)
         assert not decode_kernel_available(torch.device("cuda"), torch.float32)
     finally:
-        decode_attention._library.cache_clear()
+        build.kernel_library.cache_clear()
 
 
 @needs_kernel

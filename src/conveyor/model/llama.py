@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from conveyor.model.config import ModelConfig
+from conveyor.model.layers.activation import silu_and_mul
 from conveyor.model.layers.attention import AttentionMetadata, paged_attention
 from conveyor.model.layers.int4 import Int4Blocks, PackedInt4
 from conveyor.model.layers.linear import Linear
@@ -39,10 +40,12 @@ class DecoderLayer(nn.Module):
         self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size)
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor, cos: torch.Tensor,
+                sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
+        """The residual stream is ``residual`` (updated in place) + ``x``; returns the new ``x``."""
         t = x.shape[0]
-        h = self.input_norm(x)
+        h = self.input_norm(x, residual)
         qkv = self.qkv_proj(h)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(t, self.num_heads, self.head_dim)
@@ -52,9 +55,8 @@ class DecoderLayer(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         attn = paged_attention(q, k, v, k_cache, v_cache, meta)
-        x = x + self.o_proj(attn)
-        gate, up = self.gate_up_proj(self.post_norm(x)).chunk(2, dim=-1)
-        return x + self.down_proj(F.silu(gate) * up)
+        h = self.post_norm(self.o_proj(attn), residual)
+        return self.down_proj(silu_and_mul(self.gate_up_proj(h)))
 
 
 class LlamaForCausalLM(nn.Module):
@@ -78,11 +80,13 @@ class LlamaForCausalLM(nn.Module):
         logits_indices: torch.Tensor,  # [S] flat token indices whose logits are wanted
     ) -> torch.Tensor:
         """Returns float32 logits [S, vocab]."""
-        x = F.embedding(input_ids, self.embed_tokens)
-        cos, sin = self.rotary.cos_sin(positions, x.dtype)
+        # Residual stream = residual + x, kept as two tensors so each norm can fuse the add.
+        residual = F.embedding(input_ids, self.embed_tokens)
+        x = torch.zeros_like(residual)
+        cos, sin = self.rotary.cos_sin(positions, residual.dtype)
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
-            x = layer(x, cos, sin, k_cache, v_cache, meta)
-        x = self.norm(x[logits_indices])
+            x = layer(x, residual, cos, sin, k_cache, v_cache, meta)
+        x = self.norm(x[logits_indices], residual[logits_indices])
         return self.lm_head(x).float()
 
     def load_weights(self, weights: dict[str, torch.Tensor]) -> None:

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import ctypes
 import importlib.util
 import os
+import sys
 from dataclasses import dataclass
 from typing import Any
 
@@ -73,4 +75,19 @@ def load_model(model: str | None, dtype: torch.dtype, device: torch.device) -> L
     if prepack_linear_weights(device, dtype):
         net.prepack()
     config.int4_bytes = net.attach_int4(int4_blocks) if int4_blocks else 0
+    del int4_blocks
+    _return_freed_memory()
     return LoadedModel(config, net, tokenizer)
+
+
+def _return_freed_memory() -> None:
+    """Hand the load's freed temporaries (float32 copies of every weight) back to the OS.
+
+    glibc keeps freed heap memory mapped (its mmap threshold grows as big blocks are freed), so
+    without this about 270 MB of the GGUF load would stay in the process's RSS for its lifetime.
+    """
+    if sys.platform.startswith("linux"):
+        try:
+            ctypes.CDLL("libc.so.6").malloc_trim(0)
+        except (OSError, AttributeError):  # not glibc
+            pass

@@ -2,23 +2,28 @@
 
 The source is built with the system C++ compiler (``$CXX``, else ``c++``) for this CPU
 (``-O3 -march=native -fopenmp``) into a cache folder (``$CONVEYOR_CACHE_DIR``, else
-``~/.cache/conveyor``), keyed by a hash of the source, the flags, the compiler's version and
-this CPU's feature flags: a library built for one CPU is never loaded on another. Torch's
-inductor builds its CPU kernels the same way. A build takes about a second; later loads are
-instant. No compiler, or a failed build, raises ``KernelBuildError`` and the caller falls back
-to its torch path.
+``~/.cache/conveyor``), keyed by a hash of the source and headers, the flags, the compiler's
+version and this CPU's feature flags: a library built for one CPU is never loaded on another.
+Torch's inductor builds its CPU kernels the same way. A build takes a second or two; later
+loads are instant. ``kernel_library`` returns None when there is no compiler or the build fails
+(with one warning) or when ``CONVEYOR_KERNELS=off``; callers then take their torch path.
 """
 
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
+import logging
 import os
 import shutil
 import subprocess
 import tempfile
 import time
+import warnings
 from pathlib import Path
+
+logger = logging.getLogger(__name__)
 
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-std=c++17", "-shared", "-fPIC"]
 
@@ -52,7 +57,8 @@ def build_kernel(source_name: str) -> tuple[ctypes.CDLL, float]:
                                  timeout=30).stdout
     except (OSError, subprocess.SubprocessError) as exc:
         raise KernelBuildError(f"cannot run the C++ compiler {compiler!r}: {exc}") from exc
-    key = hashlib.sha256("\0".join([source.read_text(), " ".join(FLAGS), version,
+    headers = [h.read_text() for h in sorted(source.parent.glob("*.h"))]
+    key = hashlib.sha256("\0".join([source.read_text(), *headers, " ".join(FLAGS), version,
                                     _cpu_flags()]).encode()).hexdigest()[:16]
     target = cache_dir() / "kernels" / f"{source.stem}-{key}.so"
     seconds = 0.0
@@ -72,3 +78,19 @@ def build_kernel(source_name: str) -> tuple[ctypes.CDLL, float]:
         return ctypes.CDLL(str(target)), seconds
     except OSError as exc:
         raise KernelBuildError(f"cannot load {target}: {exc}") from exc
+
+
+@functools.cache
+def kernel_library(source_name: str) -> ctypes.CDLL | None:
+    """The built kernel library, or None: kernels off, or no way to build them here (warned)."""
+    if os.environ.get("CONVEYOR_KERNELS", "").lower() in ("0", "off", "false", "no"):
+        return None
+    try:
+        lib, seconds = build_kernel(source_name)
+    except KernelBuildError as exc:
+        warnings.warn(f"C++ kernel {source_name} unavailable, using the torch path: {exc}",
+                      stacklevel=2)
+        return None
+    if seconds:
+        logger.info("built %s in %.1f s", source_name, seconds)
+    return lib

@@ -1,43 +1,28 @@
 """Paged decode attention on the CPU: the C++ kernel of ``paged_decode_attention.cpp`` via ctypes.
 
 ``decode_kernel_available()`` builds the kernel on first use (see ``build.py``) and says whether
-it can run here; ``CONVEYOR_ATTENTION=torch`` turns it off (the torch path in
+it can run here; ``CONVEYOR_KERNELS=off`` turns it off (the torch path in
 ``layers/attention.py`` then serves decodes too).
 """
 
 from __future__ import annotations
 
 import ctypes
-import functools
-import logging
-import os
-import warnings
 
 import torch
 
-from conveyor.model.kernels.build import KernelBuildError, build_kernel
-
-logger = logging.getLogger(__name__)
+from conveyor.model.kernels.build import kernel_library
 
 _SYMBOLS = {torch.float32: "decode_attention_f32", torch.bfloat16: "decode_attention_bf16"}
 _ARGTYPES = ([ctypes.c_void_p] * 6 + [ctypes.c_int64] * 7 + [ctypes.c_float, ctypes.c_int])
 
 
-@functools.cache
 def _library() -> ctypes.CDLL | None:
-    if os.environ.get("CONVEYOR_ATTENTION", "").lower() == "torch":
-        return None
-    try:
-        lib, seconds = build_kernel("paged_decode_attention.cpp")
-    except KernelBuildError as exc:
-        warnings.warn(f"paged decode attention kernel unavailable, using the torch path: {exc}",
-                      stacklevel=2)
-        return None
-    if seconds:
-        logger.info("built the paged decode attention kernel in %.1f s", seconds)
-    for symbol in _SYMBOLS.values():
-        fn = getattr(lib, symbol)
-        fn.argtypes, fn.restype = _ARGTYPES, None
+    lib = kernel_library("paged_decode_attention.cpp")
+    if lib is not None and lib.decode_attention_f32.argtypes is None:
+        for symbol in _SYMBOLS.values():
+            fn = getattr(lib, symbol)
+            fn.argtypes, fn.restype = _ARGTYPES, None
     return lib
 
 

@@ -22,66 +22,12 @@
 #include <cstring>
 #include <vector>
 
+#include "vec.h"
+
 namespace {
 
-// 16 floats: GCC/Clang vector extensions, lowered to AVX-512 (or two AVX2 halves, ...) by
-// -march=native. head_dim must be a multiple of 16 (the Python side checks).
-typedef float vfloat __attribute__((vector_size(64)));
-typedef uint32_t vuint __attribute__((vector_size(64)));
-typedef int32_t vint __attribute__((vector_size(64)));
-typedef uint16_t vhalf __attribute__((vector_size(32)));
-constexpr int kLanes = 16;
+using namespace conveyor;
 constexpr int kMaxChunks = 16;  // head_dim <= 256
-
-inline vfloat load(const float* p) {
-  vfloat v;
-  std::memcpy(&v, p, sizeof v);
-  return v;
-}
-
-inline vfloat load(const uint16_t* p) {  // bf16 -> float: the bf16 bits are a float's top half
-  vhalf h;
-  std::memcpy(&h, p, sizeof h);
-  return reinterpret_cast<vfloat>(__builtin_convertvector(h, vuint) << 16);
-}
-
-inline void store(float x, float* out) { *out = x; }
-
-inline void store(float x, uint16_t* out) {  // round to nearest even, as torch does
-  uint32_t bits;
-  std::memcpy(&bits, &x, sizeof bits);
-  bits += 0x7FFF + ((bits >> 16) & 1);
-  *out = static_cast<uint16_t>(bits >> 16);
-}
-
-inline vfloat shuffle(vfloat v, vuint idx) { return __builtin_shuffle(v, idx); }
-
-inline float hsum(vfloat v) {  // a tree: a left-to-right sum would be 16 dependent adds
-  v += shuffle(v, vuint{8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7});
-  v += shuffle(v, vuint{4, 5, 6, 7, 0, 1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 3});
-  v += shuffle(v, vuint{2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1});
-  v += shuffle(v, vuint{1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0});
-  return v[0];
-}
-
-// exp(x) for x <= 0 (softmax after subtracting the max), 16 at a time: 2^n * 2^f with
-// n = round(x log2 e) and a degree-6 polynomial for 2^f, f in [-0.5, 0.5] (relative error
-// about 1e-7, below float rounding of the sum). Scalar expf would be a library call per score.
-inline vfloat exp_nonpositive(vfloat x) {
-  x = x < -87.f ? vfloat{} - 87.f : x;  // exp(-87) ~ 1.6e-38: still a normal float
-  const vfloat t = x * 1.44269504f;
-  const vfloat n = __builtin_convertvector(__builtin_convertvector(t + (t < 0 ? -0.5f : 0.5f),
-                                                                   vint), vfloat);
-  const vfloat f = (t - n) * 0.69314718f;  // 2^(t-n) = e^f, |f| <= 0.35
-  vfloat p = f * (1.f / 720) + 1.f / 120;
-  p = p * f + 1.f / 24;
-  p = p * f + 1.f / 6;
-  p = p * f + 0.5f;
-  p = p * f + 1.f;
-  p = p * f + 1.f;
-  const vint bits = (__builtin_convertvector(n, vint) + 127) << 23;
-  return p * reinterpret_cast<vfloat>(bits);
-}
 
 struct Scratch {  // per thread, reused across tasks
   std::vector<float> scores, inv_sum;
@@ -153,7 +99,7 @@ void attend(T* out, const T* q, const T* k_cache, const T* v_cache, const int32_
     for (int64_t t = ctx; t < padded; ++t) si[t] = -INFINITY;  // padding: exp gives ~1e-38
     vfloat sum{};
     for (int64_t t = 0; t < padded; t += kLanes) {
-      const vfloat e = exp_nonpositive(load(si + t) - mx);
+      const vfloat e = vexp(load(si + t) - mx);
       std::memcpy(si + t, &e, sizeof e);
       sum += e;
     }

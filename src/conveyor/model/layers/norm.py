@@ -1,8 +1,14 @@
-"""RMSNorm computed in float32 and cast back, like transformers' LlamaRMSNorm."""
+"""RMSNorm computed in float32 and cast back, like transformers' LlamaRMSNorm, optionally
+fused with the residual add before it (``residual += x`` in place, then the norm of the sum).
+
+On the CPU both are one pass in ``kernels/fused_ops.cpp``; elsewhere the torch ops below.
+"""
 
 from __future__ import annotations
 
 import torch
+
+from conveyor.model.kernels import fused_ops
 
 
 class RMSNorm(torch.nn.Module):
@@ -11,7 +17,14 @@ class RMSNorm(torch.nn.Module):
         self.weight = torch.nn.Parameter(torch.ones(dim), requires_grad=False)
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """norm(x), or with ``residual``: residual += x (in place), then norm(residual)."""
+        if x.dim() == 2:
+            out = fused_ops.rms_norm(x, self.weight, self.eps, residual)
+            if out is not None:
+                return out
+        if residual is not None:
+            x = residual.add_(x)
         dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)

@@ -7,6 +7,8 @@ from typing import Any
 
 import torch
 
+from conveyor.model.kernels import fused_ops
+
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None,
                   freq_factors: torch.Tensor | None = None) -> torch.Tensor:
@@ -50,7 +52,10 @@ class RotaryEmbedding:
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [T, heads, head_dim]."""
+    """x: [T, heads, head_dim] -> a new tensor (one pass in ``kernels/fused_ops.cpp`` on the CPU)."""
+    out = fused_ops.rotary(x, cos, sin)
+    if out is not None:
+        return out
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos + rotated * sin

@@ -1,0 +1,105 @@
+// The decoder layer's elementwise steps, each one pass over memory (CPU).
+//
+// In eager torch each of these is 3-8 ops, each reading and writing the whole activation; on a
+// 4096-token prefill that is most of a layer's time outside the matmuls. Results are rounded to
+// T wherever eager torch rounds (between its ops), so bf16 outputs match the eager path.
+//
+//   rms_norm:  [residual += x;] out = weight * T(h * rsqrt(mean(h^2) + eps)), h = residual or x
+//   silu_mul:  out = T(silu(gate)) * up, gate_up = [gate | up] per row
+//   rotary:    out = T(x * cos) + T(rotate_half(x) * sin), per head ("rotate_half" layout)
+//
+// Rows are spread over OpenMP threads when there are enough of them. Widths are multiples of
+// 16 (the Python side checks). Built and loaded like paged_decode_attention.cpp.
+
+#include <cmath>
+#include <cstdint>
+
+#include "vec.h"
+
+namespace {
+
+using namespace conveyor;
+
+constexpr int64_t kParallelElements = 1 << 16;  // below this, threads cost more than they save
+
+template <typename T>
+void rms_norm(T* out, const T* x, T* residual, const T* weight, int64_t rows, int64_t dim,
+              int64_t x_stride, float eps, int num_threads) {
+#pragma omp parallel for num_threads(num_threads) if (rows * dim >= kParallelElements)
+  for (int64_t r = 0; r < rows; ++r) {
+    const T* xr = x + r * x_stride;
+    T* res = residual ? residual + r * dim : nullptr;
+    vfloat sq{};
+    for (int64_t c = 0; c < dim; c += kLanes) {
+      vfloat h = load(xr + c);
+      if (res) {
+        h = rounded(h + load(res + c), xr);
+        store(h, res + c);
+      }
+      sq += h * h;
+    }
+    const float scale = 1.f / std::sqrt(hsum(sq) / dim + eps);
+    const T* src = res ? res : xr;
+    for (int64_t c = 0; c < dim; c += kLanes)
+      store(load(weight + c) * rounded(load(src + c) * scale, src), out + r * dim + c);
+  }
+}
+
+template <typename T>
+void silu_mul(T* out, const T* gate_up, int64_t rows, int64_t inter, int num_threads) {
+#pragma omp parallel for num_threads(num_threads) if (rows * inter >= kParallelElements)
+  for (int64_t r = 0; r < rows; ++r) {
+    const T* g = gate_up + r * 2 * inter;
+    for (int64_t c = 0; c < inter; c += kLanes) {
+      const vfloat gv = load(g + c);
+      const vfloat silu = rounded(gv / (1.f + vexp(-gv)), g);
+      store(silu * load(g + inter + c), out + r * inter + c);
+    }
+  }
+}
+
+template <typename T>
+void rotary(T* out, const T* x, const T* cos, const T* sin, int64_t rows, int64_t heads,
+            int64_t head_dim, int64_t x_stride, int num_threads) {
+  const int64_t half = head_dim / 2;
+#pragma omp parallel for num_threads(num_threads) if (rows * heads * head_dim >= kParallelElements)
+  for (int64_t r = 0; r < rows; ++r) {
+    const T* cr = cos + r * head_dim;
+    const T* sr = sin + r * head_dim;
+    for (int64_t h = 0; h < heads; ++h) {
+      const T* xh = x + r * x_stride + h * head_dim;
+      T* oh = out + (r * heads + h) * head_dim;
+      for (int64_t c = 0; c < half; c += kLanes) {
+        const vfloat lo = load(xh + c), hi = load(xh + half + c);
+        // first half: x1 cos - x2 sin; second half: x2 cos + x1 sin
+        store(rounded(lo * load(cr + c), xh) + rounded(-hi * load(sr + c), xh), oh + c);
+        store(rounded(hi * load(cr + half + c), xh) + rounded(lo * load(sr + half + c), xh),
+              oh + half + c);
+      }
+    }
+  }
+}
+
+}  // namespace
+
+#define CONVEYOR_FUSED_OPS(SUFFIX, T)                                                         \
+  extern "C" void rms_norm_##SUFFIX(void* out, const void* x, void* residual,                \
+                                    const void* weight, int64_t rows, int64_t dim,            \
+                                    int64_t x_stride, float eps, int num_threads) {           \
+    rms_norm<T>(static_cast<T*>(out), static_cast<const T*>(x), static_cast<T*>(residual),  \
+                static_cast<const T*>(weight), rows, dim, x_stride, eps, num_threads);        \
+  }                                                                                           \
+  extern "C" void silu_mul_##SUFFIX(void* out, const void* gate_up, int64_t rows,            \
+                                    int64_t inter, int num_threads) {                         \
+    silu_mul<T>(static_cast<T*>(out), static_cast<const T*>(gate_up), rows, inter,          \
+                num_threads);                                                                 \
+  }                                                                                           \
+  extern "C" void rotary_##SUFFIX(void* out, const void* x, const void* cos, const void* sin, \
+                                  int64_t rows, int64_t heads, int64_t head_dim,              \
+                                  int64_t x_stride, int num_threads) {                        \
+    rotary<T>(static_cast<T*>(out), static_cast<const T*>(x), static_cast<const T*>(cos),   \
+              static_cast<const T*>(sin), rows, heads, head_dim, x_stride, num_threads);      \
+  }
+
+CONVEYOR_FUSED_OPS(f32, float)
+CONVEYOR_FUSED_OPS(bf16, uint16_t)

@@ -1,0 +1,78 @@
+"""The decoder layer's fused elementwise steps on the CPU (``fused_ops.cpp`` via ctypes).
+
+Each function returns None when the kernel cannot serve the call (not CPU, not float32/bf16,
+a width that is not a multiple of 16, kernels off or not buildable): the caller
+(``layers/norm.py``, ``layers/rotary.py``, ``layers/activation.py``) then runs the same math in
+torch.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from conveyor.model.kernels.build import kernel_library
+
+_SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
+_P, _I, _F, _N = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
+_ARGTYPES = {
+    "rms_norm": [_P, _P, _P, _P, _I, _I, _I, _F, _N],
+    "silu_mul": [_P, _P, _I, _I, _N],
+    "rotary": [_P, _P, _P, _P, _I, _I, _I, _I, _N],
+}
+
+
+def _function(name: str, x: torch.Tensor, width: int):
+    if x.device.type != "cpu" or x.dtype not in _SUFFIX or width % 16:
+        return None
+    lib = kernel_library("fused_ops.cpp")
+    if lib is None:
+        return None
+    fn = getattr(lib, f"{name}_{_SUFFIX[x.dtype]}")
+    if fn.argtypes is None:
+        fn.argtypes, fn.restype = _ARGTYPES[name], None
+    return fn
+
+
+def _rows(x: torch.Tensor) -> bool:
+    """2-D with unit-stride rows (a row stride is passed on)."""
+    return x.dim() == 2 and x.stride(1) == 1
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+             residual: torch.Tensor | None = None) -> torch.Tensor | None:
+    """x [T, D]; with ``residual`` (contiguous [T, D], updated in place): norm of residual + x."""
+    fn = _function("rms_norm", x, x.shape[-1])
+    if fn is None or not _rows(x) or weight.dtype != x.dtype:
+        return None
+    if residual is not None and (not residual.is_contiguous() or residual.dtype != x.dtype):
+        return None
+    out = torch.empty(x.shape, dtype=x.dtype)
+    fn(out.data_ptr(), x.data_ptr(), None if residual is None else residual.data_ptr(),
+       weight.data_ptr(), x.shape[0], x.shape[1], x.stride(0), eps, torch.get_num_threads())
+    return out
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor | None:
+    """gate_up [T, 2 I] (gate first) -> silu(gate) * up [T, I]."""
+    inter = gate_up.shape[-1] // 2
+    fn = _function("silu_mul", gate_up, inter)
+    if fn is None or not gate_up.is_contiguous():
+        return None
+    out = torch.empty(gate_up.shape[0], inter, dtype=gate_up.dtype)
+    fn(out.data_ptr(), gate_up.data_ptr(), gate_up.shape[0], inter, torch.get_num_threads())
+    return out
+
+
+def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor | None:
+    """x [T, H, D] (rows may be strided, heads packed); cos, sin [T, 1, D] -> new [T, H, D]."""
+    t, heads, head_dim = x.shape
+    fn = _function("rotary", x, head_dim // 2)
+    if (fn is None or x.stride(2) != 1 or x.stride(1) != head_dim or not cos.is_contiguous()
+            or not sin.is_contiguous() or cos.dtype != x.dtype or sin.dtype != x.dtype):
+        return None
+    out = torch.empty(t, heads, head_dim, dtype=x.dtype)
+    fn(out.data_ptr(), x.data_ptr(), cos.data_ptr(), sin.data_ptr(), t, heads, head_dim,
+       x.stride(0), torch.get_num_threads())
+    return out

@@ -1,0 +1,86 @@
+// 16-float vectors for the CPU kernels: GCC/Clang vector extensions, lowered to AVX-512 (or
+// two AVX2 halves, ...) by -march=native. Element type T is float or bf16 (stored as uint16_t);
+// sizes handed to these helpers are multiples of 16 (the Python side checks).
+#pragma once
+
+#include <cstdint>
+#include <cstring>
+
+namespace conveyor {
+
+typedef float vfloat __attribute__((vector_size(64)));
+typedef uint32_t vuint __attribute__((vector_size(64)));
+typedef int32_t vint __attribute__((vector_size(64)));
+typedef uint16_t vhalf __attribute__((vector_size(32)));
+constexpr int kLanes = 16;
+
+inline vfloat load(const float* p) {
+  vfloat v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+
+inline vfloat load(const uint16_t* p) {  // bf16 -> float: the bf16 bits are a float's top half
+  vhalf h;
+  std::memcpy(&h, p, sizeof h);
+  return reinterpret_cast<vfloat>(__builtin_convertvector(h, vuint) << 16);
+}
+
+inline vuint bf16_rounded_bits(vfloat v) {  // round to nearest even, as torch does
+  const vuint bits = reinterpret_cast<vuint>(v);
+  return bits + 0x7FFF + ((bits >> 16) & 1);
+}
+
+inline void store(vfloat v, float* p) { std::memcpy(p, &v, sizeof v); }
+
+inline void store(vfloat v, uint16_t* p) {
+  const vhalf h = __builtin_convertvector(bf16_rounded_bits(v) >> 16, vhalf);
+  std::memcpy(p, &h, sizeof h);
+}
+
+// v rounded to T and back: what torch's eager ops produce between two bf16 ops.
+inline vfloat rounded(vfloat v, const float*) { return v; }
+inline vfloat rounded(vfloat v, const uint16_t*) {
+  return reinterpret_cast<vfloat>(bf16_rounded_bits(v) & 0xFFFF0000u);
+}
+
+inline void store(float x, float* out) { *out = x; }
+
+inline void store(float x, uint16_t* out) {
+  uint32_t bits;
+  std::memcpy(&bits, &x, sizeof bits);
+  bits += 0x7FFF + ((bits >> 16) & 1);
+  *out = static_cast<uint16_t>(bits >> 16);
+}
+
+inline vfloat shuffle(vfloat v, vuint idx) { return __builtin_shuffle(v, idx); }
+
+inline float hsum(vfloat v) {  // a tree: a left-to-right sum would be 16 dependent adds
+  v += shuffle(v, vuint{8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7});
+  v += shuffle(v, vuint{4, 5, 6, 7, 0, 1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 3});
+  v += shuffle(v, vuint{2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1});
+  v += shuffle(v, vuint{1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0});
+  return v[0];
+}
+
+// exp(x), 16 at a time, x clamped to [-87, 88] (exp(-87) ~ 1.6e-38 is still a normal float):
+// 2^n * 2^f with n = round(x log2 e) and a degree-6 polynomial for e^f, |f| <= 0.35
+// (relative error about 1e-7). Scalar expf would be a library call per element.
+inline vfloat vexp(vfloat x) {
+  x = x < -87.f ? vfloat{} - 87.f : x;
+  x = x > 88.f ? vfloat{} + 88.f : x;
+  const vfloat t = x * 1.44269504f;
+  const vfloat n = __builtin_convertvector(__builtin_convertvector(t + (t < 0 ? -0.5f : 0.5f),
+                                                                   vint), vfloat);
+  const vfloat f = (t - n) * 0.69314718f;
+  vfloat p = f * (1.f / 720) + 1.f / 120;
+  p = p * f + 1.f / 24;
+  p = p * f + 1.f / 6;
+  p = p * f + 0.5f;
+  p = p * f + 1.f;
+  p = p * f + 1.f;
+  const vint bits = (__builtin_convertvector(n, vint) + 127) << 23;
+  return p * reinterpret_cast<vfloat>(bits);
+}
+
+}  // namespace conveyor

@@ -1,0 +1,65 @@
+"""The fused CPU elementwise kernels give what the eager torch ops give (bf16: to the rounding)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from conveyor.model.kernels import fused_ops
+from conveyor.model.kernels.build import kernel_library
+
+pytestmark = pytest.mark.skipif(kernel_library("fused_ops.cpp") is None,
+                                reason="no C++ compiler: the torch path runs")
+# float32: a different summation order; bf16: the same plus an occasional one-ulp rounding flip
+TOL = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.bfloat16: dict(rtol=1e-2, atol=1e-2)}
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+def _randn(*shape: int, dtype: torch.dtype, seed: int = 0) -> torch.Tensor:
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", [1, 300])  # one row; enough rows for the threads
+def test_rms_norm_with_and_without_residual(dtype, rows) -> None:
+    wide = _randn(rows, 640, dtype=dtype)
+    x = wide[:, :576]  # strided rows, as a view of a wider output
+    weight = 1 + 0.1 * _randn(576, dtype=dtype, seed=1)
+    residual = _randn(rows, 576, dtype=dtype, seed=2)
+
+    def eager(h):
+        hf = h.float()
+        return weight * (hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + 1e-5)).to(dtype)
+
+    torch.testing.assert_close(fused_ops.rms_norm(x, weight, 1e-5), eager(x), **TOL[dtype])
+    expected_residual = residual + x
+    res = residual.clone()
+    got = fused_ops.rms_norm(x, weight, 1e-5, res)
+    torch.testing.assert_close(res, expected_residual, rtol=0, atol=0)  # the add rounds as eager
+    torch.testing.assert_close(got, eager(expected_residual), **TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_mul(dtype) -> None:
+    gate_up = 4 * _randn(70, 2 * 1536, dtype=dtype)  # large |gate| too: exp's clamped range
+    gate, up = gate_up.chunk(2, dim=-1)
+    torch.testing.assert_close(fused_ops.silu_mul(gate_up), F.silu(gate) * up, **TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rotary(dtype) -> None:
+    from conveyor.model.layers.rotary import RotaryEmbedding, rope_inv_freq
+
+    qkv = _randn(33, (9 + 2 * 3) * 64, dtype=dtype)
+    q = qkv[:, :576].view(33, 9, 64)  # strided rows, heads packed
+    cos, sin = RotaryEmbedding(rope_inv_freq(64, 10000.0, None)).cos_sin(torch.arange(33) * 7, dtype)
+    rotated = torch.cat((-q[..., 32:], q[..., :32]), dim=-1)
+    torch.testing.assert_close(fused_ops.rotary(q, cos, sin), q * cos + rotated * sin, **TOL[dtype])
+
+
+def test_unsupported_calls_fall_back() -> None:
+    assert fused_ops.silu_mul(torch.randn(2, 2 * 24)) is None  # width not a multiple of 16
+    assert fused_ops.rms_norm(torch.randn(2, 64).half(), torch.ones(64).half(), 1e-5) is None
+    assert fused_ops.rotary(torch.randn(2, 3, 64).transpose(0, 1), torch.randn(3, 1, 64),
+                            torch.randn(3, 1, 64)) is None  # heads not packed
