@@ -21,6 +21,9 @@ from conveyor.model.layers.norm import RMSNorm
 from conveyor.model.layers.rotary import RotaryEmbedding, apply_rotary, rope_inv_freq
 
 
+MLP_CHUNK_TOKENS = 1024
+
+
 def _param(*shape: int) -> nn.Parameter:
     return nn.Parameter(torch.empty(*shape), requires_grad=False)
 
@@ -56,7 +59,12 @@ class DecoderLayer(nn.Module):
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         attn = paged_attention(q, k, v, k_cache, v_cache, meta)
         h = self.post_norm(self.o_proj(attn), residual)
-        return self.down_proj(silu_and_mul(self.gate_up_proj(h)))
+        if t <= MLP_CHUNK_TOKENS:
+            return self.down_proj(silu_and_mul(self.gate_up_proj(h)))
+        # A long prefill's [T, 2 * intermediate] activations are the step's largest; a chunk at a
+        # time bounds them (peak RSS) and costs nothing: 1024-row GEMMs run at full speed.
+        return torch.cat([self.down_proj(silu_and_mul(self.gate_up_proj(c)))
+                          for c in h.split(MLP_CHUNK_TOKENS)])
 
 
 class LlamaForCausalLM(nn.Module):
