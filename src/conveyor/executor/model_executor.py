@@ -77,7 +77,7 @@ class ModelExecutor:
 
         meta = build_attention_metadata(tables, starts, counts, cache.block_size,
                                         self.model_config.num_queries_per_kv, self.device,
-                                        self.decode_kernel)
+                                        self.decode_kernel, self.dtype)
         sampled: list[list[int]] = [[] for _ in range(n)]
         logprobs: list[list[dict[int, float]]] = [[] for _ in range(n)]
         if not sample_entries:

@@ -20,7 +20,6 @@ from conveyor.model.layers.linear import Linear
 from conveyor.model.layers.norm import RMSNorm
 from conveyor.model.layers.rotary import RotaryEmbedding, apply_rotary, rope_inv_freq
 
-
 MLP_CHUNK_TOKENS = 1024
 
 
@@ -47,19 +46,25 @@ class DecoderLayer(nn.Module):
                 sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
         """The residual stream is ``residual`` (updated in place) + ``x``; returns the new ``x``."""
-        t = x.shape[0]
-        h = self.input_norm(x, residual)
-        qkv = self.qkv_proj(h)
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        attn = self._attention(self.input_norm(x, residual), cos, sin, k_cache, v_cache, meta)
+        return self._mlp(self.post_norm(attn, residual))
+
+    def _attention(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                   k_cache: torch.Tensor, v_cache: torch.Tensor,
+                   meta: AttentionMetadata) -> torch.Tensor:
+        # Its own function so that q, k, v and friends are freed before the MLP runs.
+        t = h.shape[0]
+        q, k, v = self.qkv_proj(h).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(t, self.num_heads, self.head_dim)
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        attn = paged_attention(q, k, v, k_cache, v_cache, meta)
-        h = self.post_norm(self.o_proj(attn), residual)
-        if t <= MLP_CHUNK_TOKENS:
+        return self.o_proj(paged_attention(q, k, v, k_cache, v_cache, meta))
+
+    def _mlp(self, h: torch.Tensor) -> torch.Tensor:
+        if h.shape[0] <= MLP_CHUNK_TOKENS:
             return self.down_proj(silu_and_mul(self.gate_up_proj(h)))
         # A long prefill's [T, 2 * intermediate] activations are the step's largest; a chunk at a
         # time bounds them (peak RSS) and costs nothing: 1024-row GEMMs run at full speed.

@@ -20,7 +20,7 @@ namespace {
 
 using namespace conveyor;
 
-constexpr int64_t kParallelElements = 1 << 16;  // below this, threads cost more than they save
+constexpr int64_t kParallelElements = 1 << 14;  // below this, threads cost more than they save
 
 template <typename T>
 void rms_norm(T* out, const T* x, T* residual, const T* weight, int64_t rows, int64_t dim,

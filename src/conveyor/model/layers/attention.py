@@ -10,7 +10,8 @@ computing a chunk of >1 tokens (prefill, possibly after a cached prefix).
   per layer: decode groups of up to ``DECODE_GROUP_SIZE``, then prefill groups (entries of
   similar length together, see ``_prefill_ranges``). For each
   group, keys and values are gathered a whole block at a time through the ``[B, blocks]``
-  block table and a boolean mask hides padding and future positions. Grouped-query attention
+  block table and an additive mask (0 or -inf, in the model's dtype, built once per step
+  rather than converted from bool by every layer's call) hides padding and future positions. Grouped-query attention
   is done without repeating K/V: the ``g`` query heads that share a KV head are folded into
   the query-length axis, ``[B, kv_heads, Q * g, head_dim]``.
 """
@@ -35,7 +36,7 @@ class AttentionGroup:
     token_start: int  # first flat token of this group
     num_tokens: int
     block_table: torch.Tensor  # [B, C / block_size] blocks of each entry's context (padding: 0)
-    mask: torch.Tensor  # [B, 1, Q * g, C] bool, True = attend
+    mask: torch.Tensor  # [B, 1, Q * g, C] additive: 0 = attend, -inf = hidden
     query_index: torch.Tensor | None  # [B, Q] index into the group's tokens (None: no padding)
     out_index: torch.Tensor | None  # [num_tokens] rows of the padded [B * Q] output that are real
 
@@ -64,6 +65,7 @@ def build_attention_metadata(
     num_queries_per_kv: int,
     device: torch.device,
     decode_kernel: bool = False,
+    dtype: torch.dtype = torch.float32,
 ) -> AttentionMetadata:
     """Entries must be ordered decode (num_new == 1) first, then prefill chunks.
 
@@ -112,6 +114,7 @@ def build_attention_metadata(
         q_pos = torch.where(q_valid, g_start[:, None] + q_off, 0)
         mask = key_pos[:, None, :] <= q_pos[:, :, None]  # causal, [B, Q, C]; covers ctx padding
         mask = mask.repeat_interleave(num_queries_per_kv, dim=1)[:, None]
+        mask = torch.zeros(mask.shape, dtype=dtype).masked_fill_(~mask, float("-inf"))
         n_tok = int(g_new.sum())
         query_index = out_index = None
         if batch > 1 and max_q > 1:
