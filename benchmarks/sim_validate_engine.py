@@ -214,7 +214,8 @@ def fit(args) -> dict:
     peak = hardware.peak_matrix_tflops * 1e12
     linear_s = (tokens * base.linear_flops_per_token + samples * base.lm_head_flops_per_sample) / peak
     attention_s = pairs * base.attention_flops_per_pair / peak
-    memory_s = (base.weight_bytes_per_step + (context + 2 * tokens) * base.kv_bytes_per_token) \
+    weight_bytes = np.array([base.weight_bytes(int(n)) for n in tokens])
+    memory_s = (weight_bytes + (context + 2 * tokens) * base.kv_bytes_per_token) \
         / (hardware.memory_bandwidth_gbs * GB * hardware.memory_efficiency)
     # t = a + b*seqs + max(linear/me + attention/ae, memory), memory_efficiency kept from the
     # calibration script. Given which steps are compute-bound, this is linear in

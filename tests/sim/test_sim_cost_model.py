@@ -29,6 +29,19 @@ def test_toy_model_counts():
     assert causal_pairs(5, 1) == 6
 
 
+def test_low_bit_weights_for_small_steps():
+    # 2 layers x 144 params at 0.5 B/param + LM head 40 x 2 B = 144 + 80 bytes, for 1-4 tokens
+    hw = dataclasses.replace(SLOW, low_bit_max_tokens=4, low_bit_weight_bytes=0.5)
+    cost, plain = CostModel(TOY, hw), CostModel(TOY, SLOW)
+    assert plain.weight_bytes(1) == plain.weight_bytes_per_step == (288 + 40) * 2
+    assert cost.weight_bytes(1) == cost.weight_bytes(4) == 144 + 80
+    assert cost.weight_bytes(5) == plain.weight_bytes_per_step
+    args = dict(num_seqs=1, num_samples=1, attention_pairs=10, context_tokens=9)
+    assert cost.breakdown(num_tokens=1, **args).bytes == 144 + 80 + (9 + 2) * 16  # + KV traffic
+    assert cost.step_time(num_tokens=1, **args) == cost.breakdown(num_tokens=1, **args).total_s
+    assert cost.step_time(num_tokens=1, **args) < plain.step_time(num_tokens=1, **args)
+
+
 def test_hand_computed_step():
     # One prefill chunk (2 cached, 3 new, samples) and one decode (5 cached, 1 new):
     # T=4 tokens, B=2 seqs, S=2 samples, 18 attention pairs, 7 cached context tokens.

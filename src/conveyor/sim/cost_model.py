@@ -79,8 +79,11 @@ class CostModel:
         self.attention_flops_per_pair = 4 * m.num_layers * m.num_heads * m.head_dim / tp
         # Weights read every step: the layers and the LM head (an untied input embedding is
         # only gathered row by row, so it does not count).
-        read_params = m.num_layers * m.linear_params_per_layer + m.lm_head_params
-        self.weight_bytes_per_step = read_params * m.weight_bytes / tp
+        layer_params = m.num_layers * m.linear_params_per_layer
+        self.weight_bytes_per_step = (layer_params + m.lm_head_params) * m.weight_bytes / tp
+        self._low_bit_max_tokens = hw.low_bit_max_tokens if hw.low_bit_weight_bytes > 0 else 0
+        self._low_bit_weight_bytes_per_step = (
+            layer_params * hw.low_bit_weight_bytes + m.lm_head_params * m.weight_bytes) / tp
         kv_shards = min(tp, m.num_kv_heads)  # KV heads replicate once tp exceeds them
         self.kv_bytes_per_token = m.kv_bytes_per_token / kv_shards  # per GPU
         self.step_overhead_s = hw.step_overhead_ms / 1e3
@@ -120,6 +123,12 @@ class CostModel:
         return int(swap_space_gb * GB // self.block_bytes)
 
     # -- time --------------------------------------------------------------------------------
+    def weight_bytes(self, num_tokens: int) -> float:
+        """Weight bytes a step of ``num_tokens`` tokens reads (see ``low_bit_max_tokens``)."""
+        if 0 < num_tokens <= self._low_bit_max_tokens:
+            return self._low_bit_weight_bytes_per_step
+        return self.weight_bytes_per_step
+
     def breakdown(self, num_tokens: int, num_seqs: int, num_samples: int, attention_pairs: int,
                   context_tokens: int, num_swapped_blocks: int = 0,
                   num_copied_blocks: int = 0) -> StepBreakdown:
@@ -132,7 +141,7 @@ class CostModel:
         linear = num_tokens * self.linear_flops_per_token + num_samples * self.lm_head_flops_per_sample
         attention = attention_pairs * self.attention_flops_per_pair
         kv_bytes = (context_tokens + 2 * num_tokens) * self.kv_bytes_per_token
-        nbytes = self.weight_bytes_per_step + kv_bytes + 2 * num_copied_blocks * self.block_bytes
+        nbytes = self.weight_bytes(num_tokens) + kv_bytes + 2 * num_copied_blocks * self.block_bytes
         comm = self._allreduce_fixed + num_tokens * self._allreduce_per_token if num_tokens else 0.0
         return StepBreakdown(
             flops=linear + attention,
@@ -151,7 +160,7 @@ class CostModel:
         compute = (num_tokens * self.linear_flops_per_token
                    + num_samples * self.lm_head_flops_per_sample) / self._matmul_rate \
             + attention_pairs * self.attention_flops_per_pair / self._attention_rate
-        memory = (self.weight_bytes_per_step
+        memory = (self.weight_bytes(num_tokens)
                   + (context_tokens + 2 * num_tokens) * self.kv_bytes_per_token
                   + 2 * num_copied_blocks * self.block_bytes) / self._bandwidth
         t = (compute if compute > memory else memory) + self.step_overhead_s \

@@ -42,6 +42,11 @@ class HardwareSpec:
     memory_utilization: float = 0.9  # share of memory the engine may use (weights + KV + reserve)
     activation_reserve_gb: float = 0.0  # memory kept for activations / workspace
     max_tp: int = 1  # largest tensor-parallel group one node of this hardware offers
+    # Steps of 1..low_bit_max_tokens tokens read the layers' matmul weights at
+    # low_bit_weight_bytes per parameter instead of the model's dtype (Conveyor's CPU engine
+    # keeps a GGUF's 4-bit blocks for matmuls of <= 4 rows: 0.625 B/param with scales).
+    low_bit_max_tokens: int = 0
+    low_bit_weight_bytes: float = 0.0
     source: str = ""  # where the numbers come from
 
     @property
