@@ -23,6 +23,18 @@ def test_greedy_is_argmax() -> None:
     assert out.logprobs is None
 
 
+def test_bf16_logits_give_what_their_float32_copy_gives() -> None:
+    logits = _logits(8, vocab=300).bfloat16()  # ties are likely in bf16: the first max wins
+    logits[3, 7] = logits[3, 9] = logits[3].max() + 1
+    plain = [_row(SamplingParams(temperature=0.0))] * 8
+    assert Sampler()(logits, plain).token_ids == logits.float().argmax(-1).tolist()
+    assert Sampler()(logits, plain).token_ids[3] == 7
+    fancy = [_row(SamplingParams(temperature=0.0, logprobs=2, repetition_penalty=1.3),
+                  prompt=[5, 6])] * 8  # takes the float32 path
+    got, want = Sampler()(logits, fancy), Sampler()(logits.float(), fancy)
+    assert got.token_ids == want.token_ids and got.logprobs == want.logprobs
+
+
 def test_sampling_follows_the_distribution() -> None:
     logits = torch.tensor([[2.0, 1.0, 0.0, -1.0, -30.0]]).repeat(20000, 1)
     out = Sampler(seed=3)(logits, [_row(SamplingParams(temperature=1.0))] * 20000)
