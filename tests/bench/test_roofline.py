@@ -60,5 +60,5 @@ def test_batches_of_max_num_seqs_make_decode_longer():
 
 
 def test_measure_machine_gives_positive_rates():
-    rates = measure_machine(gemm_size=128, bandwidth_mib=8, repeats=2)
+    rates = measure_machine("float32", gemm_size=128, bandwidth_mib=8, repeats=2)
     assert rates.gemm_flops > 0 and rates.mem_bandwidth > 0 and rates.num_threads >= 1

@@ -21,9 +21,10 @@ DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 
 @dataclass(frozen=True)
 class MachineRates:
-    gemm_flops: float  # measured bf16 matmul FLOP/s (best of a few square GEMMs)
+    gemm_flops: float  # measured matmul FLOP/s in the model's dtype (best of a few square GEMMs)
     mem_bandwidth: float  # measured read bandwidth, bytes/s
     num_threads: int
+    dtype: str = "bfloat16"  # of the GEMM
 
 
 @dataclass(frozen=True)
@@ -134,13 +135,14 @@ def workload_roofline(shape: ModelShape, workload: Workload, rates: MachineRates
                     (prompt_tokens + workload.num_output_tokens) / total, single)
 
 
-def measure_machine(gemm_size: int = 2048, bandwidth_mib: int = 256, repeats: int = 5,
-                    ) -> MachineRates:
-    """Short torch micro-benchmarks: best-of-``repeats`` bf16 GEMM and streaming reads."""
+def measure_machine(dtype: str = "bfloat16", gemm_size: int = 2048, bandwidth_mib: int = 256,
+                    repeats: int = 5) -> MachineRates:
+    """Short torch micro-benchmarks: best-of-``repeats`` GEMM in ``dtype`` (the engine's: a CPU
+    without native bf16 runs float32) and streaming reads."""
     import torch
 
-    a = torch.randn(gemm_size, gemm_size).to(torch.bfloat16)
-    b = torch.randn(gemm_size, gemm_size).to(torch.bfloat16)
+    a = torch.randn(gemm_size, gemm_size).to(getattr(torch, dtype))
+    b = torch.randn(gemm_size, gemm_size).to(getattr(torch, dtype))
     torch.matmul(a, b)  # warm up oneDNN's kernel selection
     best = float("inf")
     for _ in range(repeats):
@@ -161,4 +163,4 @@ def measure_machine(gemm_size: int = 2048, bandwidth_mib: int = 256, repeats: in
             t0 = time.perf_counter()
             kernel()
             best = min(best, time.perf_counter() - t0)
-    return MachineRates(gemm, x.numel() * 4 / best, torch.get_num_threads())
+    return MachineRates(gemm, x.numel() * 4 / best, torch.get_num_threads(), dtype)

@@ -270,10 +270,12 @@ def run_all(args: argparse.Namespace) -> dict[str, Any]:
     rates = None
     if not args.no_roofline:
         from conveyor.bench.roofline import measure_machine
+        from conveyor.model.device import dtype_name, resolve_device, resolve_dtype
 
-        print("[bench] measuring this machine's GEMM rate and memory bandwidth ...",
+        dtype = dtype_name(resolve_dtype(engine_args.dtype, resolve_device(engine_args.device)))
+        print(f"[bench] measuring this machine's {dtype} GEMM rate and memory bandwidth ...",
               file=sys.stderr, flush=True)
-        rates = measure_machine()
+        rates = measure_machine(dtype)
 
     base = {"system": "conveyor", "workload": args.workload, "seed": args.seed,
             "num_requests": args.num_requests, "repeats": args.repeats, "profile": args.profile}
@@ -331,7 +333,8 @@ def format_roofline(r: dict[str, Any]) -> str:
     ideal = (r["single_stream_decode_tokens_per_s"] if r["metric"] == "decode tok/s"
              else r["output_tokens_per_s"])
     return "\n".join([
-        f"roofline: bf16 GEMM {m['gemm_flops'] / 1e9:,.0f} GFLOP/s, memory read "
+        f"roofline: {m.get('dtype', 'bfloat16')} GEMM {m['gemm_flops'] / 1e9:,.0f} GFLOP/s, "
+        f"memory read "
         f"{m['mem_bandwidth'] / 1e9:.1f} GB/s ({m['num_threads']} threads, measured now)",
         f"  workload: {r['flops'] / 1e12:.2f} TFLOP, {r['bytes'] / 1e9:.1f} GB moved; ideal time "
         f"{r['time_s']:.2f}s (prefill {r['prefill_s']:.2f}s + decode {r['decode_s']:.2f}s)",

@@ -42,15 +42,23 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 
 def prepack_linear_weights(device: torch.device, dtype: torch.dtype) -> bool:
-    """Pack matmul weights for oneDNN: CPU bf16 with native bf16 support (see layers/linear.py)."""
-    return (device.type == "cpu" and dtype == torch.bfloat16 and cpu_has_native_bf16()
+    """Pack matmul weights for oneDNN (see layers/linear.py): on the CPU in float32, and in bf16
+    where the CPU has native bf16 (elsewhere oneDNN would emulate it)."""
+    native = dtype == torch.float32 or (dtype == torch.bfloat16 and cpu_has_native_bf16())
+    return (device.type == "cpu" and native and torch.backends.mkldnn.is_available()
             and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
 
 
 def use_int4_weights(device: torch.device, dtype: torch.dtype) -> bool:
-    """Keep a GGUF file's 4-bit blocks for small batches (layers/int4.py): CPU bf16 only."""
-    return (prepack_linear_weights(device, dtype)
-            and hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu"))
+    """Keep a GGUF file's 4-bit blocks for small batches (layers/int4.py): on the CPU, bf16 through
+    torch's int4 kernel, float32 through kernels/q4_matmul.cpp."""
+    if not prepack_linear_weights(device, dtype):
+        return False
+    if dtype == torch.bfloat16:
+        return hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu")
+    from conveyor.model.kernels.q4_matmul import q4_matmul_available
+
+    return q4_matmul_available()
 
 
 def use_decode_kernel(device: torch.device, dtype: torch.dtype, head_dim: int,

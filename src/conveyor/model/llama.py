@@ -15,7 +15,7 @@ from torch import nn
 from conveyor.model.config import ModelConfig
 from conveyor.model.layers.activation import silu_and_mul
 from conveyor.model.layers.attention import AttentionMetadata, paged_attention
-from conveyor.model.layers.int4 import Int4Blocks, PackedInt4
+from conveyor.model.layers.int4 import Int4Blocks, pack_int4
 from conveyor.model.layers.linear import Linear
 from conveyor.model.layers.norm import RMSNorm
 from conveyor.model.layers.rotary import RotaryEmbedding, apply_rotary, rope_inv_freq
@@ -184,10 +184,10 @@ class LlamaForCausalLM(nn.Module):
                                   (layer.down_proj, [m + "down_proj"])):
                 parts = [blocks.get(n + ".weight") for n in names]
                 if all(p is not None for p in parts):
-                    linear.int4 = PackedInt4.pack(Int4Blocks.cat(parts), dtype)
+                    linear.int4 = pack_int4(Int4Blocks.cat(parts), dtype)
                     added += linear.int4.nbytes()
         if not self.config.tie_word_embeddings and "lm_head.weight" in blocks:
-            self.lm_head.int4 = PackedInt4.pack(blocks["lm_head.weight"], dtype)
+            self.lm_head.int4 = pack_int4(blocks["lm_head.weight"], dtype)
             added += self.lm_head.int4.nbytes()
         return added
 

@@ -1,13 +1,17 @@
 """4-bit weights kept as a GGUF file stores them (Q4_0 / Q4_1 blocks of 32), for small batches.
 
 A Q4_1 block of 32 weights is ``w = d * q + m`` with ``q`` in 0..15 (Q4_0: ``m = -8 d``).
-torch's CPU kernel ``_weight_int4pack_mm_for_cpu`` computes ``x @ W.T`` with
-``W = (q - 8) * scale + zero`` per group of 32 along the input axis, so the file's blocks map on
-without loss: ``scale = d``, ``zero = m + 8 d`` (rounded to the activation dtype).
-
 Why: at one to a few tokens a matmul is bound by reading its weights, and 4-bit codes are 3.6x
-fewer bytes than bf16 (scales included). At larger batches oneDNN's bf16 GEMM wins, so
-``Linear`` keeps both and picks per call (see ``INT4_MAX_TOKENS`` in ``linear.py``).
+fewer bytes than bf16, 5x fewer than float32 (scales included). At larger batches oneDNN's GEMM
+wins, so ``Linear`` keeps both and picks per call (up to ``max_tokens`` rows, 4-bit).
+
+Two layouts, one per activation dtype, each where it is fast:
+
+* ``PackedInt4`` (bf16): torch's ``_weight_int4pack_mm_for_cpu`` computes ``x @ W.T`` with
+  ``W = (q - 8) * scale + zero`` per group of 32, so the file's blocks map on without loss:
+  ``scale = d``, ``zero = m + 8 d`` (rounded to bf16).
+* ``NibbleInt4`` (float32): the file's own nibble order through ``kernels/q4_matmul.cpp``;
+  torch's kernel is 13x slower with float32 activations than with bf16 (AVX2, torch 2.13).
 """
 
 from __future__ import annotations
@@ -15,6 +19,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+from conveyor.model.kernels.q4_matmul import q4_matmul
 
 GROUP = 32
 
@@ -38,19 +44,30 @@ class Int4Blocks:
         return w.view(n, k)
 
 
+def pack_int4(blocks: Int4Blocks, dtype: torch.dtype) -> PackedInt4 | NibbleInt4:
+    """The 4-bit layout for activations of ``dtype`` (bf16 or float32)."""
+    n, k = blocks.codes.shape
+    if k % GROUP:
+        raise ValueError(f"int4 weights need an input size divisible by {GROUP}, got {k}")
+    if dtype == torch.bfloat16:
+        return PackedInt4.pack(blocks)
+    if dtype == torch.float32:
+        return NibbleInt4.pack(blocks)
+    raise ValueError(f"4-bit weights run with bf16 or float32 activations, not {dtype}")
+
+
 @dataclass
 class PackedInt4:
     weight: torch.Tensor  # torch's packed int4 layout
-    scales_and_zeros: torch.Tensor  # [K / 32, N, 2] in the activation dtype
+    scales_and_zeros: torch.Tensor  # [K / 32, N, 2] bf16
+    max_tokens = 4  # rows up to which it beats the bf16 GEMM (2x at 1 row, even at 8)
 
     @staticmethod
-    def pack(blocks: Int4Blocks, dtype: torch.dtype) -> PackedInt4:
-        n, k = blocks.codes.shape
-        if k % GROUP:
-            raise ValueError(f"int4 weights need an input size divisible by {GROUP}, got {k}")
+    def pack(blocks: Int4Blocks) -> PackedInt4:
         weight = torch.ops.aten._convert_weight_to_int4pack_for_cpu(blocks.codes.to(torch.int32), 2)
         zero = blocks.min + 8 * blocks.scale
-        scales_and_zeros = torch.stack([blocks.scale.t(), zero.t()], dim=-1).to(dtype).contiguous()
+        scales_and_zeros = torch.stack([blocks.scale.t(), zero.t()], dim=-1)
+        scales_and_zeros = scales_and_zeros.to(torch.bfloat16).contiguous()
         return PackedInt4(weight, scales_and_zeros)
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
@@ -60,3 +77,26 @@ class PackedInt4:
     def nbytes(self) -> int:
         return (self.weight.numel() * self.weight.element_size()
                 + self.scales_and_zeros.numel() * self.scales_and_zeros.element_size())
+
+
+@dataclass
+class NibbleInt4:
+    codes: torch.Tensor  # [N, K / 2] uint8: per block, byte j = q[j] | q[j + 16] << 4
+    scale: torch.Tensor  # [N, K / 32] float32
+    min: torch.Tensor  # [N, K / 32] float32
+    # Rows up to which it beats oneDNN's float32 GEMM: over SmolLM2-135M's 30 layers (AVX2),
+    # 6.5 ms against 18.4 at 1 row, 12.3 against 24.0 at 4, 23.5 against 27.6 at 8.
+    max_tokens = 8
+
+    @staticmethod
+    def pack(blocks: Int4Blocks) -> NibbleInt4:
+        n, k = blocks.codes.shape
+        halves = blocks.codes.view(n, k // GROUP, 2, GROUP // 2)
+        codes = (halves[:, :, 0] | (halves[:, :, 1] << 4)).reshape(n, k // 2).contiguous()
+        return NibbleInt4(codes, blocks.scale.float().contiguous(), blocks.min.float().contiguous())
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        return q4_matmul(x, self.codes, self.scale, self.min)
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.codes, self.scale, self.min))
