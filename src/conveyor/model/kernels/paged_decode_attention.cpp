@@ -27,7 +27,7 @@
 namespace {
 
 using namespace conveyor;
-constexpr int kMaxChunks = 16;  // head_dim <= 256
+constexpr int kMaxChunks = 256 / kLanes;  // head_dim <= 256
 
 struct Scratch {  // per thread, reused across tasks
   std::vector<float> scores, inv_sum;
@@ -38,7 +38,7 @@ struct Scratch {  // per thread, reused across tasks
 // read block by block and, within a block, token row by token row with all the range's heads
 // at once: a sequential stream the hardware prefetcher follows, plus a software prefetch of
 // the next block (blocks are scattered); the key pass also prefetches the value rows into L2,
-// so that pass finds them there (two streams in flight: 6% faster). CHUNKS = head_dim / 16 when known at compile time
+// so that pass finds them there (two streams in flight: 6% faster). CHUNKS = head_dim / kLanes when known at compile time
 // (loops unroll), 0 for any other size.
 template <typename T, int CHUNKS>
 void attend(T* out, const T* q, const T* k_cache, const T* v_cache, const int32_t* table,
@@ -97,7 +97,7 @@ void attend(T* out, const T* q, const T* k_cache, const T* v_cache, const int32_
     }
   });
 
-  // Unnormalised softmax, 16 scores at a time; the rows have room up to a multiple of 16.
+  // Unnormalised softmax, kLanes scores at a time; the rows have room up to a multiple of it.
   for (int64_t i = 0; i < heads; ++i) {
     float* si = scores + i * padded;
     float mx = si[0];
@@ -156,10 +156,10 @@ void decode_attention(T* out, const T* q, const T* k_cache, const T* v_cache,
       T* o = out + s * num_heads * head_dim;
       const T* qs = q + s * q_stride;
       if (head_dim == 64)
-        attend<T, 4>(o, qs, k_cache, v_cache, table, ctx, h0, h0 + span, group, head_dim,
+        attend<T, 64 / kLanes>(o, qs, k_cache, v_cache, table, ctx, h0, h0 + span, group, head_dim,
                      block_size, token_stride, scale, scratch);
       else if (head_dim == 128)
-        attend<T, 8>(o, qs, k_cache, v_cache, table, ctx, h0, h0 + span, group, head_dim,
+        attend<T, 128 / kLanes>(o, qs, k_cache, v_cache, table, ctx, h0, h0 + span, group, head_dim,
                      block_size, token_stride, scale, scratch);
       else
         attend<T, 0>(o, qs, k_cache, v_cache, table, ctx, h0, h0 + span, group, head_dim,

@@ -1,6 +1,8 @@
-// 16-float vectors for the CPU kernels: GCC/Clang vector extensions, lowered to AVX-512 (or
-// two AVX2 halves, ...) by -march=native. Element type T is float or bf16 (stored as uint16_t);
-// sizes handed to these helpers are multiples of 16 (the Python side checks).
+// Float vectors for the CPU kernels: GCC/Clang vector extensions, lowered by -march=native.
+// kLanes floats wide: 16 (one register) with AVX-512, else 8 (one AVX2 register): 16-wide
+// vectors on AVX2 are register pairs that GCC 12 spills to the stack in the kernels' loops
+// (the decode attention kernel ran at half speed). Element type T is float or bf16 (stored as
+// uint16_t); sizes handed to these helpers are multiples of 16 (the Python side checks).
 #pragma once
 
 #include <cstdint>
@@ -8,11 +10,15 @@
 
 namespace conveyor {
 
-typedef float vfloat __attribute__((vector_size(64)));
-typedef uint32_t vuint __attribute__((vector_size(64)));
-typedef int32_t vint __attribute__((vector_size(64)));
-typedef uint16_t vhalf __attribute__((vector_size(32)));
+#ifdef __AVX512F__
 constexpr int kLanes = 16;
+#else
+constexpr int kLanes = 8;
+#endif
+typedef float vfloat __attribute__((vector_size(4 * kLanes)));
+typedef uint32_t vuint __attribute__((vector_size(4 * kLanes)));
+typedef int32_t vint __attribute__((vector_size(4 * kLanes)));
+typedef uint16_t vhalf __attribute__((vector_size(2 * kLanes)));
 
 inline vfloat load(const float* p) {
   vfloat v;
@@ -55,15 +61,21 @@ inline void store(float x, uint16_t* out) {
 
 inline vfloat shuffle(vfloat v, vuint idx) { return __builtin_shuffle(v, idx); }
 
-inline float hsum(vfloat v) {  // a tree: a left-to-right sum would be 16 dependent adds
+inline float hsum(vfloat v) {  // a tree: a left-to-right sum would be kLanes dependent adds
+#ifdef __AVX512F__
   v += shuffle(v, vuint{8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7});
   v += shuffle(v, vuint{4, 5, 6, 7, 0, 1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 3});
   v += shuffle(v, vuint{2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1});
   v += shuffle(v, vuint{1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0});
+#else
+  v += shuffle(v, vuint{4, 5, 6, 7, 0, 1, 2, 3});
+  v += shuffle(v, vuint{2, 3, 0, 1, 2, 3, 0, 1});
+  v += shuffle(v, vuint{1, 0, 1, 0, 1, 0, 1, 0});
+#endif
   return v[0];
 }
 
-// exp(x), 16 at a time, x clamped to [-87, 88] (exp(-87) ~ 1.6e-38 is still a normal float):
+// exp(x), kLanes at a time, x clamped to [-87, 88] (exp(-87) ~ 1.6e-38 is still a normal float):
 // 2^n * 2^f with n = round(x log2 e) and a degree-6 polynomial for e^f, |f| <= 0.35
 // (relative error about 1e-7). Scalar expf would be a library call per element.
 inline vfloat vexp(vfloat x) {
