@@ -46,7 +46,7 @@ class Int4Blocks:
 
 def pack_int4(blocks: Int4Blocks, dtype: torch.dtype) -> PackedInt4 | NibbleInt4:
     """The 4-bit layout for activations of ``dtype`` (bf16 or float32)."""
-    n, k = blocks.codes.shape
+    k = blocks.codes.shape[1]
     if k % GROUP:
         raise ValueError(f"int4 weights need an input size divisible by {GROUP}, got {k}")
     if dtype == torch.bfloat16:
