@@ -158,7 +158,7 @@ def _memory_budget(llm) -> dict[str, float]:
     model = engine.executor.model
     weights = sum(t.numel() * t.element_size()
                   for t in list(model.parameters()) + list(model.buffers()))
-    weights += engine.executor.model_config.int4_bytes  # 4-bit copies for small batches
+    weights += engine.executor.model_config.quantized_bytes  # block copies for small batches
     kv = engine.num_gpu_blocks * engine.executor.kv_cache_bytes_per_block(
         engine.engine_args.block_size)
     return {"weights_mb": weights / 2**20, "kv_cache_mb": kv / 2**20,

@@ -49,16 +49,17 @@ def prepack_linear_weights(device: torch.device, dtype: torch.dtype) -> bool:
             and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
 
 
-def use_int4_weights(device: torch.device, dtype: torch.dtype) -> bool:
-    """Keep a GGUF file's 4-bit blocks for small batches (layers/int4.py): on the CPU, bf16 through
-    torch's int4 kernel, float32 through kernels/q4_matmul.cpp."""
+def use_block_weights(device: torch.device, dtype: torch.dtype) -> bool:
+    """Keep a GGUF file's quantized blocks for small batches (layers/quantized.py): on the CPU,
+    4-bit in bf16 through torch's int4 kernel; 4- and 8-bit in float32 through
+    kernels/block_matmul.cpp."""
     if not prepack_linear_weights(device, dtype):
         return False
     if dtype == torch.bfloat16:
         return hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu")
-    from conveyor.model.kernels.q4_matmul import q4_matmul_available
+    from conveyor.model.kernels.block_matmul import block_matmul_available
 
-    return q4_matmul_available()
+    return block_matmul_available()
 
 
 def use_decode_kernel(device: torch.device, dtype: torch.dtype, head_dim: int,

@@ -2,7 +2,8 @@
 
 llama.cpp's converter permutes the rows of Llama's Q and K projections (to interleaved rope
 pairs); we undo that so the weights work with the HF "rotate_half" rotary layout.
-``read_gguf_int4`` also returns the 4-bit (Q4_0 / Q4_1) tensors as their blocks, undequantized.
+``read_gguf_blocks`` also returns the 4-bit (Q4_0 / Q4_1) and 8-bit (Q8_0) tensors as their
+blocks, undequantized.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import numpy as np
 import torch
 
 from conveyor.model.config import SUPPORTED_ARCHITECTURES, ModelConfig, check_architecture
-from conveyor.model.layers.int4 import GROUP, Int4Blocks
+from conveyor.model.layers.quantized import GROUP, Int4Blocks, Int8Blocks
 
 _LAYER_NAMES = {
     "attn_norm": "input_layernorm",
@@ -107,19 +108,26 @@ def _fix_rows(name: str, arr: np.ndarray, cfg: ModelConfig) -> np.ndarray:
     return arr
 
 
-def read_gguf_int4(reader: Any, cfg: ModelConfig) -> dict[str, Int4Blocks]:
-    """The Q4_0 / Q4_1 tensors as 4-bit codes, scales and minimums (w = scale * code + min)."""
+def read_gguf_blocks(reader: Any, cfg: ModelConfig) -> dict[str, Int4Blocks | Int8Blocks]:
+    """The Q4_0 / Q4_1 tensors as 4-bit codes, scales and minimums (w = scale * code + min), the
+    Q8_0 ones as 8-bit codes and scales (w = scale * code)."""
     from gguf import GGMLQuantizationType as Q
 
-    out = {}
+    out: dict[str, Int4Blocks | Int8Blocks] = {}
     for t in reader.tensors:
-        if t.tensor_type not in (Q.Q4_0, Q.Q4_1):
+        if t.tensor_type not in (Q.Q4_0, Q.Q4_1, Q.Q8_0):
             continue
         raw = np.asarray(t.data)
         rows = raw.shape[0]
-        head = 2 if t.tensor_type == Q.Q4_0 else 4  # fp16 d (Q4_1: then fp16 m), then 16 bytes
-        blocks = raw.reshape(rows, -1, head + GROUP // 2)
+        head = 4 if t.tensor_type == Q.Q4_1 else 2  # fp16 d (Q4_1: then fp16 m), then the codes
+        code_bytes = GROUP if t.tensor_type == Q.Q8_0 else GROUP // 2
+        blocks = raw.reshape(rows, -1, head + code_bytes)
         scale = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+        if t.tensor_type == Q.Q8_0:
+            codes = blocks[..., head:].copy().view(np.int8).reshape(rows, -1)
+            parts = [np.ascontiguousarray(_fix_rows(t.name, a, cfg)) for a in (codes, scale)]
+            out[_hf_name(t.name)] = Int8Blocks(*(torch.from_numpy(a) for a in parts))
+            continue
         low = (blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
                if t.tensor_type == Q.Q4_1 else -8 * scale)
         nibbles = blocks[..., head:]

@@ -15,9 +15,9 @@ from torch import nn
 from conveyor.model.config import ModelConfig
 from conveyor.model.layers.activation import silu_and_mul
 from conveyor.model.layers.attention import AttentionMetadata, paged_attention
-from conveyor.model.layers.int4 import Int4Blocks, pack_int4
 from conveyor.model.layers.linear import Linear
 from conveyor.model.layers.norm import RMSNorm
+from conveyor.model.layers.quantized import Int4Blocks, Int8Blocks, pack_blocks
 from conveyor.model.layers.rotary import RotaryEmbedding, apply_rotary, rope_inv_freq
 
 MLP_CHUNK_TOKENS = 2048
@@ -77,7 +77,8 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, cfg: ModelConfig, rope_freq_factors: torch.Tensor | None = None) -> None:
         super().__init__()
         self.config = cfg
-        self.embed_tokens = _param(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens: nn.Parameter | None = _param(cfg.vocab_size, cfg.hidden_size)
+        self.embed_blocks: Int8Blocks | None = None  # replaces embed_tokens (attach_blocks)
         self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size)
@@ -95,13 +96,22 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:
         """Returns logits [S, vocab] in the model's dtype (the sampler upcasts when it must)."""
         # Residual stream = residual + x, kept as two tensors so each norm can fuse the add.
-        residual = F.embedding(input_ids, self.embed_tokens)
+        residual = self.embed(input_ids)
         x = torch.zeros_like(residual)
         cos, sin = self.rotary.cos_sin(positions, residual.dtype)
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
             x = layer(x, residual, cos, sin, k_cache, v_cache, meta)
         x = self.norm(x[logits_indices], residual[logits_indices])
         return self.lm_head(x)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.norm.weight.dtype
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.embed_blocks is not None:
+            return self.embed_blocks.rows(input_ids, self.dtype)
+        return F.embedding(input_ids, self.embed_tokens)
 
     def load_weights(self, weights: dict[str, torch.Tensor]) -> None:
         """Take transformers-named tensors, fuse them into this module's parameters."""
@@ -171,10 +181,16 @@ class LlamaForCausalLM(nn.Module):
             if isinstance(module, Linear):
                 module.prepack()
 
-    def attach_int4(self, blocks: dict[str, Int4Blocks]) -> int:
-        """Give each projection whose checkpoint weights were all 4-bit its 4-bit copy (a fused
-        projection needs every part). Returns the bytes added."""
-        dtype = self.embed_tokens.dtype
+    def attach_blocks(self, blocks: dict[str, Int4Blocks | Int8Blocks]) -> int:
+        """Give each projection whose checkpoint weights were all blocks of one kind its quantized
+        copy (a fused projection needs every part). 8-bit blocks serve float32 models only.
+        Returns the bytes added.
+
+        The lm_head gets the embedding's 8-bit blocks when they are tied; once it holds its own
+        packed copy (``prepack``), lookups read those blocks and the dense table is dropped."""
+        dtype = self.dtype
+        usable = {name: b for name, b in blocks.items()
+                  if isinstance(b, Int4Blocks) or dtype == torch.float32}
         added = 0
         for i, layer in enumerate(self.layers):
             a, m = f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp."
@@ -182,13 +198,19 @@ class LlamaForCausalLM(nn.Module):
                                   (layer.o_proj, [a + "o_proj"]),
                                   (layer.gate_up_proj, [m + "gate_proj", m + "up_proj"]),
                                   (layer.down_proj, [m + "down_proj"])):
-                parts = [blocks.get(n + ".weight") for n in names]
-                if all(p is not None for p in parts):
-                    linear.int4 = pack_int4(Int4Blocks.cat(parts), dtype)
-                    added += linear.int4.nbytes()
-        if not self.config.tie_word_embeddings and "lm_head.weight" in blocks:
-            self.lm_head.int4 = pack_int4(blocks["lm_head.weight"], dtype)
-            added += self.lm_head.int4.nbytes()
+                parts = [usable.get(n + ".weight") for n in names]
+                kinds = {type(p) for p in parts}
+                if None not in parts and len(kinds) == 1:
+                    linear.quantized = pack_blocks(kinds.pop().cat(parts), dtype)
+                    added += linear.quantized.nbytes()
+        embed = usable.get("model.embed_tokens.weight")
+        head = embed if self.config.tie_word_embeddings else usable.get("lm_head.weight")
+        if head is not None:
+            self.lm_head.quantized = pack_blocks(head, dtype)
+            added += self.lm_head.quantized.nbytes()
+        if isinstance(embed, Int8Blocks) and self.lm_head.weight is not self.embed_tokens:
+            self.embed_blocks, self.embed_tokens = embed, None
+            added += 0 if embed is head else embed.nbytes()
         return added
 
     def num_params(self) -> int:

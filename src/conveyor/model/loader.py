@@ -38,13 +38,13 @@ class LoadedModel:
 
 
 def load_model(model: str | None, dtype: torch.dtype, device: torch.device) -> LoadedModel:
-    from conveyor.model.device import dtype_name, prepack_linear_weights, use_int4_weights
+    from conveyor.model.device import dtype_name, prepack_linear_weights, use_block_weights
     from conveyor.model.tokenizer import load_tokenizer
 
     path = model or default_model_path()
     if not os.path.exists(path):
         raise ValueError(f"model {path!r} not found (expected a .gguf file or an HF model directory)")
-    int4_blocks = {}
+    blocks = {}
     if os.path.isdir(path):
         from conveyor.model.hf_loader import read_hf_config, read_hf_weights
 
@@ -53,13 +53,13 @@ def load_model(model: str | None, dtype: torch.dtype, device: torch.device) -> L
     elif path.endswith(".gguf"):
         import gguf
 
-        from conveyor.model.gguf_loader import read_gguf_config, read_gguf_int4, read_gguf_weights
+        from conveyor.model.gguf_loader import read_gguf_blocks, read_gguf_config, read_gguf_weights
 
         reader = gguf.GGUFReader(path)
         config = read_gguf_config(reader, os.path.basename(path))
         weights = read_gguf_weights(reader, config)
-        if use_int4_weights(device, dtype):
-            int4_blocks = read_gguf_int4(reader, config)
+        if use_block_weights(device, dtype):
+            blocks = read_gguf_blocks(reader, config)
     else:
         raise ValueError(f"model {path!r} is neither a .gguf file nor a directory")
     tokenizer = load_tokenizer(path)
@@ -74,8 +74,8 @@ def load_model(model: str | None, dtype: torch.dtype, device: torch.device) -> L
     config.num_params = net.num_params()
     if prepack_linear_weights(device, dtype):
         net.prepack()
-    config.int4_bytes = net.attach_int4(int4_blocks) if int4_blocks else 0
-    del int4_blocks
+    config.quantized_bytes = net.attach_blocks(blocks) if blocks else 0
+    del blocks
     _return_freed_memory()
     return LoadedModel(config, net, tokenizer)
 

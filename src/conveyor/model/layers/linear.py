@@ -1,16 +1,16 @@
-"""Linear layer whose weight can be prepacked for oneDNN (CPU), with an optional 4-bit copy.
+"""Linear layer whose weight can be prepacked for oneDNN (CPU), with an optional quantized copy.
 
 ``F.linear`` on bf16 CPU tensors re-lays-out the weight for oneDNN on every call; packing it
 once (``torch.ops.mkldnn._reorder_linear_weight``) and calling ``_linear_pointwise`` makes the
 small-batch (decode) matmuls about 2x faster. In float32 (CPUs without native bf16) the packed
-GEMM beats ``F.linear``'s MKL call too: 1.1x at 64 rows, 2.4x at 4 (AVX2). The packed tensor replaces the dense weight
-(same element count and size), so memory is not doubled. Whether to pack is decided in
-``conveyor.model.device.prepack_linear_weights``.
+GEMM beats ``F.linear``'s MKL call too: 1.1x at 64 rows, 2.4x at 4 (AVX2). The packed tensor
+replaces the dense weight (same element count and size), so memory is not doubled. Whether to
+pack is decided in ``conveyor.model.device.prepack_linear_weights``.
 
-When the checkpoint stored the weight as 4-bit blocks (GGUF Q4_0 / Q4_1), ``int4`` holds them
-too (``layers/int4.py``) and serves calls of up to its ``max_tokens`` rows, where reading the
-weight dominates: over SmolLM2-135M's 30 layers at 1 token, 4.4 ms against 14.7 ms for bf16;
-at 8 tokens about even; at 64, 89 ms against 19 ms (AVX-512 machine).
+When the checkpoint stored the weight as blocks (GGUF Q4_0 / Q4_1 / Q8_0), ``quantized`` holds
+them too (``layers/quantized.py``) and serves calls of up to its ``max_tokens`` rows, where
+reading the weight dominates. For 4-bit blocks over SmolLM2-135M's 30 layers on the AVX-512
+machine: 4.4 ms against 14.7 ms for bf16 at 1 token, about even at 8, 89 against 19 ms at 64.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from conveyor.model.layers.int4 import NibbleInt4, PackedInt4
+from conveyor.model.layers.quantized import Int8Blocks, NibbleInt4, PackedInt4
 
 PACK_BATCH_HINT = 64  # batch size oneDNN tunes the packed layout for
 
@@ -31,11 +31,11 @@ class Linear(nn.Module):
         self.bias = (nn.Parameter(torch.empty(out_features), requires_grad=False) if bias
                      else None)
         self.packed = False
-        self.int4: PackedInt4 | NibbleInt4 | None = None
+        self.quantized: PackedInt4 | NibbleInt4 | Int8Blocks | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.int4 is not None and x.shape[0] <= self.int4.max_tokens:
-            y = self.int4.matmul(x)
+        if self.quantized is not None and x.shape[0] <= self.quantized.max_tokens:
+            y = self.quantized.matmul(x)
             return y if self.bias is None else y + self.bias
         if self.packed:
             return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")

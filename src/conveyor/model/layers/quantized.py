@@ -1,17 +1,25 @@
-"""4-bit weights kept as a GGUF file stores them (Q4_0 / Q4_1 blocks of 32), for small batches.
+"""Weights kept as a GGUF file stores them (blocks of 32 along the input axis), for small batches.
 
-A Q4_1 block of 32 weights is ``w = d * q + m`` with ``q`` in 0..15 (Q4_0: ``m = -8 d``).
+* 4-bit, Q4_0 / Q4_1: ``w = d * q + m`` with ``q`` in 0..15 (Q4_0: ``m = -8 d``).
+* 8-bit, Q8_0: ``w = d * q`` with ``q`` in -128..127. SmolLM2's file stores its token embedding
+  this way; it is also the model's (tied) lm_head, the largest matrix of a decode step.
+
 Why: at one to a few tokens a matmul is bound by reading its weights, and 4-bit codes are 3.6x
-fewer bytes than bf16, 5x fewer than float32 (scales included). At larger batches oneDNN's GEMM
-wins, so ``Linear`` keeps both and picks per call (up to ``max_tokens`` rows, 4-bit).
+fewer bytes than bf16, 5x fewer than float32 (scales included); 8-bit ones 3.8x fewer than
+float32. At larger batches oneDNN's GEMM wins, so ``Linear`` keeps both and picks per call (up
+to ``max_tokens`` rows, the blocks).
 
-Two layouts, one per activation dtype, each where it is fast:
+The layouts, one per activation dtype, each where it is fast:
 
 * ``PackedInt4`` (bf16): torch's ``_weight_int4pack_mm_for_cpu`` computes ``x @ W.T`` with
   ``W = (q - 8) * scale + zero`` per group of 32, so the file's blocks map on without loss:
   ``scale = d``, ``zero = m + 8 d`` (rounded to bf16).
-* ``NibbleInt4`` (float32): the file's own nibble order through ``kernels/q4_matmul.cpp``;
-  torch's kernel is 13x slower with float32 activations than with bf16 (AVX2, torch 2.13).
+* ``NibbleInt4`` and ``Int8Blocks`` (float32): the file's own byte order through
+  ``kernels/block_matmul.cpp``; torch's int4 kernel is 13x slower with float32 activations than
+  with bf16 (AVX2, torch 2.13). 8-bit blocks run with float32 activations only.
+
+``Int8Blocks.rows`` also serves embedding lookups, so a model whose lm_head has its own packed
+copy need not keep a dense embedding table too.
 """
 
 from __future__ import annotations
@@ -20,7 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
-from conveyor.model.kernels.q4_matmul import q4_matmul
+from conveyor.model.kernels.block_matmul import block_matmul
 
 GROUP = 32
 
@@ -44,11 +52,46 @@ class Int4Blocks:
         return w.view(n, k)
 
 
-def pack_int4(blocks: Int4Blocks, dtype: torch.dtype) -> PackedInt4 | NibbleInt4:
-    """The 4-bit layout for activations of ``dtype`` (bf16 or float32)."""
+@dataclass
+class Int8Blocks:
+    """A [N, K] weight as 8-bit codes with one scale per 32 inputs; runs as it is stored."""
+    codes: torch.Tensor  # [N, K] int8
+    scale: torch.Tensor  # [N, K / 32] float32
+    # Rows up to which it clearly beats oneDNN's float32 GEMM; SmolLM2's 49152 x 576 lm_head on
+    # AVX2: 1.55 ms against 5.57 at 1 row, 8.2 against 10.2 at 16, even at 24.
+    max_tokens = 16
+
+    @staticmethod
+    def cat(parts: list[Int8Blocks]) -> Int8Blocks:
+        return Int8Blocks(torch.cat([p.codes for p in parts]), torch.cat([p.scale for p in parts]))
+
+    def dequantize(self) -> torch.Tensor:
+        return self.rows(torch.arange(self.codes.shape[0]), torch.float32)
+
+    def rows(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Dequantized rows ``ids`` (an embedding lookup): [len(ids), K] in ``dtype``."""
+        codes, scale = self.codes[ids], self.scale[ids]
+        n, k = codes.shape
+        w = codes.view(n, k // GROUP, GROUP).float() * scale[..., None]
+        return w.view(n, k).to(dtype)
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        return block_matmul(x, self.codes, self.scale)
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.codes, self.scale))
+
+
+def pack_blocks(blocks: Int4Blocks | Int8Blocks,
+                dtype: torch.dtype) -> PackedInt4 | NibbleInt4 | Int8Blocks:
+    """The layout that multiplies activations of ``dtype`` fastest."""
     k = blocks.codes.shape[1]
     if k % GROUP:
-        raise ValueError(f"int4 weights need an input size divisible by {GROUP}, got {k}")
+        raise ValueError(f"block weights need an input size divisible by {GROUP}, got {k}")
+    if isinstance(blocks, Int8Blocks):
+        if dtype != torch.float32:
+            raise ValueError(f"8-bit weights run with float32 activations, not {dtype}")
+        return blocks
     if dtype == torch.bfloat16:
         return PackedInt4.pack(blocks)
     if dtype == torch.float32:
@@ -84,9 +127,9 @@ class NibbleInt4:
     codes: torch.Tensor  # [N, K / 2] uint8: per block, byte j = q[j] | q[j + 16] << 4
     scale: torch.Tensor  # [N, K / 32] float32
     min: torch.Tensor  # [N, K / 32] float32
-    # Rows up to which it beats oneDNN's float32 GEMM: over SmolLM2-135M's 30 layers (AVX2),
-    # 6.5 ms against 18.4 at 1 row, 12.3 against 24.0 at 4, 23.5 against 27.6 at 8.
-    max_tokens = 8
+    # Rows up to which it clearly beats oneDNN's float32 GEMM; SmolLM2-135M's 30 layers on AVX2:
+    # 5.8 ms against 20.1 at 1 row, 20.5 against 31.6 at 8, 29.7 against 36.7 at 12, 1.1x at 16.
+    max_tokens = 12
 
     @staticmethod
     def pack(blocks: Int4Blocks) -> NibbleInt4:
@@ -96,7 +139,7 @@ class NibbleInt4:
         return NibbleInt4(codes, blocks.scale.float().contiguous(), blocks.min.float().contiguous())
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        return q4_matmul(x, self.codes, self.scale, self.min)
+        return block_matmul(x, self.codes, self.scale, self.min)
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.codes, self.scale, self.min))

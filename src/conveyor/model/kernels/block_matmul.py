@@ -1,0 +1,50 @@
+"""Block-quantized matmul for float32 activations on the CPU (``block_matmul.cpp`` via ctypes):
+4-bit (GGUF Q4_0 / Q4_1) and 8-bit (Q8_0) weights.
+
+``block_matmul_available()`` builds the kernel on first use (see ``build.py``) and says whether
+it can run here; ``CONVEYOR_KERNELS=off`` turns it off.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from conveyor.model.kernels.build import kernel_library
+
+_P, _I, _C = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+_ARGTYPES = [_P] * 5 + [_I] * 4 + [_C, _C]
+
+
+def _library() -> ctypes.CDLL | None:
+    lib = kernel_library("block_matmul.cpp")
+    if lib is not None and lib.block_matmul_f32.argtypes is None:
+        lib.block_matmul_f32.argtypes, lib.block_matmul_f32.restype = _ARGTYPES, None
+    return lib
+
+
+def block_matmul_available() -> bool:
+    return _library() is not None
+
+
+def block_matmul(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor,
+                 minimum: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M, K] float32 @ W.T -> [M, N] float32, W given as blocks of 32 along K with ``scale``
+    [N, K / 32] float32 and either 4-bit ``codes`` [N, K / 2] uint8 (GGUF nibble order) and a
+    ``minimum`` [N, K / 32] (w = scale * code + minimum), or 8-bit ``codes`` [N, K] int8 and no
+    minimum (w = scale * code)."""
+    lib = _library()
+    if lib is None:
+        raise RuntimeError("the block matmul kernel is not available")
+    bits = 8 if minimum is None else 4
+    n, k = codes.shape[0], codes.shape[1] * (8 // bits)
+    if x.dtype != torch.float32 or x.dim() != 2 or x.shape[1] != k:
+        raise ValueError(f"x must be float32 [M, {k}], got {x.dtype} {tuple(x.shape)}")
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    y = torch.empty(x.shape[0], n, dtype=torch.float32)
+    lib.block_matmul_f32(y.data_ptr(), x.data_ptr(), codes.data_ptr(), scale.data_ptr(),
+                         0 if minimum is None else minimum.data_ptr(), x.shape[0], n, k,
+                         x.stride(0), bits, torch.get_num_threads())
+    return y

@@ -1,0 +1,113 @@
+"""Quantized weights: each layout against the dequantized weights, and the shipped model's
+blocks against the loader's dequantized tensors (the block paths are lossless)."""
+
+import pytest
+import torch
+
+from conveyor.model.kernels.block_matmul import block_matmul_available
+from conveyor.model.layers.quantized import (
+    GROUP,
+    Int4Blocks,
+    Int8Blocks,
+    NibbleInt4,
+    PackedInt4,
+    pack_blocks,
+)
+
+needs_kernel = pytest.mark.skipif(not block_matmul_available(),
+                                  reason="the block matmul kernel cannot be built here")
+
+
+def random_blocks(n: int, k: int, seed: int = 0) -> Int4Blocks:
+    g = torch.Generator().manual_seed(seed)
+    codes = torch.randint(0, 16, (n, k), dtype=torch.uint8, generator=g)
+    scale = torch.rand(n, k // GROUP, generator=g) * 0.02 + 0.001
+    minimum = -8 * scale + torch.randn(n, k // GROUP, generator=g) * 0.01
+    return Int4Blocks(codes, scale, minimum)
+
+
+@needs_kernel
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 9])
+@pytest.mark.parametrize("n,k", [(960, 576), (576, 1536), (40, 64)])
+def test_nibble_int4_matches_dequantized_weights(rows, n, k):
+    blocks = random_blocks(n, k, seed=rows)
+    x = torch.randn(rows, k)
+    expected = (x.double() @ blocks.dequantize().double().T).float()
+    got = pack_blocks(blocks, torch.float32).matmul(x)
+    assert isinstance(pack_blocks(blocks, torch.float32), NibbleInt4)
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+
+
+@needs_kernel
+def test_nibble_int4_takes_strided_rows_and_rejects_bad_input():
+    blocks = random_blocks(64, 128)
+    w = pack_blocks(blocks, torch.float32)
+    wide = torch.randn(3, 256)
+    x = wide[:, :128]  # row stride 256
+    torch.testing.assert_close(w.matmul(x), w.matmul(x.contiguous()))
+    with pytest.raises(ValueError, match="float32"):
+        w.matmul(torch.randn(2, 128, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match=r"\[M, 128\]"):
+        w.matmul(torch.randn(2, 96))
+
+
+@pytest.mark.skipif(not hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu"),
+                    reason="torch has no CPU int4 kernel")
+def test_packed_int4_matches_dequantized_weights():
+    blocks = random_blocks(192, 576)
+    x = torch.randn(3, 576).to(torch.bfloat16)
+    w = pack_blocks(blocks, torch.bfloat16)
+    assert isinstance(w, PackedInt4)
+    expected = x.double() @ blocks.dequantize().double().T
+    torch.testing.assert_close(w.matmul(x).double(), expected, rtol=2e-2, atol=2e-2)
+
+
+def random_int8_blocks(n: int, k: int, seed: int = 0) -> Int8Blocks:
+    g = torch.Generator().manual_seed(seed)
+    codes = torch.randint(-128, 128, (n, k), dtype=torch.int8, generator=g)
+    return Int8Blocks(codes, torch.rand(n, k // GROUP, generator=g) * 0.02 + 0.001)
+
+
+@needs_kernel
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 9])
+@pytest.mark.parametrize("n,k", [(960, 576), (576, 1536), (40, 64)])
+def test_int8_blocks_match_dequantized_weights(rows, n, k):
+    blocks = random_int8_blocks(n, k, seed=rows)
+    x = torch.randn(rows, k)
+    expected = (x.double() @ blocks.dequantize().double().T).float()
+    assert pack_blocks(blocks, torch.float32) is blocks
+    torch.testing.assert_close(blocks.matmul(x), expected, rtol=1e-4, atol=1e-4)
+
+
+def test_int8_rows_are_an_embedding_lookup():
+    blocks = random_int8_blocks(100, 64)
+    ids = torch.tensor([5, 0, 99, 5])
+    dense = blocks.codes.float().view(100, 2, 32).mul(blocks.scale[..., None]).view(100, 64)
+    torch.testing.assert_close(blocks.rows(ids, torch.float32), dense[ids], rtol=0, atol=0)
+    assert blocks.rows(ids, torch.bfloat16).dtype == torch.bfloat16
+
+
+def test_pack_blocks_rejects_what_it_cannot_run():
+    with pytest.raises(ValueError, match="divisible by 32"):
+        pack_blocks(Int4Blocks(torch.zeros(8, 48, dtype=torch.uint8), torch.ones(8, 1),
+                               torch.zeros(8, 1)), torch.float32)
+    with pytest.raises(ValueError, match="float16"):
+        pack_blocks(random_blocks(8, 64), torch.float16)
+    with pytest.raises(ValueError, match="8-bit weights run with float32"):
+        pack_blocks(random_int8_blocks(8, 64), torch.bfloat16)
+
+
+def test_shipped_model_blocks_are_its_weights():
+    gguf = pytest.importorskip("gguf")
+    from conveyor.model.gguf_loader import read_gguf_blocks, read_gguf_config, read_gguf_weights
+    from conveyor.model.loader import default_model_path
+
+    reader = gguf.GGUFReader(default_model_path())
+    config = read_gguf_config(reader, "model.gguf")
+    blocks = read_gguf_blocks(reader, config)
+    weights = read_gguf_weights(reader, config)
+    assert len(blocks) >= 4 * config.num_layers  # q, k, v, o, gate, up, down are 4-bit
+    for name in ("model.layers.0.self_attn.q_proj.weight", "model.layers.7.mlp.down_proj.weight",
+                 "model.embed_tokens.weight"):  # the embedding is Q8_0
+        torch.testing.assert_close(blocks[name].dequantize(), weights[name], rtol=0, atol=0)
+    assert isinstance(blocks["model.embed_tokens.weight"], Int8Blocks)
