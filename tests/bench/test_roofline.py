@@ -2,7 +2,13 @@
 
 import pytest
 
-from conveyor.bench.roofline import MachineRates, ModelShape, measure_machine, workload_roofline
+from conveyor.bench.roofline import (
+    DTYPE_BYTES,
+    MachineRates,
+    ModelShape,
+    measure_machine,
+    workload_roofline,
+)
 from conveyor.bench.workloads import BenchRequest, Workload, make_workload
 
 # SmolLM2-135M's shape
@@ -62,3 +68,42 @@ def test_batches_of_max_num_seqs_make_decode_longer():
 def test_measure_machine_gives_positive_rates():
     rates = measure_machine("float32", gemm_size=128, bandwidth_mib=8, repeats=2)
     assert rates.gemm_flops > 0 and rates.mem_bandwidth > 0 and rates.num_threads >= 1
+
+
+def test_small_steps_read_the_engine_quantized_weights():
+    w = make_workload("S1", SMOL.vocab_size)
+    dense = workload_roofline(SMOL, w, RATES)
+    quarter = [SMOL.weight_bytes(2) / 4] * 8  # steps of <= 8 tokens read a quarter of the bytes
+    small = workload_roofline(SMOL, w, RATES, step_weight_bytes=quarter)
+    assert small.single_stream_decode_tokens_per_s == pytest.approx(
+        4 * dense.single_stream_decode_tokens_per_s)
+    assert small.decode_s < dense.decode_s / 3
+    assert small.prefill_s == dense.prefill_s  # a 128-token prefill reads the dense weights
+    w1 = make_workload("W1", SMOL.vocab_size)  # batch 64: compute bound, no change
+    assert workload_roofline(SMOL, w1, RATES, step_weight_bytes=quarter).decode_s == \
+        pytest.approx(workload_roofline(SMOL, w1, RATES).decode_s, rel=0.01)
+
+
+@pytest.mark.slow
+def test_bench_roofline_counts_the_weights_the_engine_reads():
+    """The real engine reports the weight bytes of each step size; the roofline uses them."""
+    import argparse
+    import dataclasses
+
+    from conveyor.bench import throughput
+    from conveyor.engine.args import EngineArgs
+
+    ea = EngineArgs(kv_cache_memory=50_000_000, max_num_seqs=4)
+    job = {"system": "conveyor", "workload": "S1", "seed": 0, "num_requests": None, "repeats": 1,
+           "profile": False, "engine_args": dataclasses.asdict(ea)}
+    result = throughput.run_conveyor(job)
+    per_step = result.extra["step_weight_bytes"]
+    shape = ModelShape.from_config(result.extra["model_config"])
+    dense = shape.weight_bytes(DTYPE_BYTES[result.extra["dtype"]])
+    assert len(per_step) == 4 and per_step == sorted(per_step)
+    assert per_step[-1] <= dense + 1e6
+    args = argparse.Namespace(workload="S1", seed=0, num_requests=None)
+    summary = throughput.roofline_summary(args, result, RATES)
+    assert summary["single_stream_decode_tokens_per_s"] == pytest.approx(
+        1 / max(per_step[0] / RATES.mem_bandwidth,
+                (shape.linear_flops_per_token() + shape.lm_head_flops()) / RATES.gemm_flops))

@@ -111,3 +111,18 @@ def test_shipped_model_blocks_are_its_weights():
                  "model.embed_tokens.weight"):  # the embedding is Q8_0
         torch.testing.assert_close(blocks[name].dequantize(), weights[name], rtol=0, atol=0)
     assert isinstance(blocks["model.embed_tokens.weight"], Int8Blocks)
+
+
+@needs_kernel
+def test_linear_uses_its_quantized_copy_up_to_max_tokens():
+    from conveyor.model.layers.linear import Linear
+
+    blocks = random_int8_blocks(40, 64)
+    linear = Linear(64, 40)
+    linear.weight.data = blocks.dequantize() + 1.0  # a different dense weight shows which ran
+    linear.quantized = blocks
+    small, large = torch.randn(blocks.max_tokens, 64), torch.randn(blocks.max_tokens + 1, 64)
+    torch.testing.assert_close(linear(small), blocks.matmul(small))
+    torch.testing.assert_close(linear(large), large @ linear.weight.T)
+    assert linear.weight_bytes(blocks.max_tokens) == blocks.nbytes()
+    assert linear.weight_bytes(blocks.max_tokens + 1) == 40 * 64 * 4

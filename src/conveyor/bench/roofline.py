@@ -4,7 +4,9 @@ and bytes, and the least time any engine could take.
 The time model is an ideal engine on this machine: prefill computes every prompt token once
 (logits only at the last position), decode runs the requests in batches of ``max_num_seqs``,
 one step per output token, each step bound by the larger of its FLOPs at the measured GEMM
-rate and its bytes (weights once + the KV cache it reads) at the measured bandwidth.
+rate and its bytes (weights once + the KV cache it reads) at the measured bandwidth. The weight
+bytes of a step are those the engine reads at that batch size when it says so
+(``step_weight_bytes``: its quantized copies serve small batches), else the dtype's.
 """
 
 from __future__ import annotations
@@ -90,13 +92,20 @@ class Roofline:
 def workload_roofline(shape: ModelShape, workload: Workload, rates: MachineRates,
                       weight_dtype: str = "bfloat16", max_num_seqs: int = 64,
                       max_num_batched_tokens: int = 4096, prefix_caching: bool = True,
-                      ) -> Roofline:
+                      step_weight_bytes: list[float] | None = None) -> Roofline:
     """The ideal engine's time for ``workload`` on a machine with ``rates``.
 
     With ``prefix_caching`` the workload's shared prefix is computed once, not once per request.
+    ``step_weight_bytes[i]`` is the weight bytes a step of ``i + 1`` tokens reads, where that
+    is fewer than the dtype's (steps with more tokens read the dtype's).
     """
     bpp = DTYPE_BYTES[weight_dtype]
     weights = shape.weight_bytes(bpp)
+    small = step_weight_bytes or []
+
+    def weights_read(tokens: int) -> float:
+        return small[tokens - 1] if tokens <= len(small) else weights
+
     kv_tok = shape.kv_bytes_per_token(bpp)
     flops = bytes_ = 0.0
 
@@ -124,12 +133,12 @@ def workload_roofline(shape: ModelShape, workload: Workload, rates: MachineRates
             live = [len(r.prompt_token_ids) + step for r in wave if r.max_tokens > step]
             step_flops = sum(shape.linear_flops_per_token() + shape.lm_head_flops()
                              + shape.attention_flops(c) for c in live)
-            step_bytes = weights + sum(c for c in live) * kv_tok
+            step_bytes = weights_read(len(live)) + sum(c for c in live) * kv_tok
             decode_s += max(step_flops / rates.gemm_flops, step_bytes / rates.mem_bandwidth)
             flops += step_flops
             bytes_ += step_bytes
     total = prefill_s + decode_s
-    single = 1.0 / max(weights / rates.mem_bandwidth,
+    single = 1.0 / max(weights_read(1) / rates.mem_bandwidth,
                        (shape.linear_flops_per_token() + shape.lm_head_flops()) / rates.gemm_flops)
     return Roofline(flops, bytes_, prefill_s, decode_s, workload.num_output_tokens / total,
                     (prompt_tokens + workload.num_output_tokens) / total, single)

@@ -165,6 +165,16 @@ def _memory_budget(llm) -> dict[str, float]:
             "budget_mb": (weights + kv) / 2**20 + 500.0}
 
 
+def _step_weight_bytes(llm) -> list[int]:
+    """Matmul weight bytes a step of 1..max_num_seqs tokens reads (quantized copies at small
+    batches), for the roofline."""
+    from conveyor.model.layers.linear import Linear
+
+    linears = [m for m in llm.llm_engine.executor.model.modules() if isinstance(m, Linear)]
+    return [sum(m.weight_bytes(rows) for m in linears)
+            for rows in range(1, llm.llm_engine.engine_args.max_num_seqs + 1)]
+
+
 def run_conveyor(job: dict[str, Any]) -> SystemResult:
     from conveyor.engine.args import EngineArgs
     from conveyor.engine.llm import LLM
@@ -194,6 +204,7 @@ def run_conveyor(job: dict[str, Any]) -> SystemResult:
             "name", "num_layers", "hidden_size", "intermediate_size", "num_heads",
             "num_kv_heads", "head_dim", "vocab_size")},
         "memory": _memory_budget(llm),
+        "step_weight_bytes": _step_weight_bytes(llm),
         "stats": dataclasses.asdict(llm.llm_engine.get_stats()),
     }
     rss = peak_rss_mb()  # before profiling, which adds nothing but keep it clean
@@ -315,7 +326,8 @@ def roofline_summary(args: argparse.Namespace, conveyor: SystemResult, rates) ->
     shape = ModelShape.from_config(conveyor.extra["model_config"])
     workload = make_workload(args.workload, shape.vocab_size, args.seed, args.num_requests)
     roof = workload_roofline(shape, workload, rates, conveyor.extra["dtype"], ea["max_num_seqs"],
-                             ea["max_num_batched_tokens"], ea["enable_prefix_caching"])
+                             ea["max_num_batched_tokens"], ea["enable_prefix_caching"],
+                             conveyor.extra.get("step_weight_bytes"))
     single = args.workload == "S1"
     if single:
         achieved = conveyor.best_and_median("decode_tokens_per_s")[0]
@@ -336,7 +348,8 @@ def format_roofline(r: dict[str, Any]) -> str:
         f"roofline: {m.get('dtype', 'bfloat16')} GEMM {m['gemm_flops'] / 1e9:,.0f} GFLOP/s, "
         f"memory read "
         f"{m['mem_bandwidth'] / 1e9:.1f} GB/s ({m['num_threads']} threads, measured now)",
-        f"  workload: {r['flops'] / 1e12:.2f} TFLOP, {r['bytes'] / 1e9:.1f} GB moved; ideal time "
+        f"  workload: {r['flops'] / 1e12:.2f} TFLOP, {r['bytes'] / 1e9:.1f} GB moved (weights as "
+        f"the engine holds them, quantized copies at small batches); ideal time "
         f"{r['time_s']:.2f}s (prefill {r['prefill_s']:.2f}s + decode {r['decode_s']:.2f}s)",
         f"  ideal {r['metric']} {ideal:,.0f}; conveyor best {r['conveyor_best']:,.0f} = "
         f"{100 * r['fraction_of_roofline']:.0f}% of the roofline",

@@ -41,6 +41,12 @@ class Linear(nn.Module):
             return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
 
+    def weight_bytes(self, rows: int) -> int:
+        """Bytes of weight a call with ``rows`` rows reads."""
+        if self.quantized is not None and rows <= self.quantized.max_tokens:
+            return self.quantized.nbytes()
+        return self.weight.numel() * self.weight.element_size()
+
     def prepack(self) -> None:
         """Swap the dense weight for oneDNN's packed layout (inference only, after .to())."""
         if not self.packed:
