@@ -27,18 +27,6 @@ def random_blocks(n: int, k: int, seed: int = 0) -> Int4Blocks:
 
 
 @needs_kernel
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 9])
-@pytest.mark.parametrize("n,k", [(960, 576), (576, 1536), (40, 64)])
-def test_nibble_int4_matches_dequantized_weights(rows, n, k):
-    blocks = random_blocks(n, k, seed=rows)
-    x = torch.randn(rows, k)
-    expected = (x.double() @ blocks.dequantize().double().T).float()
-    got = pack_blocks(blocks, torch.float32).matmul(x)
-    assert isinstance(pack_blocks(blocks, torch.float32), NibbleInt4)
-    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
-
-
-@needs_kernel
 def test_nibble_int4_takes_strided_rows_and_rejects_bad_input():
     blocks = random_blocks(64, 128)
     w = pack_blocks(blocks, torch.float32)
@@ -69,14 +57,17 @@ def random_int8_blocks(n: int, k: int, seed: int = 0) -> Int8Blocks:
 
 
 @needs_kernel
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 9])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 9, 17])
 @pytest.mark.parametrize("n,k", [(960, 576), (576, 1536), (40, 64)])
-def test_int8_blocks_match_dequantized_weights(rows, n, k):
-    blocks = random_int8_blocks(n, k, seed=rows)
+@pytest.mark.parametrize("make,layout", [(random_blocks, NibbleInt4),
+                                         (random_int8_blocks, Int8Blocks)])
+def test_float32_blocks_match_dequantized_weights(rows, n, k, make, layout):
+    blocks = make(n, k, seed=rows)
     x = torch.randn(rows, k)
     expected = (x.double() @ blocks.dequantize().double().T).float()
-    assert pack_blocks(blocks, torch.float32) is blocks
-    torch.testing.assert_close(blocks.matmul(x), expected, rtol=1e-4, atol=1e-4)
+    w = pack_blocks(blocks, torch.float32)
+    assert isinstance(w, layout)
+    torch.testing.assert_close(w.matmul(x), expected, rtol=1e-4, atol=1e-4)
 
 
 def test_int8_rows_are_an_embedding_lookup():
