@@ -112,3 +112,21 @@ def test_build_is_cached_per_machine(monkeypatch, tmp_path) -> None:
     _, second = build.build_kernel("paged_decode_attention.cpp")
     assert first > 0 and second == 0
     assert len(list((tmp_path / "kernels").glob("paged_decode_attention-*.so"))) == 1
+
+
+def test_kernel_sources_ship_in_the_package() -> None:
+    """Every kernel source and header matches a package-data pattern, so an installed (not
+    editable) package can still build its kernels."""
+    import fnmatch
+    from pathlib import Path
+
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+    root = Path(__file__).resolve().parents[2]
+    patterns = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"][
+        "package-data"]["conveyor"]
+    kernels = Path(build.__file__).parent
+    sources = [p for p in kernels.iterdir() if p.suffix in (".cpp", ".h")]
+    assert any(p.suffix == ".h" for p in sources)
+    for path in sources:
+        relative = str(path.relative_to(kernels.parents[1]))
+        assert any(fnmatch.fnmatch(relative, pattern) for pattern in patterns), relative
