@@ -13,11 +13,16 @@ import torch.nn.functional as F
 from torch import nn
 
 from conveyor.model.config import ModelConfig
+from conveyor.model.kernels.decode_layer import (
+    DecodeLayerWeights,
+    decode_layer,
+    decode_layer_available,
+)
 from conveyor.model.layers.activation import silu_and_mul
 from conveyor.model.layers.attention import AttentionMetadata, paged_attention
 from conveyor.model.layers.linear import Linear
 from conveyor.model.layers.norm import RMSNorm
-from conveyor.model.layers.quantized import Int4Blocks, Int8Blocks, pack_blocks
+from conveyor.model.layers.quantized import Int4Blocks, Int8Blocks, NibbleInt4, pack_blocks
 from conveyor.model.layers.rotary import RotaryEmbedding, apply_rotary, rope_inv_freq
 
 MLP_CHUNK_TOKENS = 2048
@@ -41,13 +46,38 @@ class DecoderLayer(nn.Module):
         self.post_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size)
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size)
+        self.fused: DecodeLayerWeights | None = None  # see fuse_for_decode
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor, cos: torch.Tensor,
                 sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
         """The residual stream is ``residual`` (updated in place) + ``x``; returns the new ``x``."""
+        if (self.fused is not None and meta.decode_only
+                and x.shape[0] <= self.qkv_proj.quantized.max_tokens):
+            d = meta.decode
+            return decode_layer(self.fused, x, residual, cos, sin, k_cache, v_cache,
+                                meta.slot_mapping, d.block_tables, d.context_lens)
         attn = self._attention(self.input_norm(x, residual), cos, sin, k_cache, v_cache, meta)
         return self._mlp(self.post_norm(attn, residual))
+
+    def fuse_for_decode(self) -> bool:
+        """Run small decode steps as one C++ call (``kernels/decode_layer.cpp``): the same
+        kernels as the steps below, without some 130 µs of Python a layer. It serves float32
+        Llama layers whose projections all have 4-bit copies, at the sizes those copies serve."""
+        projections = {"qkv": self.qkv_proj, "o": self.o_proj, "gate_up": self.gate_up_proj,
+                       "down": self.down_proj}
+        if (self.q_norm is not None or self.input_norm.weight.dtype != torch.float32
+                or any(p.bias is not None or not isinstance(p.quantized, NibbleInt4)
+                       for p in projections.values())
+                or self.input_norm.weight.shape[0] % 16 or self.head_dim % 32
+                or self.gate_up_proj.quantized.codes.shape[0] % 32  # 2 x intermediate
+                or not decode_layer_available()):
+            return False
+        self.fused = DecodeLayerWeights(
+            self.input_norm.weight, self.post_norm.weight,
+            {name: p.quantized for name, p in projections.items()},
+            self.num_heads, self.num_kv_heads, self.head_dim, self.input_norm.eps)
+        return True
 
     def _attention(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                    k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -212,6 +242,10 @@ class LlamaForCausalLM(nn.Module):
             self.embed_blocks, self.embed_tokens = embed, None
             added += 0 if embed is head else embed.nbytes()
         return added
+
+    def fuse_decode_layers(self) -> int:
+        """``fuse_for_decode`` on every layer (after ``attach_blocks``); returns how many took it."""
+        return sum(layer.fuse_for_decode() for layer in self.layers)
 
     def num_params(self) -> int:
         seen, total = set(), 0

@@ -75,6 +75,8 @@ def load_model(model: str | None, dtype: torch.dtype, device: torch.device) -> L
     if prepack_linear_weights(device, dtype):
         net.prepack()
     config.quantized_bytes = net.attach_blocks(blocks) if blocks else 0
+    if blocks:
+        net.fuse_decode_layers()
     del blocks
     _return_freed_memory()
     return LoadedModel(config, net, tokenizer)

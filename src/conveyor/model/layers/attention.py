@@ -56,6 +56,11 @@ class AttentionMetadata:
     decode: DecodeBatch | None  # set when the decode kernel serves the decodes
     groups: list[AttentionGroup]  # scaled_dot_product_attention groups, after the decodes
 
+    @property
+    def decode_only(self) -> bool:
+        """Every token is a decode, and the decode kernel serves them."""
+        return self.decode is not None and not self.groups
+
 
 def build_attention_metadata(
     block_tables: list[list[int]],

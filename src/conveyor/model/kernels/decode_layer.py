@@ -1,0 +1,92 @@
+"""One decoder layer for a few decode tokens in one call (``decode_layer.cpp`` via ctypes).
+
+``DecodeLayerWeights`` holds the C struct of one layer's weight pointers, built once at load
+time (it keeps the tensors alive). ``decode_layer_available()`` builds the kernel on first use
+(see ``build.py``); ``CONVEYOR_KERNELS=off`` turns it off.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from conveyor.model.kernels.build import kernel_library
+
+_P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
+
+
+class _BlockWeight(ctypes.Structure):
+    _fields_ = [("codes", _P), ("scale", _P), ("minimum", _P), ("n_out", _I)]
+
+
+class _LayerWeights(ctypes.Structure):
+    _fields_ = [("input_norm", _P), ("post_norm", _P), ("qkv", _BlockWeight), ("o", _BlockWeight),
+                ("gate_up", _BlockWeight), ("down", _BlockWeight), ("hidden", _I),
+                ("num_heads", _I), ("num_kv_heads", _I), ("head_dim", _I), ("intermediate", _I),
+                ("eps", _F)]
+
+
+_ARGTYPES = [ctypes.POINTER(_LayerWeights)] + [_P] * 3 + [_I] + [_P] * 4 + [_I] + [_P] * 3 + [
+    _I, _F, ctypes.c_int]
+
+
+def _library() -> ctypes.CDLL | None:
+    lib = kernel_library("decode_layer.cpp")
+    if lib is not None and lib.decode_layer_f32.argtypes is None:
+        lib.decode_layer_f32.argtypes, lib.decode_layer_f32.restype = _ARGTYPES, None
+    return lib
+
+
+def decode_layer_available() -> bool:
+    return _library() is not None
+
+
+class DecodeLayerWeights:
+    """A layer's norms and 4-bit projections (NibbleInt4: ``codes``, ``scale``, ``min``), as
+    pointers for ``decode_layer``; float32 only."""
+
+    def __init__(self, input_norm: torch.Tensor, post_norm: torch.Tensor, projections: dict,
+                 num_heads: int, num_kv_heads: int, head_dim: int, eps: float) -> None:
+        tensors = [input_norm, post_norm] + [t for p in projections.values()
+                                             for t in (p.codes, p.scale, p.min)]
+        if any(t.dtype not in (torch.float32, torch.uint8) or not t.is_contiguous() for t in tensors):
+            raise ValueError("decode_layer needs contiguous float32 norms and 4-bit blocks")
+        self._tensors = tensors  # keeps the pointed-to memory alive
+
+        def block(p) -> _BlockWeight:
+            return _BlockWeight(p.codes.data_ptr(), p.scale.data_ptr(), p.min.data_ptr(),
+                                p.codes.shape[0])
+
+        self.struct = _LayerWeights(
+            input_norm.data_ptr(), post_norm.data_ptr(), *(block(projections[n]) for n in (
+                "qkv", "o", "gate_up", "down")),
+            input_norm.shape[0], num_heads, num_kv_heads, head_dim,
+            projections["gate_up"].codes.shape[0] // 2, eps)
+        self.scale = head_dim ** -0.5
+
+
+def decode_layer(weights: DecodeLayerWeights, x: torch.Tensor, residual: torch.Tensor,
+                 cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
+                 v_cache: torch.Tensor, slot_mapping: torch.Tensor, block_tables: torch.Tensor,
+                 context_lens: torch.Tensor) -> torch.Tensor:
+    """The layer's output for ``x`` [T, hidden] (one decode token per row); ``residual`` is
+    updated in place and this step's K/V are written to their slots, as the Python path does."""
+    lib = _library()
+    if lib is None:
+        raise RuntimeError("the decode layer kernel is not available")
+    for name, t in (("x", x), ("residual", residual), ("cos", cos), ("sin", sin),
+                    ("k_cache", k_cache), ("v_cache", v_cache)):
+        if t.dtype != torch.float32 or not t.is_contiguous():
+            raise ValueError(f"{name} must be contiguous float32")
+    if (slot_mapping.dtype != torch.int64 or block_tables.dtype != torch.int32
+            or context_lens.dtype != torch.int32):
+        raise ValueError("slot_mapping must be int64, block_tables and context_lens int32")
+    out = torch.empty_like(x)
+    lib.decode_layer_f32(ctypes.byref(weights.struct), out.data_ptr(), x.data_ptr(),
+                         residual.data_ptr(), x.shape[0], cos.data_ptr(), sin.data_ptr(),
+                         k_cache.data_ptr(), v_cache.data_ptr(), k_cache.shape[1],
+                         slot_mapping.data_ptr(), block_tables.data_ptr(),
+                         context_lens.data_ptr(), block_tables.shape[1], weights.scale,
+                         torch.get_num_threads())
+    return out
