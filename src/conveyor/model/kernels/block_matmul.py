@@ -11,21 +11,18 @@ import ctypes
 
 import torch
 
-from conveyor.model.kernels.build import kernel_library
+from conveyor.model.kernels.build import kernel_function
 
 _P, _I, _C = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
 _ARGTYPES = [_P] * 5 + [_I] * 4 + [_C, _C]
 
 
-def _library() -> ctypes.CDLL | None:
-    lib = kernel_library("block_matmul.cpp")
-    if lib is not None and lib.block_matmul_f32.argtypes is None:
-        lib.block_matmul_f32.argtypes, lib.block_matmul_f32.restype = _ARGTYPES, None
-    return lib
+def _kernel():
+    return kernel_function("block_matmul.cpp", "block_matmul_f32", _ARGTYPES)
 
 
 def block_matmul_available() -> bool:
-    return _library() is not None
+    return _kernel() is not None
 
 
 def block_matmul(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor,
@@ -34,8 +31,8 @@ def block_matmul(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor,
     [N, K / 32] float32 and either 4-bit ``codes`` [N, K / 2] uint8 (GGUF nibble order) and a
     ``minimum`` [N, K / 32] (w = scale * code + minimum), or 8-bit ``codes`` [N, K] int8 and no
     minimum (w = scale * code)."""
-    lib = _library()
-    if lib is None:
+    kernel = _kernel()
+    if kernel is None:
         raise RuntimeError("the block matmul kernel is not available")
     bits = 8 if minimum is None else 4
     n, k = codes.shape[0], codes.shape[1] * (8 // bits)
@@ -44,7 +41,7 @@ def block_matmul(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor,
     if x.stride(1) != 1:
         x = x.contiguous()
     y = torch.empty(x.shape[0], n, dtype=torch.float32)
-    lib.block_matmul_f32(y.data_ptr(), x.data_ptr(), codes.data_ptr(), scale.data_ptr(),
-                         0 if minimum is None else minimum.data_ptr(), x.shape[0], n, k,
-                         x.stride(0), bits, torch.get_num_threads())
+    kernel(y.data_ptr(), x.data_ptr(), codes.data_ptr(), scale.data_ptr(),
+           0 if minimum is None else minimum.data_ptr(), x.shape[0], n, k, x.stride(0), bits,
+           torch.get_num_threads())
     return y

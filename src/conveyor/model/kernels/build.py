@@ -22,6 +22,7 @@ import tempfile
 import time
 import warnings
 from pathlib import Path
+from typing import Any
 
 logger = logging.getLogger(__name__)
 
@@ -94,3 +95,15 @@ def kernel_library(source_name: str) -> ctypes.CDLL | None:
     if seconds:
         logger.info("built %s in %.1f s", source_name, seconds)
     return lib
+
+
+def kernel_function(source_name: str, symbol: str, argtypes: list) -> Any | None:
+    """``symbol`` of the built ``kernels/<source_name>``, its argument types set (it returns
+    nothing), or None where ``kernel_library`` gives None."""
+    lib = kernel_library(source_name)
+    if lib is None:
+        return None
+    fn = getattr(lib, symbol)
+    if fn.argtypes is None:
+        fn.argtypes, fn.restype = argtypes, None
+    return fn

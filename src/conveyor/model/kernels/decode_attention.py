@@ -11,23 +11,20 @@ import ctypes
 
 import torch
 
-from conveyor.model.kernels.build import kernel_library
+from conveyor.model.kernels.build import kernel_function
 
 _SYMBOLS = {torch.float32: "decode_attention_f32", torch.bfloat16: "decode_attention_bf16"}
 _ARGTYPES = ([ctypes.c_void_p] * 6 + [ctypes.c_int64] * 7 + [ctypes.c_float, ctypes.c_int])
 
 
-def _library() -> ctypes.CDLL | None:
-    lib = kernel_library("paged_decode_attention.cpp")
-    if lib is not None and lib.decode_attention_f32.argtypes is None:
-        for symbol in _SYMBOLS.values():
-            fn = getattr(lib, symbol)
-            fn.argtypes, fn.restype = _ARGTYPES, None
-    return lib
+def _kernel(dtype: torch.dtype):
+    if dtype not in _SYMBOLS:
+        return None
+    return kernel_function("paged_decode_attention.cpp", _SYMBOLS[dtype], _ARGTYPES)
 
 
 def decode_kernel_available(device: torch.device, dtype: torch.dtype) -> bool:
-    return device.type == "cpu" and dtype in _SYMBOLS and _library() is not None
+    return device.type == "cpu" and _kernel(dtype) is not None
 
 
 def paged_decode_attention(
@@ -39,9 +36,9 @@ def paged_decode_attention(
     scale: float,
 ) -> torch.Tensor:
     """Returns [S, num_heads, head_dim]."""
-    lib = _library()
-    if lib is None:
-        raise RuntimeError("the paged decode attention kernel is not available")
+    kernel = _kernel(q.dtype)
+    if kernel is None:
+        raise RuntimeError(f"the paged decode attention kernel is not available for {q.dtype}")
     num_seqs, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     if q.stride(2) != 1 or q.stride(1) != head_dim:
@@ -53,7 +50,7 @@ def paged_decode_attention(
     if block_tables.dtype != torch.int32 or context_lens.dtype != torch.int32:
         raise ValueError("block_tables and context_lens must be int32")
     out = torch.empty(num_seqs, num_heads, head_dim, dtype=q.dtype)
-    getattr(lib, _SYMBOLS[q.dtype])(
+    kernel(
         out.data_ptr(), q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
         block_tables.data_ptr(), context_lens.data_ptr(),
         num_seqs, num_heads, num_kv_heads, head_dim, block_size, block_tables.shape[1],

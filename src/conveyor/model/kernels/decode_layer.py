@@ -11,7 +11,7 @@ import ctypes
 
 import torch
 
-from conveyor.model.kernels.build import kernel_library
+from conveyor.model.kernels.build import kernel_function
 
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 
@@ -31,15 +31,12 @@ _ARGTYPES = [ctypes.POINTER(_LayerWeights)] + [_P] * 3 + [_I] + [_P] * 4 + [_I] 
     _I, _F, ctypes.c_int]
 
 
-def _library() -> ctypes.CDLL | None:
-    lib = kernel_library("decode_layer.cpp")
-    if lib is not None and lib.decode_layer_f32.argtypes is None:
-        lib.decode_layer_f32.argtypes, lib.decode_layer_f32.restype = _ARGTYPES, None
-    return lib
+def _kernel():
+    return kernel_function("decode_layer.cpp", "decode_layer_f32", _ARGTYPES)
 
 
 def decode_layer_available() -> bool:
-    return _library() is not None
+    return _kernel() is not None
 
 
 class DecodeLayerWeights:
@@ -72,8 +69,8 @@ def decode_layer(weights: DecodeLayerWeights, x: torch.Tensor, residual: torch.T
                  context_lens: torch.Tensor) -> torch.Tensor:
     """The layer's output for ``x`` [T, hidden] (one decode token per row); ``residual`` is
     updated in place and this step's K/V are written to their slots, as the Python path does."""
-    lib = _library()
-    if lib is None:
+    kernel = _kernel()
+    if kernel is None:
         raise RuntimeError("the decode layer kernel is not available")
     for name, t in (("x", x), ("residual", residual), ("cos", cos), ("sin", sin),
                     ("k_cache", k_cache), ("v_cache", v_cache)):
@@ -83,10 +80,8 @@ def decode_layer(weights: DecodeLayerWeights, x: torch.Tensor, residual: torch.T
             or context_lens.dtype != torch.int32):
         raise ValueError("slot_mapping must be int64, block_tables and context_lens int32")
     out = torch.empty_like(x)
-    lib.decode_layer_f32(ctypes.byref(weights.struct), out.data_ptr(), x.data_ptr(),
-                         residual.data_ptr(), x.shape[0], cos.data_ptr(), sin.data_ptr(),
-                         k_cache.data_ptr(), v_cache.data_ptr(), k_cache.shape[1],
-                         slot_mapping.data_ptr(), block_tables.data_ptr(),
-                         context_lens.data_ptr(), block_tables.shape[1], weights.scale,
-                         torch.get_num_threads())
+    kernel(ctypes.byref(weights.struct), out.data_ptr(), x.data_ptr(), residual.data_ptr(),
+           x.shape[0], cos.data_ptr(), sin.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
+           k_cache.shape[1], slot_mapping.data_ptr(), block_tables.data_ptr(),
+           context_lens.data_ptr(), block_tables.shape[1], weights.scale, torch.get_num_threads())
     return out

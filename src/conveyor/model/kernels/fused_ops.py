@@ -12,7 +12,7 @@ import ctypes
 
 import torch
 
-from conveyor.model.kernels.build import kernel_library
+from conveyor.model.kernels.build import kernel_function
 
 _SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
 _P, _I, _F, _N = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
@@ -26,13 +26,7 @@ _ARGTYPES = {
 def _function(name: str, x: torch.Tensor, width: int):
     if x.device.type != "cpu" or x.dtype not in _SUFFIX or width % 16:
         return None
-    lib = kernel_library("fused_ops.cpp")
-    if lib is None:
-        return None
-    fn = getattr(lib, f"{name}_{_SUFFIX[x.dtype]}")
-    if fn.argtypes is None:
-        fn.argtypes, fn.restype = _ARGTYPES[name], None
-    return fn
+    return kernel_function("fused_ops.cpp", f"{name}_{_SUFFIX[x.dtype]}", _ARGTYPES[name])
 
 
 def _rows(x: torch.Tensor) -> bool:
