@@ -25,8 +25,8 @@
 
 namespace {
 
-// 8-float vectors, not vec.h's 16: this loop keeps 4 + R of them live, and GCC 12 spills 16-wide
-// ones to the stack on AVX2 (4x slower here). 8 lanes are native on AVX2 and AVX-512 alike.
+// 8-float vectors on every CPU, not vec.h's kLanes (16 with AVX-512): a block of 32 codes is
+// four of them, and this loop keeps 4 + R live. 8 lanes are native on AVX2 and AVX-512 alike.
 typedef float v8f __attribute__((vector_size(32)));
 typedef uint32_t v8u __attribute__((vector_size(32)));
 typedef int32_t v8i __attribute__((vector_size(32)));

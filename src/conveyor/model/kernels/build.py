@@ -3,7 +3,8 @@
 The source is built with the system C++ compiler (``$CXX``, else ``c++``) for this CPU
 (``-O3 -march=native -fopenmp``) into a cache folder (``$CONVEYOR_CACHE_DIR``, else
 ``~/.cache/conveyor``), keyed by a hash of every kernel source and header here (one may include
-another), the flags, the compiler's version and this CPU's feature flags: a library built for one CPU is never loaded on another.
+another), the flags, the compiler's version and this CPU's feature flags: a library built for
+one CPU is never loaded on another.
 Torch's inductor builds its CPU kernels the same way. A build takes a second or two; later
 loads are instant. ``kernel_library`` returns None when there is no compiler or the build fails
 (with one warning) or when ``CONVEYOR_KERNELS=off``; callers then take their torch path.
@@ -59,7 +60,7 @@ def build_kernel(source_name: str) -> tuple[ctypes.CDLL, float]:
     except (OSError, subprocess.SubprocessError) as exc:
         raise KernelBuildError(f"cannot run the C++ compiler {compiler!r}: {exc}") from exc
     sources = [p.read_text() for p in sorted(source.parent.iterdir()) if p.suffix in (".h", ".cpp")]
-    key = hashlib.sha256("\0".join([source.read_text(), *sources, " ".join(FLAGS), version,
+    key = hashlib.sha256("\0".join([source.name, *sources, " ".join(FLAGS), version,
                                     _cpu_flags()]).encode()).hexdigest()[:16]
     target = cache_dir() / "kernels" / f"{source.stem}-{key}.so"
     seconds = 0.0

@@ -45,11 +45,12 @@ class DecodeLayerWeights:
 
     def __init__(self, input_norm: torch.Tensor, post_norm: torch.Tensor, projections: dict,
                  num_heads: int, num_kv_heads: int, head_dim: int, eps: float) -> None:
-        tensors = [input_norm, post_norm] + [t for p in projections.values()
-                                             for t in (p.codes, p.scale, p.min)]
-        if any(t.dtype not in (torch.float32, torch.uint8) or not t.is_contiguous() for t in tensors):
-            raise ValueError("decode_layer needs contiguous float32 norms and 4-bit blocks")
-        self._tensors = tensors  # keeps the pointed-to memory alive
+        floats = [input_norm, post_norm] + [t for p in projections.values() for t in (p.scale, p.min)]
+        codes = [p.codes for p in projections.values()]
+        if (any(t.dtype != torch.float32 for t in floats) or any(t.dtype != torch.uint8 for t in codes)
+                or not all(t.is_contiguous() for t in floats + codes)):
+            raise ValueError("decode_layer needs contiguous float32 norms and scales, uint8 codes")
+        self._tensors = floats + codes  # keeps the pointed-to memory alive
 
         def block(p) -> _BlockWeight:
             return _BlockWeight(p.codes.data_ptr(), p.scale.data_ptr(), p.min.data_ptr(),
