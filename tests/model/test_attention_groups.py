@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from conveyor.model.kernels.decode_attention import decode_kernel_available
 from conveyor.model.layers import attention
 from conveyor.model.layers.attention import (
     _prefill_ranges,
@@ -41,3 +42,49 @@ def test_grouping_does_not_change_the_output(monkeypatch) -> None:
         outs.append((len(meta.groups), paged_attention(q, k, v, k_cache.clone(), v_cache.clone(), meta)))
     assert outs[0][0] == 1 and outs[1][0] == 2
     torch.testing.assert_close(outs[1][1], outs[0][1], rtol=1e-5, atol=1e-5)
+
+
+def _reference(q, k_cache, v_cache, tables, starts, num_new, bs):
+    """Per entry, per head: causal softmax attention over the entry's context, read from the
+    (already written) cache one position at a time."""
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    g = num_heads // k_cache.shape[2]
+    out, t = [], 0
+    for table, start, n in zip(tables, starts, num_new, strict=True):
+        ctx = start + n
+        keys = torch.stack([k_cache[table[p // bs], p % bs] for p in range(ctx)])  # [C, kv, D]
+        values = torch.stack([v_cache[table[p // bs], p % bs] for p in range(ctx)])
+        for i in range(n):
+            visible = start + i + 1
+            heads = []
+            for h in range(num_heads):
+                scores = keys[:visible, h // g] @ q[t + i, h] * head_dim ** -0.5
+                heads.append(torch.softmax(scores, 0) @ values[:visible, h // g])
+            out.append(torch.cat(heads))
+        t += n
+    return torch.stack(out)
+
+
+def test_strided_q_mixed_decodes_and_padded_groups_match_a_reference() -> None:
+    """The layer's call: q and k are views of one fused QKV buffer, decodes come first, then
+    prefill chunks (after cached prefixes) of different lengths padded together."""
+    gen = torch.Generator().manual_seed(5)
+    bs, kv_heads, num_heads, head_dim = 4, 2, 6, 16
+    k_cache = torch.randn(64, bs, kv_heads, head_dim, generator=gen)
+    v_cache = torch.randn(64, bs, kv_heads, head_dim, generator=gen)
+    starts, num_new = [5, 9, 0, 3, 0], [1, 1, 6, 7, 9]
+    tables = [[0, 1], [2, 3, 4], [10, 11], [20, 21, 22], [30, 31, 32]]
+    t = sum(num_new)
+    qkv = torch.randn(t, (num_heads + 2 * kv_heads) * head_dim, generator=gen)
+    q = qkv[:, :num_heads * head_dim].view(t, num_heads, head_dim)
+    k = qkv[:, num_heads * head_dim:(num_heads + kv_heads) * head_dim].view(t, kv_heads, head_dim)
+    v = qkv[:, (num_heads + kv_heads) * head_dim:].view(t, kv_heads, head_dim)
+    for decode_kernel in (False, True):
+        if decode_kernel and not decode_kernel_available(torch.device("cpu"), q.dtype):
+            continue
+        meta = build_attention_metadata(tables, starts, num_new, bs, num_heads // kv_heads,
+                                        torch.device("cpu"), decode_kernel=decode_kernel)
+        kc, vc = k_cache.clone(), v_cache.clone()
+        got = paged_attention(q, k, v, kc, vc, meta)
+        expected = _reference(q, kc, vc, tables, starts, num_new, bs)
+        torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)

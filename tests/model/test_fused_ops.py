@@ -41,6 +41,24 @@ def test_rms_norm_with_and_without_residual(dtype, rows) -> None:
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_rms_norm_into_its_own_input(dtype, with_residual) -> None:
+    """``out=x`` (the decoder layer's x is dead after the add) gives what a fresh output gives."""
+    x = _randn(300, 576, dtype=dtype)
+    weight = 1 + 0.1 * _randn(576, dtype=dtype, seed=1)
+    residual = _randn(300, 576, dtype=dtype, seed=2) if with_residual else None
+    expected = fused_ops.rms_norm(x, weight, 1e-5, None if residual is None else residual.clone())
+    got = fused_ops.rms_norm(x, weight, 1e-5, residual, out=x)
+    assert got.data_ptr() == x.data_ptr()
+    torch.testing.assert_close(got, expected, rtol=0, atol=0)
+    # An unusable buffer (strided) is ignored, not written through.
+    wide = _randn(300, 640, dtype=dtype, seed=3)
+    strided, before = wide[:, :576], wide.clone()
+    got = fused_ops.rms_norm(strided, weight, 1e-5, out=strided)
+    assert got.data_ptr() != strided.data_ptr() and torch.equal(wide, before)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_silu_mul(dtype) -> None:
     gate_up = 4 * _randn(70, 2 * 1536, dtype=dtype)  # large |gate| too: exp's clamped range
     gate, up = gate_up.chunk(2, dim=-1)
@@ -55,7 +73,15 @@ def test_rotary(dtype) -> None:
     q = qkv[:, :576].view(33, 9, 64)  # strided rows, heads packed
     cos, sin = RotaryEmbedding(rope_inv_freq(64, 10000.0, None)).cos_sin(torch.arange(33) * 7, dtype)
     rotated = torch.cat((-q[..., 32:], q[..., :32]), dim=-1)
-    torch.testing.assert_close(fused_ops.rotary(q, cos, sin), q * cos + rotated * sin, **TOL[dtype])
+    expected = q * cos + rotated * sin
+    torch.testing.assert_close(fused_ops.rotary(q, cos, sin), expected, **TOL[dtype])
+    # In place over q's and k's heads of the qkv rows (the decoder layer's call); v is untouched.
+    before = qkv.clone()
+    qk = qkv[:, :(9 + 3) * 64].view(33, 12, 64)
+    got = fused_ops.rotary(qk, cos, sin, out=qk)
+    assert got.data_ptr() == qkv.data_ptr()
+    torch.testing.assert_close(got[:, :9], expected, **TOL[dtype])
+    assert torch.equal(qkv[:, 12 * 64:], before[:, 12 * 64:])
 
 
 def test_unsupported_calls_fall_back() -> None:

@@ -57,8 +57,10 @@ class DecoderLayer(nn.Module):
             d = meta.decode
             return decode_layer(self.fused, x, residual, cos, sin, k_cache, v_cache,
                                 meta.slot_mapping, d.block_tables, d.context_lens)
-        attn = self._attention(self.input_norm(x, residual), cos, sin, k_cache, v_cache, meta)
-        return self._mlp(self.post_norm(attn, residual))
+        # x is dead once added to the residual, so each norm writes its result over its input.
+        attn = self._attention(self.input_norm(x, residual, out=x), cos, sin, k_cache, v_cache,
+                               meta)
+        return self._mlp(self.post_norm(attn, residual, out=attn))
 
     def fuse_for_decode(self) -> bool:
         """Run small decode steps as one C++ call (``kernels/decode_layer.cpp``): the same
@@ -83,14 +85,18 @@ class DecoderLayer(nn.Module):
                    k_cache: torch.Tensor, v_cache: torch.Tensor,
                    meta: AttentionMetadata) -> torch.Tensor:
         # Its own function so that q, k, v and friends are freed before the MLP runs.
-        t = h.shape[0]
-        q, k, v = self.qkv_proj(h).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(t, self.num_heads, self.head_dim)
-        k = k.view(t, self.num_kv_heads, self.head_dim)
-        v = v.view(t, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        t, heads, qk_size = h.shape[0], self.num_heads, self.q_size + self.kv_size
+        qkv = self.qkv_proj(h)
+        v = qkv[:, qk_size:].view(t, self.num_kv_heads, self.head_dim)
+        if self.q_norm is None:
+            # q's and k's heads are rotated in one pass, over qkv itself: no new tensors.
+            qk = qkv[:, :qk_size].view(t, heads + self.num_kv_heads, self.head_dim)
+            qk = apply_rotary(qk, cos, sin, out=qk)
+            q, k = qk[:, :heads], qk[:, heads:]
+        else:
+            q = self.q_norm(qkv[:, :self.q_size].view(t, heads, self.head_dim))
+            k = self.k_norm(qkv[:, self.q_size:qk_size].view(t, self.num_kv_heads, self.head_dim))
+            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         return self.o_proj(paged_attention(q, k, v, k_cache, v_cache, meta))
 
     def _mlp(self, h: torch.Tensor) -> torch.Tensor:
@@ -98,9 +104,11 @@ class DecoderLayer(nn.Module):
             return self.down_proj(silu_and_mul(self.gate_up_proj(h)))
         # A long prefill's [T, 2 * intermediate] activations are the step's largest; a chunk at a
         # time bounds them (peak RSS) at no cost: 2048-row GEMMs run at full speed (1024-row
-        # down_proj GEMMs took oneDNN twice as long).
-        return torch.cat([self.down_proj(silu_and_mul(self.gate_up_proj(c)))
-                          for c in h.split(MLP_CHUNK_TOKENS)])
+        # down_proj GEMMs took oneDNN twice as long). Each chunk's output goes over its own
+        # input rows, which gate_up has finished reading.
+        for chunk in h.split(MLP_CHUNK_TOKENS):
+            chunk.copy_(self.down_proj(silu_and_mul(self.gate_up_proj(chunk))))
+        return h
 
 
 class LlamaForCausalLM(nn.Module):

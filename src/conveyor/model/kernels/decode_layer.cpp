@@ -65,7 +65,7 @@ extern "C" void decode_layer_f32(const LayerWeights* w, float* out, const float*
   rms_norm<float>(h.data(), x, residual, w->input_norm, rows, hidden, hidden, w->eps, num_threads);
   matmul(qkv.data(), h.data(), w->qkv, rows, hidden, num_threads);
   rotary<float>(qk.data(), qkv.data(), cos, sin, rows, q_heads + kv_heads, hd, qkv_width,
-                num_threads);
+                qk_width, num_threads);
   for (int64_t r = 0; r < rows; ++r) {
     std::memcpy(k_cache + slot_mapping[r] * kv_width, qk.data() + r * qk_width + q_heads * hd,
                 kv_width * sizeof(float));

@@ -6,7 +6,8 @@
 //
 //   rms_norm:  [residual += x;] out = weight * T(h * rsqrt(mean(h^2) + eps)), h = residual or x
 //   silu_mul:  out = T(silu(gate)) * up, gate_up = [gate | up] per row
-//   rotary:    out = T(x * cos) + T(rotate_half(x) * sin), per head ("rotate_half" layout)
+//   rotary:    out = T(x * cos) + T(rotate_half(x) * sin), per head ("rotate_half" layout);
+//              out may be x (each pair of halves is read before it is written)
 //
 // Rows are spread over OpenMP threads when there are enough of them. Widths are multiples of
 // 16 (the Python side checks). Built and loaded like paged_decode_attention.cpp.
@@ -60,7 +61,7 @@ void silu_mul(T* out, const T* gate_up, int64_t rows, int64_t inter, int num_thr
 
 template <typename T>
 void rotary(T* out, const T* x, const T* cos, const T* sin, int64_t rows, int64_t heads,
-            int64_t head_dim, int64_t x_stride, int num_threads) {
+            int64_t head_dim, int64_t x_stride, int64_t out_stride, int num_threads) {
   const int64_t half = head_dim / 2;
 #pragma omp parallel for num_threads(num_threads) if (rows * heads * head_dim >= kParallelElements)
   for (int64_t r = 0; r < rows; ++r) {
@@ -68,9 +69,9 @@ void rotary(T* out, const T* x, const T* cos, const T* sin, int64_t rows, int64_
     const T* sr = sin + r * head_dim;
     for (int64_t h = 0; h < heads; ++h) {
       const T* xh = x + r * x_stride + h * head_dim;
-      T* oh = out + (r * heads + h) * head_dim;
+      T* oh = out + r * out_stride + h * head_dim;
       for (int64_t c = 0; c < half; c += kLanes) {
-        const vfloat lo = load(xh + c), hi = load(xh + half + c);
+        const vfloat lo = load(xh + c), hi = load(xh + half + c);  // out may be x
         // first half: x1 cos - x2 sin; second half: x2 cos + x1 sin
         store(rounded(lo * load(cr + c), xh) + rounded(-hi * load(sr + c), xh), oh + c);
         store(rounded(hi * load(cr + half + c), xh) + rounded(lo * load(sr + half + c), xh),
@@ -96,9 +97,10 @@ void rotary(T* out, const T* x, const T* cos, const T* sin, int64_t rows, int64_
   }                                                                                           \
   extern "C" void rotary_##SUFFIX(void* out, const void* x, const void* cos, const void* sin, \
                                   int64_t rows, int64_t heads, int64_t head_dim,              \
-                                  int64_t x_stride, int num_threads) {                        \
+                                  int64_t x_stride, int64_t out_stride, int num_threads) {    \
     rotary<T>(static_cast<T*>(out), static_cast<const T*>(x), static_cast<const T*>(cos),   \
-              static_cast<const T*>(sin), rows, heads, head_dim, x_stride, num_threads);      \
+              static_cast<const T*>(sin), rows, heads, head_dim, x_stride, out_stride,        \
+              num_threads);                                                                   \
   }
 
 CONVEYOR_FUSED_OPS(f32, float)

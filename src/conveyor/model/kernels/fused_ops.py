@@ -19,7 +19,7 @@ _P, _I, _F, _N = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
 _ARGTYPES = {
     "rms_norm": [_P, _P, _P, _P, _I, _I, _I, _F, _N],
     "silu_mul": [_P, _P, _I, _I, _N],
-    "rotary": [_P, _P, _P, _P, _I, _I, _I, _I, _N],
+    "rotary": [_P, _P, _P, _P, _I, _I, _I, _I, _I, _N],
 }
 
 
@@ -35,14 +35,18 @@ def _rows(x: torch.Tensor) -> bool:
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
-             residual: torch.Tensor | None = None) -> torch.Tensor | None:
-    """x [T, D]; with ``residual`` (contiguous [T, D], updated in place): norm of residual + x."""
+             residual: torch.Tensor | None = None,
+             out: torch.Tensor | None = None) -> torch.Tensor | None:
+    """x [T, D]; with ``residual`` (contiguous [T, D], updated in place): norm of residual + x.
+    Written into ``out`` when it is a contiguous tensor of x's shape and dtype (it may be x:
+    each row is read before it is written)."""
     fn = _function("rms_norm", x, x.shape[-1])
     if fn is None or not _rows(x) or weight.dtype != x.dtype:
         return None
     if residual is not None and (not residual.is_contiguous() or residual.dtype != x.dtype):
         return None
-    out = torch.empty(x.shape, dtype=x.dtype)
+    if out is None or not out.is_contiguous() or out.shape != x.shape or out.dtype != x.dtype:
+        out = torch.empty(x.shape, dtype=x.dtype)
     fn(out.data_ptr(), x.data_ptr(), None if residual is None else residual.data_ptr(),
        weight.data_ptr(), x.shape[0], x.shape[1], x.stride(0), eps, torch.get_num_threads())
     return out
@@ -59,14 +63,22 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor | None:
     return out
 
 
-def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor | None:
-    """x [T, H, D] (rows may be strided, heads packed); cos, sin [T, 1, D] -> new [T, H, D]."""
+def _packed_heads(x: torch.Tensor) -> bool:
+    """[T, H, D] whose heads are packed in each row (rows may be strided)."""
+    return x.dim() == 3 and x.stride(2) == 1 and x.stride(1) == x.shape[2]
+
+
+def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+           out: torch.Tensor | None = None) -> torch.Tensor | None:
+    """x [T, H, D] (rows may be strided, heads packed); cos, sin [T, 1, D] -> [T, H, D], written
+    into ``out`` when it has x's shape, dtype and layout rules (it may be x itself)."""
     t, heads, head_dim = x.shape
     fn = _function("rotary", x, head_dim // 2)
-    if (fn is None or x.stride(2) != 1 or x.stride(1) != head_dim or not cos.is_contiguous()
+    if (fn is None or not _packed_heads(x) or not cos.is_contiguous()
             or not sin.is_contiguous() or cos.dtype != x.dtype or sin.dtype != x.dtype):
         return None
-    out = torch.empty(t, heads, head_dim, dtype=x.dtype)
+    if out is None or out.shape != x.shape or out.dtype != x.dtype or not _packed_heads(out):
+        out = torch.empty(t, heads, head_dim, dtype=x.dtype)
     fn(out.data_ptr(), x.data_ptr(), cos.data_ptr(), sin.data_ptr(), t, heads, head_dim,
-       x.stride(0), torch.get_num_threads())
+       x.stride(0), out.stride(0), torch.get_num_threads())
     return out

@@ -18,7 +18,7 @@ computing a chunk of >1 tokens (prefill, possibly after a cached prefix).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -37,8 +37,33 @@ class AttentionGroup:
     num_tokens: int
     block_table: torch.Tensor  # [B, C / block_size] blocks of each entry's context (padding: 0)
     mask: torch.Tensor  # [B, 1, Q * g, C] additive: 0 = attend, -inf = hidden
-    query_index: torch.Tensor | None  # [B, Q] index into the group's tokens (None: no padding)
-    out_index: torch.Tensor | None  # [num_tokens] rows of the padded [B * Q] output that are real
+    query_tokens: torch.Tensor  # [B, Q] flat token of each query slot (padding: the group's first)
+    real_slots: torch.Tensor  # [num_tokens] the slot b * Q + q of each of the group's tokens
+    _rows: dict[tuple[int, ...], torch.Tensor] = field(default_factory=dict, repr=False)
+
+    def query_rows(self, rows_per_token: int, kv_heads: int, g: int) -> torch.Tensor:
+        """Row (token * rows_per_token + head) of each query head in a [rows, head_dim] view of
+        q, in the order [B, kv_heads, Q, g] that folds GQA into the query axis. Every layer of a
+        step has the same layout, so it is computed once."""
+        key = ("q", rows_per_token, kv_heads, g)
+        if key not in self._rows:
+            heads = torch.arange(kv_heads * g, device=self.query_tokens.device).view(kv_heads, 1, g)
+            tokens = self.query_tokens[:, None, :, None] * rows_per_token
+            self._rows[key] = (tokens + heads).reshape(-1)
+        return self._rows[key]
+
+    def output_rows(self, kv_heads: int, g: int) -> torch.Tensor:
+        """For each of the group's tokens and each head h = kv_head * g + i, its row in the
+        attention output [B * kv_heads * Q * g, head_dim]."""
+        key = ("o", kv_heads, g)
+        if key not in self._rows:
+            q_len = self.max_query_len
+            b, q = self.real_slots // q_len, self.real_slots % q_len
+            kvh = torch.arange(kv_heads, device=b.device)[None, :, None]
+            i = torch.arange(g, device=b.device)[None, None, :]
+            rows = ((b[:, None, None] * kv_heads + kvh) * q_len + q[:, None, None]) * g + i
+            self._rows[key] = rows.reshape(-1)
+        return self._rows[key]
 
 
 @dataclass
@@ -121,15 +146,13 @@ def build_attention_metadata(
         mask = mask.repeat_interleave(num_queries_per_kv, dim=1)[:, None]
         mask = torch.zeros(mask.shape, dtype=dtype).masked_fill_(~mask, float("-inf"))
         n_tok = int(g_new.sum())
-        query_index = out_index = None
-        if batch > 1 and max_q > 1:
-            first = torch.cumsum(g_new, 0) - g_new
-            query_index = torch.where(q_valid, first[:, None] + q_off, 0)
-            out_index = (torch.arange(batch)[:, None] * max_q + q_off)[q_valid]
-            query_index, out_index = query_index.to(device), out_index.to(device)
+        first = token_start + torch.cumsum(g_new, 0) - g_new
+        query_tokens = torch.where(q_valid, first[:, None] + q_off, token_start)
+        real_slots = (torch.arange(batch)[:, None] * max_q + q_off)[q_valid]
         groups.append(AttentionGroup(batch, max_q, token_start, n_tok,
                                      g_tab[:, :num_blocks].contiguous().to(device),
-                                     mask.to(device), query_index, out_index))
+                                     mask.to(device), query_tokens.to(device),
+                                     real_slots.to(device)))
         token_start += n_tok
     return AttentionMetadata(slot_mapping.to(device), pos.to(device), decode, groups)
 
@@ -161,30 +184,41 @@ def paged_attention(
     v_cache: torch.Tensor,
     meta: AttentionMetadata,
 ) -> torch.Tensor:
-    """Write this step's K/V into the cache, then attend. Returns [T, num_heads * head_dim]."""
-    num_heads, head_dim = q.shape[1], q.shape[2]
+    """Write this step's K/V into the cache, then attend. Returns [T, num_heads * head_dim].
+
+    q's rows may be strided (a view of the fused QKV output) as long as its heads are packed.
+    Each prefill group is gathered straight into SDPA's [B, kv_heads, Q * g, head_dim] layout,
+    and its output straight into its rows of the result: one copy each way, with
+    ``index_select`` (whole head_dim rows; advanced indexing would go element by element)."""
+    num_tokens, num_heads, head_dim = q.shape
     kv_heads = k.shape[1]
     g = num_heads // kv_heads
     flat_k = k_cache.view(-1, kv_heads, head_dim)
     flat_v = v_cache.view(-1, kv_heads, head_dim)
     flat_k.index_copy_(0, meta.slot_mapping, k)
     flat_v.index_copy_(0, meta.slot_mapping, v)
-    outs = []
+    decoded = None
     if meta.decode is not None:
         d = meta.decode
-        o = paged_decode_attention(q[:d.num_seqs], k_cache, v_cache, d.block_tables,
-                                   d.context_lens, head_dim ** -0.5)
-        outs.append(o.view(d.num_seqs, num_heads * head_dim))
+        decoded = paged_decode_attention(q[:d.num_seqs], k_cache, v_cache, d.block_tables,
+                                         d.context_lens, head_dim ** -0.5)
+        if not meta.groups:
+            return decoded.view(d.num_seqs, num_heads * head_dim)
+    if q.stride(2) != 1 or q.stride(1) != head_dim or q.stride(0) % head_dim:
+        q = q.contiguous()
+    rows_per_token = q.stride(0) // head_dim
+    q_rows = q.as_strided(((num_tokens - 1) * rows_per_token + num_heads, head_dim), (head_dim, 1))
+    out = torch.empty(num_tokens, num_heads * head_dim, dtype=q.dtype, device=q.device)
+    if decoded is not None:
+        out[:decoded.shape[0]] = decoded.view(decoded.shape[0], -1)
     for grp in meta.groups:
         b, nq = grp.batch, grp.max_query_len
-        qg = q[grp.token_start: grp.token_start + grp.num_tokens]
-        qg = qg[grp.query_index] if grp.query_index is not None else qg.view(b, nq, num_heads, head_dim)
-        qg = qg.view(b, nq, kv_heads, g, head_dim).transpose(1, 2).reshape(b, kv_heads, nq * g, head_dim)
-        # index_select copies whole blocks; advanced indexing would go element by element.
+        qg = q_rows.index_select(0, grp.query_rows(rows_per_token, kv_heads, g))
         blocks = grp.block_table.view(-1)
         keys = k_cache.index_select(0, blocks).view(b, -1, kv_heads, head_dim).transpose(1, 2)
         values = v_cache.index_select(0, blocks).view(b, -1, kv_heads, head_dim).transpose(1, 2)
-        o = F.scaled_dot_product_attention(qg, keys, values, attn_mask=grp.mask)
-        o = o.view(b, kv_heads, nq, g, head_dim).transpose(1, 2).reshape(b * nq, num_heads * head_dim)
-        outs.append(o[grp.out_index] if grp.out_index is not None else o)
-    return outs[0] if len(outs) == 1 else torch.cat(outs)
+        o = F.scaled_dot_product_attention(qg.view(b, kv_heads, nq * g, head_dim), keys, values,
+                                           attn_mask=grp.mask)
+        rows = out[grp.token_start: grp.token_start + grp.num_tokens].view(-1, head_dim)
+        torch.index_select(o.reshape(-1, head_dim), 0, grp.output_rows(kv_heads, g), out=rows)
+    return out

@@ -17,12 +17,16 @@ class RMSNorm(torch.nn.Module):
         self.weight = torch.nn.Parameter(torch.ones(dim), requires_grad=False)
         self.eps = eps
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
-        """norm(x), or with ``residual``: residual += x (in place), then norm(residual)."""
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None,
+                out: torch.Tensor | None = None) -> torch.Tensor:
+        """norm(x), or with ``residual``: residual += x (in place), then norm(residual).
+
+        ``out`` is a buffer the fused kernel may write the result into (x itself, when the
+        caller no longer needs it: a long prefill then allocates one activation less)."""
         if x.dim() == 2:
-            out = fused_ops.rms_norm(x, self.weight, self.eps, residual)
-            if out is not None:
-                return out
+            fused = fused_ops.rms_norm(x, self.weight, self.eps, residual, out)
+            if fused is not None:
+                return fused
         if residual is not None:
             x = residual.add_(x)
         dtype = x.dtype

@@ -51,11 +51,13 @@ class RotaryEmbedding:
         return emb.cos().to(dtype), emb.sin().to(dtype)
 
 
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [T, heads, head_dim] -> a new tensor (one pass in ``kernels/fused_ops.cpp`` on the CPU)."""
-    out = fused_ops.rotary(x, cos, sin)
-    if out is not None:
-        return out
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                 out: torch.Tensor | None = None) -> torch.Tensor:
+    """x: [T, heads, head_dim] -> the rotated tensor: one pass in ``kernels/fused_ops.cpp`` on the
+    CPU, which writes it into ``out`` when given (x itself, to rotate in place); else a new one."""
+    fused = fused_ops.rotary(x, cos, sin, out)
+    if fused is not None:
+        return fused
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos + rotated * sin
