@@ -12,7 +12,12 @@ import torch
 from conveyor.core.scheduler_output import ExecutorOutput, SchedulerOutput
 from conveyor.executor.kv_cache import KVCache
 from conveyor.model.config import ModelConfig
-from conveyor.model.device import resolve_device, resolve_dtype, use_decode_kernel
+from conveyor.model.device import (
+    configure_cpu_allocator,
+    resolve_device,
+    resolve_dtype,
+    use_decode_kernel,
+)
 from conveyor.model.layers.attention import build_attention_metadata
 from conveyor.model.loader import load_model
 from conveyor.model.sampler import Sampler, SampleRow
@@ -23,6 +28,8 @@ class ModelExecutor:
                  seed: int = 0) -> None:
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype, self.device)
+        if self.device.type == "cpu":
+            configure_cpu_allocator()  # before torch's first allocation, see its docstring
         torch.manual_seed(seed)
         loaded = load_model(model, self.dtype, self.device)
         self.model = loaded.model
