@@ -86,10 +86,11 @@ def configure_cpu_allocator() -> bool:
     the first prefill has run, every activation comes from the heap. Steps of different sizes
     then leave holes that the next step cannot reuse: on W1 the heap held ~320 MB of free
     memory after three prefill steps whose live peak was ~130 MB. A fixed 2 MB threshold
-    returns each large activation to the system when it is freed (a decode step's tensors,
-    under 1 MB at 64 sequences, stay on the heap). Fresh mappings must be faulted in again, so
-    large tensors also get transparent huge pages (torch's ``THP_MEM_ALLOC_ENABLE``): one fault
-    per 2 MB instead of 512 (without them prefill ran 20-25% slower; with them ~1-8%).
+    returns each large activation to the system when it is freed (a decode step's activations,
+    under 1 MB a tensor at 64 sequences, stay on the heap). Fresh mappings must be faulted in
+    again, so large tensors also get transparent huge pages (torch's ``THP_MEM_ALLOC_ENABLE``):
+    one fault per 2 MB instead of 512. W1's prefill pays ~8% for it (20-25% without huge
+    pages); decode nothing. See docs/performance.md, change 15.
 
     Process-wide, so it is done once, when a CPU model is loaded; ``CONVEYOR_MALLOC_TUNING=off``
     leaves both alone. torch reads its setting at its first allocation, so a process that

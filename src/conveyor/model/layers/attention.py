@@ -39,7 +39,7 @@ class AttentionGroup:
     mask: torch.Tensor  # [B, 1, Q * g, C] additive: 0 = attend, -inf = hidden
     query_tokens: torch.Tensor  # [B, Q] flat token of each query slot (padding: the group's first)
     real_slots: torch.Tensor  # [num_tokens] the slot b * Q + q of each of the group's tokens
-    _rows: dict[tuple[int, ...], torch.Tensor] = field(default_factory=dict, repr=False)
+    _rows: dict[tuple[str | int, ...], torch.Tensor] = field(default_factory=dict, repr=False)
 
     def query_rows(self, rows_per_token: int, kv_heads: int, g: int) -> torch.Tensor:
         """Row (token * rows_per_token + head) of each query head in a [rows, head_dim] view of
