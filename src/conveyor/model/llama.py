@@ -97,7 +97,8 @@ class DecoderLayer(nn.Module):
             q = self.q_norm(qkv[:, :self.q_size].view(t, heads, self.head_dim))
             k = self.k_norm(qkv[:, self.q_size:qk_size].view(t, self.num_kv_heads, self.head_dim))
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        return self.o_proj(paged_attention(q, k, v, k_cache, v_cache, meta))
+        # h is dead once projected: the attention output goes over it (same shape in Llama).
+        return self.o_proj(paged_attention(q, k, v, k_cache, v_cache, meta, out=h))
 
     def _mlp(self, h: torch.Tensor) -> torch.Tensor:
         if h.shape[0] <= MLP_CHUNK_TOKENS:

@@ -183,8 +183,10 @@ def paged_attention(
     k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
     v_cache: torch.Tensor,
     meta: AttentionMetadata,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Write this step's K/V into the cache, then attend. Returns [T, num_heads * head_dim].
+    """Write this step's K/V into the cache, then attend. Returns [T, num_heads * head_dim],
+    written into ``out`` when it is a contiguous tensor of that shape and q's dtype.
 
     q's rows may be strided (a view of the fused QKV output) as long as its heads are packed.
     Each prefill group is gathered straight into SDPA's [B, kv_heads, Q * g, head_dim] layout,
@@ -208,7 +210,9 @@ def paged_attention(
         q = q.contiguous()
     rows_per_token = q.stride(0) // head_dim
     q_rows = q.as_strided(((num_tokens - 1) * rows_per_token + num_heads, head_dim), (head_dim, 1))
-    out = torch.empty(num_tokens, num_heads * head_dim, dtype=q.dtype, device=q.device)
+    shape = (num_tokens, num_heads * head_dim)
+    if out is None or out.shape != shape or out.dtype != q.dtype or not out.is_contiguous():
+        out = torch.empty(shape, dtype=q.dtype, device=q.device)
     if decoded is not None:
         out[:decoded.shape[0]] = decoded.view(decoded.shape[0], -1)
     for grp in meta.groups:
