@@ -91,3 +91,20 @@ def test_strided_q_mixed_decodes_and_padded_groups_match_a_reference() -> None:
         torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
         if meta.groups:  # a decode-only step returns the kernel's own output
             assert got.data_ptr() == buffer.data_ptr()
+
+
+def test_decode_only_steps_get_the_decodes_metadata_of_a_mixed_step() -> None:
+    """A step of decodes only takes a plain-Python path; its metadata must equal what the
+    general path builds for the same decodes ahead of a prefill chunk."""
+    tables = [[3, 9], [4, 5, 6, 7], [1], [8, 2, 11]]
+    starts = [20, 50, 0, 33]
+    cpu = torch.device("cpu")
+    only = build_attention_metadata(tables, starts, [1] * 4, 16, 3, cpu, decode_kernel=True)
+    mixed = build_attention_metadata(tables + [[12, 13]], starts + [0], [1] * 4 + [20], 16, 3,
+                                     cpu, decode_kernel=True)
+    assert only.decode_only and not mixed.decode_only
+    for a, b in ((only.slot_mapping, mixed.slot_mapping[:4]), (only.positions, mixed.positions[:4]),
+                 (only.decode.block_tables, mixed.decode.block_tables),
+                 (only.decode.context_lens, mixed.decode.context_lens)):
+        assert a.dtype == b.dtype and torch.equal(a, b)
+    assert only.slot_mapping.tolist() == [9 * 16 + 4, 7 * 16 + 2, 16, 11 * 16 + 1]

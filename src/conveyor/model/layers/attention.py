@@ -106,6 +106,8 @@ def build_attention_metadata(
     num_decode = 0
     while num_decode < len(num_new) and num_new[num_decode] == 1:
         num_decode += 1
+    if decode_kernel and num_decode == len(num_new):
+        return _decode_only_metadata(block_tables, starts, block_size, device)
     if any(n == 1 for n in num_new[num_decode:]):
         raise ValueError("entries must be ordered with single-token entries first")
     width = max(len(t) for t in block_tables)
@@ -155,6 +157,20 @@ def build_attention_metadata(
                                      real_slots.to(device)))
         token_start += n_tok
     return AttentionMetadata(slot_mapping.to(device), pos.to(device), decode, groups)
+
+
+def _decode_only_metadata(block_tables: list[list[int]], starts: list[int], block_size: int,
+                          device: torch.device) -> AttentionMetadata:
+    """The same metadata for a step of decodes only, computed in plain Python: the general
+    path's dozen small torch ops cost about 170 µs, a few percent of a single-stream step."""
+    slots = [table[p // block_size] * block_size + p % block_size
+             for table, p in zip(block_tables, starts, strict=True)]
+    width = max(len(t) for t in block_tables)
+    table = torch.tensor([t + [0] * (width - len(t)) for t in block_tables], dtype=torch.int32)
+    context_lens = torch.tensor([p + 1 for p in starts], dtype=torch.int32)
+    decode = DecodeBatch(len(starts), table.to(device), context_lens.to(device))
+    return AttentionMetadata(torch.tensor(slots, device=device),
+                             torch.tensor(starts, device=device), decode, [])
 
 
 def _prefill_ranges(starts: list[int], num_new: list[int], lo: int) -> list[tuple[int, int]]:
