@@ -1,18 +1,20 @@
-"""The one-call decode layer (kernels/decode_layer.cpp) against the layer's Python path: same
-outputs, residual stream and KV cache, bit for bit, and used only where it applies."""
+"""The one-call decode layers (kernels/decode_layer.cpp) against the layers' Python path: same
+outputs, residual stream and KV caches, bit for bit, and used only where they apply."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 import torch
 
 from conveyor.model.config import ModelConfig
 from conveyor.model.kernels.decode_attention import decode_kernel_available
-from conveyor.model.kernels.decode_layer import decode_layer_available
+from conveyor.model.kernels.decode_layer import DecodeLayers, decode_layer_available, decode_layers
 from conveyor.model.layers.attention import build_attention_metadata
 from conveyor.model.layers.quantized import GROUP, Int4Blocks, pack_blocks
 from conveyor.model.layers.rotary import RotaryEmbedding, rope_inv_freq
-from conveyor.model.llama import DecoderLayer
+from conveyor.model.llama import DecoderLayer, LlamaForCausalLM
 
 pytestmark = pytest.mark.skipif(
     not (decode_layer_available() and decode_kernel_available(torch.device("cpu"), torch.float32)),
@@ -61,37 +63,62 @@ def decode_step(num_seqs: int, seed: int = 1):
 
 
 @pytest.mark.parametrize("num_seqs", [1, 3, 5, 12])
-def test_fused_layer_equals_python_path(num_seqs):
-    layer = quantized_layer()
-    assert layer.fuse_for_decode()
+def test_fused_layers_equal_python_path(num_seqs):
+    layers = [quantized_layer(0), quantized_layer(1)]
+    fused = DecodeLayers([layer.fuse_for_decode() for layer in layers], max_rows=12)
     x, residual, cos, sin, (k, v), meta = decode_step(num_seqs)
     assert meta.decode_only
-    results = []
-    for fused in (layer.fused, None):
-        layer.fused = fused
-        res, kc, vc = residual.clone(), k.clone(), v.clone()
-        out = layer(x, res, cos, sin, kc, vc, meta)
-        results.append((out, res, kc, vc))
-    for a, b in zip(*results, strict=True):
-        assert torch.equal(a, b)
+    caches = [(k.clone(), v.clone()), (k.clone() + 1, v.clone() - 1)]
+
+    expected_res, expected_caches, h = residual.clone(), [(a.clone(), b.clone()) for a, b in caches], x
+    for layer, (kc, vc) in zip(layers, expected_caches, strict=True):
+        h = layer(h.clone(), expected_res, cos, sin, kc, vc, meta)
+    res, got_caches = residual.clone(), [(a.clone(), b.clone()) for a, b in caches]
+    d = meta.decode
+    out = decode_layers(fused, x.clone(), res, cos, sin, got_caches, meta.slot_mapping,
+                        d.block_tables, d.context_lens)
+    assert torch.equal(out, h) and torch.equal(res, expected_res)
+    for got, expected in zip(got_caches, expected_caches, strict=True):
+        assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1])
 
 
-def test_fused_layer_is_used_only_where_it_applies(monkeypatch):
+def _tiny_model() -> LlamaForCausalLM:
+    cfg = dataclasses.replace(CFG, num_layers=2)
+    model = LlamaForCausalLM(cfg)
+    model.layers = torch.nn.ModuleList([quantized_layer(0), quantized_layer(1)])
+    g = torch.Generator().manual_seed(7)
+    model.embed_tokens.data = torch.randn(cfg.vocab_size, cfg.hidden_size, generator=g)
+    model.lm_head.weight.data = torch.randn(cfg.vocab_size, cfg.hidden_size, generator=g)
+    return model
+
+
+def test_fused_layers_are_used_only_where_they_apply(monkeypatch):
     import conveyor.model.llama as llama
 
     calls = []
-    real = llama.decode_layer
-    monkeypatch.setattr(llama, "decode_layer", lambda *a: calls.append(1) or real(*a))
-    layer = quantized_layer()
-    layer.fuse_for_decode()
+    real = llama.decode_layers
+    monkeypatch.setattr(llama, "decode_layers", lambda *a: calls.append(1) or real(*a))
+    model = _tiny_model()
+    assert model.fuse_decode_layers()
     for num_seqs, used in ((12, True), (13, False)):  # the 4-bit copies serve up to 12 rows
         x, residual, cos, sin, (k, v), meta = decode_step(num_seqs)
-        calls.clear()
-        layer(x, residual, cos, sin, k, v, meta)
-        assert bool(calls) == used
+        ids = torch.arange(num_seqs) % CFG.vocab_size
+        logits, fused = [], model.fused_decode
+        for use in (fused, None):  # then the Python path, for reference
+            model.fused_decode = use
+            calls.clear()
+            caches = [(k.clone(), v.clone()) for _ in model.layers]
+            logits.append(model(ids, meta.positions, caches, meta, torch.arange(num_seqs)))
+            assert bool(calls) == (used and use is not None)
+        model.fused_decode = fused
+        assert torch.equal(logits[0], logits[1])
+
     bias = quantized_layer()
     bias.qkv_proj.bias = torch.nn.Parameter(torch.zeros(bias.qkv_proj.weight.shape[0]))
-    assert not bias.fuse_for_decode() and bias.fused is None  # Qwen2-style QKV bias
+    assert bias.fuse_for_decode() is None  # Qwen2-style QKV bias
     dense = quantized_layer()
     dense.o_proj.quantized = None
-    assert not dense.fuse_for_decode()
+    assert dense.fuse_for_decode() is None
+    partly = _tiny_model()
+    partly.layers[1] = dense
+    assert not partly.fuse_decode_layers() and partly.fused_decode is None

@@ -14,9 +14,10 @@ from torch import nn
 
 from conveyor.model.config import ModelConfig
 from conveyor.model.kernels.decode_layer import (
+    DecodeLayers,
     DecodeLayerWeights,
-    decode_layer,
     decode_layer_available,
+    decode_layers,
 )
 from conveyor.model.layers.activation import silu_and_mul
 from conveyor.model.layers.attention import AttentionMetadata, paged_attention
@@ -46,26 +47,20 @@ class DecoderLayer(nn.Module):
         self.post_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size)
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size)
-        self.fused: DecodeLayerWeights | None = None  # see fuse_for_decode
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor, cos: torch.Tensor,
                 sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
         """The residual stream is ``residual`` (updated in place) + ``x``; returns the new ``x``."""
-        if (self.fused is not None and meta.decode_only
-                and x.shape[0] <= self.qkv_proj.quantized.max_tokens):
-            d = meta.decode
-            return decode_layer(self.fused, x, residual, cos, sin, k_cache, v_cache,
-                                meta.slot_mapping, d.block_tables, d.context_lens)
         # x is dead once added to the residual, so each norm writes its result over its input.
         attn = self._attention(self.input_norm(x, residual, out=x), cos, sin, k_cache, v_cache,
                                meta)
         return self._mlp(self.post_norm(attn, residual, out=attn))
 
-    def fuse_for_decode(self) -> bool:
-        """Run small decode steps as one C++ call (``kernels/decode_layer.cpp``): the same
-        kernels as the steps below, without some 130 µs of Python a layer. It serves float32
-        Llama layers whose projections all have 4-bit copies, at the sizes those copies serve."""
+    def fuse_for_decode(self) -> DecodeLayerWeights | None:
+        """This layer's weights for ``kernels/decode_layer.cpp``, which runs small decode steps
+        with the same kernels as the steps below, without some 130 µs of Python a layer; None
+        unless it is a float32 Llama layer whose projections all have 4-bit copies."""
         projections = {"qkv": self.qkv_proj, "o": self.o_proj, "gate_up": self.gate_up_proj,
                        "down": self.down_proj}
         if (self.q_norm is not None or self.input_norm.weight.dtype != torch.float32
@@ -74,12 +69,11 @@ class DecoderLayer(nn.Module):
                 or self.input_norm.weight.shape[0] % 16 or self.head_dim % 32
                 or self.gate_up_proj.quantized.codes.shape[0] % 32  # 2 x intermediate
                 or not decode_layer_available()):
-            return False
-        self.fused = DecodeLayerWeights(
+            return None
+        return DecodeLayerWeights(
             self.input_norm.weight, self.post_norm.weight,
             {name: p.quantized for name, p in projections.items()},
             self.num_heads, self.num_kv_heads, self.head_dim, self.input_norm.eps)
-        return True
 
     def _attention(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                    k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -123,6 +117,7 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size)
         self.rotary = RotaryEmbedding(rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling,
                                                     rope_freq_factors))
+        self.fused_decode: DecodeLayers | None = None  # see fuse_decode_layers
 
     @torch.inference_mode()
     def forward(
@@ -138,8 +133,14 @@ class LlamaForCausalLM(nn.Module):
         residual = self.embed(input_ids)
         x = torch.zeros_like(residual)
         cos, sin = self.rotary.cos_sin(positions, residual.dtype)
-        for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
-            x = layer(x, residual, cos, sin, k_cache, v_cache, meta)
+        fused = self.fused_decode
+        if fused is not None and meta.decode_only and x.shape[0] <= fused.max_rows:
+            d = meta.decode
+            x = decode_layers(fused, x, residual, cos, sin, kv_caches, meta.slot_mapping,
+                              d.block_tables, d.context_lens)
+        else:
+            for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
+                x = layer(x, residual, cos, sin, k_cache, v_cache, meta)
         x = self.norm(x[logits_indices], residual[logits_indices])
         return self.lm_head(x)
 
@@ -252,9 +253,14 @@ class LlamaForCausalLM(nn.Module):
             added += 0 if embed is head else embed.nbytes()
         return added
 
-    def fuse_decode_layers(self) -> int:
-        """``fuse_for_decode`` on every layer (after ``attach_blocks``); returns how many took it."""
-        return sum(layer.fuse_for_decode() for layer in self.layers)
+    def fuse_decode_layers(self) -> bool:
+        """After ``attach_blocks``: when every layer can (``fuse_for_decode``), small decode
+        steps run all layers in one C++ call. Returns whether they do."""
+        fused = [layer.fuse_for_decode() for layer in self.layers]
+        if any(f is None for f in fused):
+            return False
+        self.fused_decode = DecodeLayers(fused, self.layers[0].qkv_proj.quantized.max_tokens)
+        return True
 
     def num_params(self) -> int:
         seen, total = set(), 0

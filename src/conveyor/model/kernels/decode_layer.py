@@ -1,8 +1,10 @@
-"""One decoder layer for a few decode tokens in one call (``decode_layer.cpp`` via ctypes).
+"""Every decoder layer of a step of a few decode tokens in one call (``decode_layer.cpp`` via
+ctypes).
 
 ``DecodeLayerWeights`` holds the C struct of one layer's weight pointers, built once at load
-time (it keeps the tensors alive). ``decode_layer_available()`` builds the kernel on first use
-(see ``build.py``); ``CONVEYOR_KERNELS=off`` turns it off.
+time (it keeps the tensors alive); ``DecodeLayers`` the array of them for a whole model.
+``decode_layer_available()`` builds the kernel on first use (see ``build.py``);
+``CONVEYOR_KERNELS=off`` turns it off.
 """
 
 from __future__ import annotations
@@ -27,12 +29,11 @@ class _LayerWeights(ctypes.Structure):
                 ("eps", _F)]
 
 
-_ARGTYPES = [ctypes.POINTER(_LayerWeights)] + [_P] * 3 + [_I] + [_P] * 4 + [_I] + [_P] * 3 + [
-    _I, _F, ctypes.c_int]
+_ARGTYPES = [_P] * 3 + [_I] + [_P] * 2 + [_I] + [_P] * 2 + [_I] + [_P] * 3 + [_I, _F, ctypes.c_int]
 
 
 def _kernel():
-    return kernel_function("decode_layer.cpp", "decode_layer_f32", _ARGTYPES)
+    return kernel_function("decode_layer.cpp", "decode_layers_f32", _ARGTYPES)
 
 
 def decode_layer_available() -> bool:
@@ -41,7 +42,7 @@ def decode_layer_available() -> bool:
 
 class DecodeLayerWeights:
     """A layer's norms and 4-bit projections (NibbleInt4: ``codes``, ``scale``, ``min``), as
-    pointers for ``decode_layer``; float32 only."""
+    pointers for ``decode_layers``; float32 only."""
 
     def __init__(self, input_norm: torch.Tensor, post_norm: torch.Tensor, projections: dict,
                  num_heads: int, num_kv_heads: int, head_dim: int, eps: float) -> None:
@@ -49,7 +50,7 @@ class DecodeLayerWeights:
         codes = [p.codes for p in projections.values()]
         if (any(t.dtype != torch.float32 for t in floats) or any(t.dtype != torch.uint8 for t in codes)
                 or not all(t.is_contiguous() for t in floats + codes)):
-            raise ValueError("decode_layer needs contiguous float32 norms and scales, uint8 codes")
+            raise ValueError("decode_layers needs contiguous float32 norms and scales, uint8 codes")
         self._tensors = floats + codes  # keeps the pointed-to memory alive
 
         def block(p) -> _BlockWeight:
@@ -64,25 +65,42 @@ class DecodeLayerWeights:
         self.scale = head_dim ** -0.5
 
 
-def decode_layer(weights: DecodeLayerWeights, x: torch.Tensor, residual: torch.Tensor,
-                 cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
-                 v_cache: torch.Tensor, slot_mapping: torch.Tensor, block_tables: torch.Tensor,
-                 context_lens: torch.Tensor) -> torch.Tensor:
-    """The layer's output for ``x`` [T, hidden] (one decode token per row); ``residual`` is
-    updated in place and this step's K/V are written to their slots, as the Python path does."""
+class DecodeLayers:
+    """The pointer array of a model's ``DecodeLayerWeights``, in layer order, and the most rows
+    (decode tokens) their 4-bit copies serve."""
+
+    def __init__(self, layers: list[DecodeLayerWeights], max_rows: int) -> None:
+        self.layers = layers  # keeps the structs alive
+        self.max_rows = max_rows
+        self.array = (ctypes.c_void_p * len(layers))(
+            *[ctypes.addressof(w.struct) for w in layers])
+        self.scale = layers[0].scale
+
+
+def decode_layers(weights: DecodeLayers, x: torch.Tensor, residual: torch.Tensor,
+                  cos: torch.Tensor, sin: torch.Tensor,
+                  kv_caches: list[tuple[torch.Tensor, torch.Tensor]], slot_mapping: torch.Tensor,
+                  block_tables: torch.Tensor, context_lens: torch.Tensor) -> torch.Tensor:
+    """Runs every layer on ``x`` [T, hidden] (one decode token per row) and returns the last
+    layer's output, written over ``x``; ``residual`` is updated in place and each layer's K/V
+    are written to their slots, as the Python path does."""
     kernel = _kernel()
     if kernel is None:
         raise RuntimeError("the decode layer kernel is not available")
-    for name, t in (("x", x), ("residual", residual), ("cos", cos), ("sin", sin),
-                    ("k_cache", k_cache), ("v_cache", v_cache)):
+    if len(kv_caches) != len(weights.layers):
+        raise ValueError(f"{len(weights.layers)} layers but {len(kv_caches)} KV caches")
+    for name, t in (("x", x), ("residual", residual), ("cos", cos), ("sin", sin)):
         if t.dtype != torch.float32 or not t.is_contiguous():
             raise ValueError(f"{name} must be contiguous float32")
+    if any(c.dtype != torch.float32 or not c.is_contiguous() for kv in kv_caches for c in kv):
+        raise ValueError("the KV caches must be contiguous float32")
     if (slot_mapping.dtype != torch.int64 or block_tables.dtype != torch.int32
             or context_lens.dtype != torch.int32):
         raise ValueError("slot_mapping must be int64, block_tables and context_lens int32")
-    out = torch.empty_like(x)
-    kernel(ctypes.byref(weights.struct), out.data_ptr(), x.data_ptr(), residual.data_ptr(),
-           x.shape[0], cos.data_ptr(), sin.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
-           k_cache.shape[1], slot_mapping.data_ptr(), block_tables.data_ptr(),
-           context_lens.data_ptr(), block_tables.shape[1], weights.scale, torch.get_num_threads())
-    return out
+    k_ptrs = (ctypes.c_void_p * len(kv_caches))(*[k.data_ptr() for k, _ in kv_caches])
+    v_ptrs = (ctypes.c_void_p * len(kv_caches))(*[v.data_ptr() for _, v in kv_caches])
+    kernel(weights.array, k_ptrs, v_ptrs, len(kv_caches), x.data_ptr(), residual.data_ptr(),
+           x.shape[0], cos.data_ptr(), sin.data_ptr(), kv_caches[0][0].shape[1],
+           slot_mapping.data_ptr(), block_tables.data_ptr(), context_lens.data_ptr(),
+           block_tables.shape[1], weights.scale, torch.get_num_threads())
+    return x
