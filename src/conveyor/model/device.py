@@ -6,6 +6,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import os
+import sys
 
 import torch
 
@@ -79,6 +80,26 @@ M_MMAP_THRESHOLD = -3  # glibc mallopt parameter
 MMAP_THRESHOLD_BYTES = 2 << 20
 
 
+def _glibc() -> ctypes.CDLL | None:
+    """The C library when it is glibc (``mallopt``, ``malloc_trim``), else None."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+    except OSError:
+        return None
+    return libc if hasattr(libc, "mallopt") and hasattr(libc, "malloc_trim") else None
+
+
+def return_freed_memory() -> None:
+    """Hand freed heap memory back to the OS (glibc keeps it mapped): called once a model has
+    loaded, for its float32 temporaries. Without it about 270 MB of a GGUF load stayed resident
+    for the process's lifetime (before ``configure_cpu_allocator``)."""
+    libc = _glibc()
+    if libc is not None:
+        libc.malloc_trim(0)
+
+
 def configure_cpu_allocator() -> bool:
     """Keep a long prefill's activations from piling up as free-but-resident heap (peak RSS).
 
@@ -96,12 +117,9 @@ def configure_cpu_allocator() -> bool:
     leaves both alone. torch reads its setting at its first allocation, so a process that
     allocated tensors before loading a model keeps small pages. Returns whether it applied.
     """
-    if os.environ.get("CONVEYOR_MALLOC_TUNING", "").lower() in ("0", "off", "false", "no"):
-        return False
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        mallopt = libc.mallopt
-    except (OSError, AttributeError):  # not glibc
+    libc = _glibc()
+    if libc is None or os.environ.get("CONVEYOR_MALLOC_TUNING", "").lower() in (
+            "0", "off", "false", "no"):
         return False
     os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
-    return bool(mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES))
+    return bool(libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES))

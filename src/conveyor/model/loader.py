@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import ctypes
 import importlib.util
 import os
-import sys
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,7 +36,12 @@ class LoadedModel:
 
 
 def load_model(model: str | None, dtype: torch.dtype, device: torch.device) -> LoadedModel:
-    from conveyor.model.device import dtype_name, prepack_linear_weights, use_block_weights
+    from conveyor.model.device import (
+        dtype_name,
+        prepack_linear_weights,
+        return_freed_memory,
+        use_block_weights,
+    )
     from conveyor.model.tokenizer import load_tokenizer
 
     path = model or default_model_path()
@@ -78,18 +81,5 @@ def load_model(model: str | None, dtype: torch.dtype, device: torch.device) -> L
     if blocks:
         net.fuse_decode_layers()
     del blocks
-    _return_freed_memory()
+    return_freed_memory()
     return LoadedModel(config, net, tokenizer)
-
-
-def _return_freed_memory() -> None:
-    """Hand the load's freed temporaries (float32 copies of every weight) back to the OS.
-
-    glibc keeps freed heap memory mapped (its mmap threshold grows as big blocks are freed), so
-    without this about 270 MB of the GGUF load would stay in the process's RSS for its lifetime.
-    """
-    if sys.platform.startswith("linux"):
-        try:
-            ctypes.CDLL("libc.so.6").malloc_trim(0)
-        except (OSError, AttributeError):  # not glibc
-            pass
