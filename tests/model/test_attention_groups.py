@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from conveyor.model.kernels.decode_attention import decode_kernel_available
+from conveyor.model.kernels.paged_attention import attention_kernel_available
 from conveyor.model.layers import attention
 from conveyor.model.layers.attention import (
     _prefill_ranges,
@@ -79,18 +79,17 @@ def test_strided_q_mixed_decodes_and_padded_groups_match_a_reference() -> None:
     q = qkv[:, :num_heads * head_dim].view(t, num_heads, head_dim)
     k = qkv[:, num_heads * head_dim:(num_heads + kv_heads) * head_dim].view(t, kv_heads, head_dim)
     v = qkv[:, (num_heads + kv_heads) * head_dim:].view(t, kv_heads, head_dim)
-    for decode_kernel in (False, True):
-        if decode_kernel and not decode_kernel_available(torch.device("cpu"), q.dtype):
+    for kernel in (False, True):
+        if kernel and not attention_kernel_available(torch.device("cpu"), q.dtype):
             continue
         meta = build_attention_metadata(tables, starts, num_new, bs, num_heads // kv_heads,
-                                        torch.device("cpu"), decode_kernel=decode_kernel)
+                                        torch.device("cpu"), attention_kernel=kernel)
         kc, vc = k_cache.clone(), v_cache.clone()
         buffer = torch.empty(t, num_heads * head_dim)
         got = paged_attention(q, k, v, kc, vc, meta, out=buffer)
         expected = _reference(q, kc, vc, tables, starts, num_new, bs)
         torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
-        if meta.groups:  # a decode-only step returns the kernel's own output
-            assert got.data_ptr() == buffer.data_ptr()
+        assert got.data_ptr() == buffer.data_ptr()
 
 
 def test_decode_only_steps_get_the_decodes_metadata_of_a_mixed_step() -> None:
@@ -99,12 +98,13 @@ def test_decode_only_steps_get_the_decodes_metadata_of_a_mixed_step() -> None:
     tables = [[3, 9], [4, 5, 6, 7], [1], [8, 2, 11]]
     starts = [20, 50, 0, 33]
     cpu = torch.device("cpu")
-    only = build_attention_metadata(tables, starts, [1] * 4, 16, 3, cpu, decode_kernel=True)
+    only = build_attention_metadata(tables, starts, [1] * 4, 16, 3, cpu, attention_kernel=True)
     mixed = build_attention_metadata(tables + [[12, 13]], starts + [0], [1] * 4 + [20], 16, 3,
-                                     cpu, decode_kernel=True)
+                                     cpu, attention_kernel=True)
     assert only.decode_only and not mixed.decode_only
+    assert mixed.kernel.token_seqs[:4].tolist() == [0, 1, 2, 3]
     for a, b in ((only.slot_mapping, mixed.slot_mapping[:4]), (only.positions, mixed.positions[:4]),
-                 (only.decode.block_tables, mixed.decode.block_tables),
-                 (only.decode.context_lens, mixed.decode.context_lens)):
+                 (only.kernel.block_tables, mixed.kernel.block_tables[:4]),
+                 (only.kernel.context_lens, mixed.kernel.context_lens[:4])):
         assert a.dtype == b.dtype and torch.equal(a, b)
     assert only.slot_mapping.tolist() == [9 * 16 + 4, 7 * 16 + 2, 16, 11 * 16 + 1]

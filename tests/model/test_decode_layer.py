@@ -9,15 +9,15 @@ import pytest
 import torch
 
 from conveyor.model.config import ModelConfig
-from conveyor.model.kernels.decode_attention import decode_kernel_available
 from conveyor.model.kernels.decode_layer import DecodeLayers, decode_layer_available, decode_layers
+from conveyor.model.kernels.paged_attention import attention_kernel_available
 from conveyor.model.layers.attention import build_attention_metadata
 from conveyor.model.layers.quantized import GROUP, Int4Blocks, pack_blocks
 from conveyor.model.layers.rotary import RotaryEmbedding, rope_inv_freq
 from conveyor.model.llama import DecoderLayer, LlamaForCausalLM
 
 pytestmark = pytest.mark.skipif(
-    not (decode_layer_available() and decode_kernel_available(torch.device("cpu"), torch.float32)),
+    not (decode_layer_available() and attention_kernel_available(torch.device("cpu"), torch.float32)),
     reason="the C++ kernels cannot be built here")
 
 CFG = ModelConfig(name="tiny", architecture="llama", num_layers=1, hidden_size=128,
@@ -74,9 +74,8 @@ def test_fused_layers_equal_python_path(num_seqs):
     for layer, (kc, vc) in zip(layers, expected_caches, strict=True):
         h = layer(h.clone(), expected_res, cos, sin, kc, vc, meta)
     res, got_caches = residual.clone(), [(a.clone(), b.clone()) for a, b in caches]
-    d = meta.decode
     out = decode_layers(fused, x.clone(), res, cos, sin, got_caches, meta.slot_mapping,
-                        d.block_tables, d.context_lens)
+                        meta.kernel.block_tables, meta.kernel.context_lens)
     assert torch.equal(out, h) and torch.equal(res, expected_res)
     for got, expected in zip(got_caches, expected_caches, strict=True):
         assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1])

@@ -10,7 +10,7 @@ import torch
 
 from conveyor.executor.kv_cache import KVCache
 from conveyor.executor.model_executor import ModelExecutor
-from conveyor.model.device import use_decode_kernel
+from conveyor.model.device import use_attention_kernel
 from conveyor.model.layers.attention import build_attention_metadata
 
 VOCAB = 96
@@ -60,15 +60,14 @@ def _build(kind: str, path: str):
     return model
 
 
-@pytest.mark.parametrize("decode_kernel", [False, True], ids=["torch", "kernel"])
+@pytest.mark.parametrize("attention_kernel", [False, True], ids=["torch", "kernel"])
 @pytest.mark.parametrize("kind", ["llama", "llama_tied", "qwen2", "qwen3"])
-def test_logits_match_transformers(kind: str, decode_kernel: bool, tmp_path) -> None:
+def test_logits_match_transformers(kind: str, attention_kernel: bool, tmp_path) -> None:
     ref = _build(kind, str(tmp_path))
     ex = ModelExecutor(str(tmp_path), dtype="float32", device="cpu")
     cfg = ex.model_config
-    if decode_kernel and not use_decode_kernel(ex.device, ex.dtype, cfg.head_dim,
-                                               cfg.num_queries_per_kv):
-        pytest.skip("the decode kernel does not run this head size / machine")
+    if attention_kernel and not use_attention_kernel(ex.device, ex.dtype, cfg.head_dim):
+        pytest.skip("the attention kernel does not run this head size / machine")
     assert cfg.architecture == kind.split("_")[0]
     assert cfg.num_params == sum(p.numel() for p in ref.parameters())
 
@@ -86,7 +85,7 @@ def test_logits_match_transformers(kind: str, decode_kernel: bool, tmp_path) -> 
     ids = [t for i in order for t in prompts[i]]
     meta = build_attention_metadata([tables[i] for i in order], [0, 0, 0],
                                     [len(prompts[i]) for i in order], block_size,
-                                    cfg.num_queries_per_kv, torch.device("cpu"), decode_kernel)
+                                    cfg.num_queries_per_kv, torch.device("cpu"), attention_kernel)
     logits = ex.model(torch.tensor(ids), meta.positions, cache.layers, meta,
                       torch.arange(len(ids)))
     got = dict(zip(order, torch.split(logits, [len(prompts[i]) for i in order]), strict=True))
@@ -99,7 +98,7 @@ def test_logits_match_transformers(kind: str, decode_kernel: bool, tmp_path) -> 
         full0 = ref(torch.tensor([prompts[0] + extra])).logits[0, -5:]
         full2 = ref(torch.tensor([prompts[2] + extra[:1]])).logits[0, -1:]
     meta = build_attention_metadata([tables[2], tables[0]], [20, 37], [1, 5], block_size,
-                                    cfg.num_queries_per_kv, torch.device("cpu"), decode_kernel)
+                                    cfg.num_queries_per_kv, torch.device("cpu"), attention_kernel)
     logits = ex.model(torch.tensor(extra[:1] + extra), meta.positions, cache.layers, meta,
                       torch.arange(6))
     torch.testing.assert_close(logits[0:1], full2, rtol=1e-4, atol=1e-4)

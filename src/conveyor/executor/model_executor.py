@@ -16,7 +16,7 @@ from conveyor.model.device import (
     configure_cpu_allocator,
     resolve_device,
     resolve_dtype,
-    use_decode_kernel,
+    use_attention_kernel,
 )
 from conveyor.model.layers.attention import build_attention_metadata
 from conveyor.model.loader import load_model
@@ -37,8 +37,7 @@ class ModelExecutor:
         self.tokenizer = loaded.tokenizer
         self.sampler = Sampler(seed, self.model_config.eos_token_ids)
         c = self.model_config
-        self.decode_kernel = use_decode_kernel(self.device, self.dtype, c.head_dim,
-                                               c.num_queries_per_kv)
+        self.attention_kernel = use_attention_kernel(self.device, self.dtype, c.head_dim)
         self.kv_cache: KVCache | None = None
 
     def kv_cache_bytes_per_block(self, block_size: int) -> int:
@@ -84,7 +83,7 @@ class ModelExecutor:
 
         meta = build_attention_metadata(tables, starts, counts, cache.block_size,
                                         self.model_config.num_queries_per_kv, self.device,
-                                        self.decode_kernel, self.dtype)
+                                        self.attention_kernel, self.dtype)
         sampled: list[list[int]] = [[] for _ in range(n)]
         logprobs: list[list[dict[int, float]]] = [[] for _ in range(n)]
         if not sample_entries:

@@ -68,12 +68,11 @@ def use_block_weights(device: torch.device, dtype: torch.dtype) -> bool:
     return block_matmul_available()
 
 
-def use_decode_kernel(device: torch.device, dtype: torch.dtype, head_dim: int,
-                      num_queries_per_kv: int) -> bool:
-    """The C++ paged decode attention kernel: CPU, float32/bf16, head_dim in 16..256 by 16s."""
-    from conveyor.model.kernels.decode_attention import decode_kernel_available
+def use_attention_kernel(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
+    """The C++ paged attention kernel: CPU, float32/bf16, head_dim in 16..256 by 16s."""
+    from conveyor.model.kernels.paged_attention import attention_kernel_available
 
-    return head_dim % 16 == 0 and head_dim <= 256 and decode_kernel_available(device, dtype)
+    return head_dim % 16 == 0 and head_dim <= 256 and attention_kernel_available(device, dtype)
 
 
 M_MMAP_THRESHOLD = -3  # glibc mallopt parameter

@@ -135,9 +135,8 @@ class LlamaForCausalLM(nn.Module):
         cos, sin = self.rotary.cos_sin(positions, residual.dtype)
         fused = self.fused_decode
         if fused is not None and meta.decode_only and x.shape[0] <= fused.max_rows:
-            d = meta.decode
             x = decode_layers(fused, x, residual, cos, sin, kv_caches, meta.slot_mapping,
-                              d.block_tables, d.context_lens)
+                              meta.kernel.block_tables, meta.kernel.context_lens)
         else:
             for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
                 x = layer(x, residual, cos, sin, k_cache, v_cache, meta)

@@ -11,7 +11,7 @@
 // call. At one to a few rows a matmul is bound by reading W, and these blocks are 0.75 (4-bit)
 // or 1.06 (8-bit) bytes per weight against float32's 4. Threads split the outputs.
 //
-// Built and loaded like paged_decode_attention.cpp; K is a multiple of 32 (the Python side
+// Built and loaded like paged_attention.cpp; K is a multiple of 32 (the Python side
 // checks).
 
 #include <cstdint>

@@ -9,7 +9,7 @@
 //   residual += x; h = rms_norm(residual)             (input_norm)
 //   qkv = h @ Wqkv^T; q, k = rotary(q, k)              (4-bit block matmul, one rotary pass
 //                                                      over q's and k's heads)
-//   k, v -> their cache slots; a = decode_attention(q)
+//   k, v -> their cache slots; a = paged_attention(q)
 //   residual += a @ Wo^T; h = rms_norm(residual)       (post_norm)
 //   out = (silu(h @ Wgate^T) * (h @ Wup^T)) @ Wdown^T
 //
@@ -22,7 +22,7 @@
 
 #include "block_matmul.cpp"
 #include "fused_ops.cpp"
-#include "paged_decode_attention.cpp"
+#include "paged_attention.cpp"
 
 namespace {
 
@@ -74,9 +74,9 @@ static void decode_layer(const LayerWeights* w, float* out, const float* x, floa
     std::memcpy(v_cache + slot_mapping[r] * kv_width, qkv.data() + r * qkv_width + qk_width,
                 kv_width * sizeof(float));
   }
-  decode_attention<float>(attn.data(), qk.data(), k_cache, v_cache, block_tables, context_lens,
-                          rows, q_heads, kv_heads, hd, block_size, max_blocks, qk_width, scale,
-                          num_threads);
+  paged_attention<float>(attn.data(), qk.data(), k_cache, v_cache, block_tables, nullptr,
+                         context_lens, rows, q_heads, kv_heads, hd, block_size, max_blocks,
+                         qk_width, scale, num_threads);
   matmul(proj.data(), attn.data(), w->o, rows, q_heads * hd, num_threads);
   rms_norm<float>(h.data(), proj.data(), residual, w->post_norm, rows, hidden, hidden, w->eps,
                   num_threads);

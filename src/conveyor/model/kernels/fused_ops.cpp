@@ -10,7 +10,7 @@
 //              out may be x (each pair of halves is read before it is written)
 //
 // Rows are spread over OpenMP threads when there are enough of them. Widths are multiples of
-// 16 (the Python side checks). Built and loaded like paged_decode_attention.cpp.
+// 16 (the Python side checks). Built and loaded like paged_attention.cpp.
 
 #include <cmath>
 #include <cstdint>

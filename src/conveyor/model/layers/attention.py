@@ -1,19 +1,20 @@
 """Paged attention over block tables, batched: no Python loop over sequences.
 
-A step's tokens are laid out flat: entries computing one token (decodes) first, then entries
-computing a chunk of >1 tokens (prefill, possibly after a cached prefix).
+A step's tokens are laid out flat, entry by entry: entries computing one token (decodes), then
+entries computing a chunk of >1 tokens (prefill, possibly after a cached prefix).
 
-* Decodes go to the C++ kernel (``kernels/paged_decode_attention.cpp``) when it runs here: it
-  reads each sequence's keys and values straight from their blocks.
-* Otherwise (CUDA, float16, no compiler, ``CONVEYOR_ATTENTION=torch``) and for prefill chunks,
-  entries are split into groups, each attended with one ``scaled_dot_product_attention`` call
-  per layer: decode groups of up to ``DECODE_GROUP_SIZE``, then prefill groups (entries of
-  similar length together, see ``_prefill_ranges``). For each
-  group, keys and values are gathered a whole block at a time through the ``[B, blocks]``
-  block table and an additive mask (0 or -inf, in the model's dtype, built once per step
-  rather than converted from bool by every layer's call) hides padding and future positions. Grouped-query attention
-  is done without repeating K/V: the ``g`` query heads that share a KV head are folded into
-  the query-length axis, ``[B, kv_heads, Q * g, head_dim]``.
+* On the CPU (float32/bf16, a C++ compiler at hand) every token goes to the kernel of
+  ``kernels/paged_attention.cpp``: each token attends to its own causal prefix, read straight
+  from its sequence's blocks (``KernelBatch``). No padding, no mask, no gathered keys.
+* Otherwise (CUDA, float16, no compiler, ``CONVEYOR_KERNELS=off``) entries are split into
+  groups, each attended with one ``scaled_dot_product_attention`` call per layer: decode groups
+  of up to ``DECODE_GROUP_SIZE``, then prefill groups (entries of similar length together, see
+  ``_prefill_ranges``). For each group, keys and values are gathered a whole block at a time
+  through the ``[B, blocks]`` block table and an additive mask (0 or -inf, in the model's
+  dtype, built once per step rather than converted from bool by every layer's call) hides
+  padding and future positions. Grouped-query attention is done without repeating K/V: the
+  ``g`` query heads that share a KV head are folded into the query-length axis,
+  ``[B, kv_heads, Q * g, head_dim]``.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from conveyor.model.kernels.decode_attention import paged_decode_attention
+from conveyor.model.kernels.paged_attention import kernel_attention
 
 DECODE_GROUP_SIZE = 16
 PREFILL_PADDING_LIMIT = 2.0  # a prefill group's padded work may be at most this x its real work
@@ -67,24 +68,25 @@ class AttentionGroup:
 
 
 @dataclass
-class DecodeBatch:
-    """The leading single-token entries, for the decode kernel."""
-    num_seqs: int
+class KernelBatch:
+    """Every token of a step, for the C++ kernel: token t attends to the first
+    ``context_lens[t]`` positions of the sequence whose block table is row ``token_seqs[t]``."""
     block_tables: torch.Tensor  # [S, max_blocks] int32 (padding: 0)
-    context_lens: torch.Tensor  # [S] int32, this step's token included
+    context_lens: torch.Tensor  # [T] int32, the token itself included
+    token_seqs: torch.Tensor | None  # [T] int32; None in a decode-only step (token t -> row t)
 
 
 @dataclass
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T] cache slot where each new token's K/V goes
     positions: torch.Tensor  # [T] position of each new token in its sequence
-    decode: DecodeBatch | None  # set when the decode kernel serves the decodes
-    groups: list[AttentionGroup]  # scaled_dot_product_attention groups, after the decodes
+    kernel: KernelBatch | None  # set when the C++ kernel attends every token
+    groups: list[AttentionGroup]  # scaled_dot_product_attention groups, without the kernel
 
     @property
     def decode_only(self) -> bool:
-        """Every token is a decode, and the decode kernel serves them."""
-        return self.decode is not None and not self.groups
+        """Every token is a decode, and the kernel serves them."""
+        return self.kernel is not None and self.kernel.token_seqs is None
 
 
 def build_attention_metadata(
@@ -94,21 +96,21 @@ def build_attention_metadata(
     block_size: int,
     num_queries_per_kv: int,
     device: torch.device,
-    decode_kernel: bool = False,
+    attention_kernel: bool = False,
     dtype: torch.dtype = torch.float32,
 ) -> AttentionMetadata:
-    """Entries must be ordered decode (num_new == 1) first, then prefill chunks.
+    """With ``attention_kernel``, one ``KernelBatch`` covers every token, in any entry order.
 
-    With ``decode_kernel``, the decodes form one ``DecodeBatch``. Without it they are attended
-    in groups of ``DECODE_GROUP_SIZE``, each padded to its own longest context: with decodes
-    sorted by context length, little of the padding is computed.
+    Without it, entries must be ordered decode (num_new == 1) first, then prefill chunks. The
+    decodes are attended in groups of ``DECODE_GROUP_SIZE``, each padded to its own longest
+    context: with decodes sorted by context length, little of the padding is computed.
     """
     num_decode = 0
     while num_decode < len(num_new) and num_new[num_decode] == 1:
         num_decode += 1
-    if decode_kernel and num_decode == len(num_new):
+    if attention_kernel and num_decode == len(num_new):
         return _decode_only_metadata(block_tables, starts, block_size, device)
-    if any(n == 1 for n in num_new[num_decode:]):
+    if not attention_kernel and any(n == 1 for n in num_new[num_decode:]):
         raise ValueError("entries must be ordered with single-token entries first")
     width = max(len(t) for t in block_tables)
     table = torch.tensor([t + [0] * (width - len(t)) for t in block_tables], dtype=torch.int64)
@@ -121,18 +123,15 @@ def build_attention_metadata(
         torch.cumsum(new_t, 0) - new_t, new_t)
     pos = start_t[entry_of_token] + offset_in_entry
     slot_mapping = table[entry_of_token, pos // block_size] * block_size + pos % block_size
+    if attention_kernel:
+        kernel = KernelBatch(table.to(torch.int32).to(device), (pos + 1).to(torch.int32).to(device),
+                             entry_of_token.to(torch.int32).to(device))
+        return AttentionMetadata(slot_mapping.to(device), pos.to(device), kernel, [])
 
-    decode = None
     groups = []
     token_start = 0
     ranges = [(lo, min(lo + DECODE_GROUP_SIZE, num_decode))
               for lo in range(0, num_decode, DECODE_GROUP_SIZE)]
-    if decode_kernel and num_decode:
-        decode_width = max(len(t) for t in block_tables[:num_decode])
-        decode = DecodeBatch(num_decode,
-                             table[:num_decode, :decode_width].to(torch.int32).contiguous(),
-                             (start_t[:num_decode] + 1).to(torch.int32))
-        ranges, token_start = [], num_decode
     if num_decode < len(num_new):
         ranges += _prefill_ranges(starts, num_new, num_decode)
     for lo, hi in ranges:
@@ -156,7 +155,7 @@ def build_attention_metadata(
                                      mask.to(device), query_tokens.to(device),
                                      real_slots.to(device)))
         token_start += n_tok
-    return AttentionMetadata(slot_mapping.to(device), pos.to(device), decode, groups)
+    return AttentionMetadata(slot_mapping.to(device), pos.to(device), None, groups)
 
 
 def _decode_only_metadata(block_tables: list[list[int]], starts: list[int], block_size: int,
@@ -168,9 +167,9 @@ def _decode_only_metadata(block_tables: list[list[int]], starts: list[int], bloc
     width = max(len(t) for t in block_tables)
     table = torch.tensor([t + [0] * (width - len(t)) for t in block_tables], dtype=torch.int32)
     context_lens = torch.tensor([p + 1 for p in starts], dtype=torch.int32)
-    decode = DecodeBatch(len(starts), table.to(device), context_lens.to(device))
+    kernel = KernelBatch(table.to(device), context_lens.to(device), None)
     return AttentionMetadata(torch.tensor(slots, device=device),
-                             torch.tensor(starts, device=device), decode, [])
+                             torch.tensor(starts, device=device), kernel, [])
 
 
 def _prefill_ranges(starts: list[int], num_new: list[int], lo: int) -> list[tuple[int, int]]:
@@ -205,7 +204,7 @@ def paged_attention(
     written into ``out`` when it is a contiguous tensor of that shape and q's dtype.
 
     q's rows may be strided (a view of the fused QKV output) as long as its heads are packed.
-    Each prefill group is gathered straight into SDPA's [B, kv_heads, Q * g, head_dim] layout,
+    Without the kernel, each group is gathered straight into SDPA's [B, kv_heads, Q * g, head_dim] layout,
     and its output straight into its rows of the result: one copy each way, with
     ``index_select`` (whole head_dim rows; advanced indexing would go element by element)."""
     num_tokens, num_heads, head_dim = q.shape
@@ -215,13 +214,10 @@ def paged_attention(
     flat_v = v_cache.view(-1, kv_heads, head_dim)
     flat_k.index_copy_(0, meta.slot_mapping, k)
     flat_v.index_copy_(0, meta.slot_mapping, v)
-    decoded = None
-    if meta.decode is not None:
-        d = meta.decode
-        decoded = paged_decode_attention(q[:d.num_seqs], k_cache, v_cache, d.block_tables,
-                                         d.context_lens, head_dim ** -0.5)
-        if not meta.groups:
-            return decoded.view(d.num_seqs, num_heads * head_dim)
+    if meta.kernel is not None:
+        kb = meta.kernel
+        return kernel_attention(q, k_cache, v_cache, kb.block_tables, kb.context_lens,
+                                head_dim ** -0.5, kb.token_seqs, out=out)
     if q.stride(2) != 1 or q.stride(1) != head_dim or q.stride(0) % head_dim:
         q = q.contiguous()
     rows_per_token = q.stride(0) // head_dim
@@ -229,8 +225,6 @@ def paged_attention(
     shape = (num_tokens, num_heads * head_dim)
     if out is None or out.shape != shape or out.dtype != q.dtype or not out.is_contiguous():
         out = torch.empty(shape, dtype=q.dtype, device=q.device)
-    if decoded is not None:
-        out[:decoded.shape[0]] = decoded.view(decoded.shape[0], -1)
     for grp in meta.groups:
         b, nq = grp.batch, grp.max_query_len
         qg = q_rows.index_select(0, grp.query_rows(rows_per_token, kv_heads, g))

@@ -1,17 +1,21 @@
-// Decode attention read straight from the paged KV cache (CPU).
+// Paged attention read straight from the KV cache (CPU): decodes and prefill chunks alike.
 //
-// One query token per sequence. For each (sequence, KV head) the g query heads that share the
-// KV head walk the sequence's block table together: each key row is read from its block once,
-// converted to float once and dotted with all g queries; the same for values. Nothing is
-// gathered into a contiguous copy first, which is what makes this faster than
-// index_select + scaled_dot_product_attention for decode.
+// Every query token attends to the first context_lens[t] positions of its sequence, the
+// sequence being token_seqs[t] (a row of block_tables; null: token t is sequence t's only
+// token, a decode step). A prefill chunk's tokens thus each see their own causal prefix,
+// cached prefix included: no padding, no mask, no gathered copy of the keys.
+// For each (token, KV head) the g query heads that share the KV head walk the sequence's block
+// table together: each key row is read from its block once, converted to float once and
+// dotted with all g queries; the same for values. Nothing is gathered into a contiguous copy
+// first, which is what makes this faster than index_select + scaled_dot_product_attention.
 //
 // Layouts (element strides; T is float or bf16 stored as uint16_t):
-//   q:            [num_seqs, num_heads, head_dim], row stride q_stride between sequences
+//   q:            [num_tokens, num_heads, head_dim], row stride q_stride between tokens
 //   k/v cache:    [num_blocks, block_size, num_kv_heads, head_dim], contiguous
 //   block_tables: [num_seqs, max_blocks] int32
-//   context_lens: [num_seqs] int32 (tokens to attend, including this step's)
-//   out:          [num_seqs, num_heads, head_dim], contiguous
+//   token_seqs:   [num_tokens] int32, or null
+//   context_lens: [num_tokens] int32 (positions to attend, the token's own included)
+//   out:          [num_tokens, num_heads, head_dim], contiguous
 //
 // Built by conveyor/model/kernels/build.py with the system C++ compiler and OpenMP; loaded
 // with ctypes. The OpenMP runtime is the one torch already loaded (same soname).
@@ -34,7 +38,7 @@ struct Scratch {  // per thread, reused across tasks
   std::vector<vfloat> qv, acc;
 };
 
-// One sequence, KV heads [h0, h1): each of them with its `group` query heads. The context is
+// One query token, KV heads [h0, h1): each of them with its `group` query heads. The context is
 // read block by block and, within a block, token row by token row with all the range's heads
 // at once: a sequential stream the hardware prefetcher follows, plus a software prefetch of
 // the next block (blocks are scattered); the key pass also prefetches the value rows into L2,
@@ -134,35 +138,36 @@ void attend(T* out, const T* q, const T* k_cache, const T* v_cache, const int32_
 }
 
 template <typename T>
-void decode_attention(T* out, const T* q, const T* k_cache, const T* v_cache,
-                      const int32_t* block_tables, const int32_t* context_lens,
-                      int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,
-                      int64_t head_dim, int64_t block_size, int64_t max_blocks,
-                      int64_t q_stride, float scale, int num_threads) {
+void paged_attention(T* out, const T* q, const T* k_cache, const T* v_cache,
+                     const int32_t* block_tables, const int32_t* token_seqs,
+                     const int32_t* context_lens, int64_t num_tokens, int64_t num_heads,
+                     int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
+                     int64_t max_blocks, int64_t q_stride, float scale, int num_threads) {
   const int64_t group = num_heads / num_kv_heads;
   const int64_t token_stride = num_kv_heads * head_dim;
-  // A task is one sequence and a range of KV heads: all heads (a whole token row per read)
-  // when there are enough sequences to keep the threads busy, else one head per task.
-  const int64_t span = num_seqs >= 4 * num_threads ? num_kv_heads : 1;
+  // A task is one token and a range of KV heads: all heads (a whole token row per read) when
+  // there are enough tokens to keep the threads busy, else one head per task. A prefill
+  // chunk's consecutive tokens read the same rows, which the cache then still holds.
+  const int64_t span = num_tokens >= 4 * num_threads ? num_kv_heads : 1;
   const int64_t ranges = num_kv_heads / span;
 #pragma omp parallel num_threads(num_threads)
   {
     Scratch scratch;
 #pragma omp for schedule(dynamic, 1)
-    for (int64_t task = 0; task < num_seqs * ranges; ++task) {
-      const int64_t s = task / ranges, h0 = task % ranges * span;
-      const int64_t ctx = context_lens[s];
-      const int32_t* table = block_tables + s * max_blocks;
-      T* o = out + s * num_heads * head_dim;
-      const T* qs = q + s * q_stride;
+    for (int64_t task = 0; task < num_tokens * ranges; ++task) {
+      const int64_t t = task / ranges, h0 = task % ranges * span;
+      const int64_t ctx = context_lens[t];
+      const int32_t* table = block_tables + (token_seqs ? token_seqs[t] : t) * max_blocks;
+      T* o = out + t * num_heads * head_dim;
+      const T* qt = q + t * q_stride;
       if (head_dim == 64)
-        attend<T, 64 / kLanes>(o, qs, k_cache, v_cache, table, ctx, h0, h0 + span, group, head_dim,
-                     block_size, token_stride, scale, scratch);
+        attend<T, 64 / kLanes>(o, qt, k_cache, v_cache, table, ctx, h0, h0 + span, group,
+                               head_dim, block_size, token_stride, scale, scratch);
       else if (head_dim == 128)
-        attend<T, 128 / kLanes>(o, qs, k_cache, v_cache, table, ctx, h0, h0 + span, group, head_dim,
-                     block_size, token_stride, scale, scratch);
+        attend<T, 128 / kLanes>(o, qt, k_cache, v_cache, table, ctx, h0, h0 + span, group,
+                                head_dim, block_size, token_stride, scale, scratch);
       else
-        attend<T, 0>(o, qs, k_cache, v_cache, table, ctx, h0, h0 + span, group, head_dim,
+        attend<T, 0>(o, qt, k_cache, v_cache, table, ctx, h0, h0 + span, group, head_dim,
                      block_size, token_stride, scale, scratch);
     }
   }
@@ -170,17 +175,18 @@ void decode_attention(T* out, const T* q, const T* k_cache, const T* v_cache,
 
 }  // namespace
 
-#define CONVEYOR_DECODE_ATTENTION(NAME, T)                                                     \
+#define CONVEYOR_PAGED_ATTENTION(NAME, T)                                                    \
   extern "C" void NAME(void* out, const void* q, const void* k_cache, const void* v_cache,  \
-                       const int32_t* block_tables, const int32_t* context_lens,            \
-                       int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,           \
-                       int64_t head_dim, int64_t block_size, int64_t max_blocks,            \
-                       int64_t q_stride, float scale, int num_threads) {                    \
-    decode_attention<T>(static_cast<T*>(out), static_cast<const T*>(q),                     \
-                        static_cast<const T*>(k_cache), static_cast<const T*>(v_cache),     \
-                        block_tables, context_lens, num_seqs, num_heads, num_kv_heads,      \
-                        head_dim, block_size, max_blocks, q_stride, scale, num_threads);    \
+                       const int32_t* block_tables, const int32_t* token_seqs,              \
+                       const int32_t* context_lens, int64_t num_tokens, int64_t num_heads,  \
+                       int64_t num_kv_heads, int64_t head_dim, int64_t block_size,          \
+                       int64_t max_blocks, int64_t q_stride, float scale, int num_threads) { \
+    paged_attention<T>(static_cast<T*>(out), static_cast<const T*>(q),                      \
+                       static_cast<const T*>(k_cache), static_cast<const T*>(v_cache),      \
+                       block_tables, token_seqs, context_lens, num_tokens, num_heads,       \
+                       num_kv_heads, head_dim, block_size, max_blocks, q_stride, scale,     \
+                       num_threads);                                                        \
   }
 
-CONVEYOR_DECODE_ATTENTION(decode_attention_f32, float)
-CONVEYOR_DECODE_ATTENTION(decode_attention_bf16, uint16_t)
+CONVEYOR_PAGED_ATTENTION(paged_attention_f32, float)
+CONVEYOR_PAGED_ATTENTION(paged_attention_bf16, uint16_t)

@@ -1,4 +1,5 @@
-"""The C++ paged decode attention kernel: equal to a float64 reference, and its fallbacks."""
+"""The C++ paged attention kernel (decodes and prefill chunks): equal to a float64 reference,
+and its fallbacks."""
 
 from __future__ import annotations
 
@@ -7,29 +8,30 @@ import torch
 import torch.nn.functional as F
 
 from conveyor.model.kernels import build
-from conveyor.model.kernels.decode_attention import decode_kernel_available, paged_decode_attention
+from conveyor.model.kernels.paged_attention import attention_kernel_available, kernel_attention
 from conveyor.model.layers.attention import build_attention_metadata, paged_attention
 
 CPU = torch.device("cpu")
-needs_kernel = pytest.mark.skipif(not decode_kernel_available(CPU, torch.float32),
-                                  reason="no C++ compiler: the torch path serves decodes")
+needs_kernel = pytest.mark.skipif(not attention_kernel_available(CPU, torch.float32),
+                                  reason="no C++ compiler: the torch path attends")
 
 
-def _reference(q, k_cache, v_cache, tables, lens):
-    """Per sequence: gather its keys/values token by token, attend in float64."""
+def _reference(q, k_cache, v_cache, tables, lens, token_seqs=None):
+    """Per query token: gather its sequence's first ``lens[t]`` keys/values position by
+    position, attend in float64. Returns [T, num_heads * head_dim]."""
     num_heads, kv_heads = q.shape[1], k_cache.shape[2]
     bs = k_cache.shape[1]
     out = []
     for s in range(q.shape[0]):
-        n = int(lens[s])
-        slots = [(int(tables[s, t // bs]), t % bs) for t in range(n)]
+        n, row = int(lens[s]), s if token_seqs is None else int(token_seqs[s])
+        slots = [(int(tables[row, t // bs]), t % bs) for t in range(n)]
         k = torch.stack([k_cache[b, o] for b, o in slots]).double()  # [n, kv_heads, D]
         v = torch.stack([v_cache[b, o] for b, o in slots]).double()
         g = num_heads // kv_heads
         k = k.repeat_interleave(g, dim=1).transpose(0, 1)
         v = v.repeat_interleave(g, dim=1).transpose(0, 1)
         out.append(F.scaled_dot_product_attention(q[s].double()[:, None], k, v)[:, 0])
-    return torch.stack(out)
+    return torch.stack(out).flatten(1)
 
 
 @needs_kernel
@@ -53,7 +55,7 @@ def test_kernel_equals_reference(dtype, head_dim, num_heads, kv_heads, block_siz
     tables = perm[:len(lens) * max_blocks].view(len(lens), max_blocks).to(torch.int32)
     # q as the model has it: a strided view into a wider row
     q = torch.randn(len(lens), num_heads + 5, head_dim, generator=gen).to(dtype)[:, :num_heads]
-    got = paged_decode_attention(q, k_cache, v_cache, tables, lens, head_dim ** -0.5)
+    got = kernel_attention(q, k_cache, v_cache, tables, lens, head_dim ** -0.5)
     expected = _reference(q, k_cache, v_cache, tables, lens)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(got.double(), expected, rtol=tol, atol=tol)
@@ -61,8 +63,52 @@ def test_kernel_equals_reference(dtype, head_dim, num_heads, kv_heads, block_siz
 
 @needs_kernel
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("head_dim", "num_heads", "kv_heads", "block_size"), [
+    (64, 9, 3, 16), (80, 4, 4, 1)])
+def test_prefill_chunks_attend_their_causal_prefix(dtype, head_dim, num_heads, kv_heads,
+                                                   block_size) -> None:
+    """Tokens of several sequences in one call (token_seqs), each chunk after a cached prefix
+    of its own length: each token sees exactly the positions up to its own."""
+    gen = torch.Generator().manual_seed(11)
+    k_cache = torch.randn(400, block_size, kv_heads, head_dim, generator=gen).to(dtype)
+    v_cache = torch.randn(400, block_size, kv_heads, head_dim, generator=gen).to(dtype)
+    starts, num_new = [0, 37, 5, 0], [23, 9, 1, 2]  # a decode between chunks: any order works
+    max_blocks = (max(s + n for s, n in zip(starts, num_new, strict=True)) + block_size - 1) // block_size
+    tables = torch.randperm(400, generator=gen)[:4 * max_blocks].view(4, max_blocks)
+    token_seqs = torch.repeat_interleave(torch.arange(4), torch.tensor(num_new)).to(torch.int32)
+    lens = torch.cat([torch.arange(s + 1, s + n + 1) for s, n in zip(starts, num_new, strict=True)])
+    q = torch.randn(len(lens), num_heads, head_dim, generator=gen).to(dtype)
+    out = torch.empty(len(lens), num_heads * head_dim, dtype=dtype)
+    got = kernel_attention(q, k_cache, v_cache, tables.to(torch.int32), lens.to(torch.int32),
+                           head_dim ** -0.5, token_seqs, out=out)
+    assert got.data_ptr() == out.data_ptr()
+    expected = _reference(q, k_cache, v_cache, tables, lens, token_seqs)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got.double(), expected, rtol=tol, atol=tol)
+    # a token given a longer context than its own sees more: the lengths are what is used
+    longer = kernel_attention(q, k_cache, v_cache, tables.to(torch.int32),
+                              (lens + 1).to(torch.int32), head_dim ** -0.5, token_seqs)
+    assert not torch.allclose(longer.double(), expected, rtol=tol, atol=tol)
+
+
+@needs_kernel
+def test_bad_kernel_arguments_are_refused() -> None:
+    k_cache = torch.zeros(4, 16, 3, 64)
+    q = torch.zeros(2, 9, 64)
+    tables = torch.zeros(2, 1, dtype=torch.int32)
+    lens = torch.ones(2, dtype=torch.int32)
+    with pytest.raises(ValueError, match="int32"):
+        kernel_attention(q, k_cache, k_cache, tables.long(), lens, 0.125)
+    with pytest.raises(ValueError, match="one entry per token"):
+        kernel_attention(q, k_cache, k_cache, tables, lens[:1], 0.125)
+    with pytest.raises(ValueError, match="a row per token"):
+        kernel_attention(q, k_cache, k_cache, tables[:1], lens, 0.125)
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_metadata_with_kernel_equals_torch_path(dtype) -> None:
-    """Decodes (kernel) next to two prefill chunks (SDPA): same result as the all-torch path."""
+    """Decodes next to two prefill chunks: the kernel gives the all-torch path's result."""
     gen = torch.Generator().manual_seed(7)
     bs, kv_heads, num_heads, head_dim = 4, 2, 6, 32
     k_cache = torch.randn(64, bs, kv_heads, head_dim, generator=gen).to(dtype)
@@ -76,8 +122,8 @@ def test_metadata_with_kernel_equals_torch_path(dtype) -> None:
     outs = []
     for kernel in (False, True):
         meta = build_attention_metadata(tables, starts, num_new, bs, num_heads // kv_heads, CPU,
-                                        decode_kernel=kernel)
-        assert (meta.decode is not None) == kernel
+                                        attention_kernel=kernel)
+        assert (meta.kernel is not None) == kernel and bool(meta.groups) != kernel
         outs.append(paged_attention(q, k, v, k_cache.clone(), v_cache.clone(), meta))
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(outs[1].float(), outs[0].float(), rtol=tol, atol=tol)
@@ -87,7 +133,7 @@ def test_env_turns_the_kernels_off(monkeypatch) -> None:
     monkeypatch.setenv("CONVEYOR_KERNELS", "off")
     build.kernel_library.cache_clear()
     try:
-        assert not decode_kernel_available(CPU, torch.float32)
+        assert not attention_kernel_available(CPU, torch.float32)
     finally:
         monkeypatch.delenv("CONVEYOR_KERNELS")
         build.kernel_library.cache_clear()
@@ -99,8 +145,8 @@ def test_no_compiler_falls_back_with_a_warning(monkeypatch, tmp_path) -> None:
     build.kernel_library.cache_clear()
     try:
         with pytest.warns(UserWarning, match="torch path"):
-            assert not decode_kernel_available(CPU, torch.float32)
-        assert not decode_kernel_available(torch.device("cuda"), torch.float32)
+            assert not attention_kernel_available(CPU, torch.float32)
+        assert not attention_kernel_available(torch.device("cuda"), torch.float32)
     finally:
         build.kernel_library.cache_clear()
 
@@ -108,10 +154,10 @@ def test_no_compiler_falls_back_with_a_warning(monkeypatch, tmp_path) -> None:
 @needs_kernel
 def test_build_is_cached_per_machine(monkeypatch, tmp_path) -> None:
     monkeypatch.setenv("CONVEYOR_CACHE_DIR", str(tmp_path))
-    _, first = build.build_kernel("paged_decode_attention.cpp")
-    _, second = build.build_kernel("paged_decode_attention.cpp")
+    _, first = build.build_kernel("paged_attention.cpp")
+    _, second = build.build_kernel("paged_attention.cpp")
     assert first > 0 and second == 0
-    assert len(list((tmp_path / "kernels").glob("paged_decode_attention-*.so"))) == 1
+    assert len(list((tmp_path / "kernels").glob("paged_attention-*.so"))) == 1
 
 
 def test_kernel_sources_ship_in_the_package() -> None:

@@ -1,0 +1,72 @@
+"""Paged attention on the CPU, decodes and prefill chunks: the C++ kernel of
+``paged_attention.cpp`` via ctypes.
+
+``attention_kernel_available()`` builds the kernel on first use (see ``build.py``) and says
+whether it can run here; ``CONVEYOR_KERNELS=off`` turns it off (``layers/attention.py`` then
+takes its ``scaled_dot_product_attention`` path).
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from conveyor.model.kernels.build import kernel_function
+
+_SYMBOLS = {torch.float32: "paged_attention_f32", torch.bfloat16: "paged_attention_bf16"}
+_ARGTYPES = ([ctypes.c_void_p] * 7 + [ctypes.c_int64] * 7 + [ctypes.c_float, ctypes.c_int])
+
+
+def _kernel(dtype: torch.dtype):
+    if dtype not in _SYMBOLS:
+        return None
+    return kernel_function("paged_attention.cpp", _SYMBOLS[dtype], _ARGTYPES)
+
+
+def attention_kernel_available(device: torch.device, dtype: torch.dtype) -> bool:
+    return device.type == "cpu" and _kernel(dtype) is not None
+
+
+def kernel_attention(
+    q: torch.Tensor,  # [T, num_heads, head_dim], heads packed; rows may be strided
+    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim], contiguous
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,  # [S, max_blocks] int32
+    context_lens: torch.Tensor,  # [T] int32: positions token t attends, its own included
+    scale: float,
+    token_seqs: torch.Tensor | None = None,  # [T] int32 row of block_tables; None: token t -> t
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Returns [T, num_heads * head_dim], written into ``out`` when it is a contiguous tensor
+    of that shape and q's dtype."""
+    kernel = _kernel(q.dtype)
+    if kernel is None:
+        raise RuntimeError(f"the paged attention kernel is not available for {q.dtype}")
+    num_tokens, num_heads, head_dim = q.shape
+    _, block_size, num_kv_heads, _ = k_cache.shape
+    if q.stride(2) != 1 or q.stride(1) != head_dim:
+        q = q.contiguous()
+    tensors = {"k_cache": k_cache, "v_cache": v_cache, "block_tables": block_tables,
+               "context_lens": context_lens}
+    if token_seqs is not None:
+        tensors["token_seqs"] = token_seqs
+    for name, t in tensors.items():
+        if not t.is_contiguous():
+            raise ValueError(f"{name} must be contiguous")
+        if name not in ("k_cache", "v_cache") and t.dtype != torch.int32:
+            raise ValueError(f"{name} must be int32")
+    if token_seqs is None and block_tables.shape[0] < num_tokens:
+        raise ValueError("without token_seqs, block_tables needs a row per token")
+    if context_lens.shape != (num_tokens,) or (token_seqs is not None
+                                               and token_seqs.shape != (num_tokens,)):
+        raise ValueError("context_lens and token_seqs need one entry per token")
+    shape = (num_tokens, num_heads * head_dim)
+    if out is None or out.shape != shape or out.dtype != q.dtype or not out.is_contiguous():
+        out = torch.empty(shape, dtype=q.dtype)
+    kernel(
+        out.data_ptr(), q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
+        block_tables.data_ptr(), None if token_seqs is None else token_seqs.data_ptr(),
+        context_lens.data_ptr(), num_tokens, num_heads, num_kv_heads, head_dim, block_size,
+        block_tables.shape[1], q.stride(0), scale, torch.get_num_threads())
+    return out
