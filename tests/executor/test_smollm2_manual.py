@@ -58,9 +58,7 @@ def test_gguf_weights_equal_transformers_loader(executor, hf_model) -> None:
     layer = ours.layers[3]
     p = "model.layers.3."
     qkv = torch.cat([sd[p + f"self_attn.{n}_proj.weight"] for n in "qkv"])
-    weight = layer.qkv_proj.weight  # oneDNN's packed layout where the CPU runs it
-    weight = weight.to_dense() if layer.qkv_proj.packed else weight
-    torch.testing.assert_close(weight, qkv, rtol=0, atol=0)
+    torch.testing.assert_close(layer.qkv_proj.dense_weight(), qkv, rtol=0, atol=0)
     every_token = torch.arange(executor.model_config.vocab_size)
     torch.testing.assert_close(ours.embed(every_token), sd["model.embed_tokens.weight"],
                                rtol=0, atol=0)

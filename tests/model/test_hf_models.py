@@ -171,14 +171,14 @@ def test_many_decodes_of_different_lengths(tmp_path) -> None:
 
 
 def test_bfloat16_with_prepacked_weights_is_close(tmp_path) -> None:
-    from conveyor.model.device import prepack_linear_weights
+    from conveyor.model.device import linear_packing
 
     ref = _build("qwen2", str(tmp_path))  # QKV bias: the packed path with a bias
     ex = ModelExecutor(str(tmp_path), dtype="bfloat16", device="cpu")
     cfg = ex.model_config
     assert cfg.dtype == "bfloat16"
-    packed = prepack_linear_weights(torch.device("cpu"), torch.bfloat16)
-    assert ex.model.layers[0].qkv_proj.packed == packed and ex.model.lm_head.packed == packed
+    packing = linear_packing(torch.device("cpu"), torch.bfloat16)
+    assert ex.model.layers[0].qkv_proj.packing == packing and ex.model.lm_head.packing == packing
     prompt = torch.randint(3, VOCAB, (30,), generator=torch.Generator().manual_seed(3)).tolist()
     cache = KVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, 16, 4, 0, torch.bfloat16,
                     torch.device("cpu"))

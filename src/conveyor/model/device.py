@@ -47,19 +47,30 @@ def dtype_name(dtype: torch.dtype) -> str:
     return next(k for k, v in _DTYPES.items() if v == dtype)
 
 
-def prepack_linear_weights(device: torch.device, dtype: torch.dtype) -> bool:
-    """Pack matmul weights for oneDNN (see layers/linear.py): on the CPU in float32, and in bf16
-    where the CPU has native bf16 (elsewhere oneDNN would emulate it)."""
+def linear_packing(device: torch.device, dtype: torch.dtype) -> str | None:
+    """How matmul weights are laid out once loaded (layers/linear.py): ``"panels"`` for float32
+    on the CPU (kernels/panel_gemm.cpp), ``"onednn"`` for bf16 where the CPU has native bf16 (and
+    float32 when the panel kernel cannot be built), None (dense, ``F.linear``) elsewhere: oneDNN
+    would emulate bf16."""
+    if device.type != "cpu":
+        return None
+    if dtype == torch.float32:
+        from conveyor.model.kernels.panel_gemm import panel_gemm_available
+
+        if panel_gemm_available():
+            return "panels"
     native = dtype == torch.float32 or (dtype == torch.bfloat16 and cpu_has_native_bf16())
-    return (device.type == "cpu" and native and torch.backends.mkldnn.is_available()
-            and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
+    if native and torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn,
+                                                                     "_linear_pointwise"):
+        return "onednn"
+    return None
 
 
 def use_block_weights(device: torch.device, dtype: torch.dtype) -> bool:
     """Keep a GGUF file's quantized blocks for small batches (layers/quantized.py): on the CPU,
     4-bit in bf16 through torch's int4 kernel; 4- and 8-bit in float32 through
     kernels/block_matmul.cpp."""
-    if not prepack_linear_weights(device, dtype):
+    if linear_packing(device, dtype) is None:
         return False
     if dtype == torch.bfloat16:
         return hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu")

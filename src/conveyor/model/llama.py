@@ -212,13 +212,14 @@ class LlamaForCausalLM(nn.Module):
         if leftover:
             raise ValueError(f"unexpected weights in the checkpoint: {leftover[:5]}")
 
-    def prepack(self) -> None:
-        """Pack every matmul weight for oneDNN (the tied lm_head gets its own packed copy)."""
+    def prepack(self, packing: str) -> None:
+        """Lay every matmul weight out for ``packing`` (see ``Linear.prepack``); the tied lm_head
+        gets its own packed copy."""
         if self.lm_head.weight is self.embed_tokens:
             self.lm_head.weight = nn.Parameter(self.embed_tokens.data.clone(), requires_grad=False)
         for module in self.modules():
             if isinstance(module, Linear):
-                module.prepack()
+                module.prepack(packing)
 
     def attach_blocks(self, blocks: dict[str, Int4Blocks | Int8Blocks]) -> int:
         """Give each projection whose checkpoint weights were all blocks of one kind its quantized

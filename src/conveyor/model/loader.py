@@ -38,7 +38,7 @@ class LoadedModel:
 def load_model(model: str | None, dtype: torch.dtype, device: torch.device) -> LoadedModel:
     from conveyor.model.device import (
         dtype_name,
-        prepack_linear_weights,
+        linear_packing,
         return_freed_memory,
         use_block_weights,
     )
@@ -75,8 +75,9 @@ def load_model(model: str | None, dtype: torch.dtype, device: torch.device) -> L
     net.rotary.to(device)
     config.dtype = dtype_name(dtype)
     config.num_params = net.num_params()
-    if prepack_linear_weights(device, dtype):
-        net.prepack()
+    packing = linear_packing(device, dtype)
+    if packing is not None:
+        net.prepack(packing)
     config.quantized_bytes = net.attach_blocks(blocks) if blocks else 0
     if blocks:
         net.fuse_decode_layers()

@@ -1,11 +1,18 @@
-"""Linear layer whose weight can be prepacked for oneDNN (CPU), with an optional quantized copy.
+"""Linear layer whose weight is laid out once for the CPU's fastest GEMM, with an optional
+quantized copy.
 
-``F.linear`` on bf16 CPU tensors re-lays-out the weight for oneDNN on every call; packing it
-once (``torch.ops.mkldnn._reorder_linear_weight``) and calling ``_linear_pointwise`` makes the
-small-batch (decode) matmuls about 2x faster. In float32 (CPUs without native bf16) the packed
-GEMM beats ``F.linear``'s MKL call too: 1.1x at 64 rows, 2.4x at 4 (AVX2). The packed tensor
-replaces the dense weight (same element count and size), so memory is not doubled. Whether to
-pack is decided in ``conveyor.model.device.prepack_linear_weights``.
+``prepack`` picks the layout (``conveyor.model.device.linear_packing`` decides which):
+
+* ``"panels"``, float32: column panels for the C++ GEMM of ``kernels/panel_gemm.cpp``. On the
+  2-core AVX2 machine it beat oneDNN's packed float32 GEMM by 1.25-1.35x from 64 to 4,096 rows
+  (docs/performance.md, change 19).
+* ``"onednn"``, bf16 with native bf16 (or float32 without a C++ compiler): ``F.linear`` on bf16
+  CPU tensors re-lays-out the weight for oneDNN on every call; packing it once
+  (``torch.ops.mkldnn._reorder_linear_weight``) and calling ``_linear_pointwise`` makes the
+  small-batch (decode) matmuls about 2x faster.
+
+Either packed tensor replaces the dense weight (about the same size), so memory is not doubled;
+``dense_weight()`` gives the [out, in] matrix back.
 
 When the checkpoint stored the weight as blocks (GGUF Q4_0 / Q4_1 / Q8_0), ``quantized`` holds
 them too (``layers/quantized.py``) and serves calls of up to its ``max_tokens`` rows, where
@@ -19,6 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from conveyor.model.kernels.panel_gemm import pack_panels, panel_gemm, unpack_panels
 from conveyor.model.layers.quantized import Int8Blocks, NibbleInt4, PackedInt4
 
 PACK_BATCH_HINT = 64  # batch size oneDNN tunes the packed layout for
@@ -30,14 +38,18 @@ class Linear(nn.Module):
         self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
         self.bias = (nn.Parameter(torch.empty(out_features), requires_grad=False) if bias
                      else None)
-        self.packed = False
+        self.out_features = out_features
+        self.packing: str | None = None  # None (dense), "panels" or "onednn": see prepack
         self.quantized: PackedInt4 | NibbleInt4 | Int8Blocks | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.quantized is not None and x.shape[0] <= self.quantized.max_tokens:
             y = self.quantized.matmul(x)
             return y if self.bias is None else y + self.bias
-        if self.packed:
+        if self.packing == "panels":
+            y = panel_gemm(x, self.weight, self.out_features)
+            return y if self.bias is None else y.add_(self.bias)
+        if self.packing == "onednn":
             return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
 
@@ -47,9 +59,24 @@ class Linear(nn.Module):
             return self.quantized.nbytes()
         return self.weight.numel() * self.weight.element_size()
 
-    def prepack(self) -> None:
-        """Swap the dense weight for oneDNN's packed layout (inference only, after .to())."""
-        if not self.packed:
+    def dense_weight(self) -> torch.Tensor:
+        """The weight as an [out, in] matrix, whatever its layout."""
+        if self.packing == "panels":
+            return unpack_panels(self.weight, self.out_features)
+        if self.packing == "onednn":
+            return self.weight.to_dense()
+        return self.weight
+
+    def prepack(self, packing: str) -> None:
+        """Swap the dense weight for ``packing``'s layout, "panels" or "onednn" (inference only,
+        after .to())."""
+        if self.packing is not None:
+            return
+        if packing == "panels":
+            packed = pack_panels(self.weight.data)
+        elif packing == "onednn":
             packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.data, PACK_BATCH_HINT)
-            self.weight = nn.Parameter(packed, requires_grad=False)
-            self.packed = True
+        else:
+            raise ValueError(f"packing must be 'panels' or 'onednn', got {packing!r}")
+        self.weight = nn.Parameter(packed, requires_grad=False)
+        self.packing = packing
