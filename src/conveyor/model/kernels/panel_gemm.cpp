@@ -30,10 +30,15 @@ constexpr int64_t kBlockRows = 32 * kRows;
 inline vfloat splat(float x) { return x - vfloat{}; }  // one vbroadcastss; `vfloat{} + x` is two
 
 // y[0:R, 0:cols] (row stride ldy) = x[0:R, :] (row stride k) @ panel^T, cols <= kPanel.
+// `next`: a panel to prefetch into L2 meanwhile (a step's row of it), or null.
 template <int R>
-void tile(float* y, int64_t ldy, const float* x, const float* panel, int64_t k, int64_t cols) {
+void tile(float* y, int64_t ldy, const float* x, const float* panel, int64_t k, int64_t cols,
+          const float* next) {
   vfloat acc[R][2] = {};
   for (int64_t i = 0; i < k; ++i) {
+    if (next)
+      for (int line = 0; line < kPanel; line += 16)  // 16 floats: one cache line
+        __builtin_prefetch(next + i * kPanel + line, 0, 2);
     const vfloat w0 = load(panel + i * kPanel), w1 = load(panel + i * kPanel + kLanes);
     for (int r = 0; r < R; ++r) {
       const vfloat xr = splat(x[r * k + i]);
@@ -52,7 +57,7 @@ void tile(float* y, int64_t ldy, const float* x, const float* panel, int64_t k, 
 template <int... Rs>
 void tail(int rows, float* y, int64_t ldy, const float* x, const float* panel, int64_t k,
           int64_t cols) {  // rows < kRows leftover rows, with the tile of that height
-  ((rows == Rs ? tile<Rs>(y, ldy, x, panel, k, cols) : void()), ...);
+  ((rows == Rs ? tile<Rs>(y, ldy, x, panel, k, cols, nullptr) : void()), ...);
 }
 
 }  // namespace
@@ -70,8 +75,12 @@ extern "C" void panel_gemm_f32(float* y, const float* x, const float* packed, in
       const float* panel = packed + p * k * kPanel;
       const int64_t cols = std::min<int64_t>(kPanel, n - p * kPanel);
       float* yp = y + p * kPanel;
+      // The first tile streams this panel from memory; it also fetches the thread's next one
+      // (static schedule: p + 1) into L2, so that one does not wait on memory (2-3% at 64 rows).
+      const float* next = p + 1 < panels ? panel + k * kPanel : nullptr;
       int64_t r = r0;
-      for (; r + kRows <= r1; r += kRows) tile<kRows>(yp + r * n, n, x + r * k, panel, k, cols);
+      for (; r + kRows <= r1; r += kRows, next = nullptr)
+        tile<kRows>(yp + r * n, n, x + r * k, panel, k, cols, next);
       tail<1, 2, 3, 4, 5>(static_cast<int>(r1 - r), yp + r * n, n, x + r * k, panel, k, cols);
     }
   }
