@@ -39,8 +39,9 @@ def pack_panels(weight: torch.Tensor) -> torch.Tensor:
     """W [N, K] float32 -> [ceil(N / width), K, width]: panel p, row k holds W[p * width + j, k]."""
     n, k = weight.shape
     width = panel_width()
-    padded = F.pad(weight.float(), (0, 0, 0, -n % width))
-    return padded.view(-1, width, k).transpose(1, 2).contiguous()
+    if n % width:  # an extra copy, so only when needed: a load's peak memory is set here
+        weight = F.pad(weight, (0, 0, 0, -n % width))
+    return weight.float().view(-1, width, k).transpose(1, 2).contiguous()
 
 
 def unpack_panels(packed: torch.Tensor, n: int) -> torch.Tensor:
