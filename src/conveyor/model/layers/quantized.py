@@ -57,8 +57,9 @@ class Int8Blocks:
     """A [N, K] weight as 8-bit codes with one scale per 32 inputs; runs as it is stored."""
     codes: torch.Tensor  # [N, K] int8
     scale: torch.Tensor  # [N, K / 32] float32
-    # Rows up to which it clearly beats oneDNN's float32 GEMM; SmolLM2's 49152 x 576 lm_head on
-    # AVX2: 1.55 ms against 5.57 at 1 row, 8.2 against 10.2 at 16, even at 24.
+    # Rows up to which it serves the lm_head. SmolLM2's 49152 x 576 on AVX2: 0.86 ms against the
+    # float32 panel GEMM's 2.33 at 1 row, 1.97 against 3.36 at 4, even at 8, behind from 12 on
+    # (5.9 vs 4.4); engine steps of 6-16 decodes measured the same with a limit of 4 or 16.
     max_tokens = 16
 
     @staticmethod
@@ -127,8 +128,11 @@ class NibbleInt4:
     codes: torch.Tensor  # [N, K / 2] uint8: per block, byte j = q[j] | q[j + 16] << 4
     scale: torch.Tensor  # [N, K / 32] float32
     min: torch.Tensor  # [N, K / 32] float32
-    # Rows up to which it clearly beats oneDNN's float32 GEMM; SmolLM2-135M's 30 layers on AVX2:
-    # 5.8 ms against 20.1 at 1 row, 20.5 against 31.6 at 8, 29.7 against 36.7 at 12, 1.1x at 16.
+    # Rows up to which it serves the layers (and so the one-call decode path). SmolLM2-135M's
+    # 30 layers on AVX2, matmuls alone: 5.0 ms against the float32 panel GEMM's 11.7 at 1 row,
+    # 10.6 against 15.5 at 4, behind from 6 on (16.2 vs 13.3; 29.5 vs 19.5 at 12). Whole engine
+    # steps, where this path also saves the per-layer Python: 22.8-23.5 ms against 28.6-30.5 at
+    # 6 decodes, 27-28 against 34 at 8, about even at 10-12 (36-40 ms either way).
     max_tokens = 12
 
     @staticmethod
