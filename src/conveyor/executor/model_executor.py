@@ -13,9 +13,11 @@ from conveyor.core.scheduler_output import ExecutorOutput, SchedulerOutput
 from conveyor.executor.kv_cache import KVCache
 from conveyor.model.config import ModelConfig
 from conveyor.model.device import (
+    TRIM_AFTER_TOKENS,
     configure_cpu_allocator,
     resolve_device,
     resolve_dtype,
+    return_freed_memory,
     use_attention_kernel,
 )
 from conveyor.model.layers.attention import build_attention_metadata
@@ -28,8 +30,8 @@ class ModelExecutor:
                  seed: int = 0) -> None:
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype, self.device)
-        if self.device.type == "cpu":
-            configure_cpu_allocator()  # before torch's first allocation, see its docstring
+        # before torch's first allocation, see its docstring
+        self.trim_after_long_steps = self.device.type == "cpu" and configure_cpu_allocator()
         torch.manual_seed(seed)
         loaded = load_model(model, self.dtype, self.device)
         self.model = loaded.model
@@ -86,13 +88,14 @@ class ModelExecutor:
                                         self.attention_kernel, self.dtype)
         sampled: list[list[int]] = [[] for _ in range(n)]
         logprobs: list[list[dict[int, float]]] = [[] for _ in range(n)]
+        logits = self.model(torch.tensor(input_ids, device=self.device), meta.positions,
+                            cache.layers, meta,
+                            torch.tensor(logits_indices or [len(input_ids) - 1], device=self.device))
+        if self.trim_after_long_steps and len(input_ids) > TRIM_AFTER_TOKENS:
+            return_freed_memory()  # the step's activations are freed by now
         if not sample_entries:
-            self.model(torch.tensor(input_ids, device=self.device), meta.positions, cache.layers,
-                       meta, torch.tensor([len(input_ids) - 1], device=self.device))
             return ExecutorOutput(sampled_token_ids=sampled)
 
-        logits = self.model(torch.tensor(input_ids, device=self.device), meta.positions,
-                            cache.layers, meta, torch.tensor(logits_indices, device=self.device))
         rows, repeats = [], []
         for i in sample_entries:
             seq, k = so.seqs[i], so.num_samples(i)

@@ -86,25 +86,25 @@ def use_attention_kernel(device: torch.device, dtype: torch.dtype, head_dim: int
     return head_dim % 16 == 0 and head_dim <= 256 and attention_kernel_available(device, dtype)
 
 
-M_MMAP_THRESHOLD = -3  # glibc mallopt parameter
-MMAP_THRESHOLD_BYTES = 2 << 20
+TRIM_AFTER_TOKENS = 256  # steps longer than this hand their freed activations back
 
 
 def _glibc() -> ctypes.CDLL | None:
-    """The C library when it is glibc (``mallopt``, ``malloc_trim``), else None."""
+    """The C library when it is glibc (``malloc_trim``), else None."""
     if not sys.platform.startswith("linux"):
         return None
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
     except OSError:
         return None
-    return libc if hasattr(libc, "mallopt") and hasattr(libc, "malloc_trim") else None
+    return libc if hasattr(libc, "malloc_trim") else None
 
 
 def return_freed_memory() -> None:
-    """Hand freed heap memory back to the OS (glibc keeps it mapped): called once a model has
-    loaded, for its float32 temporaries. Without it about 270 MB of a GGUF load stayed resident
-    for the process's lifetime (before ``configure_cpu_allocator``)."""
+    """Hand freed heap memory back to the OS (glibc keeps it mapped, holes in the middle of the
+    heap included): after a model has loaded, for its float32 temporaries (about 270 MB of a
+    GGUF load otherwise stayed resident), and after each long step (``configure_cpu_allocator``).
+    """
     libc = _glibc()
     if libc is not None:
         libc.malloc_trim(0)
@@ -116,20 +116,21 @@ def configure_cpu_allocator() -> bool:
     glibc raises its mmap threshold to the largest block freed so far (up to 32 MB), so once
     the first prefill has run, every activation comes from the heap. Steps of different sizes
     then leave holes that the next step cannot reuse: on W1 the heap held ~320 MB of free
-    memory after three prefill steps whose live peak was ~130 MB. A fixed 2 MB threshold
-    returns each large activation to the system when it is freed (a decode step's activations,
-    under 1 MB a tensor at 64 sequences, stay on the heap). Fresh mappings must be faulted in
-    again, so large tensors also get transparent huge pages (torch's ``THP_MEM_ALLOC_ENABLE``):
-    one fault per 2 MB instead of 512. W1's prefill pays ~8% for it (20-25% without huge
-    pages); decode nothing. See docs/performance.md, change 15.
+    memory after three prefill steps whose live peak was ~130 MB. The executor therefore calls
+    ``return_freed_memory`` after every step of more than ``TRIM_AFTER_TOKENS`` tokens: within
+    a step, the 30 layers' same-sized activations reuse the same heap pages; between steps the
+    holes go back. Large tensors also get transparent huge pages (torch's
+    ``THP_MEM_ALLOC_ENABLE``), one fault per 2 MB instead of 512 when a step maps them afresh.
+    See docs/performance.md, changes 15 and 20 (a fixed 2 MB mmap threshold before: every
+    layer faulted its activations in again, about 5% of W1's prefill).
 
     Process-wide, so it is done once, when a CPU model is loaded; ``CONVEYOR_MALLOC_TUNING=off``
-    leaves both alone. torch reads its setting at its first allocation, so a process that
-    allocated tensors before loading a model keeps small pages. Returns whether it applied.
+    leaves glibc and torch alone and turns the trimming off. torch reads its setting at its
+    first allocation, so a process that allocated tensors before loading a model keeps small
+    pages. Returns whether it applied (whether to trim).
     """
-    libc = _glibc()
-    if libc is None or os.environ.get("CONVEYOR_MALLOC_TUNING", "").lower() in (
+    if _glibc() is None or os.environ.get("CONVEYOR_MALLOC_TUNING", "").lower() in (
             "0", "off", "false", "no"):
         return False
     os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
-    return bool(libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES))
+    return True

@@ -26,7 +26,7 @@ from conveyor.model.layers.norm import RMSNorm
 from conveyor.model.layers.quantized import Int4Blocks, Int8Blocks, NibbleInt4, pack_blocks
 from conveyor.model.layers.rotary import RotaryEmbedding, apply_rotary, rope_inv_freq
 
-MLP_CHUNK_TOKENS = 2048
+MLP_CHUNK_TOKENS = 1024
 
 
 def _param(*shape: int) -> nn.Parameter:
@@ -98,9 +98,9 @@ class DecoderLayer(nn.Module):
         if h.shape[0] <= MLP_CHUNK_TOKENS:
             return self.down_proj(silu_and_mul(self.gate_up_proj(h)))
         # A long prefill's [T, 2 * intermediate] activations are the step's largest; a chunk at a
-        # time bounds them (peak RSS) at no cost: 2048-row GEMMs run at full speed (1024-row
-        # down_proj GEMMs took oneDNN twice as long). Each chunk's output goes over its own
-        # input rows, which gate_up has finished reading.
+        # time bounds them (peak RSS) at no cost: the panel GEMM works in blocks of 192 rows
+        # anyway (oneDNN's down_proj took twice as long at 1024 rows as at 2048). Each chunk's
+        # output goes over its own input rows, which gate_up has finished reading.
         for chunk in h.split(MLP_CHUNK_TOKENS):
             chunk.copy_(self.down_proj(silu_and_mul(self.gate_up_proj(chunk))))
         return h
