@@ -65,7 +65,7 @@ def decode_step(num_seqs: int, seed: int = 1):
 @pytest.mark.parametrize("num_seqs", [1, 3, 5, 12])
 def test_fused_layers_equal_python_path(num_seqs):
     layers = [quantized_layer(0), quantized_layer(1)]
-    fused = DecodeLayers([layer.fuse_for_decode() for layer in layers], max_rows=12)
+    fused = DecodeLayers([layer.decode_weights() for layer in layers], max_rows=12)
     x, residual, cos, sin, (k, v), meta = decode_step(num_seqs)
     assert meta.decode_only
     caches = [(k.clone(), v.clone()), (k.clone() + 1, v.clone() - 1)]
@@ -114,10 +114,10 @@ def test_fused_layers_are_used_only_where_they_apply(monkeypatch):
 
     bias = quantized_layer()
     bias.qkv_proj.bias = torch.nn.Parameter(torch.zeros(bias.qkv_proj.weight.shape[0]))
-    assert bias.fuse_for_decode() is None  # Qwen2-style QKV bias
+    assert bias.decode_weights() is None  # Qwen2-style QKV bias
     dense = quantized_layer()
     dense.o_proj.quantized = None
-    assert dense.fuse_for_decode() is None
+    assert dense.decode_weights() is None
     partly = _tiny_model()
     partly.layers[1] = dense
     assert not partly.fuse_decode_layers() and partly.fused_decode is None

@@ -57,7 +57,7 @@ class DecoderLayer(nn.Module):
                                meta)
         return self._mlp(self.post_norm(attn, residual, out=attn))
 
-    def fuse_for_decode(self) -> DecodeLayerWeights | None:
+    def decode_weights(self) -> DecodeLayerWeights | None:
         """This layer's weights for ``kernels/decode_layer.cpp``, which runs small decode steps
         with the same kernels as the steps below, without some 130 µs of Python a layer; None
         unless it is a float32 Llama layer whose projections all have 4-bit copies."""
@@ -253,9 +253,9 @@ class LlamaForCausalLM(nn.Module):
         return added
 
     def fuse_decode_layers(self) -> bool:
-        """After ``attach_blocks``: when every layer can (``fuse_for_decode``), small decode
+        """After ``attach_blocks``: when every layer can (``decode_weights``), small decode
         steps run all layers in one C++ call. Returns whether they do."""
-        fused = [layer.fuse_for_decode() for layer in self.layers]
+        fused = [layer.decode_weights() for layer in self.layers]
         if any(f is None for f in fused):
             return False
         self.fused_decode = DecodeLayers(fused, self.layers[0].qkv_proj.quantized.max_tokens)

@@ -63,7 +63,7 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor | None:
     return out
 
 
-def _packed_heads(x: torch.Tensor) -> bool:
+def packed_heads(x: torch.Tensor) -> bool:
     """[T, H, D] whose heads are packed in each row (rows may be strided)."""
     return x.dim() == 3 and x.stride(2) == 1 and x.stride(1) == x.shape[2]
 
@@ -74,10 +74,10 @@ def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
     into ``out`` when it has x's shape, dtype and layout rules (it may be x itself)."""
     t, heads, head_dim = x.shape
     fn = _function("rotary", x, head_dim // 2)
-    if (fn is None or not _packed_heads(x) or not cos.is_contiguous()
+    if (fn is None or not packed_heads(x) or not cos.is_contiguous()
             or not sin.is_contiguous() or cos.dtype != x.dtype or sin.dtype != x.dtype):
         return None
-    if out is None or out.shape != x.shape or out.dtype != x.dtype or not _packed_heads(out):
+    if out is None or out.shape != x.shape or out.dtype != x.dtype or not packed_heads(out):
         out = torch.empty(t, heads, head_dim, dtype=x.dtype)
     fn(out.data_ptr(), x.data_ptr(), cos.data_ptr(), sin.data_ptr(), t, heads, head_dim,
        x.stride(0), out.stride(0), torch.get_num_threads())

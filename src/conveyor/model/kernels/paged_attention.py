@@ -13,6 +13,7 @@ import ctypes
 import torch
 
 from conveyor.model.kernels.build import kernel_function
+from conveyor.model.kernels.fused_ops import packed_heads
 
 _SYMBOLS = {torch.float32: "paged_attention_f32", torch.bfloat16: "paged_attention_bf16"}
 _ARGTYPES = ([ctypes.c_void_p] * 7 + [ctypes.c_int64] * 7 + [ctypes.c_float, ctypes.c_int])
@@ -45,7 +46,7 @@ def kernel_attention(
         raise RuntimeError(f"the paged attention kernel is not available for {q.dtype}")
     num_tokens, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
-    if q.stride(2) != 1 or q.stride(1) != head_dim:
+    if not packed_heads(q):
         q = q.contiguous()
     tensors = {"k_cache": k_cache, "v_cache": v_cache, "block_tables": block_tables,
                "context_lens": context_lens}

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from conveyor.model.kernels.fused_ops import packed_heads
 from conveyor.model.kernels.paged_attention import kernel_attention
 
 DECODE_GROUP_SIZE = 16
@@ -218,7 +219,7 @@ def paged_attention(
         kb = meta.kernel
         return kernel_attention(q, k_cache, v_cache, kb.block_tables, kb.context_lens,
                                 head_dim ** -0.5, kb.token_seqs, out=out)
-    if q.stride(2) != 1 or q.stride(1) != head_dim or q.stride(0) % head_dim:
+    if not packed_heads(q) or q.stride(0) % head_dim:  # rows of whole heads, for q_rows
         q = q.contiguous()
     rows_per_token = q.stride(0) // head_dim
     q_rows = q.as_strided(((num_tokens - 1) * rows_per_token + num_heads, head_dim), (head_dim, 1))
