@@ -41,6 +41,7 @@ def _reference(q, k_cache, v_cache, tables, lens, token_seqs=None):
     (128, 32, 8, 16),  # Llama-3-8B
     (80, 4, 4, 1),  # no compile-time head size; one token per block
     (16, 14, 2, 32),  # a group of 7
+    (32, 8, 1, 12),  # a group of 8 (two register tiles of values); blocks of 8 + 4 rows
 ])
 @pytest.mark.parametrize("num_seqs", [3, 12])  # few: a task per KV head; many: per sequence
 def test_kernel_equals_reference(dtype, head_dim, num_heads, kv_heads, block_size, num_seqs) -> None:

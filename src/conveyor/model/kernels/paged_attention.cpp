@@ -6,8 +6,9 @@
 // cached prefix included: no padding, no mask, no gathered copy of the keys.
 // For each (token, KV head) the g query heads that share the KV head walk the sequence's block
 // table together: each key row is read from its block once, converted to float once and
-// dotted with all g queries; the same for values. Nothing is gathered into a contiguous copy
-// first, which is what makes this faster than index_select + scaled_dot_product_attention.
+// dotted with all g queries; values are read a cache line at a time for up to kGroupTile
+// query heads. Nothing is gathered into a contiguous copy first, which is what makes this
+// faster than index_select + scaled_dot_product_attention.
 //
 // Layouts (element strides; T is float or bf16 stored as uint16_t):
 //   q:            [num_tokens, num_heads, head_dim], row stride q_stride between tokens
@@ -24,6 +25,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #include "vec.h"
@@ -32,26 +34,28 @@ namespace {
 
 using namespace conveyor;
 constexpr int kMaxChunks = 256 / kLanes;  // head_dim <= 256
+constexpr int kLineChunks = 64 / sizeof(vfloat);  // vectors in a cache line: 2 (AVX2) or 1
+constexpr int kGroupTile = 4;  // query heads whose value accumulators are held in registers
 
 struct Scratch {  // per thread, reused across tasks
   std::vector<float> scores, inv_sum;
-  std::vector<vfloat> qv, acc;
+  std::vector<vfloat> qv, acc, dots;  // dots: kLanes rows' unreduced q.k products per head
 };
 
 // One query token, KV heads [h0, h1): each of them with its `group` query heads. The context is
-// read block by block and, within a block, token row by token row with all the range's heads
-// at once: a sequential stream the hardware prefetcher follows, plus a software prefetch of
-// the next block (blocks are scattered); the key pass also prefetches the value rows into L2,
-// so that pass finds them there (two streams in flight: 6% faster). CHUNKS = head_dim / kLanes when known at compile time
-// (loops unroll), 0 for any other size.
+// read block by block (blocks are scattered: the next one is prefetched, and the key pass
+// prefetches the block's values into L2 for the value pass). CHUNKS = head_dim / kLanes when
+// known at compile time (loops unroll), 0 for any other size.
 template <typename T, int CHUNKS>
 void attend(T* out, const T* q, const T* k_cache, const T* v_cache, const int32_t* table,
             int64_t ctx, int64_t h0, int64_t h1, int64_t group, int64_t head_dim,
             int64_t block_size, int64_t token_stride, float scale, Scratch& scratch) {
   const int64_t chunks = CHUNKS ? CHUNKS : head_dim / kLanes;
   const int64_t block_stride = block_size * token_stride;
+  const int64_t num_blocks = (ctx + block_size - 1) / block_size;
   const int64_t heads = (h1 - h0) * group;  // query heads handled here
   const int64_t padded = (ctx + kLanes - 1) / kLanes * kLanes;  // a score row's length
+  const int64_t range = (h1 - h0) * head_dim;  // elements of a token row handled here
   scratch.scores.resize(heads * padded);
   scratch.qv.resize(heads * chunks);
   scratch.acc.assign(heads * chunks, vfloat{});
@@ -59,47 +63,57 @@ void attend(T* out, const T* q, const T* k_cache, const T* v_cache, const int32_
   float* scores = scratch.scores.data();
   vfloat* qv = scratch.qv.data();
   vfloat* acc = scratch.acc.data();
+  scratch.dots.resize(heads * kLanes);
+  vfloat* dots = scratch.dots.data();
 
-  // f(t, row of token t, first element of head h0) for every context token, block by block;
-  // `also`: another cache whose same rows to prefetch.
-  auto for_each_row = [&](const T* cache, const T* also, auto&& f) {
-    const int64_t num_blocks = (ctx + block_size - 1) / block_size;
-    for (int64_t b = 0; b < num_blocks; ++b) {
-      const T* base = cache + table[b] * block_stride + h0 * head_dim;
-      const T* next = b + 1 < num_blocks ? cache + table[b + 1] * block_stride : nullptr;
-      const T* also_here = also ? also + table[b] * block_stride : nullptr;
-      const int64_t n = std::min(block_size, ctx - b * block_size);
-      for (int64_t j = 0; j < n; ++j) {
-        if (next)
-          for (int64_t e = 0; e < token_stride; e += 64 / sizeof(T))
-            __builtin_prefetch(next + j * token_stride + e);
-        if (also_here)
-          for (int64_t e = 0; e < token_stride; e += 64 / sizeof(T))
-            __builtin_prefetch(also_here + j * token_stride + e, 0, 2);
-        f(b * block_size + j, base + j * token_stride);
-      }
-    }
+  // Block b's rows, from head h0 on; how many of them are in the context.
+  auto rows_of = [&](const T* cache, int64_t b) {
+    return cache + table[b] * block_stride + h0 * head_dim;
   };
+  auto rows_in = [&](int64_t b) { return std::min(block_size, ctx - b * block_size); };
 
-  // qv[i * chunks + c]: query head i, scaled, as vectors; acc likewise for the output.
+  // qv[i * chunks + c]: query head i, scaled, as vectors.
   for (int64_t i = 0; i < heads; ++i)
     for (int64_t c = 0; c < chunks; ++c)
       qv[i * chunks + c] = load(q + (h0 * group + i) * head_dim + c * kLanes) * scale;
 
-  // scores[i][t] = q_i . k_t (i: query head); each key row is loaded once for its g query heads.
-  for_each_row(k_cache, v_cache, [&](int64_t t, const T* row) {
-    for (int64_t h = 0; h < h1 - h0; ++h) {
-      vfloat kv[kMaxChunks];
-      for (int64_t c = 0; c < chunks; ++c) kv[c] = load(row + h * head_dim + c * kLanes);
-      for (int64_t g = 0; g < group; ++g) {
-        const int64_t i = h * group + g;
-        const vfloat* qi = qv + i * chunks;
-        vfloat dot = qi[0] * kv[0];
-        for (int64_t c = 1; c < chunks; ++c) dot += qi[c] * kv[c];
-        scores[i * padded + t] = hsum(dot);
+  // scores[i][t] = q_i . k_t (i: query head). Row by row, each key row loaded once for its g
+  // query heads; each dot product is left as a vector, and kLanes rows' vectors are reduced
+  // together (transposed_hsum): a hsum per score would cost more than the products.
+  for (int64_t b = 0; b < num_blocks; ++b) {
+    const T* rows = rows_of(k_cache, b);
+    const T* next = b + 1 < num_blocks ? rows_of(k_cache, b + 1) : nullptr;
+    const T* values = rows_of(v_cache, b);
+    const int64_t n = rows_in(b);
+    for (int64_t j = 0; j < n; j += kLanes) {
+      const int64_t m = std::min<int64_t>(kLanes, n - j);
+      for (int64_t r = 0; r < m; ++r) {
+        const T* row = rows + (j + r) * token_stride;
+        for (int64_t e = 0; e < range; e += 64 / sizeof(T)) {
+          if (next) __builtin_prefetch(next + (j + r) * token_stride + e);
+          __builtin_prefetch(values + (j + r) * token_stride + e, 0, 2);
+        }
+        for (int64_t h = 0; h < h1 - h0; ++h) {
+          vfloat kv[kMaxChunks];
+          for (int64_t c = 0; c < chunks; ++c) kv[c] = load(row + h * head_dim + c * kLanes);
+          for (int64_t g = 0; g < group; ++g) {
+            const int64_t i = h * group + g;
+            const vfloat* qi = qv + i * chunks;
+            vfloat dot = qi[0] * kv[0];
+            for (int64_t c = 1; c < chunks; ++c) dot += qi[c] * kv[c];
+            dots[i * kLanes + r] = dot;
+          }
+        }
+      }
+      for (int64_t i = 0; i < heads; ++i) {
+        float* s = scores + i * padded + b * block_size + j;
+        if (m == kLanes)
+          store(transposed_hsum(dots + i * kLanes), s);
+        else
+          for (int64_t r = 0; r < m; ++r) s[r] = hsum(dots[i * kLanes + r]);
       }
     }
-  });
+  }
 
   // Unnormalised softmax, kLanes scores at a time; the rows have room up to a multiple of it.
   for (int64_t i = 0; i < heads; ++i) {
@@ -116,24 +130,49 @@ void attend(T* out, const T* q, const T* k_cache, const T* v_cache, const int32_
     scratch.inv_sum[i] = 1.f / hsum(sum);
   }
 
-  // out_i = sum_t p[i][t] v_t / sum_t p[i][t]
-  for_each_row(v_cache, nullptr, [&](int64_t t, const T* row) {
-    for (int64_t h = 0; h < h1 - h0; ++h) {
-      vfloat vv[kMaxChunks];
-      for (int64_t c = 0; c < chunks; ++c) vv[c] = load(row + h * head_dim + c * kLanes);
-      for (int64_t g = 0; g < group; ++g) {
-        const int64_t i = h * group + g;
-        const float p = scores[i * padded + t];
-        vfloat* ai = acc + i * chunks;
-        for (int64_t c = 0; c < chunks; ++c) ai[c] += p * vv[c];
+  // out_i = sum_t p[i][t] v_t / sum_t p[i][t]. Block by block; within a block, one cache line
+  // of a KV head's values (kLineChunks vectors) for up to kGroupTile of its query heads at a
+  // time, so that their accumulators stay in registers over the block's rows. Held for all
+  // heads at once (9 x 64 floats) they would spill: a load and a store each, every row.
+  auto weigh_values = [&](auto tile, const T* rows, const T* next, int64_t t0, int64_t n,
+                          int64_t h, int64_t g0, int64_t c0) {
+    constexpr int G = decltype(tile)::value;
+    const int64_t i0 = h * group + g0, first = h * head_dim + c0 * kLanes;
+    vfloat a[G][kLineChunks];
+    for (int g = 0; g < G; ++g)
+      for (int c = 0; c < kLineChunks; ++c) a[g][c] = acc[(i0 + g) * chunks + c0 + c];
+    const float* p = scores + i0 * padded + t0;
+    for (int64_t j = 0; j < n; ++j) {
+      const T* line = rows + j * token_stride + first;
+      if (next) __builtin_prefetch(next + j * token_stride + first);
+      for (int c = 0; c < kLineChunks; ++c) {
+        const vfloat v = load(line + c * kLanes);
+        for (int g = 0; g < G; ++g) a[g][c] += p[g * padded + j] * v;
       }
     }
-  });
+    for (int g = 0; g < G; ++g)
+      for (int c = 0; c < kLineChunks; ++c) acc[(i0 + g) * chunks + c0 + c] = a[g][c];
+  };
+  for (int64_t b = 0; b < num_blocks; ++b) {
+    const T* rows = rows_of(v_cache, b);
+    const T* next = b + 1 < num_blocks ? rows_of(v_cache, b + 1) : nullptr;
+    const int64_t t0 = b * block_size, n = rows_in(b);
+    for (int64_t h = 0; h < h1 - h0; ++h)
+      for (int64_t g = 0; g < group; g += kGroupTile)
+        for (int64_t c = 0; c < chunks; c += kLineChunks) {
+          using std::integral_constant;
+          switch (std::min<int64_t>(group - g, kGroupTile)) {
+            case 1: weigh_values(integral_constant<int, 1>{}, rows, next, t0, n, h, g, c); break;
+            case 2: weigh_values(integral_constant<int, 2>{}, rows, next, t0, n, h, g, c); break;
+            case 3: weigh_values(integral_constant<int, 3>{}, rows, next, t0, n, h, g, c); break;
+            default: weigh_values(integral_constant<int, 4>{}, rows, next, t0, n, h, g, c);
+          }
+        }
+  }
   for (int64_t i = 0; i < heads; ++i) {
-    const float inv_sum = scratch.inv_sum[i];
     T* o = out + (h0 * group + i) * head_dim;
     for (int64_t c = 0; c < chunks; ++c)
-      for (int l = 0; l < kLanes; ++l) store(acc[i * chunks + c][l] * inv_sum, o + c * kLanes + l);
+      store(acc[i * chunks + c] * scratch.inv_sum[i], o + c * kLanes);
   }
 }
 

@@ -7,6 +7,7 @@
 
 #include <cstdint>
 #include <cstring>
+#include <utility>
 
 namespace conveyor {
 
@@ -73,6 +74,40 @@ inline float hsum(vfloat v) {  // a tree: a left-to-right sum would be kLanes de
   v += shuffle(v, vuint{1, 0, 1, 0, 1, 0, 1, 0});
 #endif
   return v[0];
+}
+
+// bit_reversed(r): r with its log2(kLanes) low bits in reverse order.
+constexpr int bit_reversed(int r) {
+  int out = 0;
+  for (int bit = 1; bit < kLanes; bit <<= 1) out = out << 1 | ((r & bit) ? 1 : 0);
+  return out;
+}
+
+// x and y's segments of W lanes, each folded in half (lane j + lane j + W / 2): x's halves,
+// then y's, segment by segment.
+template <int W, size_t... P>
+inline vfloat fold_pair(vfloat x, vfloat y, std::index_sequence<P...>) {
+  constexpr int h = W / 2;
+  return __builtin_shufflevector(x, y, (P / W * W + P % W % h + (P % W >= h ? kLanes : 0))...) +
+         __builtin_shufflevector(x, y, (P / W * W + P % W % h + h + (P % W >= h ? kLanes : 0))...);
+}
+
+template <int W>  // W vectors in d[0..W), W / 2 out
+inline void fold(vfloat* d) {
+  for (int i = 0; i < W / 2; ++i)
+    d[i] = fold_pair<W>(d[2 * i], d[2 * i + 1], std::make_index_sequence<kLanes>{});
+  if constexpr (W > 2) fold<W / 2>(d);
+}
+
+// {hsum(rows[0]), ..., hsum(rows[kLanes - 1])}: the same additions in the same order as hsum,
+// so bit for bit the same, in kLanes - 1 vector adds instead of kLanes * log2(kLanes).
+// Each fold halves the number of vectors; after the last, lane p holds the sum of the vector
+// that came in at position bit_reversed(p): hence the order they go in.
+inline vfloat transposed_hsum(const vfloat* rows) {
+  vfloat d[kLanes];
+  for (int i = 0; i < kLanes; ++i) d[i] = rows[bit_reversed(i)];
+  fold<kLanes>(d);
+  return d[0];
 }
 
 // exp(x), kLanes at a time, x clamped to [-87, 88] (exp(-87) ~ 1.6e-38 is still a normal float):
