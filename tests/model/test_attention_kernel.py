@@ -14,6 +14,10 @@ from conveyor.model.layers.attention import build_attention_metadata, paged_atte
 CPU = torch.device("cpu")
 needs_kernel = pytest.mark.skipif(not attention_kernel_available(CPU, torch.float32),
                                   reason="no C++ compiler: the torch path attends")
+# (queries' dtype, cache's dtype): the model's dtype, and a float32 model over a bf16 cache
+dtypes = pytest.mark.parametrize(("dtype", "cache_dtype"), [
+    (torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
+    (torch.float32, torch.bfloat16)], ids=["f32", "bf16", "f32-bf16-cache"])
 
 
 def _reference(q, k_cache, v_cache, tables, lens, token_seqs=None):
@@ -35,7 +39,7 @@ def _reference(q, k_cache, v_cache, tables, lens, token_seqs=None):
 
 
 @needs_kernel
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@dtypes
 @pytest.mark.parametrize(("head_dim", "num_heads", "kv_heads", "block_size"), [
     (64, 9, 3, 16),  # SmolLM2-135M
     (128, 32, 8, 16),  # Llama-3-8B
@@ -44,11 +48,12 @@ def _reference(q, k_cache, v_cache, tables, lens, token_seqs=None):
     (32, 8, 1, 12),  # a group of 8 (two register tiles of values); blocks of 8 + 4 rows
 ])
 @pytest.mark.parametrize("num_seqs", [3, 12])  # few: a task per KV head; many: per sequence
-def test_kernel_equals_reference(dtype, head_dim, num_heads, kv_heads, block_size, num_seqs) -> None:
+def test_kernel_equals_reference(dtype, cache_dtype, head_dim, num_heads, kv_heads, block_size,
+                                 num_seqs) -> None:
     gen = torch.Generator().manual_seed(head_dim)
     num_blocks = 2000
-    k_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=gen).to(dtype)
-    v_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=gen).to(dtype)
+    k_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=gen).to(cache_dtype)
+    v_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=gen).to(cache_dtype)
     lens = torch.tensor([1, block_size, block_size + 1, 3 * block_size - 1, 97, 2, 150, 16, 33,
                          64, 5, 80][:num_seqs], dtype=torch.int32)
     max_blocks = int((lens.max() + block_size - 1) // block_size)
@@ -63,16 +68,16 @@ def test_kernel_equals_reference(dtype, head_dim, num_heads, kv_heads, block_siz
 
 
 @needs_kernel
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@dtypes
 @pytest.mark.parametrize(("head_dim", "num_heads", "kv_heads", "block_size"), [
     (64, 9, 3, 16), (80, 4, 4, 1)])
-def test_prefill_chunks_attend_their_causal_prefix(dtype, head_dim, num_heads, kv_heads,
-                                                   block_size) -> None:
+def test_prefill_chunks_attend_their_causal_prefix(dtype, cache_dtype, head_dim, num_heads,
+                                                   kv_heads, block_size) -> None:
     """Tokens of several sequences in one call (token_seqs), each chunk after a cached prefix
     of its own length: each token sees exactly the positions up to its own."""
     gen = torch.Generator().manual_seed(11)
-    k_cache = torch.randn(400, block_size, kv_heads, head_dim, generator=gen).to(dtype)
-    v_cache = torch.randn(400, block_size, kv_heads, head_dim, generator=gen).to(dtype)
+    k_cache = torch.randn(400, block_size, kv_heads, head_dim, generator=gen).to(cache_dtype)
+    v_cache = torch.randn(400, block_size, kv_heads, head_dim, generator=gen).to(cache_dtype)
     starts, num_new = [0, 37, 5, 0], [23, 9, 1, 2]  # a decode between chunks: any order works
     max_blocks = (max(s + n for s, n in zip(starts, num_new, strict=True)) + block_size - 1) // block_size
     tables = torch.randperm(400, generator=gen)[:4 * max_blocks].view(4, max_blocks)
@@ -104,16 +109,20 @@ def test_bad_kernel_arguments_are_refused() -> None:
         kernel_attention(q, k_cache, k_cache, tables, lens[:1], 0.125)
     with pytest.raises(ValueError, match="a row per token"):
         kernel_attention(q, k_cache, k_cache, tables[:1], lens, 0.125)
+    with pytest.raises(ValueError, match="v_cache is torch.bfloat16"):
+        kernel_attention(q, k_cache, k_cache.bfloat16(), tables, lens, 0.125)
+    with pytest.raises(RuntimeError, match="bfloat16 queries over a torch.float32 cache"):
+        kernel_attention(q.bfloat16(), k_cache, k_cache, tables, lens, 0.125)
 
 
 @needs_kernel
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_metadata_with_kernel_equals_torch_path(dtype) -> None:
+@dtypes
+def test_metadata_with_kernel_equals_torch_path(dtype, cache_dtype) -> None:
     """Decodes next to two prefill chunks: the kernel gives the all-torch path's result."""
     gen = torch.Generator().manual_seed(7)
     bs, kv_heads, num_heads, head_dim = 4, 2, 6, 32
-    k_cache = torch.randn(64, bs, kv_heads, head_dim, generator=gen).to(dtype)
-    v_cache = torch.randn(64, bs, kv_heads, head_dim, generator=gen).to(dtype)
+    k_cache = torch.randn(64, bs, kv_heads, head_dim, generator=gen).to(cache_dtype)
+    v_cache = torch.randn(64, bs, kv_heads, head_dim, generator=gen).to(cache_dtype)
     tables = [[3, 9, 4], [10], [20, 21, 22, 23, 24], [30, 31, 32], [40, 41]]
     starts, num_new = [9, 0, 18, 0, 3], [1, 1, 1, 10, 4]
     t = sum(num_new)

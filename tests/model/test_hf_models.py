@@ -138,6 +138,8 @@ def test_bad_dtype_and_device() -> None:
         ModelExecutor("unused", dtype="int3", device="cpu")
     with pytest.raises(ValueError, match="device"):
         ModelExecutor("unused", device="tpu")
+    with pytest.raises(ValueError, match="kv_cache_dtype must be one of auto"):
+        ModelExecutor("unused", device="cpu", kv_cache_dtype="int8")
 
 
 def test_many_decodes_of_different_lengths(tmp_path) -> None:

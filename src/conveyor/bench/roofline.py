@@ -92,12 +92,14 @@ class Roofline:
 def workload_roofline(shape: ModelShape, workload: Workload, rates: MachineRates,
                       weight_dtype: str = "bfloat16", max_num_seqs: int = 64,
                       max_num_batched_tokens: int = 4096, prefix_caching: bool = True,
-                      step_weight_bytes: list[float] | None = None) -> Roofline:
+                      step_weight_bytes: list[float] | None = None,
+                      kv_dtype: str | None = None) -> Roofline:
     """The ideal engine's time for ``workload`` on a machine with ``rates``.
 
     With ``prefix_caching`` the workload's shared prefix is computed once, not once per request.
     ``step_weight_bytes[i]`` is the weight bytes a step of ``i + 1`` tokens reads, where that
-    is fewer than the dtype's (steps with more tokens read the dtype's).
+    is fewer than the dtype's (steps with more tokens read the dtype's). ``kv_dtype``: the KV
+    cache's element type, when not ``weight_dtype``.
     """
     bpp = DTYPE_BYTES[weight_dtype]
     weights = shape.weight_bytes(bpp)
@@ -106,7 +108,7 @@ def workload_roofline(shape: ModelShape, workload: Workload, rates: MachineRates
     def weights_read(tokens: int) -> float:
         return small[tokens - 1] if tokens <= len(small) else weights
 
-    kv_tok = shape.kv_bytes_per_token(bpp)
+    kv_tok = shape.kv_bytes_per_token(DTYPE_BYTES[kv_dtype or weight_dtype])
     flops = bytes_ = 0.0
 
     prompt_tokens = workload.num_prompt_tokens

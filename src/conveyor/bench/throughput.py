@@ -194,11 +194,15 @@ def run_conveyor(job: dict[str, Any]) -> SystemResult:
         outputs = _conveyor_generate(llm, workload)
         repeats.append(_measure(workload, outputs, time.perf_counter() - t0))
     dtype = str(llm.llm_engine.executor.dtype).removeprefix("torch.")
+    kv_dtype = str(llm.llm_engine.executor.kv_cache_dtype).removeprefix("torch.")
     label = f"{dtype}, {engine_args.policy}, max_num_seqs {engine_args.max_num_seqs}"
+    if kv_dtype != dtype:
+        label += f", {kv_dtype} KV cache"
     if name == "W2":
         label += ", prefix caching " + ("on" if engine_args.enable_prefix_caching else "off")
     extra: dict[str, Any] = {
         "dtype": dtype,
+        "kv_cache_dtype": kv_dtype,
         "engine_args": dataclasses.asdict(engine_args),
         "model_config": {k: getattr(config, k) for k in (
             "name", "num_layers", "hidden_size", "intermediate_size", "num_heads",
@@ -327,7 +331,8 @@ def roofline_summary(args: argparse.Namespace, conveyor: SystemResult, rates) ->
     workload = make_workload(args.workload, shape.vocab_size, args.seed, args.num_requests)
     roof = workload_roofline(shape, workload, rates, conveyor.extra["dtype"], ea["max_num_seqs"],
                              ea["max_num_batched_tokens"], ea["enable_prefix_caching"],
-                             conveyor.extra.get("step_weight_bytes"))
+                             conveyor.extra.get("step_weight_bytes"),
+                             conveyor.extra.get("kv_cache_dtype"))
     single = args.workload == "S1"
     if single:
         achieved = conveyor.best_and_median("decode_tokens_per_s")[0]

@@ -19,6 +19,7 @@ if TYPE_CHECKING:
 class EngineArgs:
     model: str | None = None  # None: the embedded SmolLM2-135M-Instruct GGUF
     dtype: str = "auto"  # auto | bfloat16 | float32 | float16
+    kv_cache_dtype: str = "auto"  # auto (the model's dtype) | bfloat16 | float32 | float16
     device: str = "auto"  # auto | cpu | cuda
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 4096
@@ -42,6 +43,8 @@ class EngineArgs:
 _HELP = {
     "model": "GGUF file or HF model directory (default: embedded SmolLM2-135M-Instruct)",
     "dtype": "weights/activations dtype: auto, bfloat16, float32, float16",
+    "kv_cache_dtype": "KV cache dtype: auto (the model's) or another; bfloat16 under a float32 "
+                      "model halves the cache's bytes (outputs then differ slightly)",
     "device": "auto, cpu or cuda",
     "max_num_seqs": "most sequences in one batch",
     "max_num_batched_tokens": "most tokens computed in one step",
@@ -61,6 +64,7 @@ _HELP = {
 
 _CHOICES = {
     "dtype": ["auto", "bfloat16", "float32", "float16"],
+    "kv_cache_dtype": ["auto", "bfloat16", "float32", "float16"],
     "device": ["auto", "cpu", "cuda"],
     "policy": ["prefill_first", "chunked"],
     "queue": ["fcfs", "priority"],

@@ -33,7 +33,8 @@ class LLMEngine:
         if executor is None:
             from conveyor.executor.model_executor import ModelExecutor
 
-            executor = ModelExecutor(args.model, dtype=args.dtype, device=args.device, seed=args.seed)
+            executor = ModelExecutor(args.model, dtype=args.dtype, device=args.device,
+                                     seed=args.seed, kv_cache_dtype=args.kv_cache_dtype)
         self.executor = executor
         self.tokenizer = self.executor.tokenizer
         self.model_config = self.executor.model_config

@@ -17,6 +17,7 @@ from conveyor.model.device import (
     configure_cpu_allocator,
     resolve_device,
     resolve_dtype,
+    resolve_kv_cache_dtype,
     return_freed_memory,
     use_attention_kernel,
 )
@@ -27,9 +28,10 @@ from conveyor.model.sampler import Sampler, SampleRow
 
 class ModelExecutor:
     def __init__(self, model: str | None = None, dtype: str = "auto", device: str = "auto",
-                 seed: int = 0) -> None:
+                 seed: int = 0, kv_cache_dtype: str = "auto") -> None:
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype, self.device)
+        self.kv_cache_dtype = resolve_kv_cache_dtype(kv_cache_dtype, self.dtype)
         # before torch's first allocation, see its docstring
         self.trim_after_long_steps = self.device.type == "cpu" and configure_cpu_allocator()
         torch.manual_seed(seed)
@@ -39,18 +41,19 @@ class ModelExecutor:
         self.tokenizer = loaded.tokenizer
         self.sampler = Sampler(seed, self.model_config.eos_token_ids)
         c = self.model_config
-        self.attention_kernel = use_attention_kernel(self.device, self.dtype, c.head_dim)
+        self.attention_kernel = use_attention_kernel(self.device, self.dtype, c.head_dim,
+                                                     self.kv_cache_dtype)
         self.kv_cache: KVCache | None = None
 
     def kv_cache_bytes_per_block(self, block_size: int) -> int:
         c = self.model_config
         return KVCache.bytes_per_block(c.num_layers, c.num_kv_heads, c.head_dim, block_size,
-                                       self.dtype)
+                                       self.kv_cache_dtype)
 
     def initialize_cache(self, block_size: int, num_gpu_blocks: int, num_cpu_blocks: int = 0) -> None:
         c = self.model_config
         self.kv_cache = KVCache(c.num_layers, c.num_kv_heads, c.head_dim, block_size,
-                                num_gpu_blocks, num_cpu_blocks, self.dtype, self.device)
+                                num_gpu_blocks, num_cpu_blocks, self.kv_cache_dtype, self.device)
 
     @torch.inference_mode()
     def execute(self, scheduler_output: SchedulerOutput) -> ExecutorOutput:

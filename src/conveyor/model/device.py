@@ -43,6 +43,18 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype
     return _DTYPES[dtype]
 
 
+def resolve_kv_cache_dtype(kv_cache_dtype: str, dtype: torch.dtype) -> torch.dtype:
+    """The KV cache's element type: ``"auto"`` is the model's ``dtype``. A bf16 cache for a
+    float32 model halves the bytes attention reads and doubles the blocks that fit, at the
+    cost of rounding K and V to bf16 (outputs no longer equal a float32 reference's)."""
+    if kv_cache_dtype == "auto":
+        return dtype
+    if kv_cache_dtype not in _DTYPES:
+        raise ValueError(f"kv_cache_dtype must be one of auto, {', '.join(_DTYPES)}; "
+                         f"got {kv_cache_dtype!r}")
+    return _DTYPES[kv_cache_dtype]
+
+
 def dtype_name(dtype: torch.dtype) -> str:
     return next(k for k, v in _DTYPES.items() if v == dtype)
 
@@ -79,11 +91,14 @@ def use_block_weights(device: torch.device, dtype: torch.dtype) -> bool:
     return block_matmul_available()
 
 
-def use_attention_kernel(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
-    """The C++ paged attention kernel: CPU, float32/bf16, head_dim in 16..256 by 16s."""
+def use_attention_kernel(device: torch.device, dtype: torch.dtype, head_dim: int,
+                         cache_dtype: torch.dtype | None = None) -> bool:
+    """The C++ paged attention kernel: CPU, float32/bf16 (a float32 model's cache may be bf16),
+    head_dim in 16..256 by 16s."""
     from conveyor.model.kernels.paged_attention import attention_kernel_available
 
-    return head_dim % 16 == 0 and head_dim <= 256 and attention_kernel_available(device, dtype)
+    return (head_dim % 16 == 0 and head_dim <= 256
+            and attention_kernel_available(device, dtype, cache_dtype))
 
 
 TRIM_AFTER_TOKENS = 256  # steps longer than this hand their freed activations back

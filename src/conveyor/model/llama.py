@@ -134,7 +134,8 @@ class LlamaForCausalLM(nn.Module):
         x = torch.zeros_like(residual)
         cos, sin = self.rotary.cos_sin(positions, residual.dtype)
         fused = self.fused_decode
-        if fused is not None and meta.decode_only and x.shape[0] <= fused.max_rows:
+        if (fused is not None and meta.decode_only and x.shape[0] <= fused.max_rows
+                and kv_caches[0][0].dtype == x.dtype):  # its kernel takes a float32 cache
             x = decode_layers(fused, x, residual, cos, sin, kv_caches, meta.slot_mapping,
                               meta.kernel.block_tables, meta.kernel.context_lens)
         else:

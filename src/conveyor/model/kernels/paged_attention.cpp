@@ -10,9 +10,10 @@
 // query heads. Nothing is gathered into a contiguous copy first, which is what makes this
 // faster than index_select + scaled_dot_product_attention.
 //
-// Layouts (element strides; T is float or bf16 stored as uint16_t):
+// Layouts (element strides; T, the queries' type, and C, the cache's, are float or bf16
+// stored as uint16_t):
 //   q:            [num_tokens, num_heads, head_dim], row stride q_stride between tokens
-//   k/v cache:    [num_blocks, block_size, num_kv_heads, head_dim], contiguous
+//   k/v cache:    [num_blocks, block_size, num_kv_heads, head_dim] of C, contiguous
 //   block_tables: [num_seqs, max_blocks] int32
 //   token_seqs:   [num_tokens] int32, or null
 //   context_lens: [num_tokens] int32 (positions to attend, the token's own included)
@@ -46,8 +47,8 @@ struct Scratch {  // per thread, reused across tasks
 // read block by block (blocks are scattered: the next one is prefetched, and the key pass
 // prefetches the block's values into L2 for the value pass). CHUNKS = head_dim / kLanes when
 // known at compile time (loops unroll), 0 for any other size.
-template <typename T, int CHUNKS>
-void attend(T* out, const T* q, const T* k_cache, const T* v_cache, const int32_t* table,
+template <typename T, typename C, int CHUNKS>
+void attend(T* out, const T* q, const C* k_cache, const C* v_cache, const int32_t* table,
             int64_t ctx, int64_t h0, int64_t h1, int64_t group, int64_t head_dim,
             int64_t block_size, int64_t token_stride, float scale, Scratch& scratch) {
   const int64_t chunks = CHUNKS ? CHUNKS : head_dim / kLanes;
@@ -67,7 +68,7 @@ void attend(T* out, const T* q, const T* k_cache, const T* v_cache, const int32_
   vfloat* dots = scratch.dots.data();
 
   // Block b's rows, from head h0 on; how many of them are in the context.
-  auto rows_of = [&](const T* cache, int64_t b) {
+  auto rows_of = [&](const C* cache, int64_t b) {
     return cache + table[b] * block_stride + h0 * head_dim;
   };
   auto rows_in = [&](int64_t b) { return std::min(block_size, ctx - b * block_size); };
@@ -81,15 +82,15 @@ void attend(T* out, const T* q, const T* k_cache, const T* v_cache, const int32_
   // query heads; each dot product is left as a vector, and kLanes rows' vectors are reduced
   // together (transposed_hsum): a hsum per score would cost more than the products.
   for (int64_t b = 0; b < num_blocks; ++b) {
-    const T* rows = rows_of(k_cache, b);
-    const T* next = b + 1 < num_blocks ? rows_of(k_cache, b + 1) : nullptr;
-    const T* values = rows_of(v_cache, b);
+    const C* rows = rows_of(k_cache, b);
+    const C* next = b + 1 < num_blocks ? rows_of(k_cache, b + 1) : nullptr;
+    const C* values = rows_of(v_cache, b);
     const int64_t n = rows_in(b);
     for (int64_t j = 0; j < n; j += kLanes) {
       const int64_t m = std::min<int64_t>(kLanes, n - j);
       for (int64_t r = 0; r < m; ++r) {
-        const T* row = rows + (j + r) * token_stride;
-        for (int64_t e = 0; e < range; e += 64 / sizeof(T)) {
+        const C* row = rows + (j + r) * token_stride;
+        for (int64_t e = 0; e < range; e += 64 / sizeof(C)) {
           if (next) __builtin_prefetch(next + (j + r) * token_stride + e);
           __builtin_prefetch(values + (j + r) * token_stride + e, 0, 2);
         }
@@ -134,7 +135,7 @@ void attend(T* out, const T* q, const T* k_cache, const T* v_cache, const int32_
   // of a KV head's values (kLineChunks vectors) for up to kGroupTile of its query heads at a
   // time, so that their accumulators stay in registers over the block's rows. Held for all
   // heads at once (9 x 64 floats) they would spill: a load and a store each, every row.
-  auto weigh_values = [&](auto tile, const T* rows, const T* next, int64_t t0, int64_t n,
+  auto weigh_values = [&](auto tile, const C* rows, const C* next, int64_t t0, int64_t n,
                           int64_t h, int64_t g0, int64_t c0) {
     constexpr int G = decltype(tile)::value;
     const int64_t i0 = h * group + g0, first = h * head_dim + c0 * kLanes;
@@ -143,7 +144,7 @@ void attend(T* out, const T* q, const T* k_cache, const T* v_cache, const int32_
       for (int c = 0; c < kLineChunks; ++c) a[g][c] = acc[(i0 + g) * chunks + c0 + c];
     const float* p = scores + i0 * padded + t0;
     for (int64_t j = 0; j < n; ++j) {
-      const T* line = rows + j * token_stride + first;
+      const C* line = rows + j * token_stride + first;
       if (next) __builtin_prefetch(next + j * token_stride + first);
       for (int c = 0; c < kLineChunks; ++c) {
         const vfloat v = load(line + c * kLanes);
@@ -154,8 +155,8 @@ void attend(T* out, const T* q, const T* k_cache, const T* v_cache, const int32_
       for (int c = 0; c < kLineChunks; ++c) acc[(i0 + g) * chunks + c0 + c] = a[g][c];
   };
   for (int64_t b = 0; b < num_blocks; ++b) {
-    const T* rows = rows_of(v_cache, b);
-    const T* next = b + 1 < num_blocks ? rows_of(v_cache, b + 1) : nullptr;
+    const C* rows = rows_of(v_cache, b);
+    const C* next = b + 1 < num_blocks ? rows_of(v_cache, b + 1) : nullptr;
     const int64_t t0 = b * block_size, n = rows_in(b);
     for (int64_t h = 0; h < h1 - h0; ++h)
       for (int64_t g = 0; g < group; g += kGroupTile)
@@ -176,8 +177,8 @@ void attend(T* out, const T* q, const T* k_cache, const T* v_cache, const int32_
   }
 }
 
-template <typename T>
-void paged_attention(T* out, const T* q, const T* k_cache, const T* v_cache,
+template <typename T, typename C = T>
+void paged_attention(T* out, const T* q, const C* k_cache, const C* v_cache,
                      const int32_t* block_tables, const int32_t* token_seqs,
                      const int32_t* context_lens, int64_t num_tokens, int64_t num_heads,
                      int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
@@ -200,32 +201,34 @@ void paged_attention(T* out, const T* q, const T* k_cache, const T* v_cache,
       T* o = out + t * num_heads * head_dim;
       const T* qt = q + t * q_stride;
       if (head_dim == 64)
-        attend<T, 64 / kLanes>(o, qt, k_cache, v_cache, table, ctx, h0, h0 + span, group,
-                               head_dim, block_size, token_stride, scale, scratch);
+        attend<T, C, 64 / kLanes>(o, qt, k_cache, v_cache, table, ctx, h0, h0 + span, group,
+                                  head_dim, block_size, token_stride, scale, scratch);
       else if (head_dim == 128)
-        attend<T, 128 / kLanes>(o, qt, k_cache, v_cache, table, ctx, h0, h0 + span, group,
-                                head_dim, block_size, token_stride, scale, scratch);
+        attend<T, C, 128 / kLanes>(o, qt, k_cache, v_cache, table, ctx, h0, h0 + span, group,
+                                   head_dim, block_size, token_stride, scale, scratch);
       else
-        attend<T, 0>(o, qt, k_cache, v_cache, table, ctx, h0, h0 + span, group, head_dim,
-                     block_size, token_stride, scale, scratch);
+        attend<T, C, 0>(o, qt, k_cache, v_cache, table, ctx, h0, h0 + span, group, head_dim,
+                        block_size, token_stride, scale, scratch);
     }
   }
 }
 
 }  // namespace
 
-#define CONVEYOR_PAGED_ATTENTION(NAME, T)                                                    \
+// T: the queries' and output's type; C: the cache's (a float32 model may keep bf16 KV).
+#define CONVEYOR_PAGED_ATTENTION(NAME, T, C)                                                 \
   extern "C" void NAME(void* out, const void* q, const void* k_cache, const void* v_cache,  \
                        const int32_t* block_tables, const int32_t* token_seqs,              \
                        const int32_t* context_lens, int64_t num_tokens, int64_t num_heads,  \
                        int64_t num_kv_heads, int64_t head_dim, int64_t block_size,          \
                        int64_t max_blocks, int64_t q_stride, float scale, int num_threads) { \
-    paged_attention<T>(static_cast<T*>(out), static_cast<const T*>(q),                      \
-                       static_cast<const T*>(k_cache), static_cast<const T*>(v_cache),      \
-                       block_tables, token_seqs, context_lens, num_tokens, num_heads,       \
-                       num_kv_heads, head_dim, block_size, max_blocks, q_stride, scale,     \
-                       num_threads);                                                        \
+    paged_attention<T, C>(static_cast<T*>(out), static_cast<const T*>(q),                   \
+                          static_cast<const C*>(k_cache), static_cast<const C*>(v_cache),   \
+                          block_tables, token_seqs, context_lens, num_tokens, num_heads,    \
+                          num_kv_heads, head_dim, block_size, max_blocks, q_stride, scale,  \
+                          num_threads);                                                     \
   }
 
-CONVEYOR_PAGED_ATTENTION(paged_attention_f32, float)
-CONVEYOR_PAGED_ATTENTION(paged_attention_bf16, uint16_t)
+CONVEYOR_PAGED_ATTENTION(paged_attention_f32, float, float)
+CONVEYOR_PAGED_ATTENTION(paged_attention_bf16, uint16_t, uint16_t)
+CONVEYOR_PAGED_ATTENTION(paged_attention_f32_bf16_cache, float, uint16_t)

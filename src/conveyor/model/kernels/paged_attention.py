@@ -15,18 +15,22 @@ import torch
 from conveyor.model.kernels.build import kernel_function
 from conveyor.model.kernels.fused_ops import packed_heads
 
-_SYMBOLS = {torch.float32: "paged_attention_f32", torch.bfloat16: "paged_attention_bf16"}
+# (queries' dtype, cache's dtype) -> symbol
+_SYMBOLS = {(torch.float32, torch.float32): "paged_attention_f32",
+            (torch.bfloat16, torch.bfloat16): "paged_attention_bf16",
+            (torch.float32, torch.bfloat16): "paged_attention_f32_bf16_cache"}
 _ARGTYPES = ([ctypes.c_void_p] * 7 + [ctypes.c_int64] * 7 + [ctypes.c_float, ctypes.c_int])
 
 
-def _kernel(dtype: torch.dtype):
-    if dtype not in _SYMBOLS:
-        return None
-    return kernel_function("paged_attention.cpp", _SYMBOLS[dtype], _ARGTYPES)
+def _kernel(dtype: torch.dtype, cache_dtype: torch.dtype):
+    symbol = _SYMBOLS.get((dtype, cache_dtype))
+    return None if symbol is None else kernel_function("paged_attention.cpp", symbol, _ARGTYPES)
 
 
-def attention_kernel_available(device: torch.device, dtype: torch.dtype) -> bool:
-    return device.type == "cpu" and _kernel(dtype) is not None
+def attention_kernel_available(device: torch.device, dtype: torch.dtype,
+                               cache_dtype: torch.dtype | None = None) -> bool:
+    """For queries of ``dtype`` over a cache of ``cache_dtype`` (default: the same)."""
+    return device.type == "cpu" and _kernel(dtype, cache_dtype or dtype) is not None
 
 
 def kernel_attention(
@@ -41,9 +45,12 @@ def kernel_attention(
 ) -> torch.Tensor:
     """Returns [T, num_heads * head_dim], written into ``out`` when it is a contiguous tensor
     of that shape and q's dtype."""
-    kernel = _kernel(q.dtype)
+    if k_cache.dtype != v_cache.dtype:
+        raise ValueError(f"k_cache is {k_cache.dtype} but v_cache is {v_cache.dtype}")
+    kernel = _kernel(q.dtype, k_cache.dtype)
     if kernel is None:
-        raise RuntimeError(f"the paged attention kernel is not available for {q.dtype}")
+        raise RuntimeError(f"the paged attention kernel is not available for {q.dtype} "
+                           f"queries over a {k_cache.dtype} cache")
     num_tokens, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     if not packed_heads(q):

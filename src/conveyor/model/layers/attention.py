@@ -213,8 +213,8 @@ def paged_attention(
     g = num_heads // kv_heads
     flat_k = k_cache.view(-1, kv_heads, head_dim)
     flat_v = v_cache.view(-1, kv_heads, head_dim)
-    flat_k.index_copy_(0, meta.slot_mapping, k)
-    flat_v.index_copy_(0, meta.slot_mapping, v)
+    flat_k.index_copy_(0, meta.slot_mapping, k.to(k_cache.dtype))  # .to: no-op unless a bf16
+    flat_v.index_copy_(0, meta.slot_mapping, v.to(v_cache.dtype))  # cache under float32
     if meta.kernel is not None:
         kb = meta.kernel
         return kernel_attention(q, k_cache, v_cache, kb.block_tables, kb.context_lens,
@@ -232,6 +232,7 @@ def paged_attention(
         blocks = grp.block_table.view(-1)
         keys = k_cache.index_select(0, blocks).view(b, -1, kv_heads, head_dim).transpose(1, 2)
         values = v_cache.index_select(0, blocks).view(b, -1, kv_heads, head_dim).transpose(1, 2)
+        keys, values = keys.to(q.dtype), values.to(q.dtype)
         o = F.scaled_dot_product_attention(qg.view(b, kv_heads, nq * g, head_dim), keys, values,
                                            attn_mask=grp.mask)
         rows = out[grp.token_start: grp.token_start + grp.num_tokens].view(-1, head_dim)
