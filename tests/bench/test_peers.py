@@ -51,3 +51,44 @@ def throughput_parser():
     parser = argparse.ArgumentParser()
     throughput.add_parser(parser.add_subparsers())
     return parser
+
+
+def test_also_with_runs_conveyor_again_with_changed_flags(monkeypatch):
+    jobs = []
+
+    def fake_worker(job, system, config):
+        jobs.append(job)
+        return throughput.SystemResult(system, "float32", skipped="failed (test)")
+
+    monkeypatch.setattr(throughput, "run_worker", fake_worker)
+    args = throughput_parser().parse_args([
+        "throughput", "--workload", "S1", "--no-roofline", "--max-num-seqs", "8",
+        "--also-with", "kv_cache_dtype=bfloat16", "--also-with", "enable-prefix-caching=false"])
+    payload = throughput.run_all(args)
+    engine = [j["engine_args"] for j in jobs]
+    assert [(e["kv_cache_dtype"], e["enable_prefix_caching"], e["max_num_seqs"]) for e in engine] \
+        == [("auto", True, 8), ("bfloat16", True, 8), ("auto", False, 8)]
+    configs = [r["config"] for r in payload["results"]]
+    assert configs[1:] == ["float32 (with kv_cache_dtype=bfloat16)",
+                           "float32 (with enable-prefix-caching=false)"]
+
+
+@pytest.mark.parametrize(("changes", "message"), [
+    ("kv_cache_dtype=int8", "invalid choice: 'int8'"),
+    ("max_num_seqs=many", "invalid int value: 'many'"),
+    ("compare=vllm", "'compare=vllm' is not NAME=VALUE with NAME an engine flag"),
+    ("kv_cache_dtype", "is not NAME=VALUE"),
+    ("enable_prefix_caching=maybe", "enable_prefix_caching is true or false"),
+])
+def test_also_with_refuses_bad_changes(changes, message):
+    from conveyor.engine.args import EngineArgs
+
+    with pytest.raises(ValueError, match=message):
+        throughput.engine_variant(EngineArgs(), changes)
+
+
+def test_bad_compare_or_also_with_exit_with_a_message():
+    for argv in (["--compare", "vllm"], ["--also-with", "kv_cache_dtype=int8"]):
+        args = throughput_parser().parse_args(["throughput", "--no-roofline", *argv])
+        with pytest.raises(SystemExit, match="conveyor bench throughput: --"):
+            throughput.main(args)

@@ -15,12 +15,13 @@ import argparse
 import dataclasses
 import json
 import os
+import shlex
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from conveyor.bench.peers import PEERS, WARMUP_SEED_OFFSET, PeerJob, peak_rss_mb, skip_reason
 from conveyor.bench.report import (
@@ -31,6 +32,9 @@ from conveyor.bench.report import (
     write_json,
 )
 from conveyor.bench.workloads import SPECS, Workload, make_workload, warmup_workload
+
+if TYPE_CHECKING:
+    from conveyor.engine.args import EngineArgs
 
 # ----------------------------------------------------------------------------- --profile
 
@@ -255,6 +259,36 @@ def run_worker(job: dict[str, Any], system: str, config: str) -> SystemResult:
         return SystemResult.from_dict(json.loads(Path(out_path).read_text()))
 
 
+def engine_variant(engine_args: EngineArgs, changes: str) -> EngineArgs:
+    """``engine_args`` with the engine flags in ``changes`` changed, as ``name=value`` pairs
+    (``"kv_cache_dtype=bfloat16 max_num_seqs=32"``, booleans ``true``/``false``): for
+    ``--also-with``, another Conveyor row in the same run. Values are checked as the flags'."""
+    from conveyor.engine.args import add_cli_args, from_cli_args
+
+    fields = {f.name: f for f in dataclasses.fields(engine_args)}
+    argv = []
+    for pair in shlex.split(changes):
+        name, sep, value = pair.partition("=")
+        name = name.removeprefix("--").replace("-", "_")
+        if not sep or name not in fields:
+            raise ValueError(f"--also-with {changes!r}: {pair!r} is not NAME=VALUE with NAME an "
+                             f"engine flag")
+        flag = name.replace("_", "-")
+        if isinstance(getattr(engine_args, name), bool):
+            if value.lower() not in ("true", "false"):
+                raise ValueError(f"--also-with {changes!r}: {name} is true or false")
+            argv.append(f"--{flag}" if value.lower() == "true" else f"--no-{flag}")
+        else:
+            argv += [f"--{flag}", value]
+    parser = argparse.ArgumentParser(prog="--also-with", add_help=False, exit_on_error=False)
+    add_cli_args(parser)
+    parser.set_defaults(**dataclasses.asdict(engine_args))
+    try:
+        return from_cli_args(parser.parse_args(argv))
+    except argparse.ArgumentError as e:
+        raise ValueError(f"--also-with {changes!r}: {e}") from None
+
+
 def _ints(text: str) -> list[int]:
     return [int(x) for x in text.split(",") if x.strip()]
 
@@ -281,6 +315,12 @@ def run_all(args: argparse.Namespace) -> dict[str, Any]:
     model_path = engine_args.model or default_model_path()
     for name in [c.strip() for c in (args.compare or "").split(",") if c.strip()]:
         skip_reason(name)  # unknown names fail before anything runs
+    variants = [(engine_args, "engine flags")]
+    if args.workload == "W2":  # with vs without prefix caching
+        variants.append((dataclasses.replace(engine_args, enable_prefix_caching=False),
+                         "prefix caching off"))
+    variants += [(engine_variant(engine_args, changes), f"with {changes}")
+                 for changes in args.also_with or []]
 
     rates = None
     if not args.no_roofline:
@@ -294,13 +334,13 @@ def run_all(args: argparse.Namespace) -> dict[str, Any]:
 
     base = {"system": "conveyor", "workload": args.workload, "seed": args.seed,
             "num_requests": args.num_requests, "repeats": args.repeats, "profile": args.profile}
-    variants = [engine_args]
-    if args.workload == "W2":  # with vs without prefix caching
-        variants.append(dataclasses.replace(engine_args, enable_prefix_caching=False))
     results = []
-    for i, ea in enumerate(variants):
+    for i, (ea, what) in enumerate(variants):
         job = {**base, "engine_args": dataclasses.asdict(ea), "profile": args.profile and i == 0}
-        results.append(run_worker(job, "conveyor", "prefix caching off" if i else "engine flags"))
+        result = run_worker(job, "conveyor", what)
+        if what.startswith("with "):
+            result.config = f"{result.config} ({what})"
+        results.append(result)
     conveyor = results[0]
     dtype = conveyor.extra.get("dtype") or (args.dtype if args.dtype != "auto" else "bfloat16")
     for peer in peer_jobs(args, model_path, dtype):
@@ -404,7 +444,10 @@ def print_report(payload: dict[str, Any], workload: str) -> None:
 def main(args: argparse.Namespace) -> int:
     if args.repeats < 1:
         raise SystemExit("--repeats must be >= 1")
-    payload = run_all(args)
+    try:
+        payload = run_all(args)
+    except ValueError as e:  # a bad --compare or --also-with: refused before anything runs
+        raise SystemExit(f"conveyor bench throughput: {e}") from None
     print_report(payload, args.workload)
     if args.json:
         write_json(args.json, payload)
@@ -434,6 +477,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                    help="static batch sizes to run transformers at (one row each)")
     p.add_argument("--llamacpp-parallel", default="16,64",
                    help="parallel sequences to run llama.cpp with (one row each)")
+    p.add_argument("--also-with", action="append", metavar="NAME=VALUE ...",
+                   help="run Conveyor again in the same run with these engine flags changed "
+                        "(e.g. kv_cache_dtype=bfloat16); repeatable; the row's ratio columns "
+                        "compare it with the first")
     p.add_argument("--profile", action="store_true",
                    help="one extra Conveyor pass timing the engine outside the model forward")
     p.add_argument("--no-roofline", action="store_true", help="skip the machine micro-benchmarks")
