@@ -98,6 +98,37 @@ def test_prefill_chunks_attend_their_causal_prefix(dtype, cache_dtype, head_dim,
 
 
 @needs_kernel
+@dtypes
+def test_kernel_writes_the_steps_keys_and_values_first(dtype, cache_dtype) -> None:
+    """new_kv: the rows land where index_copy_ of the rounded values would put them, bit for
+    bit, and a prefill chunk's tokens already see each other's (written in the same call)."""
+    gen = torch.Generator().manual_seed(5)
+    bs, kv_heads, num_heads, head_dim = 16, 3, 9, 64
+    caches = [torch.randn(8, bs, kv_heads, head_dim, generator=gen).to(cache_dtype)
+              for _ in range(2)]
+    qkv = torch.randn(20, (num_heads + 2 * kv_heads) * head_dim, generator=gen).to(dtype)
+    q = qkv[:, :num_heads * head_dim].view(20, num_heads, head_dim)
+    k = qkv[:, num_heads * head_dim:(num_heads + kv_heads) * head_dim].view(20, kv_heads, head_dim)
+    v = qkv[:, (num_heads + kv_heads) * head_dim:].view(20, kv_heads, head_dim)
+    tables = torch.tensor([[5, 2]], dtype=torch.int32)  # one sequence, a 20-token chunk
+    slots = torch.tensor([5 * bs + i if i < bs else 2 * bs + i - bs for i in range(20)])
+    lens = torch.arange(1, 21, dtype=torch.int32)
+    seqs = torch.zeros(20, dtype=torch.int32)
+    expected = [c.clone() for c in caches]
+    for c, new in zip(expected, (k, v), strict=True):
+        c.view(-1, kv_heads, head_dim).index_copy_(0, slots, new.to(cache_dtype))
+    got = kernel_attention(q, *caches, tables, lens, head_dim ** -0.5, seqs, new_kv=(k, v, slots))
+    assert all(torch.equal(c, e) for c, e in zip(caches, expected, strict=True))
+    reference = _reference(q, *expected, tables, lens, seqs)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got.double(), reference, rtol=tol, atol=tol)
+    with pytest.raises(ValueError, match="new k must be"):
+        kernel_attention(q, *caches, tables, lens, 0.125, seqs, new_kv=(k[:3], v, slots))
+    with pytest.raises(ValueError, match="slot_mapping must be"):
+        kernel_attention(q, *caches, tables, lens, 0.125, seqs, new_kv=(k, v, slots.int()))
+
+
+@needs_kernel
 def test_bad_kernel_arguments_are_refused() -> None:
     k_cache = torch.zeros(4, 16, 3, 64)
     q = torch.zeros(2, 9, 64)

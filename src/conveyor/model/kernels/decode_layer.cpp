@@ -58,7 +58,7 @@ static void decode_layer(const LayerWeights* w, float* out, const float* x, floa
                          int64_t max_blocks, float scale, int num_threads) {
   const int64_t hidden = w->hidden, hd = w->head_dim, inter = w->intermediate;
   const int64_t q_heads = w->num_heads, kv_heads = w->num_kv_heads;
-  const int64_t qk_width = (q_heads + kv_heads) * hd, kv_width = kv_heads * hd;
+  const int64_t qk_width = (q_heads + kv_heads) * hd;
   const int64_t qkv_width = w->qkv.n_out;
   std::vector<float> h(rows * hidden), qkv(rows * qkv_width), qk(rows * qk_width);
   std::vector<float> attn(rows * q_heads * hd), proj(rows * hidden);
@@ -68,13 +68,9 @@ static void decode_layer(const LayerWeights* w, float* out, const float* x, floa
   matmul(qkv.data(), h.data(), w->qkv, rows, hidden, num_threads);
   rotary<float>(qk.data(), qkv.data(), cos, sin, rows, q_heads + kv_heads, hd, qkv_width,
                 qk_width, num_threads);
-  for (int64_t r = 0; r < rows; ++r) {
-    std::memcpy(k_cache + slot_mapping[r] * kv_width, qk.data() + r * qk_width + q_heads * hd,
-                kv_width * sizeof(float));
-    std::memcpy(v_cache + slot_mapping[r] * kv_width, qkv.data() + r * qkv_width + qk_width,
-                kv_width * sizeof(float));
-  }
-  paged_attention<float>(attn.data(), qk.data(), k_cache, v_cache, block_tables, nullptr,
+  const NewKV<float> new_kv{qk.data() + q_heads * hd, qkv.data() + qk_width, qk_width, qkv_width,
+                            slot_mapping};  // rotated keys, values straight from the projection
+  paged_attention<float>(attn.data(), qk.data(), k_cache, v_cache, new_kv, block_tables, nullptr,
                          context_lens, rows, q_heads, kv_heads, hd, block_size, max_blocks,
                          qk_width, scale, num_threads);
   matmul(proj.data(), attn.data(), w->o, rows, q_heads * hd, num_threads);

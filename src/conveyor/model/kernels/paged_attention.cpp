@@ -18,6 +18,8 @@
 //   token_seqs:   [num_tokens] int32, or null
 //   context_lens: [num_tokens] int32 (positions to attend, the token's own included)
 //   out:          [num_tokens, num_heads, head_dim], contiguous
+//   new_k/new_v:  [num_tokens, num_kv_heads, head_dim], row strides k_stride/v_stride, or null;
+//                 written to cache rows slot_mapping[t] ([num_tokens] int64) first
 //
 // Built by conveyor/model/kernels/build.py with the system C++ compiler and OpenMP; loaded
 // with ctypes. The OpenMP runtime is the one torch already loaded (same soname).
@@ -177,8 +179,24 @@ void attend(T* out, const T* q, const C* k_cache, const C* v_cache, const int32_
   }
 }
 
+// This step's keys and values, [num_tokens, num_kv_heads, head_dim], rows *_stride apart: written
+// to cache row slots[t] before any token attends (a prefill chunk's tokens read each other's),
+// rounded to the cache's type. k == nullptr: the caller has written them.
+template <typename T>
+struct NewKV {
+  const T* k = nullptr;
+  const T* v = nullptr;
+  int64_t k_stride = 0, v_stride = 0;
+  const int64_t* slots = nullptr;
+};
+
+template <typename T, typename C>
+void copy_row(C* dst, const T* src, int64_t n) {  // n: a multiple of kLanes
+  for (int64_t e = 0; e < n; e += kLanes) store(load(src + e), dst + e);
+}
+
 template <typename T, typename C = T>
-void paged_attention(T* out, const T* q, const C* k_cache, const C* v_cache,
+void paged_attention(T* out, const T* q, C* k_cache, C* v_cache, NewKV<T> new_kv,
                      const int32_t* block_tables, const int32_t* token_seqs,
                      const int32_t* context_lens, int64_t num_tokens, int64_t num_heads,
                      int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
@@ -192,6 +210,15 @@ void paged_attention(T* out, const T* q, const C* k_cache, const C* v_cache,
   const int64_t ranges = num_kv_heads / span;
 #pragma omp parallel num_threads(num_threads)
   {
+    if (new_kv.k) {
+#pragma omp for  // and its barrier: every row is in place before anyone reads
+      for (int64_t t = 0; t < num_tokens; ++t) {
+        copy_row(k_cache + new_kv.slots[t] * token_stride, new_kv.k + t * new_kv.k_stride,
+                 token_stride);
+        copy_row(v_cache + new_kv.slots[t] * token_stride, new_kv.v + t * new_kv.v_stride,
+                 token_stride);
+      }
+    }
     Scratch scratch;
 #pragma omp for schedule(dynamic, 1)
     for (int64_t task = 0; task < num_tokens * ranges; ++task) {
@@ -217,13 +244,18 @@ void paged_attention(T* out, const T* q, const C* k_cache, const C* v_cache,
 
 // T: the queries' and output's type; C: the cache's (a float32 model may keep bf16 KV).
 #define CONVEYOR_PAGED_ATTENTION(NAME, T, C)                                                 \
-  extern "C" void NAME(void* out, const void* q, const void* k_cache, const void* v_cache,  \
-                       const int32_t* block_tables, const int32_t* token_seqs,              \
-                       const int32_t* context_lens, int64_t num_tokens, int64_t num_heads,  \
-                       int64_t num_kv_heads, int64_t head_dim, int64_t block_size,          \
-                       int64_t max_blocks, int64_t q_stride, float scale, int num_threads) { \
+  extern "C" void NAME(void* out, const void* q, void* k_cache, void* v_cache,              \
+                       const void* new_k, int64_t k_stride, const void* new_v,             \
+                       int64_t v_stride, const int64_t* slot_mapping,                       \
+                       const int32_t* block_tables,                                         \
+                       const int32_t* token_seqs, const int32_t* context_lens,              \
+                       int64_t num_tokens, int64_t num_heads, int64_t num_kv_heads,         \
+                       int64_t head_dim, int64_t block_size, int64_t max_blocks,            \
+                       int64_t q_stride, float scale, int num_threads) {                    \
+    const NewKV<T> new_kv{static_cast<const T*>(new_k), static_cast<const T*>(new_v),       \
+                          k_stride, v_stride, slot_mapping};                                \
     paged_attention<T, C>(static_cast<T*>(out), static_cast<const T*>(q),                   \
-                          static_cast<const C*>(k_cache), static_cast<const C*>(v_cache),   \
+                          static_cast<C*>(k_cache), static_cast<C*>(v_cache), new_kv,       \
                           block_tables, token_seqs, context_lens, num_tokens, num_heads,    \
                           num_kv_heads, head_dim, block_size, max_blocks, q_stride, scale,  \
                           num_threads);                                                     \

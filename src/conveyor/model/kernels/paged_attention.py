@@ -19,7 +19,8 @@ from conveyor.model.kernels.fused_ops import packed_heads
 _SYMBOLS = {(torch.float32, torch.float32): "paged_attention_f32",
             (torch.bfloat16, torch.bfloat16): "paged_attention_bf16",
             (torch.float32, torch.bfloat16): "paged_attention_f32_bf16_cache"}
-_ARGTYPES = ([ctypes.c_void_p] * 7 + [ctypes.c_int64] * 7 + [ctypes.c_float, ctypes.c_int])
+_P, _I = ctypes.c_void_p, ctypes.c_int64
+_ARGTYPES = [_P] * 4 + [_P, _I, _P, _I, _P] + [_P] * 3 + [_I] * 7 + [ctypes.c_float, ctypes.c_int]
 
 
 def _kernel(dtype: torch.dtype, cache_dtype: torch.dtype):
@@ -42,9 +43,14 @@ def kernel_attention(
     scale: float,
     token_seqs: torch.Tensor | None = None,  # [T] int32 row of block_tables; None: token t -> t
     out: torch.Tensor | None = None,
+    new_kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Returns [T, num_heads * head_dim], written into ``out`` when it is a contiguous tensor
-    of that shape and q's dtype."""
+    of that shape and q's dtype.
+
+    ``new_kv = (k, v, slot_mapping)``: this step's keys and values ([T, kv_heads, head_dim] in q's
+    dtype, heads packed, rows may be strided) are first written to the cache rows
+    ``slot_mapping`` ([T] int64), rounded to the cache's dtype, in the same call."""
     if k_cache.dtype != v_cache.dtype:
         raise ValueError(f"k_cache is {k_cache.dtype} but v_cache is {v_cache.dtype}")
     kernel = _kernel(q.dtype, k_cache.dtype)
@@ -69,11 +75,24 @@ def kernel_attention(
     if context_lens.shape != (num_tokens,) or (token_seqs is not None
                                                and token_seqs.shape != (num_tokens,)):
         raise ValueError("context_lens and token_seqs need one entry per token")
+    k = v = slots = None
+    if new_kv is not None:
+        k, v, slots = new_kv
+        for name, t in (("k", k), ("v", v)):
+            if (t.shape != (num_tokens, num_kv_heads, head_dim) or t.dtype != q.dtype
+                    or not packed_heads(t)):
+                raise ValueError(f"new {name} must be [{num_tokens}, {num_kv_heads}, {head_dim}] "
+                                 f"{q.dtype} with packed heads")
+        if slots.shape != (num_tokens,) or slots.dtype != torch.int64 or not slots.is_contiguous():
+            raise ValueError("slot_mapping must be a contiguous int64 entry per token")
     shape = (num_tokens, num_heads * head_dim)
     if out is None or out.shape != shape or out.dtype != q.dtype or not out.is_contiguous():
         out = torch.empty(shape, dtype=q.dtype)
     kernel(
         out.data_ptr(), q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
+        None if k is None else k.data_ptr(), 0 if k is None else k.stride(0),
+        None if v is None else v.data_ptr(), 0 if v is None else v.stride(0),
+        None if slots is None else slots.data_ptr(),
         block_tables.data_ptr(), None if token_seqs is None else token_seqs.data_ptr(),
         context_lens.data_ptr(), num_tokens, num_heads, num_kv_heads, head_dim, block_size,
         block_tables.shape[1], q.stride(0), scale, torch.get_num_threads())

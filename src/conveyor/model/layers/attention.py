@@ -211,14 +211,15 @@ def paged_attention(
     num_tokens, num_heads, head_dim = q.shape
     kv_heads = k.shape[1]
     g = num_heads // kv_heads
+    if meta.kernel is not None:  # it writes k and v into the cache too
+        kb = meta.kernel
+        return kernel_attention(q, k_cache, v_cache, kb.block_tables, kb.context_lens,
+                                head_dim ** -0.5, kb.token_seqs, out=out,
+                                new_kv=(k, v, meta.slot_mapping))
     flat_k = k_cache.view(-1, kv_heads, head_dim)
     flat_v = v_cache.view(-1, kv_heads, head_dim)
     flat_k.index_copy_(0, meta.slot_mapping, k.to(k_cache.dtype))  # .to: no-op unless a bf16
     flat_v.index_copy_(0, meta.slot_mapping, v.to(v_cache.dtype))  # cache under float32
-    if meta.kernel is not None:
-        kb = meta.kernel
-        return kernel_attention(q, k_cache, v_cache, kb.block_tables, kb.context_lens,
-                                head_dim ** -0.5, kb.token_seqs, out=out)
     if not packed_heads(q) or q.stride(0) % head_dim:  # rows of whole heads, for q_rows
         q = q.contiguous()
     rows_per_token = q.stride(0) // head_dim
