@@ -265,7 +265,7 @@ def engine_variant(engine_args: EngineArgs, changes: str) -> EngineArgs:
     ``--also-with``, another Conveyor row in the same run. Values are checked as the flags'."""
     from conveyor.engine.args import add_cli_args, from_cli_args
 
-    fields = {f.name: f for f in dataclasses.fields(engine_args)}
+    fields = {f.name for f in dataclasses.fields(engine_args)}
     argv = []
     for pair in shlex.split(changes):
         name, sep, value = pair.partition("=")
@@ -315,11 +315,12 @@ def run_all(args: argparse.Namespace) -> dict[str, Any]:
     model_path = engine_args.model or default_model_path()
     for name in [c.strip() for c in (args.compare or "").split(",") if c.strip()]:
         skip_reason(name)  # unknown names fail before anything runs
-    variants = [(engine_args, "engine flags")]
-    if args.workload == "W2":  # with vs without prefix caching
+    # (engine args, what the progress line says, what the table row's config adds)
+    variants = [(engine_args, "engine flags", "")]
+    if args.workload == "W2":  # with vs without prefix caching (the row says so already)
         variants.append((dataclasses.replace(engine_args, enable_prefix_caching=False),
-                         "prefix caching off"))
-    variants += [(engine_variant(engine_args, changes), f"with {changes}")
+                         "prefix caching off", ""))
+    variants += [(engine_variant(engine_args, changes), f"with {changes}", f" (with {changes})")
                  for changes in args.also_with or []]
 
     rates = None
@@ -335,11 +336,10 @@ def run_all(args: argparse.Namespace) -> dict[str, Any]:
     base = {"system": "conveyor", "workload": args.workload, "seed": args.seed,
             "num_requests": args.num_requests, "repeats": args.repeats, "profile": args.profile}
     results = []
-    for i, (ea, what) in enumerate(variants):
+    for i, (ea, what, note) in enumerate(variants):
         job = {**base, "engine_args": dataclasses.asdict(ea), "profile": args.profile and i == 0}
         result = run_worker(job, "conveyor", what)
-        if what.startswith("with "):
-            result.config = f"{result.config} ({what})"
+        result.config += note
         results.append(result)
     conveyor = results[0]
     dtype = conveyor.extra.get("dtype") or (args.dtype if args.dtype != "auto" else "bfloat16")

@@ -17,7 +17,6 @@
 // from the kernels' own sources, compiled into this library too.
 
 #include <cstdint>
-#include <cstring>
 #include <vector>
 
 #include "block_matmul.cpp"
