@@ -62,11 +62,11 @@ void attend(T* out, const T* q, const C* k_cache, const C* v_cache, const int32_
   scratch.scores.resize(heads * padded);
   scratch.qv.resize(heads * chunks);
   scratch.acc.assign(heads * chunks, vfloat{});
+  scratch.dots.resize(heads * kLanes);
   scratch.inv_sum.resize(heads);
   float* scores = scratch.scores.data();
   vfloat* qv = scratch.qv.data();
   vfloat* acc = scratch.acc.data();
-  scratch.dots.resize(heads * kLanes);
   vfloat* dots = scratch.dots.data();
 
   // Block b's rows, from head h0 on; how many of them are in the context.
