@@ -97,6 +97,55 @@ def test_prefill_chunks_attend_their_causal_prefix(dtype, cache_dtype, head_dim,
     assert not torch.allclose(longer.double(), expected, rtol=tol, atol=tol)
 
 
+def _chunks(starts, num_new, block_size, num_blocks, gen):
+    """Block tables, token_seqs and context lengths for prefill chunks: sequence i's tokens
+    starts[i] .. starts[i] + num_new[i] - 1 are this call's query tokens."""
+    max_blocks = (max(s + n for s, n in zip(starts, num_new, strict=True)) + block_size - 1) // block_size
+    tables = torch.randperm(num_blocks, generator=gen)[:len(starts) * max_blocks]
+    tables = tables.view(len(starts), max_blocks).to(torch.int32)
+    token_seqs = torch.repeat_interleave(torch.arange(len(starts)), torch.tensor(num_new))
+    lens = torch.cat([torch.arange(s + 1, s + n + 1) for s, n in zip(starts, num_new, strict=True)])
+    return tables, token_seqs.to(torch.int32), lens.to(torch.int32)
+
+
+@needs_kernel
+@dtypes
+@pytest.mark.parametrize(("head_dim", "num_heads", "kv_heads", "block_size"), [
+    (64, 9, 3, 16), (128, 32, 8, 16), (80, 4, 4, 1), (16, 14, 2, 32), (32, 8, 1, 12)])
+def test_long_prefill_chunks_in_tiles_equal_reference(dtype, cache_dtype, head_dim, num_heads,
+                                                      kv_heads, block_size) -> None:
+    """Long runs of a sequence's tokens go through the tiled path (attention_tile.h): several
+    tiles per run, contexts longer than one pass of keys, a cached prefix before a chunk, a run
+    too short for a tile and a decode in between."""
+    gen = torch.Generator().manual_seed(head_dim + num_heads)
+    num_blocks = 1000
+    k_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=gen).to(cache_dtype)
+    v_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=gen).to(cache_dtype)
+    starts, num_new = [0, 130, 40, 0], [150, 71, 1, 3]
+    tables, token_seqs, lens = _chunks(starts, num_new, block_size, num_blocks, gen)
+    q = torch.randn(len(lens), num_heads, head_dim, generator=gen).to(dtype)
+    got = kernel_attention(q, k_cache, v_cache, tables, lens, head_dim ** -0.5, token_seqs)
+    expected = _reference(q, k_cache, v_cache, tables, lens, token_seqs)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got.double(), expected, rtol=tol, atol=tol)
+
+
+@needs_kernel
+@dtypes
+def test_a_tokens_result_does_not_depend_on_its_tile(dtype, cache_dtype) -> None:
+    """A prompt attended in one call, or as two chunks (the second after the first's cached
+    prefix, as prefix caching and chunked prefill do): every token's output is the same bits."""
+    gen = torch.Generator().manual_seed(3)
+    k_cache = torch.randn(64, 16, 3, 64, generator=gen).to(cache_dtype)
+    v_cache = torch.randn(64, 16, 3, 64, generator=gen).to(cache_dtype)
+    tables, token_seqs, lens = _chunks([0], [300], 16, 64, gen)
+    q = torch.randn(300, 9, 64, generator=gen).to(dtype)
+    whole = kernel_attention(q, k_cache, v_cache, tables, lens, 0.125, token_seqs)
+    parts = [kernel_attention(q[a:b], k_cache, v_cache, tables, lens[a:b].contiguous(), 0.125,
+                              token_seqs[a:b].contiguous()) for a, b in ((0, 37), (37, 300))]
+    assert torch.equal(whole, torch.cat(parts))
+
+
 @needs_kernel
 @dtypes
 def test_kernel_writes_the_steps_keys_and_values_first(dtype, cache_dtype) -> None:

@@ -31,6 +31,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "attention_tile.h"
 #include "vec.h"
 
 namespace {
@@ -195,6 +196,44 @@ void copy_row(C* dst, const T* src, int64_t n) {  // n: a multiple of kLanes
   for (int64_t e = 0; e < n; e += kLanes) store(load(src + e), dst + e);
 }
 
+// What one thread does at a time: tokens [t, t + n) of one sequence against KV head h0 (a tile,
+// attention_tile.h), or token t alone against KV heads [h0, h1) (attend).
+struct Task {
+  int64_t t, n, h0, h1;
+  bool tile;
+};
+
+// A run is a prefill chunk's consecutive tokens: one sequence, each seeing one more position.
+// Runs of at least kMinTileRows query rows go in tiles of about kTileRows rows, last tile
+// first (the longest contexts: dynamic scheduling then balances the rest); the other tokens
+// go one by one, all KV heads per task when there are enough tokens to keep the threads busy.
+constexpr int64_t kMinTileRows = 12;
+
+std::vector<Task> plan_tasks(const int32_t* token_seqs, const int32_t* context_lens,
+                             int64_t num_tokens, int64_t num_kv_heads, int64_t group,
+                             int num_threads) {
+  const int64_t span = num_tokens >= 4 * num_threads ? num_kv_heads : 1;
+  const int64_t per_tile = std::max<int64_t>(1, kTileRows / group);
+  std::vector<Task> tasks;
+  for (int64_t t = 0; t < num_tokens;) {
+    int64_t end = t + 1;
+    while (token_seqs && end < num_tokens && token_seqs[end] == token_seqs[t] &&
+           context_lens[end] == context_lens[end - 1] + 1)
+      ++end;
+    if ((end - t) * group >= kMinTileRows) {
+      for (int64_t s = t + (end - t - 1) / per_tile * per_tile; s >= t; s -= per_tile)
+        for (int64_t h = 0; h < num_kv_heads; ++h)
+          tasks.push_back({s, std::min(per_tile, end - s), h, h + 1, true});
+    } else {
+      for (int64_t u = t; u < end; ++u)
+        for (int64_t h0 = 0; h0 < num_kv_heads; h0 += span)
+          tasks.push_back({u, 1, h0, h0 + span, false});
+    }
+    t = end;
+  }
+  return tasks;
+}
+
 template <typename T, typename C = T>
 void paged_attention(T* out, const T* q, C* k_cache, C* v_cache, NewKV<T> new_kv,
                      const int32_t* block_tables, const int32_t* token_seqs,
@@ -203,11 +242,9 @@ void paged_attention(T* out, const T* q, C* k_cache, C* v_cache, NewKV<T> new_kv
                      int64_t max_blocks, int64_t q_stride, float scale, int num_threads) {
   const int64_t group = num_heads / num_kv_heads;
   const int64_t token_stride = num_kv_heads * head_dim;
-  // A task is one token and a range of KV heads: all heads (a whole token row per read) when
-  // there are enough tokens to keep the threads busy, else one head per task. A prefill
-  // chunk's consecutive tokens read the same rows, which the cache then still holds.
-  const int64_t span = num_tokens >= 4 * num_threads ? num_kv_heads : 1;
-  const int64_t ranges = num_kv_heads / span;
+  const std::vector<Task> tasks =
+      plan_tasks(token_seqs, context_lens, num_tokens, num_kv_heads, group, num_threads);
+  const int64_t num_tasks = static_cast<int64_t>(tasks.size());
 #pragma omp parallel num_threads(num_threads)
   {
     if (new_kv.k) {
@@ -220,21 +257,27 @@ void paged_attention(T* out, const T* q, C* k_cache, C* v_cache, NewKV<T> new_kv
       }
     }
     Scratch scratch;
+    TileScratch tile_scratch;
 #pragma omp for schedule(dynamic, 1)
-    for (int64_t task = 0; task < num_tokens * ranges; ++task) {
-      const int64_t t = task / ranges, h0 = task % ranges * span;
+    for (int64_t i = 0; i < num_tasks; ++i) {
+      const Task& task = tasks[i];
+      const int64_t t = task.t, h0 = task.h0, h1 = task.h1;
       const int64_t ctx = context_lens[t];
       const int32_t* table = block_tables + (token_seqs ? token_seqs[t] : t) * max_blocks;
       T* o = out + t * num_heads * head_dim;
       const T* qt = q + t * q_stride;
-      if (head_dim == 64)
-        attend<T, C, 64 / kLanes>(o, qt, k_cache, v_cache, table, ctx, h0, h0 + span, group,
+      if (task.tile)
+        attend_tile<T, C>(o, num_heads * head_dim, qt, q_stride, k_cache, v_cache, table, ctx,
+                          task.n, h0, group, head_dim, block_size, token_stride, scale,
+                          tile_scratch);
+      else if (head_dim == 64)
+        attend<T, C, 64 / kLanes>(o, qt, k_cache, v_cache, table, ctx, h0, h1, group,
                                   head_dim, block_size, token_stride, scale, scratch);
       else if (head_dim == 128)
-        attend<T, C, 128 / kLanes>(o, qt, k_cache, v_cache, table, ctx, h0, h0 + span, group,
+        attend<T, C, 128 / kLanes>(o, qt, k_cache, v_cache, table, ctx, h0, h1, group,
                                    head_dim, block_size, token_stride, scale, scratch);
       else
-        attend<T, C, 0>(o, qt, k_cache, v_cache, table, ctx, h0, h0 + span, group, head_dim,
+        attend<T, C, 0>(o, qt, k_cache, v_cache, table, ctx, h0, h1, group, head_dim,
                         block_size, token_stride, scale, scratch);
     }
   }

@@ -110,6 +110,25 @@ inline vfloat transposed_hsum(const vfloat* rows) {
   return d[0];
 }
 
+// x's and y's lanes with bit H of the lane index swapped between them: lane l of the first
+// result is x[l] where bit H of l is clear, else y[l - H]; the second is x[l + H] or y[l].
+template <int H, size_t... P>
+inline void swap_lanes(vfloat& x, vfloat& y, std::index_sequence<P...>) {
+  const vfloat lo = __builtin_shufflevector(x, y, ((P & H) ? kLanes + P - H : P)...);
+  const vfloat hi = __builtin_shufflevector(x, y, ((P & H) ? kLanes + P : P + H)...);
+  x = lo;
+  y = hi;
+}
+
+// rows[0..kLanes) transposed in place (lane j of rows[i] becomes lane i of rows[j]): each
+// step swaps one bit between the row index and the lane index.
+template <int H = kLanes / 2>
+inline void transpose(vfloat* rows) {
+  for (int i = 0; i < kLanes; ++i)
+    if (!(i & H)) swap_lanes<H>(rows[i], rows[i + H], std::make_index_sequence<kLanes>{});
+  if constexpr (H > 1) transpose<H / 2>(rows);
+}
+
 // exp(x), kLanes at a time, x clamped to [-87, 88] (exp(-87) ~ 1.6e-38 is still a normal float):
 // 2^n * 2^f with n = round(x log2 e) and a degree-6 polynomial for e^f, |f| <= 0.35
 // (relative error about 1e-7). Scalar expf would be a library call per element.
