@@ -130,22 +130,24 @@ inline void transpose(vfloat* rows) {
 }
 
 // exp(x), kLanes at a time, x clamped to [-87, 88] (exp(-87) ~ 1.6e-38 is still a normal float):
-// 2^n * 2^f with n = round(x log2 e) and a degree-6 polynomial for e^f, |f| <= 0.35
-// (relative error about 1e-7). Scalar expf would be a library call per element.
+// 2^n * e^f with n = round(x log2 e) and a degree-6 polynomial for e^f, |f| <= 0.35
+// (relative error about 1e-7). Adding 1.5 * 2^23 rounds x log2 e to an integer (to nearest
+// even) in the sum's low mantissa bits, which then become 2^n's exponent. Scalar expf would
+// be a library call per element.
 inline vfloat vexp(vfloat x) {
+  constexpr float kRound = 12582912.f;  // 1.5 * 2^23: floats near it are 1 apart
   x = x < -87.f ? vfloat{} - 87.f : x;
   x = x > 88.f ? vfloat{} + 88.f : x;
-  const vfloat t = x * 1.44269504f;
-  const vfloat n = __builtin_convertvector(__builtin_convertvector(t + (t < 0 ? -0.5f : 0.5f),
-                                                                   vint), vfloat);
-  const vfloat f = (t - n) * 0.69314718f;
+  const vfloat r = x * 1.44269504f + kRound;
+  const vfloat n = r - kRound;
+  const vfloat f = (x * 1.44269504f - n) * 0.69314718f;
   vfloat p = f * (1.f / 720) + 1.f / 120;
   p = p * f + 1.f / 24;
   p = p * f + 1.f / 6;
   p = p * f + 0.5f;
   p = p * f + 1.f;
   p = p * f + 1.f;
-  const vint bits = (__builtin_convertvector(n, vint) + 127) << 23;
+  const vint bits = (reinterpret_cast<vint>(r) - (0x4B400000 - 127)) << 23;
   return p * reinterpret_cast<vfloat>(bits);
 }
 
