@@ -6,6 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from conveyor.model.kernels import build
 from conveyor.model.kernels.paged_attention import attention_kernel_available, kernel_attention
@@ -144,6 +146,29 @@ def test_a_tokens_result_does_not_depend_on_its_tile(dtype, cache_dtype) -> None
     parts = [kernel_attention(q[a:b], k_cache, v_cache, tables, lens[a:b].contiguous(), 0.125,
                               token_seqs[a:b].contiguous()) for a, b in ((0, 37), (37, 300))]
     assert torch.equal(whole, torch.cat(parts))
+
+
+@needs_kernel
+@settings(max_examples=40, deadline=None)
+@given(shape=st.sampled_from([(64, 9, 3), (32, 8, 1), (16, 4, 4), (48, 6, 2)]),
+       block_size=st.sampled_from([1, 5, 16]),
+       steps=st.lists(st.tuples(st.integers(0, 90), st.integers(1, 70)), min_size=1, max_size=5),
+       seed=st.integers(0, 2**16))
+def test_any_mix_of_chunks_and_decodes_equals_reference(shape, block_size, steps, seed) -> None:
+    """Random steps: each entry is a sequence's chunk (a cached prefix of any length, then 1-70
+    new tokens; one new token is a decode), in any order: tiles, short runs and single tokens
+    side by side."""
+    head_dim, num_heads, kv_heads = shape
+    gen = torch.Generator().manual_seed(seed)
+    starts, num_new = [s for s, _ in steps], [n for _, n in steps]
+    num_blocks = len(steps) * (160 // block_size + 1)
+    tables, token_seqs, lens = _chunks(starts, num_new, block_size, num_blocks, gen)
+    k_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=gen)
+    v_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=gen)
+    q = torch.randn(len(lens), num_heads, head_dim, generator=gen)
+    got = kernel_attention(q, k_cache, v_cache, tables, lens, head_dim ** -0.5, token_seqs)
+    expected = _reference(q, k_cache, v_cache, tables, lens, token_seqs)
+    torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=1e-5)
 
 
 @needs_kernel
