@@ -4,11 +4,13 @@
 // sequence being token_seqs[t] (a row of block_tables; null: token t is sequence t's only
 // token, a decode step). A prefill chunk's tokens thus each see their own causal prefix,
 // cached prefix included: no padding, no mask, no gathered copy of the keys.
-// For each (token, KV head) the g query heads that share the KV head walk the sequence's block
-// table together: each key row is read from its block once, converted to float once and
-// dotted with all g queries; values are read a cache line at a time for up to kGroupTile
-// query heads. Nothing is gathered into a contiguous copy first, which is what makes this
-// faster than index_select + scaled_dot_product_attention.
+// A decode token (attend below): for each KV head, the g query heads that share it walk the
+// sequence's block table together: each key row is read from its block once, converted to
+// float once and dotted with all g queries; values are read a cache line at a time for up to
+// kGroupTile query heads. A prefill chunk's consecutive tokens instead go in tiles of query
+// rows (attention_tile.h), where each key and value row read serves many queries. Nothing is
+// gathered into a contiguous copy first, which is what makes this faster than index_select +
+// scaled_dot_product_attention.
 //
 // Layouts (element strides; T, the queries' type, and C, the cache's, are float or bf16
 // stored as uint16_t):
