@@ -19,9 +19,9 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
-#include <type_traits>
 #include <vector>
 
+#include "dispatch.h"
 #include "vec.h"
 
 namespace conveyor {
@@ -34,20 +34,6 @@ constexpr int64_t kTileRows = 96;     // query rows a task aims for (tokens x gr
 struct TileScratch {  // per thread, reused across tasks
   std::vector<float> q, kt, scores, o, inv_sum;
 };
-
-// Calls f(integral_constant<int, m>) for runtime m in [1, kRowTile].
-template <typename F>
-inline void with_rows(int64_t m, F&& f) {
-  using std::integral_constant;
-  switch (m) {
-    case 1: f(integral_constant<int, 1>{}); break;
-    case 2: f(integral_constant<int, 2>{}); break;
-    case 3: f(integral_constant<int, 3>{}); break;
-    case 4: f(integral_constant<int, 4>{}); break;
-    case 5: f(integral_constant<int, 5>{}); break;
-    default: f(integral_constant<int, 6>{});
-  }
-}
 
 // s[r][0..kKeyTile) = q[r] . kt[.][j] for MR rows; kt is [head_dim][kKeyTile].
 template <int MR>
@@ -137,7 +123,7 @@ void attend_tile(T* out, int64_t out_stride, const T* q, int64_t q_stride, const
     for (int64_t r0 = 0; r0 < rows; r0 += kRowTile) {
       const int64_t m = std::min<int64_t>(kRowTile, rows - r0);
       if (k0 >= row_ctx(r0 + m - 1)) continue;
-      with_rows(m, [&](auto mr) {
+      with_constant<kRowTile>(m, [&](auto mr) {
         score_rows<decltype(mr)::value>(qs + r0 * head_dim, head_dim, kt, scores + r0 * width + k0,
                                         width);
       });
@@ -177,7 +163,7 @@ void attend_tile(T* out, int64_t out_stride, const T* q, int64_t q_stride, const
         const int64_t m = std::min<int64_t>(kRowTile, rows - r0);
         const int64_t keys = std::min(nk, row_ctx(r0 + m - 1) - k0);  // later ones weigh 0
         if (keys <= 0) continue;
-        with_rows(m, [&](auto mr) {
+        with_constant<kRowTile>(m, [&](auto mr) {
           constexpr int MR = decltype(mr)::value;
           const float* p = scores + r0 * width + k0;
           if (pair)

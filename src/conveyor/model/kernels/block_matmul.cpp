@@ -18,6 +18,8 @@
 #include <cstring>
 #include <vector>
 
+#include "dispatch.h"
+
 #ifdef __AVX2__
 #include <immintrin.h>
 #endif
@@ -149,12 +151,10 @@ void block_matmul(float* y, const float* x, const uint8_t* codes, const float* s
     float* yr = y + r0 * n_out;
     const float* xr = x + r0 * x_stride;
     const float* sr = x_sums.data() + (Format::kHasMin ? r0 * blocks : 0);
-    switch (r) {
-      case 1: block_rows<Format, 1>(yr, xr, sr, codes, scale, minimum, n_out, k, x_stride, n_out, num_threads); break;
-      case 2: block_rows<Format, 2>(yr, xr, sr, codes, scale, minimum, n_out, k, x_stride, n_out, num_threads); break;
-      case 3: block_rows<Format, 3>(yr, xr, sr, codes, scale, minimum, n_out, k, x_stride, n_out, num_threads); break;
-      default: block_rows<Format, 4>(yr, xr, sr, codes, scale, minimum, n_out, k, x_stride, n_out, num_threads); break;
-    }
+    conveyor::with_constant<kMaxRows>(r, [&](auto rows) {
+      block_rows<Format, decltype(rows)::value>(yr, xr, sr, codes, scale, minimum, n_out, k,
+                                                x_stride, n_out, num_threads);
+    });
   }
 }
 

@@ -30,10 +30,10 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
-#include <type_traits>
 #include <vector>
 
 #include "attention_tile.h"
+#include "dispatch.h"
 #include "vec.h"
 
 namespace {
@@ -165,15 +165,10 @@ void attend(T* out, const T* q, const C* k_cache, const C* v_cache, const int32_
     const int64_t t0 = b * block_size, n = rows_in(b);
     for (int64_t h = 0; h < h1 - h0; ++h)
       for (int64_t g = 0; g < group; g += kGroupTile)
-        for (int64_t c = 0; c < chunks; c += kLineChunks) {
-          using std::integral_constant;
-          switch (std::min<int64_t>(group - g, kGroupTile)) {
-            case 1: weigh_values(integral_constant<int, 1>{}, rows, next, t0, n, h, g, c); break;
-            case 2: weigh_values(integral_constant<int, 2>{}, rows, next, t0, n, h, g, c); break;
-            case 3: weigh_values(integral_constant<int, 3>{}, rows, next, t0, n, h, g, c); break;
-            default: weigh_values(integral_constant<int, 4>{}, rows, next, t0, n, h, g, c);
-          }
-        }
+        for (int64_t c = 0; c < chunks; c += kLineChunks)
+          with_constant<kGroupTile>(std::min<int64_t>(group - g, kGroupTile), [&](auto tile) {
+            weigh_values(tile, rows, next, t0, n, h, g, c);
+          });
   }
   for (int64_t i = 0; i < heads; ++i) {
     T* o = out + (h0 * group + i) * head_dim;

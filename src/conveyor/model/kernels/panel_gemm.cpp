@@ -18,6 +18,7 @@
 #include <cstdint>
 #include <cstring>
 
+#include "dispatch.h"
 #include "vec.h"
 
 namespace {
@@ -54,12 +55,6 @@ void tile(float* y, int64_t ldy, const float* x, const float* panel, int64_t k, 
   }
 }
 
-template <int... Rs>
-void tail(int rows, float* y, int64_t ldy, const float* x, const float* panel, int64_t k,
-          int64_t cols) {  // rows < kRows leftover rows, with the tile of that height
-  ((rows == Rs ? tile<Rs>(y, ldy, x, panel, k, cols, nullptr) : void()), ...);
-}
-
 }  // namespace
 
 extern "C" int panel_gemm_width() { return kPanel; }
@@ -81,7 +76,9 @@ extern "C" void panel_gemm_f32(float* y, const float* x, const float* packed, in
       int64_t r = r0;
       for (; r + kRows <= r1; r += kRows, next = nullptr)
         tile<kRows>(yp + r * n, n, x + r * k, panel, k, cols, next);
-      tail<1, 2, 3, 4, 5>(static_cast<int>(r1 - r), yp + r * n, n, x + r * k, panel, k, cols);
+      with_constant<kRows - 1>(r1 - r, [&](auto rows) {  // leftover rows, a tile of their height
+        tile<decltype(rows)::value>(yp + r * n, n, x + r * k, panel, k, cols, nullptr);
+      });
     }
   }
 }
