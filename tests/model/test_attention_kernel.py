@@ -69,6 +69,17 @@ def test_kernel_equals_reference(dtype, cache_dtype, head_dim, num_heads, kv_hea
     torch.testing.assert_close(got.double(), expected, rtol=tol, atol=tol)
 
 
+def _chunks(starts, num_new, block_size, num_blocks, gen):
+    """Block tables, token_seqs and context lengths for prefill chunks: sequence i's tokens
+    starts[i] .. starts[i] + num_new[i] - 1 are this call's query tokens."""
+    max_blocks = (max(s + n for s, n in zip(starts, num_new, strict=True)) + block_size - 1) // block_size
+    tables = torch.randperm(num_blocks, generator=gen)[:len(starts) * max_blocks]
+    tables = tables.view(len(starts), max_blocks).to(torch.int32)
+    token_seqs = torch.repeat_interleave(torch.arange(len(starts)), torch.tensor(num_new))
+    lens = torch.cat([torch.arange(s + 1, s + n + 1) for s, n in zip(starts, num_new, strict=True)])
+    return tables, token_seqs.to(torch.int32), lens.to(torch.int32)
+
+
 @needs_kernel
 @dtypes
 @pytest.mark.parametrize(("head_dim", "num_heads", "kv_heads", "block_size"), [
@@ -81,33 +92,19 @@ def test_prefill_chunks_attend_their_causal_prefix(dtype, cache_dtype, head_dim,
     k_cache = torch.randn(400, block_size, kv_heads, head_dim, generator=gen).to(cache_dtype)
     v_cache = torch.randn(400, block_size, kv_heads, head_dim, generator=gen).to(cache_dtype)
     starts, num_new = [0, 37, 5, 0], [23, 9, 1, 2]  # a decode between chunks: any order works
-    max_blocks = (max(s + n for s, n in zip(starts, num_new, strict=True)) + block_size - 1) // block_size
-    tables = torch.randperm(400, generator=gen)[:4 * max_blocks].view(4, max_blocks)
-    token_seqs = torch.repeat_interleave(torch.arange(4), torch.tensor(num_new)).to(torch.int32)
-    lens = torch.cat([torch.arange(s + 1, s + n + 1) for s, n in zip(starts, num_new, strict=True)])
+    tables, token_seqs, lens = _chunks(starts, num_new, block_size, 400, gen)
     q = torch.randn(len(lens), num_heads, head_dim, generator=gen).to(dtype)
     out = torch.empty(len(lens), num_heads * head_dim, dtype=dtype)
-    got = kernel_attention(q, k_cache, v_cache, tables.to(torch.int32), lens.to(torch.int32),
-                           head_dim ** -0.5, token_seqs, out=out)
+    got = kernel_attention(q, k_cache, v_cache, tables, lens, head_dim ** -0.5, token_seqs,
+                           out=out)
     assert got.data_ptr() == out.data_ptr()
     expected = _reference(q, k_cache, v_cache, tables, lens, token_seqs)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(got.double(), expected, rtol=tol, atol=tol)
     # a token given a longer context than its own sees more: the lengths are what is used
-    longer = kernel_attention(q, k_cache, v_cache, tables.to(torch.int32),
-                              (lens + 1).to(torch.int32), head_dim ** -0.5, token_seqs)
+    longer = kernel_attention(q, k_cache, v_cache, tables, lens + 1, head_dim ** -0.5,
+                              token_seqs)
     assert not torch.allclose(longer.double(), expected, rtol=tol, atol=tol)
-
-
-def _chunks(starts, num_new, block_size, num_blocks, gen):
-    """Block tables, token_seqs and context lengths for prefill chunks: sequence i's tokens
-    starts[i] .. starts[i] + num_new[i] - 1 are this call's query tokens."""
-    max_blocks = (max(s + n for s, n in zip(starts, num_new, strict=True)) + block_size - 1) // block_size
-    tables = torch.randperm(num_blocks, generator=gen)[:len(starts) * max_blocks]
-    tables = tables.view(len(starts), max_blocks).to(torch.int32)
-    token_seqs = torch.repeat_interleave(torch.arange(len(starts)), torch.tensor(num_new))
-    lens = torch.cat([torch.arange(s + 1, s + n + 1) for s, n in zip(starts, num_new, strict=True)])
-    return tables, token_seqs.to(torch.int32), lens.to(torch.int32)
 
 
 @needs_kernel
