@@ -204,7 +204,7 @@ struct Task {
 // Runs of at least kMinTileRows query rows go in tiles of about kTileRows rows, last tile
 // first (the longest contexts: dynamic scheduling then balances the rest); the other tokens
 // go one by one, all KV heads per task when there are enough tokens to keep the threads busy.
-constexpr int64_t kMinTileRows = 12;
+constexpr int64_t kMinTileRows = 24;
 
 std::vector<Task> plan_tasks(const int32_t* token_seqs, const int32_t* context_lens,
                              int64_t num_tokens, int64_t num_kv_heads, int64_t group,
