@@ -17,7 +17,6 @@
 #pragma once
 
 #include <algorithm>
-#include <cmath>
 #include <cstdint>
 #include <vector>
 
@@ -131,26 +130,8 @@ void attend_tile(T* out, int64_t out_stride, const T* q, int64_t q_stride, const
   }
 
   // Softmax over each row's own context; the rest of the row (skipped or later keys) gets 0.
-  for (int64_t r = 0; r < rows; ++r) {
-    float* s = scores + r * width;
-    const int64_t n_ctx = row_ctx(r);
-    std::fill(s + n_ctx, s + width, -INFINITY);
-    vfloat vmax = load(s);
-    for (int64_t t = kLanes; t < width; t += kLanes) {
-      const vfloat x = load(s + t);
-      vmax = x > vmax ? x : vmax;
-    }
-    float mx = vmax[0];
-    for (int l = 1; l < kLanes; ++l) mx = std::max(mx, vmax[l]);
-    vfloat sum{};
-    for (int64_t t = 0; t < width; t += kLanes) {
-      const vfloat x = load(s + t);
-      const vfloat e = x > -INFINITY ? vexp(x - mx) : vfloat{};
-      store(e, s + t);
-      sum += e;
-    }
-    scratch.inv_sum[r] = 1.f / hsum(sum);
-  }
+  for (int64_t r = 0; r < rows; ++r)
+    scratch.inv_sum[r] = softmax_row(scores + r * width, row_ctx(r), width);
 
   // Values, kValueKeys keys at a time, two vectors of the head dimension per pass.
   const C* value_rows[kValueKeys];

@@ -27,9 +27,7 @@
 // with ctypes. The OpenMP runtime is the one torch already loaded (same soname).
 
 #include <algorithm>
-#include <cmath>
 #include <cstdint>
-#include <cstring>
 #include <vector>
 
 #include "attention_tile.h"
@@ -121,20 +119,8 @@ void attend(T* out, const T* q, const C* k_cache, const C* v_cache, const int32_
     }
   }
 
-  // Unnormalised softmax, kLanes scores at a time; the rows have room up to a multiple of it.
-  for (int64_t i = 0; i < heads; ++i) {
-    float* si = scores + i * padded;
-    float mx = si[0];
-    for (int64_t t = 1; t < ctx; ++t) mx = si[t] > mx ? si[t] : mx;
-    for (int64_t t = ctx; t < padded; ++t) si[t] = -INFINITY;  // padding: exp gives ~1e-38
-    vfloat sum{};
-    for (int64_t t = 0; t < padded; t += kLanes) {
-      const vfloat e = vexp(load(si + t) - mx);
-      std::memcpy(si + t, &e, sizeof e);
-      sum += e;
-    }
-    scratch.inv_sum[i] = 1.f / hsum(sum);
-  }
+  for (int64_t i = 0; i < heads; ++i)
+    scratch.inv_sum[i] = softmax_row(scores + i * padded, ctx, padded);
 
   // out_i = sum_t p[i][t] v_t / sum_t p[i][t]. Block by block; within a block, one cache line
   // of a KV head's values (kLineChunks vectors) for up to kGroupTile of its query heads at a

@@ -5,6 +5,8 @@
 // uint16_t); sizes handed to these helpers are multiples of 16 (the Python side checks).
 #pragma once
 
+#include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <utility>
@@ -149,6 +151,27 @@ inline vfloat vexp(vfloat x) {
   p = p * f + 1.f;
   const vint bits = (reinterpret_cast<vint>(r) - (0x4B400000 - 127)) << 23;
   return p * reinterpret_cast<vfloat>(bits);
+}
+
+// Unnormalised softmax in place over s[0, n), n >= 1, in a row with room up to width (a
+// multiple of kLanes): s[t] = exp(s[t] - max), 0 from n on. Returns 1 / the sum.
+inline float softmax_row(float* s, int64_t n, int64_t width) {
+  std::fill(s + n, s + width, -INFINITY);
+  vfloat vmax = load(s);
+  for (int64_t t = kLanes; t < width; t += kLanes) {
+    const vfloat x = load(s + t);
+    vmax = x > vmax ? x : vmax;
+  }
+  float mx = vmax[0];
+  for (int l = 1; l < kLanes; ++l) mx = std::max(mx, vmax[l]);
+  vfloat sum{};
+  for (int64_t t = 0; t < width; t += kLanes) {
+    const vfloat x = load(s + t);
+    const vfloat e = x > -INFINITY ? vexp(x - mx) : vfloat{};
+    store(e, s + t);
+    sum += e;
+  }
+  return 1.f / hsum(sum);
 }
 
 }  // namespace conveyor
