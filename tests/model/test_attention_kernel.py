@@ -115,12 +115,13 @@ def test_long_prefill_chunks_in_tiles_equal_reference(dtype, cache_dtype, head_d
                                                       kv_heads, block_size) -> None:
     """Long runs of a sequence's tokens go through the tiled path (attention_tile.h): several
     tiles per run, contexts longer than one pass of keys, a cached prefix before a chunk, a run
-    too short for a tile and a decode in between."""
+    too short for a tile and a decode in between; contexts over several 512-key chunks of the
+    online softmax, and a run whose first rows end at a chunk's start and last rows cross it."""
     gen = torch.Generator().manual_seed(head_dim + num_heads)
-    num_blocks = 1000
+    starts, num_new = [0, 130, 40, 0, 1000, 490], [150, 71, 1, 3, 90, 40]
+    num_blocks = len(starts) * (1090 + block_size - 1) // block_size + 8
     k_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=gen).to(cache_dtype)
     v_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=gen).to(cache_dtype)
-    starts, num_new = [0, 130, 40, 0], [150, 71, 1, 3]
     tables, token_seqs, lens = _chunks(starts, num_new, block_size, num_blocks, gen)
     q = torch.randn(len(lens), num_heads, head_dim, generator=gen).to(dtype)
     got = kernel_attention(q, k_cache, v_cache, tables, lens, head_dim ** -0.5, token_seqs)
@@ -132,16 +133,18 @@ def test_long_prefill_chunks_in_tiles_equal_reference(dtype, cache_dtype, head_d
 @needs_kernel
 @dtypes
 def test_a_tokens_result_does_not_depend_on_its_tile(dtype, cache_dtype) -> None:
-    """A prompt attended in one call, or as two chunks (the second after the first's cached
-    prefix, as prefix caching and chunked prefill do): every token's output is the same bits."""
+    """A prompt attended in one call, or as chunks (each after the previous ones' cached
+    prefix, as prefix caching and chunked prefill do): every token's output is the same bits,
+    over several of the online softmax's key chunks too."""
     gen = torch.Generator().manual_seed(3)
-    k_cache = torch.randn(64, 16, 3, 64, generator=gen).to(cache_dtype)
-    v_cache = torch.randn(64, 16, 3, 64, generator=gen).to(cache_dtype)
-    tables, token_seqs, lens = _chunks([0], [300], 16, 64, gen)
-    q = torch.randn(300, 9, 64, generator=gen).to(dtype)
+    k_cache = torch.randn(72, 16, 3, 64, generator=gen).to(cache_dtype)
+    v_cache = torch.randn(72, 16, 3, 64, generator=gen).to(cache_dtype)
+    tables, token_seqs, lens = _chunks([0], [1100], 16, 72, gen)
+    q = torch.randn(1100, 9, 64, generator=gen).to(dtype)
     whole = kernel_attention(q, k_cache, v_cache, tables, lens, 0.125, token_seqs)
     parts = [kernel_attention(q[a:b], k_cache, v_cache, tables, lens[a:b].contiguous(), 0.125,
-                              token_seqs[a:b].contiguous()) for a, b in ((0, 37), (37, 300))]
+                              token_seqs[a:b].contiguous())
+             for a, b in ((0, 37), (37, 600), (600, 1100))]
     assert torch.equal(whole, torch.cat(parts))
 
 

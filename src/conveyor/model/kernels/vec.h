@@ -153,17 +153,20 @@ inline vfloat vexp(vfloat x) {
   return p * reinterpret_cast<vfloat>(bits);
 }
 
-// Unnormalised softmax in place over s[0, n), n >= 1, in a row with room up to width (a
-// multiple of kLanes): s[t] = exp(s[t] - max), 0 from n on. Returns 1 / the sum.
-inline float softmax_row(float* s, int64_t n, int64_t width) {
+// One stretch of a row's unnormalised softmax, in place, folded into the row's running max m
+// and sum l (m = -inf and l = 0 before its first stretch): with m' = max(m, max s[0, n)),
+// s[t] = exp(s[t] - m'), 0 from n to width (a multiple of kLanes); l = l exp(m - m') + the
+// stretch's sum; m = m'. Returns exp(m - m'): the factor for what the row summed before.
+// n >= 1.
+inline float softmax_fold(float* s, int64_t n, int64_t width, float& m, float& l) {
   std::fill(s + n, s + width, -INFINITY);
   vfloat vmax = load(s);
   for (int64_t t = kLanes; t < width; t += kLanes) {
     const vfloat x = load(s + t);
     vmax = x > vmax ? x : vmax;
   }
-  float mx = vmax[0];
-  for (int l = 1; l < kLanes; ++l) mx = std::max(mx, vmax[l]);
+  float mx = m;
+  for (int i = 0; i < kLanes; ++i) mx = std::max(mx, vmax[i]);
   vfloat sum{};
   for (int64_t t = 0; t < width; t += kLanes) {
     const vfloat x = load(s + t);
@@ -171,7 +174,17 @@ inline float softmax_row(float* s, int64_t n, int64_t width) {
     store(e, s + t);
     sum += e;
   }
-  return 1.f / hsum(sum);
+  const float rescale = std::exp(m - mx);  // 0 on the first stretch (m = -inf)
+  l = l * rescale + hsum(sum);
+  m = mx;
+  return rescale;
+}
+
+// The softmax of a whole row as one stretch; returns 1 / the sum.
+inline float softmax_row(float* s, int64_t n, int64_t width) {
+  float m = -INFINITY, l = 0.f;
+  softmax_fold(s, n, width, m, l);
+  return 1.f / l;
 }
 
 }  // namespace conveyor
