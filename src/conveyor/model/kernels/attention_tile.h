@@ -33,7 +33,8 @@ constexpr int kRowTile = 6;           // query rows per micro-kernel: 6 x 2 accu
 constexpr int kKeyTile = 2 * kLanes;  // keys per transposed tile (two vectors of scores)
 constexpr int kValueKeys = 64;        // keys per pass of the values micro-kernel
 constexpr int64_t kTileRows = 96;     // query rows a task aims for (tokens x group)
-constexpr int64_t kKeyChunk = 512;    // keys whose scores are held at once (a multiple of both)
+// Keys whose scores are held at once: a multiple of kKeyTile and of kValueKeys.
+constexpr int64_t kKeyChunk = 512;
 
 struct TileScratch {  // per thread, reused across tasks
   std::vector<float> q, kt, scores, o, row_max, row_sum;
