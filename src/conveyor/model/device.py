@@ -31,6 +31,12 @@ def cpu_has_native_bf16() -> bool:
         return False
 
 
+def cpu_has_amx() -> bool:
+    """True when the CPU has AMX tiles (Sapphire Rapids and later Xeons), which oneDNN uses."""
+    probe = getattr(torch.cpu, "_is_amx_tile_supported", None)
+    return bool(probe and probe())
+
+
 def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
     if isinstance(dtype, torch.dtype):
         return dtype
@@ -60,16 +66,18 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 
 def linear_packing(device: torch.device, dtype: torch.dtype) -> str | None:
-    """How matmul weights are laid out once loaded (layers/linear.py): ``"panels"`` for float32
-    on the CPU (kernels/panel_gemm.cpp), ``"onednn"`` for bf16 where the CPU has native bf16 (and
-    float32 when the panel kernel cannot be built), None (dense, ``F.linear``) elsewhere: oneDNN
-    would emulate bf16."""
+    """How matmul weights are laid out once loaded (layers/linear.py): ``"panels"`` on the CPU
+    for float32, and for bf16 where the compiler targets AVX512-BF16 and there is no AMX
+    (kernels/panel_gemm.cpp); ``"onednn"`` for bf16 on other CPUs with native bf16 (and float32
+    when the panel kernel cannot be built); None (dense, ``F.linear``) elsewhere: oneDNN would
+    emulate bf16."""
     if device.type != "cpu":
         return None
-    if dtype == torch.float32:
+    # oneDNN's AMX bf16 GEMM (1.5-1.9 TFLOP/s on the 2-core Xeon) outruns vdpbf16ps panels.
+    if dtype == torch.float32 or (dtype == torch.bfloat16 and not cpu_has_amx()):
         from conveyor.model.kernels.panel_gemm import panel_gemm_available
 
-        if panel_gemm_available():
+        if panel_gemm_available(dtype):
             return "panels"
     native = dtype == torch.float32 or (dtype == torch.bfloat16 and cpu_has_native_bf16())
     if native and torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn,

@@ -1,16 +1,26 @@
-// y = x @ W^T in float32 (CPU), W packed once into column panels: the dense matmuls of a
-// float32 model, from one decode row to a 4,096-token prefill.
+// y = x @ W^T on the CPU, W packed once into column panels: the dense matmuls of a float32
+// model, and of a bf16 one where the CPU has AVX512-BF16, from one decode row to a 4,096-token
+// prefill.
 //
-// W [N, K] is stored as panels of kPanel = 2 * kLanes output columns, each panel K-major:
-// panel p holds W[p * kPanel + j][k] at [p][k][j] (columns past N are zero). Packing is a
-// reshape that layers/linear.py does with torch at load time.
+// W [N, K] is stored as panels of kPanel = 2 * kLanes output columns (32 with AVX-512), each
+// panel K-major:
+//
+// * float32: panel p holds W[p * kPanel + j][k] at [p][k][j];
+// * bf16: pairs of consecutive k side by side, W[p * kPanel + j][2i + e] at [p][i][j][e], the
+//   operand layout of vdpbf16ps (each float lane accumulates a pair of bf16 products).
+//
+// Columns past N are zero. Packing is a reshape that kernels/panel_gemm.py does with torch at
+// load time.
 //
 // The micro-kernel computes a kRows x kPanel tile of y over the whole of K in 2 * kRows vector
-// accumulators (12 of AVX2's 16 registers): per k, two vector loads of W, kRows broadcasts of
-// x and 2 * kRows fused multiply-adds. Threads split the panels, so each thread streams its
-// part of W once per block of kBlockRows rows; a block's rows of x (up to 192 x K floats) stay
-// in L2 while the panels pass. On the 2-core AVX2 machine this ran at 163-187 GFLOP/s against
-// 124-160 for oneDNN's packed float32 GEMM, from 64 to 4,096 rows (docs/performance.md).
+// accumulators (12 registers): per step of K (one k in float32, a pair in bf16), two vector
+// loads of W, kRows broadcasts of x and 2 * kRows multiply-adds. Threads split the panels, so
+// each thread streams its part of W once per block of kBlockRows rows; a block's rows of x (up
+// to 192 x K) stay in L2 while the panels pass. On the 2-core AVX2 machine the float32 kernel
+// ran at 163-187 GFLOP/s against 124-160 for oneDNN's packed GEMM, from 64 to 4,096 rows. On the
+// 2-core Zen 4 (AVX512-BF16) the bf16 kernel ran SmolLM2's 30 layers at 64 rows in 35-36 ms
+// against oneDNN's 41-46 (375-387 GFLOP/s, 90% of the 2048^3 bf16 peak), 1.5-1.7x faster at 1-8
+// rows, even from 512 on (docs/performance.md, changes 19 and 28).
 //
 // Built and loaded like paged_attention.cpp.
 
@@ -21,37 +31,102 @@
 #include "dispatch.h"
 #include "vec.h"
 
+#ifdef __AVX512BF16__
+#include <immintrin.h>
+#endif
+
 namespace {
 
 using namespace conveyor;
 constexpr int kPanel = 2 * kLanes;
-constexpr int kRows = 6;
+constexpr int kRows = 6;  // bf16 on Zen 4: 4, 8 and 12 rows measured no better
 constexpr int64_t kBlockRows = 32 * kRows;
 
-inline vfloat splat(float x) { return x - vfloat{}; }  // one vbroadcastss; `vfloat{} + x` is two
+// float32: one k per step; x broadcast as a float, one FMA per accumulator.
+struct F32 {
+  using T = float;
+  static constexpr int kStep = 1;
+  using Bcast = vfloat;
+  static Bcast broadcast(const float* x) { return *x - vfloat{}; }  // one vbroadcastss
+  static vfloat weights(const float* w) { return load(w); }
+  static void madd(vfloat& acc, Bcast x, vfloat w) { acc += x * w; }
+  static void store_row(const vfloat* acc, float* y, int64_t cols) {
+    float row[kPanel];
+    conveyor::store(acc[0], row);
+    conveyor::store(acc[1], row + kLanes);
+    std::memcpy(y, row, cols * sizeof(float));
+  }
+};
+
+#ifdef __AVX512BF16__
+// bf16: two k per step; x's pair broadcast as one 32-bit lane, one vdpbf16ps per accumulator
+// (acc[l] += x[2i] * w[l][2i] + x[2i + 1] * w[l][2i + 1], in float32).
+struct BF16 {
+  using T = uint16_t;
+  static constexpr int kStep = 2;
+  using Bcast = __m512bh;
+  static Bcast broadcast(const uint16_t* x) {
+    uint32_t pair;
+    std::memcpy(&pair, x, sizeof pair);
+    return (__m512bh)_mm512_set1_epi32(static_cast<int>(pair));
+  }
+  static __m512bh weights(const uint16_t* w) { return (__m512bh)_mm512_loadu_si512(w); }
+  static void madd(vfloat& acc, Bcast x, __m512bh w) {
+    acc = (vfloat)_mm512_dpbf16_ps((__m512)acc, x, w);
+  }
+  static void store_row(const vfloat* acc, uint16_t* y, int64_t cols) {
+    uint16_t row[kPanel];
+    conveyor::store(acc[0], row);  // rounded to nearest even
+    conveyor::store(acc[1], row + kLanes);
+    std::memcpy(y, row, cols * sizeof(uint16_t));
+  }
+};
+#endif
 
 // y[0:R, 0:cols] (row stride ldy) = x[0:R, :] (row stride k) @ panel^T, cols <= kPanel.
 // `next`: a panel to prefetch into L2 meanwhile (a step's row of it), or null.
-template <int R>
-void tile(float* y, int64_t ldy, const float* x, const float* panel, int64_t k, int64_t cols,
-          const float* next) {
+template <class F, int R>
+void tile(typename F::T* y, int64_t ldy, const typename F::T* x, const typename F::T* panel,
+          int64_t k, int64_t cols, const typename F::T* next) {
+  constexpr int64_t kStepElems = kPanel * F::kStep;  // W's elements per step of K
+  constexpr int kLinesPerStep = kStepElems * sizeof(typename F::T) / 64;
   vfloat acc[R][2] = {};
-  for (int64_t i = 0; i < k; ++i) {
+  for (int64_t i = 0; i < k; i += F::kStep) {
+    const typename F::T* w = panel + i * kPanel;
     if (next)
-      for (int line = 0; line < kPanel; line += 16)  // 16 floats: one cache line
-        __builtin_prefetch(next + i * kPanel + line, 0, 2);
-    const vfloat w0 = load(panel + i * kPanel), w1 = load(panel + i * kPanel + kLanes);
+      for (int line = 0; line < kLinesPerStep; ++line)
+        __builtin_prefetch(next + i * kPanel + line * 64 / sizeof(typename F::T), 0, 2);
+    const auto w0 = F::weights(w), w1 = F::weights(w + kStepElems / 2);
     for (int r = 0; r < R; ++r) {
-      const vfloat xr = splat(x[r * k + i]);
-      acc[r][0] += xr * w0;
-      acc[r][1] += xr * w1;
+      const auto xr = F::broadcast(x + r * k + i);
+      F::madd(acc[r][0], xr, w0);
+      F::madd(acc[r][1], xr, w1);
     }
   }
-  for (int r = 0; r < R; ++r) {
-    float row[kPanel];
-    store(acc[r][0], row);
-    store(acc[r][1], row + kLanes);
-    std::memcpy(y + r * ldy, row, cols * sizeof(float));
+  for (int r = 0; r < R; ++r) F::store_row(acc[r], y + r * ldy, cols);
+}
+
+template <class F>
+void gemm(typename F::T* y, const typename F::T* x, const typename F::T* packed, int64_t m,
+          int64_t n, int64_t k, int num_threads) {
+  const int64_t panels = (n + kPanel - 1) / kPanel;
+  for (int64_t r0 = 0; r0 < m; r0 += kBlockRows) {
+    const int64_t r1 = std::min(m, r0 + kBlockRows);
+#pragma omp parallel for num_threads(num_threads) schedule(static)
+    for (int64_t p = 0; p < panels; ++p) {
+      const typename F::T* panel = packed + p * k * kPanel;
+      const int64_t cols = std::min<int64_t>(kPanel, n - p * kPanel);
+      typename F::T* yp = y + p * kPanel;
+      // The first tile streams this panel from memory; it also fetches the thread's next one
+      // (static schedule: p + 1) into L2, so that one does not wait on memory (2-3% at 64 rows).
+      const typename F::T* next = p + 1 < panels ? panel + k * kPanel : nullptr;
+      int64_t r = r0;
+      for (; r + kRows <= r1; r += kRows, next = nullptr)
+        tile<F, kRows>(yp + r * n, n, x + r * k, panel, k, cols, next);
+      with_constant<kRows - 1>(r1 - r, [&](auto rows) {  // leftover rows, a tile of their height
+        tile<F, decltype(rows)::value>(yp + r * n, n, x + r * k, panel, k, cols, nullptr);
+      });
+    }
   }
 }
 
@@ -62,23 +137,13 @@ extern "C" int panel_gemm_width() { return kPanel; }
 // y [m, n] = x [m, k] @ W^T, both contiguous; packed: W as above, ceil(n / kPanel) panels.
 extern "C" void panel_gemm_f32(float* y, const float* x, const float* packed, int64_t m,
                                int64_t n, int64_t k, int num_threads) {
-  const int64_t panels = (n + kPanel - 1) / kPanel;
-  for (int64_t r0 = 0; r0 < m; r0 += kBlockRows) {
-    const int64_t r1 = std::min(m, r0 + kBlockRows);
-#pragma omp parallel for num_threads(num_threads) schedule(static)
-    for (int64_t p = 0; p < panels; ++p) {
-      const float* panel = packed + p * k * kPanel;
-      const int64_t cols = std::min<int64_t>(kPanel, n - p * kPanel);
-      float* yp = y + p * kPanel;
-      // The first tile streams this panel from memory; it also fetches the thread's next one
-      // (static schedule: p + 1) into L2, so that one does not wait on memory (2-3% at 64 rows).
-      const float* next = p + 1 < panels ? panel + k * kPanel : nullptr;
-      int64_t r = r0;
-      for (; r + kRows <= r1; r += kRows, next = nullptr)
-        tile<kRows>(yp + r * n, n, x + r * k, panel, k, cols, next);
-      with_constant<kRows - 1>(r1 - r, [&](auto rows) {  // leftover rows, a tile of their height
-        tile<decltype(rows)::value>(yp + r * n, n, x + r * k, panel, k, cols, nullptr);
-      });
-    }
-  }
+  gemm<F32>(y, x, packed, m, n, k, num_threads);
 }
+
+#ifdef __AVX512BF16__
+// The same over bf16 (k even), accumulated in float32, y rounded to bf16 at the end.
+extern "C" void panel_gemm_bf16(uint16_t* y, const uint16_t* x, const uint16_t* packed,
+                                int64_t m, int64_t n, int64_t k, int num_threads) {
+  gemm<BF16>(y, x, packed, m, n, k, num_threads);
+}
+#endif

@@ -3,10 +3,12 @@ quantized copy.
 
 ``prepack`` picks the layout (``conveyor.model.device.linear_packing`` decides which):
 
-* ``"panels"``, float32: column panels for the C++ GEMM of ``kernels/panel_gemm.cpp``. On the
-  2-core AVX2 machine it beat oneDNN's packed float32 GEMM by 1.25-1.35x from 64 to 4,096 rows
-  (docs/performance.md, change 19).
-* ``"onednn"``, bf16 with native bf16 (or float32 without a C++ compiler): ``F.linear`` on bf16
+* ``"panels"``: column panels for the C++ GEMM of ``kernels/panel_gemm.cpp``, float32, and bf16
+  where the CPU has AVX512-BF16. On the 2-core AVX2 machine it beat oneDNN's packed float32 GEMM
+  by 1.25-1.35x from 64 to 4,096 rows; in bf16 on a 2-core Zen 4, 1.1-1.3x at 64 rows
+  (docs/performance.md, changes 19 and 28).
+* ``"onednn"``, bf16 on CPUs with AMX (oneDNN's AMX GEMM is faster) or native bf16 without
+  AVX512-BF16, and float32 without a C++ compiler: ``F.linear`` on bf16
   CPU tensors re-lays-out the weight for oneDNN on every call; packing it once
   (``torch.ops.mkldnn._reorder_linear_weight``) and calling ``_linear_pointwise`` makes the
   small-batch (decode) matmuls about 2x faster.
