@@ -47,15 +47,10 @@ struct F32 {
   using T = float;
   static constexpr int kStep = 1;
   using Bcast = vfloat;
-  static Bcast broadcast(const float* x) { return *x - vfloat{}; }  // one vbroadcastss
+  // One vbroadcastss; `vfloat{} + x` is two (the add of 0.0 cannot be folded: -0.0).
+  static Bcast broadcast(const float* x) { return *x - vfloat{}; }
   static vfloat weights(const float* w) { return load(w); }
   static void madd(vfloat& acc, Bcast x, vfloat w) { acc += x * w; }
-  static void store_row(const vfloat* acc, float* y, int64_t cols) {
-    float row[kPanel];
-    conveyor::store(acc[0], row);
-    conveyor::store(acc[1], row + kLanes);
-    std::memcpy(y, row, cols * sizeof(float));
-  }
 };
 
 #ifdef __AVX512BF16__
@@ -74,14 +69,17 @@ struct BF16 {
   static void madd(vfloat& acc, Bcast x, __m512bh w) {
     acc = (vfloat)_mm512_dpbf16_ps((__m512)acc, x, w);
   }
-  static void store_row(const vfloat* acc, uint16_t* y, int64_t cols) {
-    uint16_t row[kPanel];
-    conveyor::store(acc[0], row);  // rounded to nearest even
-    conveyor::store(acc[1], row + kLanes);
-    std::memcpy(y, row, cols * sizeof(uint16_t));
-  }
 };
 #endif
+
+// A tile row's first `cols` outputs, in T (bf16 rounded to nearest even).
+template <typename T>
+inline void store_row(const vfloat* acc, T* y, int64_t cols) {
+  T row[kPanel];
+  store(acc[0], row);
+  store(acc[1], row + kLanes);
+  std::memcpy(y, row, cols * sizeof(T));
+}
 
 // y[0:R, 0:cols] (row stride ldy) = x[0:R, :] (row stride k) @ panel^T, cols <= kPanel.
 // `next`: a panel to prefetch into L2 meanwhile (a step's row of it), or null.
@@ -103,7 +101,7 @@ void tile(typename F::T* y, int64_t ldy, const typename F::T* x, const typename 
       F::madd(acc[r][1], xr, w1);
     }
   }
-  for (int r = 0; r < R; ++r) F::store_row(acc[r], y + r * ldy, cols);
+  for (int r = 0; r < R; ++r) store_row(acc[r], y + r * ldy, cols);
 }
 
 template <class F>
