@@ -24,8 +24,10 @@ BF16 = pytest.param(torch.bfloat16, marks=pytest.mark.skipif(
 
 @pytest.mark.parametrize("dtype", [torch.float32, BF16])
 @pytest.mark.parametrize("m", [1, 5, 6, 7, 64, 193, 400])  # tiles of 6 rows, blocks of 192
-@pytest.mark.parametrize(("n", "k"), [(96, 64), (50, 34), (3 * 32 + 1, 576)])
+@pytest.mark.parametrize(("n", "k"), [(96, 64), (50, 33), (50, 34), (3 * 32 + 1, 576)])
 def test_equals_float64_reference(m, n, k, dtype) -> None:
+    if dtype == torch.bfloat16 and k % 2:
+        pytest.skip("bf16 panels pair k: an odd k is refused (test_bf16_packing_pairs_k...)")
     gen = torch.Generator().manual_seed(m * n + k)
     w = torch.randn(n, k, generator=gen).to(dtype)
     x = torch.randn(m, k, generator=gen).to(dtype)
