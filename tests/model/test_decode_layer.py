@@ -1,5 +1,6 @@
 """The one-call decode layers (kernels/decode_layer.cpp) against the layers' Python path: same
-outputs, residual stream and KV caches, bit for bit, and used only where they apply."""
+outputs, residual stream and KV caches, bit for bit, in float32 and bf16, and used only where
+they apply."""
 
 from __future__ import annotations
 
@@ -26,23 +27,23 @@ CFG = ModelConfig(name="tiny", architecture="llama", num_layers=1, hidden_size=1
 BLOCK = 16
 
 
-def quantized_layer(seed: int = 0) -> DecoderLayer:
+def quantized_layer(seed: int = 0, dtype: torch.dtype = torch.float32) -> DecoderLayer:
     """A layer whose dense weights are its random 4-bit blocks, dequantized."""
     g = torch.Generator().manual_seed(seed)
     layer = DecoderLayer(CFG)
     for norm in (layer.input_norm, layer.post_norm):
-        norm.weight.data = 1 + 0.1 * torch.randn(norm.weight.shape, generator=g)
+        norm.weight.data = (1 + 0.1 * torch.randn(norm.weight.shape, generator=g)).to(dtype)
     for linear in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj):
         n, k = linear.weight.shape
         scale = torch.rand(n, k // GROUP, generator=g) * 0.02 + 0.005
         blocks = Int4Blocks(torch.randint(0, 16, (n, k), dtype=torch.uint8, generator=g), scale,
                             -8 * scale + 0.01 * torch.randn(n, k // GROUP, generator=g))
-        linear.weight.data = blocks.dequantize()
-        linear.quantized = pack_blocks(blocks, torch.float32)
+        linear.weight.data = blocks.dequantize().to(dtype)
+        linear.quantized = pack_blocks(blocks, dtype)
     return layer
 
 
-def decode_step(num_seqs: int, seed: int = 1):
+def decode_step(num_seqs: int, seed: int = 1, dtype: torch.dtype = torch.float32):
     """Inputs of one decode step of ``num_seqs`` sequences with random cached contexts."""
     g = torch.Generator().manual_seed(seed)
     contexts = [int(c) for c in torch.randint(1, 60, (num_seqs,), generator=g)]
@@ -52,21 +53,29 @@ def decode_step(num_seqs: int, seed: int = 1):
         tables.append(list(range(nxt, nxt + need))[::-1])  # scattered blocks
         nxt += need
     shape = (nxt, BLOCK, CFG.num_kv_heads, CFG.head_dim)
-    caches = torch.randn(shape, generator=g), torch.randn(shape, generator=g)
+    caches = (torch.randn(shape, generator=g).to(dtype), torch.randn(shape, generator=g).to(dtype))
     meta = build_attention_metadata(tables, contexts, [1] * num_seqs, BLOCK,
                                     CFG.num_queries_per_kv, torch.device("cpu"), True)
     rotary = RotaryEmbedding(rope_inv_freq(CFG.head_dim, 10000.0, None))
-    cos, sin = rotary.cos_sin(meta.positions, torch.float32)
-    x = torch.randn(num_seqs, CFG.hidden_size, generator=g)
-    residual = torch.randn(num_seqs, CFG.hidden_size, generator=g)
+    cos, sin = rotary.cos_sin(meta.positions, dtype)
+    x = torch.randn(num_seqs, CFG.hidden_size, generator=g).to(dtype)
+    residual = torch.randn(num_seqs, CFG.hidden_size, generator=g).to(dtype)
     return x, residual, cos, sin, caches, meta
 
 
-@pytest.mark.parametrize("num_seqs", [1, 3, 5, 12])
-def test_fused_layers_equal_python_path(num_seqs):
-    layers = [quantized_layer(0), quantized_layer(1)]
-    fused = DecodeLayers([layer.decode_weights() for layer in layers], max_rows=12)
-    x, residual, cos, sin, (k, v), meta = decode_step(num_seqs)
+def max_rows(dtype: torch.dtype) -> int:
+    """The most decode rows the 4-bit copies (and so the fused layers) serve in ``dtype``."""
+    return quantized_layer(0, dtype).qkv_proj.quantized.max_tokens
+
+
+# Up to each dtype's max_tokens, where the Python path runs the same block kernel.
+@pytest.mark.parametrize("dtype,num_seqs", [(torch.float32, n) for n in (1, 3, 5, 12)]
+                         + [(torch.bfloat16, n) for n in (1, 3, 4)])
+def test_fused_layers_equal_python_path(dtype, num_seqs):
+    assert num_seqs <= max_rows(dtype)
+    layers = [quantized_layer(0, dtype), quantized_layer(1, dtype)]
+    fused = DecodeLayers([layer.decode_weights() for layer in layers], max_rows=num_seqs)
+    x, residual, cos, sin, (k, v), meta = decode_step(num_seqs, dtype=dtype)
     assert meta.decode_only
     caches = [(k.clone(), v.clone()), (k.clone() + 1, v.clone() - 1)]
 
@@ -81,26 +90,29 @@ def test_fused_layers_equal_python_path(num_seqs):
         assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1])
 
 
-def _tiny_model() -> LlamaForCausalLM:
+def _tiny_model(dtype: torch.dtype = torch.float32) -> LlamaForCausalLM:
     cfg = dataclasses.replace(CFG, num_layers=2)
     model = LlamaForCausalLM(cfg)
-    model.layers = torch.nn.ModuleList([quantized_layer(0), quantized_layer(1)])
     g = torch.Generator().manual_seed(7)
     model.embed_tokens.data = torch.randn(cfg.vocab_size, cfg.hidden_size, generator=g)
     model.lm_head.weight.data = torch.randn(cfg.vocab_size, cfg.hidden_size, generator=g)
+    model.to(dtype)
+    model.layers = torch.nn.ModuleList([quantized_layer(0, dtype), quantized_layer(1, dtype)])
     return model
 
 
-def test_fused_layers_are_used_only_where_they_apply(monkeypatch):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_layers_are_used_only_where_they_apply(monkeypatch, dtype):
     import conveyor.model.llama as llama
 
     calls = []
     real = llama.decode_layers
     monkeypatch.setattr(llama, "decode_layers", lambda *a: calls.append(1) or real(*a))
-    model = _tiny_model()
+    model = _tiny_model(dtype)
     assert model.fuse_decode_layers()
-    for num_seqs, used in ((12, True), (13, False)):  # the 4-bit copies serve up to 12 rows
-        x, residual, cos, sin, (k, v), meta = decode_step(num_seqs)
+    most = max_rows(dtype)
+    for num_seqs, used in ((most, True), (most + 1, False)):  # as far as the 4-bit copies serve
+        x, residual, cos, sin, (k, v), meta = decode_step(num_seqs, dtype=dtype)
         ids = torch.arange(num_seqs) % CFG.vocab_size
         logits, fused = [], model.fused_decode
         for use in (fused, None):  # then the Python path, for reference

@@ -87,13 +87,10 @@ def linear_packing(device: torch.device, dtype: torch.dtype) -> str | None:
 
 
 def use_block_weights(device: torch.device, dtype: torch.dtype) -> bool:
-    """Keep a GGUF file's quantized blocks for small batches (layers/quantized.py): on the CPU,
-    4-bit in bf16 through torch's int4 kernel; 4- and 8-bit in float32 through
-    kernels/block_matmul.cpp."""
+    """Keep a GGUF file's quantized blocks for small batches (layers/quantized.py, through
+    kernels/block_matmul.cpp, float32 or bf16) wherever the weights are packed for the CPU."""
     if linear_packing(device, dtype) is None:
         return False
-    if dtype == torch.bfloat16:
-        return hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu")
     from conveyor.model.kernels.block_matmul import block_matmul_available
 
     return block_matmul_available()

@@ -60,10 +60,11 @@ class DecoderLayer(nn.Module):
     def decode_weights(self) -> DecodeLayerWeights | None:
         """This layer's weights for ``kernels/decode_layer.cpp``, which runs small decode steps
         with the same kernels as the steps below, without some 130 µs of Python a layer; None
-        unless it is a float32 Llama layer whose projections all have 4-bit copies."""
+        unless it is a float32 or bf16 Llama layer whose projections all have 4-bit copies."""
         projections = {"qkv": self.qkv_proj, "o": self.o_proj, "gate_up": self.gate_up_proj,
                        "down": self.down_proj}
-        if (self.q_norm is not None or self.input_norm.weight.dtype != torch.float32
+        if (self.q_norm is not None
+                or self.input_norm.weight.dtype not in (torch.float32, torch.bfloat16)
                 or any(p.bias is not None or not isinstance(p.quantized, NibbleInt4)
                        for p in projections.values())
                 or self.input_norm.weight.shape[0] % 16 or self.head_dim % 32
@@ -135,7 +136,7 @@ class LlamaForCausalLM(nn.Module):
         cos, sin = self.rotary.cos_sin(positions, residual.dtype)
         fused = self.fused_decode
         if (fused is not None and meta.decode_only and x.shape[0] <= fused.max_rows
-                and kv_caches[0][0].dtype == x.dtype):  # its kernel takes a float32 cache
+                and kv_caches[0][0].dtype == x.dtype):  # a float32 model's cache may be bf16
             x = decode_layers(fused, x, residual, cos, sin, kv_caches, meta.slot_mapping,
                               meta.kernel.block_tables, meta.kernel.context_lens)
         else:
@@ -223,14 +224,11 @@ class LlamaForCausalLM(nn.Module):
 
     def attach_blocks(self, blocks: dict[str, Int4Blocks | Int8Blocks]) -> int:
         """Give each projection whose checkpoint weights were all blocks of one kind its quantized
-        copy (a fused projection needs every part). 8-bit blocks serve float32 models only.
-        Returns the bytes added.
+        copy (a fused projection needs every part). Returns the bytes added.
 
         The lm_head gets the embedding's 8-bit blocks when they are tied; once it holds its own
         packed copy (``prepack``), lookups read those blocks and the dense table is dropped."""
         dtype = self.dtype
-        usable = {name: b for name, b in blocks.items()
-                  if isinstance(b, Int4Blocks) or dtype == torch.float32}
         added = 0
         for i, layer in enumerate(self.layers):
             a, m = f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp."
@@ -238,13 +236,13 @@ class LlamaForCausalLM(nn.Module):
                                   (layer.o_proj, [a + "o_proj"]),
                                   (layer.gate_up_proj, [m + "gate_proj", m + "up_proj"]),
                                   (layer.down_proj, [m + "down_proj"])):
-                parts = [usable.get(n + ".weight") for n in names]
+                parts = [blocks.get(n + ".weight") for n in names]
                 kinds = {type(p) for p in parts}
                 if None not in parts and len(kinds) == 1:
                     linear.quantized = pack_blocks(kinds.pop().cat(parts), dtype)
                     added += linear.quantized.nbytes()
-        embed = usable.get("model.embed_tokens.weight")
-        head = embed if self.config.tie_word_embeddings else usable.get("lm_head.weight")
+        embed = blocks.get("model.embed_tokens.weight")
+        head = embed if self.config.tie_word_embeddings else blocks.get("lm_head.weight")
         if head is not None:
             self.lm_head.quantized = pack_blocks(head, dtype)
             added += self.lm_head.quantized.nbytes()

@@ -1,4 +1,4 @@
-// y = x @ W^T for a few float32 rows x and a weight W kept as a GGUF file's blocks (CPU).
+// y = x @ W^T for a few float32 or bf16 rows x and a weight W kept as a GGUF file's blocks (CPU).
 //
 // W [N, K] is stored in blocks of 32 weights along K, as GGUF stores them:
 //
@@ -6,10 +6,11 @@
 //   q[j + 16] in its high one), a scale d and a minimum m: w = d * q + m, q in 0..15;
 // * 8-bit (Q8_0): 32 signed bytes per block and a scale d: w = d * q, q in -128..127.
 //
-// Per output and block, sum_j w_j x_j = d * sum_j q_j x_j (+ m * sum_j x_j), so the codes become
-// floats once and feed one multiply-add per row; the block sums of x are computed once per
-// call. At one to a few rows a matmul is bound by reading W, and these blocks are 0.75 (4-bit)
-// or 1.06 (8-bit) bytes per weight against float32's 4. Threads split the outputs.
+// Per output and block, sum_j w_j x_j = d * sum_j q_j x_j (+ m * sum_j x_j), so the codes are
+// converted once and feed every row (float32 vectors, or bf16 for vdpbf16ps where the CPU has
+// AVX512-BF16); the block sums of x are computed once per call. At one to a few rows a matmul
+// is bound by reading W, and these blocks are 0.75 (4-bit) or 1.13 (8-bit) bytes per weight
+// against float32's 4 and bf16's 2. Threads split the outputs.
 //
 // Built and loaded like paged_attention.cpp; K is a multiple of 32 (the Python side
 // checks).
@@ -19,6 +20,7 @@
 #include <vector>
 
 #include "dispatch.h"
+#include "vec.h"
 
 #ifdef __AVX2__
 #include <immintrin.h>
@@ -75,6 +77,25 @@ struct Q4 {
     q[3] = __builtin_convertvector(v8i((second >> (shift + 4)) & 0xF), v8f);
 #endif
   }
+#ifdef __AVX512BF16__
+  // Low nibbles (codes 0-15) then high ones (16-31) as 32 bytes, widened to 16-bit lanes, and
+  // each code to its bf16 value by a 16-entry table lookup (vpermw).
+  static __m512bh bf16_codes(const uint8_t* p) {
+    typedef uint8_t v16b __attribute__((vector_size(16)));
+    v16b bytes;
+    std::memcpy(&bytes, p, sizeof bytes);
+    const v16b lo = bytes & 0xF, hi = bytes >> 4;
+    const __m256i q = (__m256i)__builtin_shufflevector(lo, hi, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10,
+                                                       11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21,
+                                                       22, 23, 24, 25, 26, 27, 28, 29, 30, 31);
+    return (__m512bh)_mm512_permutexvar_epi16(_mm512_cvtepu8_epi16(q), bf16_table());
+  }
+  static __m512i bf16_table() {  // lane i (< 16): bf16(i)
+    return _mm512_set_epi16(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0x4170, 0x4160,
+                            0x4150, 0x4140, 0x4130, 0x4120, 0x4110, 0x4100, 0x40E0, 0x40C0,
+                            0x40A0, 0x4080, 0x4040, 0x4000, 0x3F80, 0);
+  }
+#endif
 };
 
 struct Q8 {
@@ -97,6 +118,16 @@ struct Q8 {
     for (int i = 0; i < 4; ++i) q[i] = __builtin_convertvector((parts[i] << up) >> 24, v8f);
 #endif
   }
+#ifdef __AVX512BF16__
+  // Two halves of 16 codes widened to int32 and converted to float, then packed to bf16
+  // (exact: |q| <= 128 needs 8 significant bits).
+  static __m512bh bf16_codes(const uint8_t* p) {
+    const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)p)));
+    const __m512 hi =
+        _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(p + 16))));
+    return _mm512_cvtne2ps_pbh(hi, lo);
+  }
+#endif
 };
 
 // Output n's codes, scales and minima into the cache ahead of their use. The hardware
@@ -113,10 +144,59 @@ void prefetch_row(const uint8_t* codes, const float* scale, const float* minimum
   }
 }
 
-template <class Format, int R>
-void block_rows(float* y, const float* x, const float* x_sums, const uint8_t* codes,
-                const float* scale, const float* minimum, int64_t n_out, int64_t k,
-                int64_t x_stride, int64_t y_stride, int num_threads) {
+// How a block of 32 codes meets a row's 32 activations, per activation type:
+//
+// * float32: the codes as four 8-float vectors (Format::codes), four multiply-adds, then the
+//   block's scale.
+// * bf16 with AVX512-BF16: the codes as 32 bf16 values (small integers, so exact) and one
+//   vdpbf16ps against the row's 32 bf16 activations (16 float lanes, each a pair of products),
+//   then the scale: the conversion is about half the float path's instructions and the x block
+//   is one load. The products and their sums are exact or float32-rounded as in the float path;
+//   only their order differs.
+struct F32Activations {
+  using T = float;
+  using Acc = v8f;
+  struct Codes { v8f q[4]; };
+  template <class Format>
+  static Codes codes(const uint8_t* p) {
+    Codes c;
+    Format::codes(p, c.q);
+    return c;
+  }
+  static Acc add(Acc acc, const Codes& c, const float* xb, float d) {
+    const v8f dot = (c.q[0] * load8(xb) + c.q[1] * load8(xb + 8)) +
+                    (c.q[2] * load8(xb + 16) + c.q[3] * load8(xb + 24));
+    return acc + d * dot;
+  }
+  static float total(Acc acc) { return hsum8(acc); }
+  static float block_sum(const float* xb) {
+    return hsum8(load8(xb) + load8(xb + 8) + load8(xb + 16) + load8(xb + 24));
+  }
+};
+
+#ifdef __AVX512BF16__
+struct BF16Activations {
+  using T = uint16_t;
+  using Acc = __m512;
+  using Codes = __m512bh;
+  template <class Format>
+  static Codes codes(const uint8_t* p) { return Format::bf16_codes(p); }
+  static Acc add(Acc acc, Codes c, const uint16_t* xb, float d) {
+    const __m512 dot = _mm512_dpbf16_ps(_mm512_setzero_ps(), c, (__m512bh)_mm512_loadu_si512(xb));
+    return _mm512_fmadd_ps(_mm512_set1_ps(d), dot, acc);
+  }
+  static float total(Acc acc) { return conveyor::hsum(reinterpret_cast<conveyor::vfloat>(acc)); }
+  static float block_sum(const uint16_t* xb) {  // x . 1 over the block, in float
+    const __m512bh ones = (__m512bh)_mm512_set1_epi16(0x3F80);
+    return total(_mm512_dpbf16_ps(_mm512_setzero_ps(), (__m512bh)_mm512_loadu_si512(xb), ones));
+  }
+};
+#endif
+
+template <class Format, class A, int R>
+void block_rows(typename A::T* y, const typename A::T* x, const float* x_sums,
+                const uint8_t* codes, const float* scale, const float* minimum, int64_t n_out,
+                int64_t k, int64_t x_stride, int64_t y_stride, int num_threads) {
   const int64_t blocks = k / kBlock;
 #pragma omp parallel for num_threads(num_threads) schedule(static)
   for (int64_t n = 0; n < n_out; ++n) {
@@ -124,16 +204,21 @@ void block_rows(float* y, const float* x, const float* x_sums, const uint8_t* co
     const float* d = scale + n * blocks;
     if (n + kPrefetchRows < n_out)
       prefetch_row<Format>(codes, scale, minimum, n + kPrefetchRows, blocks);
-    v8f acc[R] = {};
-    for (int64_t b = 0; b < blocks; ++b) {
-      v8f q[4];
-      Format::codes(c + b * Format::kBytes, q);
+    // Two accumulators a row, for even and odd blocks: each add waits on the last one's result,
+    // and one chain a row left the multiply-add units idle half the time.
+    typename A::Acc even[R] = {}, odd[R] = {};
+    int64_t b = 0;
+    for (; b + 2 <= blocks; b += 2) {
+      const auto q0 = A::template codes<Format>(c + b * Format::kBytes);
+      const auto q1 = A::template codes<Format>(c + (b + 1) * Format::kBytes);
       for (int r = 0; r < R; ++r) {
-        const float* xb = x + r * x_stride + b * kBlock;
-        const v8f dot = (q[0] * load8(xb) + q[1] * load8(xb + 8)) +
-                        (q[2] * load8(xb + 16) + q[3] * load8(xb + 24));
-        acc[r] += d[b] * dot;
+        even[r] = A::add(even[r], q0, x + r * x_stride + b * kBlock, d[b]);
+        odd[r] = A::add(odd[r], q1, x + r * x_stride + (b + 1) * kBlock, d[b + 1]);
       }
+    }
+    if (b < blocks) {
+      const auto q = A::template codes<Format>(c + b * Format::kBytes);
+      for (int r = 0; r < R; ++r) even[r] = A::add(even[r], q, x + r * x_stride + b * kBlock, d[b]);
     }
     for (int r = 0; r < R; ++r) {
       float min_term = 0;  // sum_b m_b * sum(x over block b), in its own loop: in the one above,
@@ -146,44 +231,88 @@ void block_rows(float* y, const float* x, const float* x_sums, const uint8_t* co
         min_term = hsum8(part);
         for (; b < blocks; ++b) min_term += m[b] * s[b];
       }
-      y[r * y_stride + n] = hsum8(acc[r]) + min_term;
+      conveyor::store(A::total(even[r] + odd[r]) + min_term, y + r * y_stride + n);
     }
   }
 }
 
-template <class Format>
-void block_matmul(float* y, const float* x, const uint8_t* codes, const float* scale,
-                  const float* minimum, int64_t rows, int64_t n_out, int64_t k, int64_t x_stride,
-                  int num_threads) {
+template <class Format, class A>
+void block_matmul(typename A::T* y, const typename A::T* x, const uint8_t* codes,
+                  const float* scale, const float* minimum, int64_t rows, int64_t n_out,
+                  int64_t k, int64_t x_stride, int num_threads) {
   const int64_t blocks = k / kBlock;
   std::vector<float> x_sums(Format::kHasMin ? rows * blocks : 0);
   if constexpr (Format::kHasMin)
     for (int64_t r = 0; r < rows; ++r)
-      for (int64_t b = 0; b < blocks; ++b) {
-        const float* xb = x + r * x_stride + b * kBlock;
-        x_sums[r * blocks + b] = hsum8(load8(xb) + load8(xb + 8) + load8(xb + 16) + load8(xb + 24));
-      }
+      for (int64_t b = 0; b < blocks; ++b)
+        x_sums[r * blocks + b] = A::block_sum(x + r * x_stride + b * kBlock);
   for (int64_t r0 = 0; r0 < rows; r0 += kMaxRows) {
     const int64_t r = rows - r0 < kMaxRows ? rows - r0 : kMaxRows;
-    float* yr = y + r0 * n_out;
-    const float* xr = x + r0 * x_stride;
     const float* sr = x_sums.data() + (Format::kHasMin ? r0 * blocks : 0);
     conveyor::with_constant<kMaxRows>(r, [&](auto rows) {
-      block_rows<Format, decltype(rows)::value>(yr, xr, sr, codes, scale, minimum, n_out, k,
-                                                x_stride, n_out, num_threads);
+      block_rows<Format, A, decltype(rows)::value>(y + r0 * n_out, x + r0 * x_stride, sr, codes,
+                                                   scale, minimum, n_out, k, x_stride, n_out,
+                                                   num_threads);
     });
   }
 }
 
+// A bf16 x through the float32 kernel, on CPUs without AVX512-BF16: x widened to float32 (exact),
+// y rounded to bf16 once.
+template <class Format>
+void block_matmul_widened(uint16_t* y, const uint16_t* x, const uint8_t* codes,
+                          const float* scale, const float* minimum, int64_t rows, int64_t n_out,
+                          int64_t k, int64_t x_stride, int num_threads) {
+  std::vector<float> xf(rows * k), yf(rows * n_out);
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t i = 0; i < k; ++i) {
+      const uint32_t bits = uint32_t(x[r * x_stride + i]) << 16;
+      std::memcpy(&xf[r * k + i], &bits, sizeof bits);
+    }
+  block_matmul<Format, F32Activations>(yf.data(), xf.data(), codes, scale, minimum, rows, n_out,
+                                       k, k, num_threads);
+  for (int64_t i = 0; i < rows * n_out; ++i) conveyor::store(yf[i], y + i);
+}
+
+// x and y in float32 or bf16 (uint16_t), the activation path picked by type.
+template <class Format>
+void multiply(float* y, const float* x, const uint8_t* codes, const float* scale,
+              const float* minimum, int64_t rows, int64_t n_out, int64_t k, int64_t x_stride,
+              int num_threads) {
+  block_matmul<Format, F32Activations>(y, x, codes, scale, minimum, rows, n_out, k, x_stride,
+                                       num_threads);
+}
+
+template <class Format>
+void multiply(uint16_t* y, const uint16_t* x, const uint8_t* codes, const float* scale,
+              const float* minimum, int64_t rows, int64_t n_out, int64_t k, int64_t x_stride,
+              int num_threads) {
+#ifdef __AVX512BF16__
+  block_matmul<Format, BF16Activations>(y, x, codes, scale, minimum, rows, n_out, k, x_stride,
+                                        num_threads);
+#else
+  block_matmul_widened<Format>(y, x, codes, scale, minimum, rows, n_out, k, x_stride,
+                               num_threads);
+#endif
+}
+
 }  // namespace
 
-// codes: [N, K / 2] bytes (4-bit) or [N, K] (8-bit); scale and minimum: [N, K / 32] floats
-// (minimum unused for 8-bit).
-extern "C" void block_matmul_f32(float* y, const float* x, const uint8_t* codes, const float* scale,
-                                 const float* minimum, int64_t rows, int64_t n_out, int64_t k,
-                                 int64_t x_stride, int bits, int num_threads) {
-  if (bits == 4)
-    block_matmul<Q4>(y, x, codes, scale, minimum, rows, n_out, k, x_stride, num_threads);
-  else
-    block_matmul<Q8>(y, x, codes, scale, minimum, rows, n_out, k, x_stride, num_threads);
-}
+// y [rows, N] = x [rows, K] @ W^T. codes: [N, K / 2] bytes (4-bit) or [N, K] (8-bit); scale and
+// minimum: [N, K / 32] floats (minimum unused for 8-bit). bf16 is stored as uint16_t,
+// accumulated in float32 and y rounded once.
+#define CONVEYOR_BLOCK_MATMUL(SUFFIX, T)                                                         \
+  extern "C" void block_matmul_##SUFFIX(void* y, const void* x, const uint8_t* codes,          \
+                                        const float* scale, const float* minimum, int64_t rows, \
+                                        int64_t n_out, int64_t k, int64_t x_stride, int bits,   \
+                                        int num_threads) {                                      \
+    auto* yt = static_cast<T*>(y);                                                              \
+    const auto* xt = static_cast<const T*>(x);                                                  \
+    if (bits == 4)                                                                              \
+      multiply<Q4>(yt, xt, codes, scale, minimum, rows, n_out, k, x_stride, num_threads);       \
+    else                                                                                        \
+      multiply<Q8>(yt, xt, codes, scale, minimum, rows, n_out, k, x_stride, num_threads);       \
+  }
+
+CONVEYOR_BLOCK_MATMUL(f32, float)
+CONVEYOR_BLOCK_MATMUL(bf16, uint16_t)

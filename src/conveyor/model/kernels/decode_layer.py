@@ -30,10 +30,11 @@ class _LayerWeights(ctypes.Structure):
 
 
 _ARGTYPES = [_P] * 3 + [_I] + [_P] * 2 + [_I] + [_P] * 2 + [_I] + [_P] * 3 + [_I, _F, ctypes.c_int]
+_SYMBOLS = {torch.float32: "decode_layers_f32", torch.bfloat16: "decode_layers_bf16"}
 
 
-def _kernel():
-    return kernel_function("decode_layer.cpp", "decode_layers_f32", _ARGTYPES)
+def _kernel(dtype: torch.dtype = torch.float32):
+    return kernel_function("decode_layer.cpp", _SYMBOLS[dtype], _ARGTYPES)
 
 
 def decode_layer_available() -> bool:
@@ -41,17 +42,22 @@ def decode_layer_available() -> bool:
 
 
 class DecodeLayerWeights:
-    """A layer's norms and 4-bit projections (NibbleInt4: ``codes``, ``scale``, ``min``), as
-    pointers for ``decode_layers``; float32 only."""
+    """A layer's norms (float32 or bf16: the activations' dtype) and 4-bit projections
+    (NibbleInt4: ``codes``, ``scale``, ``min``), as pointers for ``decode_layers``."""
 
     def __init__(self, input_norm: torch.Tensor, post_norm: torch.Tensor, projections: dict,
                  num_heads: int, num_kv_heads: int, head_dim: int, eps: float) -> None:
-        floats = [input_norm, post_norm] + [t for p in projections.values() for t in (p.scale, p.min)]
+        norms = [input_norm, post_norm]
+        floats = [t for p in projections.values() for t in (p.scale, p.min)]
         codes = [p.codes for p in projections.values()]
-        if (any(t.dtype != torch.float32 for t in floats) or any(t.dtype != torch.uint8 for t in codes)
-                or not all(t.is_contiguous() for t in floats + codes)):
-            raise ValueError("decode_layers needs contiguous float32 norms and scales, uint8 codes")
-        self._tensors = floats + codes  # keeps the pointed-to memory alive
+        if (input_norm.dtype not in _SYMBOLS or post_norm.dtype != input_norm.dtype
+                or any(t.dtype != torch.float32 for t in floats)
+                or any(t.dtype != torch.uint8 for t in codes)
+                or not all(t.is_contiguous() for t in norms + floats + codes)):
+            raise ValueError("decode_layers needs contiguous float32 or bf16 norms, float32 "
+                             "scales and uint8 codes")
+        self.dtype = input_norm.dtype
+        self._tensors = norms + floats + codes  # keeps the pointed-to memory alive
 
         def block(p) -> _BlockWeight:
             return _BlockWeight(p.codes.data_ptr(), p.scale.data_ptr(), p.min.data_ptr(),
@@ -75,6 +81,9 @@ class DecodeLayers:
         self.array = (ctypes.c_void_p * len(layers))(
             *[ctypes.addressof(w.struct) for w in layers])
         self.scale = layers[0].scale
+        self.dtype = layers[0].dtype
+        if any(w.dtype != self.dtype for w in layers):
+            raise ValueError("every layer's norms must have one dtype")
 
 
 def decode_layers(weights: DecodeLayers, x: torch.Tensor, residual: torch.Tensor,
@@ -83,17 +92,19 @@ def decode_layers(weights: DecodeLayers, x: torch.Tensor, residual: torch.Tensor
                   block_tables: torch.Tensor, context_lens: torch.Tensor) -> torch.Tensor:
     """Runs every layer on ``x`` [T, hidden] (one decode token per row) and returns the last
     layer's output, written over ``x``; ``residual`` is updated in place and each layer's K/V
-    are written to their slots, as the Python path does."""
-    kernel = _kernel()
+    are written to their slots, as the Python path does. Every tensor but the index ones is in
+    the layers' dtype."""
+    dtype = weights.dtype
+    kernel = _kernel(dtype)
     if kernel is None:
         raise RuntimeError("the decode layer kernel is not available")
     if len(kv_caches) != len(weights.layers):
         raise ValueError(f"{len(weights.layers)} layers but {len(kv_caches)} KV caches")
     for name, t in (("x", x), ("residual", residual), ("cos", cos), ("sin", sin)):
-        if t.dtype != torch.float32 or not t.is_contiguous():
-            raise ValueError(f"{name} must be contiguous float32")
-    if any(c.dtype != torch.float32 or not c.is_contiguous() for kv in kv_caches for c in kv):
-        raise ValueError("the KV caches must be contiguous float32")
+        if t.dtype != dtype or not t.is_contiguous():
+            raise ValueError(f"{name} must be contiguous {dtype}")
+    if any(c.dtype != dtype or not c.is_contiguous() for kv in kv_caches for c in kv):
+        raise ValueError(f"the KV caches must be contiguous {dtype}")
     if (slot_mapping.dtype != torch.int64 or block_tables.dtype != torch.int32
             or context_lens.dtype != torch.int32):
         raise ValueError("slot_mapping must be int64, block_tables and context_lens int32")

@@ -18,8 +18,9 @@ Either packed tensor replaces the dense weight (about the same size), so memory 
 
 When the checkpoint stored the weight as blocks (GGUF Q4_0 / Q4_1 / Q8_0), ``quantized`` holds
 them too (``layers/quantized.py``) and serves calls of up to its ``max_tokens`` rows, where
-reading the weight dominates. For 4-bit blocks over SmolLM2-135M's 30 layers on the AVX-512
-machine: 4.4 ms against 14.7 ms for bf16 at 1 token, about even at 8, 89 against 19 ms at 64.
+reading the weight dominates. For 4-bit blocks over SmolLM2-135M's 30 layers on a 2-core Zen 4
+with bf16 activations: 3.5 ms against the bf16 panels' 5.0-7.1 at 1 token, about even at 4,
+14.0 against 8.7 ms at 8.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from conveyor.model.kernels.panel_gemm import pack_panels, panel_gemm, unpack_panels
-from conveyor.model.layers.quantized import Int8Blocks, NibbleInt4, PackedInt4
+from conveyor.model.layers.quantized import Int8Blocks, NibbleInt4
 
 PACK_BATCH_HINT = 64  # batch size oneDNN tunes the packed layout for
 
@@ -42,7 +43,7 @@ class Linear(nn.Module):
                      else None)
         self.out_features = out_features
         self.packing: str | None = None  # None (dense), "panels" or "onednn": see prepack
-        self.quantized: PackedInt4 | NibbleInt4 | Int8Blocks | None = None
+        self.quantized: NibbleInt4 | Int8Blocks | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.quantized is not None and x.shape[0] <= self.quantized.max_tokens:

@@ -4,19 +4,15 @@
 * 8-bit, Q8_0: ``w = d * q`` with ``q`` in -128..127. SmolLM2's file stores its token embedding
   this way; it is also the model's (tied) lm_head, the largest matrix of a decode step.
 
-Why: at one to a few tokens a matmul is bound by reading its weights, and 4-bit codes are 3.6x
-fewer bytes than bf16, 5x fewer than float32 (scales included); 8-bit ones 3.8x fewer than
-float32. At larger batches oneDNN's GEMM wins, so ``Linear`` keeps both and picks per call (up
-to ``max_tokens`` rows, the blocks).
+Why: at one to a few tokens a matmul is bound by reading its weights, and 4-bit codes are 2.7x
+fewer bytes than bf16, 5.3x fewer than float32 (float32 scales and minima included); 8-bit ones
+1.8x and 3.6x fewer. At larger batches the dense GEMM wins, so ``Linear`` keeps both and picks
+per call (up to ``max_tokens`` rows, the blocks).
 
-The layouts, one per activation dtype, each where it is fast:
-
-* ``PackedInt4`` (bf16): torch's ``_weight_int4pack_mm_for_cpu`` computes ``x @ W.T`` with
-  ``W = (q - 8) * scale + zero`` per group of 32, so the file's blocks map on without loss:
-  ``scale = d``, ``zero = m + 8 d`` (rounded to bf16).
-* ``NibbleInt4`` and ``Int8Blocks`` (float32): the file's own byte order through
-  ``kernels/block_matmul.cpp``; torch's int4 kernel is 13x slower with float32 activations than
-  with bf16 (AVX2, torch 2.13). 8-bit blocks run with float32 activations only.
+Both run in the file's own byte order through ``kernels/block_matmul.cpp``, with float32 or bf16
+activations, so their weights are exactly the file's (``d``, ``m`` held as float32).
+``max_tokens`` depends on the activation dtype, as the dense GEMM it is weighed against does:
+bf16 on AVX512-BF16 is about 2x faster than float32 from a few rows on.
 
 ``Int8Blocks.rows`` also serves embedding lookups, so a model whose lm_head has its own packed
 copy need not keep a dense embedding table too.
@@ -24,7 +20,7 @@ copy need not keep a dense embedding table too.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -60,7 +56,9 @@ class Int8Blocks:
     # Rows up to which it serves the lm_head. SmolLM2's 49152 x 576 on AVX2: 0.86 ms against the
     # float32 panel GEMM's 2.33 at 1 row, 1.97 against 3.36 at 4, even at 8, behind from 12 on
     # (5.9 vs 4.4); engine steps of 6-16 decodes measured the same with a limit of 4 or 16.
-    max_tokens = 16
+    # bf16 on a Zen 4: 0.89 ms against the bf16 panels' 1.62 at 1 row, even at 4, 2.97 against
+    # 2.04 at 8 (pack_blocks sets BF16_MAX_TOKENS).
+    max_tokens: int = 16
 
     @staticmethod
     def cat(parts: list[Int8Blocks]) -> Int8Blocks:
@@ -83,44 +81,21 @@ class Int8Blocks:
         return sum(t.numel() * t.element_size() for t in (self.codes, self.scale))
 
 
-def pack_blocks(blocks: Int4Blocks | Int8Blocks,
-                dtype: torch.dtype) -> PackedInt4 | NibbleInt4 | Int8Blocks:
-    """The layout that multiplies activations of ``dtype`` fastest."""
+# Rows up to which blocks serve a bf16 model's calls, 4- and 8-bit alike (see max_tokens).
+BF16_MAX_TOKENS = 4
+
+
+def pack_blocks(blocks: Int4Blocks | Int8Blocks, dtype: torch.dtype) -> NibbleInt4 | Int8Blocks:
+    """The blocks laid out for ``block_matmul`` with activations of ``dtype``."""
     k = blocks.codes.shape[1]
     if k % GROUP:
         raise ValueError(f"block weights need an input size divisible by {GROUP}, got {k}")
-    if isinstance(blocks, Int8Blocks):
-        if dtype != torch.float32:
-            raise ValueError(f"8-bit weights run with float32 activations, not {dtype}")
-        return blocks
+    if dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"block weights run with float32 or bf16 activations, not {dtype}")
+    packed = NibbleInt4.pack(blocks) if isinstance(blocks, Int4Blocks) else replace(blocks)
     if dtype == torch.bfloat16:
-        return PackedInt4.pack(blocks)
-    if dtype == torch.float32:
-        return NibbleInt4.pack(blocks)
-    raise ValueError(f"4-bit weights run with bf16 or float32 activations, not {dtype}")
-
-
-@dataclass
-class PackedInt4:
-    weight: torch.Tensor  # torch's packed int4 layout
-    scales_and_zeros: torch.Tensor  # [K / 32, N, 2] bf16
-    max_tokens = 4  # rows up to which it beats the bf16 GEMM (2x at 1 row, even at 8)
-
-    @staticmethod
-    def pack(blocks: Int4Blocks) -> PackedInt4:
-        weight = torch.ops.aten._convert_weight_to_int4pack_for_cpu(blocks.codes.to(torch.int32), 2)
-        zero = blocks.min + 8 * blocks.scale
-        scales_and_zeros = torch.stack([blocks.scale.t(), zero.t()], dim=-1)
-        scales_and_zeros = scales_and_zeros.to(torch.bfloat16).contiguous()
-        return PackedInt4(weight, scales_and_zeros)
-
-    def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.weight, GROUP,
-                                                          self.scales_and_zeros)
-
-    def nbytes(self) -> int:
-        return (self.weight.numel() * self.weight.element_size()
-                + self.scales_and_zeros.numel() * self.scales_and_zeros.element_size())
+        packed.max_tokens = BF16_MAX_TOKENS
+    return packed
 
 
 @dataclass
@@ -133,7 +108,9 @@ class NibbleInt4:
     # 10.6 against 15.5 at 4, behind from 6 on (16.2 vs 13.3; 29.5 vs 19.5 at 12). Whole engine
     # steps, where this path also saves the per-layer Python: 22.8-23.5 ms against 28.6-30.5 at
     # 6 decodes, 27-28 against 34 at 8, about even at 10-12 (36-40 ms either way).
-    max_tokens = 12
+    # bf16 on a Zen 4, matmuls alone: 3.5 ms against the bf16 panels' 5.0-7.1 at 1 row, 5.0
+    # against 5.1-6.9 at 2, 7.4 against 5.4-7.1 at 4, 14.0 against 8.7 at 8 (BF16_MAX_TOKENS).
+    max_tokens: int = 12
 
     @staticmethod
     def pack(blocks: Int4Blocks) -> NibbleInt4:
