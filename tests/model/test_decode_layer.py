@@ -12,6 +12,7 @@ import torch
 from conveyor.model.config import ModelConfig
 from conveyor.model.kernels.decode_layer import DecodeLayers, decode_layer_available, decode_layers
 from conveyor.model.kernels.paged_attention import attention_kernel_available
+from conveyor.model.kernels.panel_gemm import panel_gemm_available
 from conveyor.model.layers.attention import build_attention_metadata
 from conveyor.model.layers.quantized import GROUP, Int4Blocks, pack_blocks
 from conveyor.model.layers.rotary import RotaryEmbedding, rope_inv_freq
@@ -27,8 +28,10 @@ CFG = ModelConfig(name="tiny", architecture="llama", num_layers=1, hidden_size=1
 BLOCK = 16
 
 
-def quantized_layer(seed: int = 0, dtype: torch.dtype = torch.float32) -> DecoderLayer:
-    """A layer whose dense weights are its random 4-bit blocks, dequantized."""
+def quantized_layer(seed: int = 0, dtype: torch.dtype = torch.float32,
+                    panels: bool = False) -> DecoderLayer:
+    """A layer whose dense weights are its random 4-bit blocks, dequantized (and packed into
+    panels, with ``panels``)."""
     g = torch.Generator().manual_seed(seed)
     layer = DecoderLayer(CFG)
     for norm in (layer.input_norm, layer.post_norm):
@@ -40,6 +43,8 @@ def quantized_layer(seed: int = 0, dtype: torch.dtype = torch.float32) -> Decode
                             -8 * scale + 0.01 * torch.randn(n, k // GROUP, generator=g))
         linear.weight.data = blocks.dequantize().to(dtype)
         linear.quantized = pack_blocks(blocks, dtype)
+        if panels:
+            linear.prepack("panels")
     return layer
 
 
@@ -68,13 +73,22 @@ def max_rows(dtype: torch.dtype) -> int:
     return quantized_layer(0, dtype).qkv_proj.quantized.max_tokens
 
 
-# Up to each dtype's max_tokens, where the Python path runs the same block kernel.
-@pytest.mark.parametrize("dtype,num_seqs", [(torch.float32, n) for n in (1, 3, 5, 12)]
-                         + [(torch.bfloat16, n) for n in (1, 3, 4)])
+def with_panels(dtype: torch.dtype) -> list[bool]:
+    """Whether to test layers without and with panels (where the panel GEMM runs here)."""
+    return [False, True] if panel_gemm_available(dtype) else [False]
+
+
+# Without panels up to each dtype's max_tokens, where the Python path runs the same block
+# kernel; with them, beyond it too, where both run the panel GEMM.
+@pytest.mark.parametrize("dtype,num_seqs", [(torch.float32, n) for n in (1, 3, 5, 12, 13, 40)]
+                         + [(torch.bfloat16, n) for n in (1, 3, 4, 5, 40)])
 def test_fused_layers_equal_python_path(dtype, num_seqs):
-    assert num_seqs <= max_rows(dtype)
-    layers = [quantized_layer(0, dtype), quantized_layer(1, dtype)]
-    fused = DecodeLayers([layer.decode_weights() for layer in layers], max_rows=num_seqs)
+    panels = num_seqs > max_rows(dtype)
+    if panels and not panel_gemm_available(dtype):
+        pytest.skip(f"no {dtype} panel GEMM here")
+    layers = [quantized_layer(0, dtype, panels), quantized_layer(1, dtype, panels)]
+    fused = DecodeLayers([layer.decode_weights() for layer in layers])
+    assert fused.serves(num_seqs) and fused.serves(1000) == panels
     x, residual, cos, sin, (k, v), meta = decode_step(num_seqs, dtype=dtype)
     assert meta.decode_only
     caches = [(k.clone(), v.clone()), (k.clone() + 1, v.clone() - 1)]
@@ -90,28 +104,31 @@ def test_fused_layers_equal_python_path(dtype, num_seqs):
         assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1])
 
 
-def _tiny_model(dtype: torch.dtype = torch.float32) -> LlamaForCausalLM:
+def _tiny_model(dtype: torch.dtype = torch.float32, panels: bool = False) -> LlamaForCausalLM:
     cfg = dataclasses.replace(CFG, num_layers=2)
     model = LlamaForCausalLM(cfg)
     g = torch.Generator().manual_seed(7)
     model.embed_tokens.data = torch.randn(cfg.vocab_size, cfg.hidden_size, generator=g)
     model.lm_head.weight.data = torch.randn(cfg.vocab_size, cfg.hidden_size, generator=g)
     model.to(dtype)
-    model.layers = torch.nn.ModuleList([quantized_layer(0, dtype), quantized_layer(1, dtype)])
+    model.layers = torch.nn.ModuleList([quantized_layer(0, dtype, panels),
+                                        quantized_layer(1, dtype, panels)])
     return model
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_fused_layers_are_used_only_where_they_apply(monkeypatch, dtype):
+@pytest.mark.parametrize("dtype,panels", [(d, p) for d in (torch.float32, torch.bfloat16)
+                                          for p in with_panels(d)])
+def test_fused_layers_are_used_only_where_they_apply(monkeypatch, dtype, panels):
     import conveyor.model.llama as llama
 
     calls = []
     real = llama.decode_layers
     monkeypatch.setattr(llama, "decode_layers", lambda *a: calls.append(1) or real(*a))
-    model = _tiny_model(dtype)
+    model = _tiny_model(dtype, panels)
     assert model.fuse_decode_layers()
     most = max_rows(dtype)
-    for num_seqs, used in ((most, True), (most + 1, False)):  # as far as the 4-bit copies serve
+    # As far as the 4-bit copies serve; with panels, any decode step.
+    for num_seqs, used in ((most, True), (most + 1, panels), (30, panels)):
         x, residual, cos, sin, (k, v), meta = decode_step(num_seqs, dtype=dtype)
         ids = torch.arange(num_seqs) % CFG.vocab_size
         logits, fused = [], model.fused_decode

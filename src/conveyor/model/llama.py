@@ -58,9 +58,10 @@ class DecoderLayer(nn.Module):
         return self._mlp(self.post_norm(attn, residual, out=attn))
 
     def decode_weights(self) -> DecodeLayerWeights | None:
-        """This layer's weights for ``kernels/decode_layer.cpp``, which runs small decode steps
-        with the same kernels as the steps below, without some 130 µs of Python a layer; None
-        unless it is a float32 or bf16 Llama layer whose projections all have 4-bit copies."""
+        """This layer's weights for ``kernels/decode_layer.cpp``, which runs decode steps with
+        the same kernels as the steps below, without some 130 µs of Python a layer; None unless
+        it is a float32 or bf16 Llama layer whose projections all have 4-bit copies. With panels
+        too (``prepack("panels")``) it serves any batch, else up to the copies' ``max_tokens``."""
         projections = {"qkv": self.qkv_proj, "o": self.o_proj, "gate_up": self.gate_up_proj,
                        "down": self.down_proj}
         if (self.q_norm is not None
@@ -71,9 +72,12 @@ class DecoderLayer(nn.Module):
                 or self.gate_up_proj.quantized.codes.shape[0] % 32  # 2 x intermediate
                 or not decode_layer_available()):
             return None
+        panels = ({name: p.weight for name, p in projections.items()}
+                  if all(p.packing == "panels" for p in projections.values()) else None)
         return DecodeLayerWeights(
             self.input_norm.weight, self.post_norm.weight,
-            {name: p.quantized for name, p in projections.items()},
+            {name: p.quantized for name, p in projections.items()}, panels,
+            min(p.quantized.max_tokens for p in projections.values()),
             self.num_heads, self.num_kv_heads, self.head_dim, self.input_norm.eps)
 
     def _attention(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -135,7 +139,7 @@ class LlamaForCausalLM(nn.Module):
         x = torch.zeros_like(residual)
         cos, sin = self.rotary.cos_sin(positions, residual.dtype)
         fused = self.fused_decode
-        if (fused is not None and meta.decode_only and x.shape[0] <= fused.max_rows
+        if (fused is not None and meta.decode_only and fused.serves(x.shape[0])
                 and kv_caches[0][0].dtype == x.dtype):  # a float32 model's cache may be bf16
             x = decode_layers(fused, x, residual, cos, sin, kv_caches, meta.slot_mapping,
                               meta.kernel.block_tables, meta.kernel.context_lens)
@@ -252,12 +256,13 @@ class LlamaForCausalLM(nn.Module):
         return added
 
     def fuse_decode_layers(self) -> bool:
-        """After ``attach_blocks``: when every layer can (``decode_weights``), small decode
-        steps run all layers in one C++ call. Returns whether they do."""
+        """After ``attach_blocks`` and ``prepack``: when every layer can (``decode_weights``),
+        decode steps (small ones, or any with panels) run all layers in one C++ call. Returns
+        whether they do."""
         fused = [layer.decode_weights() for layer in self.layers]
         if any(f is None for f in fused):
             return False
-        self.fused_decode = DecodeLayers(fused, self.layers[0].qkv_proj.quantized.max_tokens)
+        self.fused_decode = DecodeLayers(fused)
         return True
 
     def num_params(self) -> int:

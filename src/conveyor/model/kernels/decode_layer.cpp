@@ -1,49 +1,86 @@
-// Every Llama decoder layer of a step of a few decode tokens, in one call (CPU, float32 or bf16,
-// 4-bit weights).
+// Every Llama decoder layer of a decode step, in one call (CPU, float32 or bf16).
 //
 // A single-stream decode step spent about as long in Python around each layer's nine kernel
 // calls (about 130 us a layer) as in the kernels themselves, and then about 10 us a layer
-// around a per-layer call. This runs the same kernels, in the same order and with the same
-// arithmetic, from C++, for each layer:
+// around a per-layer call; at batch 64 the same Python is about 5% of a step. This runs the
+// same kernels, in the same order and with the same arithmetic, from C++, for each layer:
 //
 //   residual += x; h = rms_norm(residual)             (input_norm)
-//   qkv = h @ Wqkv^T; q, k = rotary(q, k)              (4-bit block matmul, one rotary pass
-//                                                      over q's and k's heads)
+//   qkv = h @ Wqkv^T; q, k = rotary(q, k)              (one rotary pass over q's and k's heads)
 //   k, v -> their cache slots; a = paged_attention(q)
 //   residual += a @ Wo^T; h = rms_norm(residual)       (post_norm)
 //   out = (silu(h @ Wgate^T) * (h @ Wup^T)) @ Wdown^T
 //
-// so its results equal the layer's Python path bit for bit (the tests check). The pieces come
-// from the kernels' own sources, compiled into this library too.
+// where each matmul is the 4-bit block kernel up to max_block_rows rows and the panel GEMM above
+// (as Linear picks), so its results equal the layer's Python path bit for bit (the tests
+// check). The pieces come from the kernels' own sources, compiled into this library too.
 
 #include <cstdint>
-#include <vector>
+#include <cstdlib>
+#include <memory>
 
 #include "block_matmul.cpp"
 #include "fused_ops.cpp"
 #include "paged_attention.cpp"
+#include "panel_gemm.cpp"
 
 namespace {
 
-struct BlockWeight {  // a 4-bit weight [n_out, k] as NibbleInt4 holds it
+struct Weight {  // a projection [n_out, k]: 4-bit as NibbleInt4 holds it, and its panels
   const uint8_t* codes;
   const float* scale;
   const float* minimum;
+  const void* panels;  // pack_panels' layout in the activations' type; null: blocks only
   int64_t n_out;
 };
 
 struct LayerWeights {
   const void* input_norm;  // [hidden] in the activations' type, as post_norm
   const void* post_norm;
-  BlockWeight qkv, o, gate_up, down;
+  Weight qkv, o, gate_up, down;
   int64_t hidden, num_heads, num_kv_heads, head_dim, intermediate;
+  int64_t max_block_rows;  // rows up to which the blocks serve (the Python side's max_tokens)
   float eps;
 };
 
-template <typename T>
-void matmul(T* y, const T* x, const BlockWeight& w, int64_t rows, int64_t k, int num_threads) {
-  multiply<Q4>(y, x, w.codes, w.scale, w.minimum, rows, w.n_out, k, k, num_threads);
+void panel_matmul(float* y, const float* x, const void* panels, int64_t rows, int64_t n,
+                  int64_t k, int num_threads) {
+  gemm<F32>(y, x, static_cast<const float*>(panels), rows, n, k, num_threads);
 }
+
+void panel_matmul(uint16_t* y, const uint16_t* x, const void* panels, int64_t rows, int64_t n,
+                  int64_t k, int num_threads) {
+#ifdef __AVX512BF16__
+  gemm<BF16>(y, x, static_cast<const uint16_t*>(panels), rows, n, k, num_threads);
+#else
+  std::abort();  // bf16 panels exist only with AVX512-BF16 (the Python side checks)
+#endif
+}
+
+template <typename T>
+void matmul(T* y, const T* x, const Weight& w, int64_t rows, int64_t k, int64_t max_block_rows,
+            int num_threads) {
+  if (rows <= max_block_rows)
+    multiply<Q4>(y, x, w.codes, w.scale, w.minimum, rows, w.n_out, k, k, num_threads);
+  else
+    panel_matmul(y, x, w.panels, rows, w.n_out, k, num_threads);
+}
+
+// A layer's intermediate activations, allocated once per call for all layers (which share their
+// sizes) and left uninitialized: every element is written before it is read. Zeroing them per
+// layer cost about 1 MB of memset a layer at 64 rows.
+template <typename T>
+struct Activations {
+  std::unique_ptr<T[]> h, qkv, qk, attn, proj, gate_up, act;
+  Activations(const LayerWeights& w, int64_t rows)
+      : h(new T[rows * w.hidden]),
+        qkv(new T[rows * w.qkv.n_out]),
+        qk(new T[rows * (w.num_heads + w.num_kv_heads) * w.head_dim]),
+        attn(new T[rows * w.num_heads * w.head_dim]),
+        proj(new T[rows * w.hidden]),
+        gate_up(new T[rows * 2 * w.intermediate]),
+        act(new T[rows * w.intermediate]) {}
+};
 
 // One layer, in T (float, or bf16 stored as uint16_t). x, out: [rows, hidden] (out may be x);
 // residual: [rows, hidden], updated in place; cos, sin: [rows, head_dim]; caches: [num_blocks,
@@ -53,32 +90,32 @@ void decode_layer(const LayerWeights* w, T* out, const T* x, T* residual, int64_
                   const T* cos, const T* sin, T* k_cache, T* v_cache, int64_t block_size,
                   const int64_t* slot_mapping, const int32_t* block_tables,
                   const int32_t* context_lens, int64_t max_blocks, float scale,
-                  int num_threads) {
+                  Activations<T>& a, int num_threads) {
   const int64_t hidden = w->hidden, hd = w->head_dim, inter = w->intermediate;
   const int64_t q_heads = w->num_heads, kv_heads = w->num_kv_heads;
   const int64_t qk_width = (q_heads + kv_heads) * hd;
   const int64_t qkv_width = w->qkv.n_out;
   const T* input_norm = static_cast<const T*>(w->input_norm);
   const T* post_norm = static_cast<const T*>(w->post_norm);
-  std::vector<T> h(rows * hidden), qkv(rows * qkv_width), qk(rows * qk_width);
-  std::vector<T> attn(rows * q_heads * hd), proj(rows * hidden);
-  std::vector<T> gate_up(rows * 2 * inter), act(rows * inter);
+  T *h = a.h.get(), *qkv = a.qkv.get(), *qk = a.qk.get(), *attn = a.attn.get();
+  T *proj = a.proj.get(), *gate_up = a.gate_up.get(), *act = a.act.get();
 
-  rms_norm<T>(h.data(), x, residual, input_norm, rows, hidden, hidden, w->eps, num_threads);
-  matmul(qkv.data(), h.data(), w->qkv, rows, hidden, num_threads);
-  rotary<T>(qk.data(), qkv.data(), cos, sin, rows, q_heads + kv_heads, hd, qkv_width, qk_width,
+  const int64_t most = w->max_block_rows;
+  rms_norm<T>(h, x, residual, input_norm, rows, hidden, hidden, w->eps, num_threads);
+  matmul(qkv, h, w->qkv, rows, hidden, most, num_threads);
+  rotary<T>(qk, qkv, cos, sin, rows, q_heads + kv_heads, hd, qkv_width, qk_width,
             num_threads);
-  const NewKV<T> new_kv{qk.data() + q_heads * hd, qkv.data() + qk_width, qk_width, qkv_width,
+  const NewKV<T> new_kv{qk + q_heads * hd, qkv + qk_width, qk_width, qkv_width,
                         slot_mapping};  // rotated keys, values straight from the projection
-  paged_attention<T>(attn.data(), qk.data(), k_cache, v_cache, new_kv, block_tables, nullptr,
+  paged_attention<T>(attn, qk, k_cache, v_cache, new_kv, block_tables, nullptr,
                      context_lens, rows, q_heads, kv_heads, hd, block_size, max_blocks, qk_width,
                      scale, num_threads);
-  matmul(proj.data(), attn.data(), w->o, rows, q_heads * hd, num_threads);
-  rms_norm<T>(h.data(), proj.data(), residual, post_norm, rows, hidden, hidden, w->eps,
+  matmul(proj, attn, w->o, rows, q_heads * hd, most, num_threads);
+  rms_norm<T>(h, proj, residual, post_norm, rows, hidden, hidden, w->eps,
               num_threads);
-  matmul(gate_up.data(), h.data(), w->gate_up, rows, hidden, num_threads);
-  silu_mul<T>(act.data(), gate_up.data(), rows, inter, num_threads);
-  matmul(out, act.data(), w->down, rows, inter, num_threads);
+  matmul(gate_up, h, w->gate_up, rows, hidden, most, num_threads);
+  silu_mul<T>(act, gate_up, rows, inter, num_threads);
+  matmul(out, act, w->down, rows, inter, most, num_threads);
 }
 
 }  // namespace
@@ -94,12 +131,13 @@ void decode_layer(const LayerWeights* w, T* out, const T* x, T* residual, int64_
       const int32_t* block_tables, const int32_t* context_lens, int64_t max_blocks,           \
       float scale, int num_threads) {                                                         \
     T* xt = static_cast<T*>(x);                                                               \
+    Activations<T> activations(*layers[0], rows);                                             \
     for (int64_t i = 0; i < num_layers; ++i)                                                  \
       decode_layer<T>(layers[i], xt, xt, static_cast<T*>(residual), rows,                     \
                       static_cast<const T*>(cos), static_cast<const T*>(sin),                 \
                       static_cast<T*>(k_caches[i]), static_cast<T*>(v_caches[i]), block_size, \
                       slot_mapping, block_tables, context_lens, max_blocks, scale,            \
-                      num_threads);                                                           \
+                      activations, num_threads);                                              \
   }
 
 CONVEYOR_DECODE_LAYERS(f32, float)

@@ -1,5 +1,4 @@
-"""Every decoder layer of a step of a few decode tokens in one call (``decode_layer.cpp`` via
-ctypes).
+"""Every decoder layer of a decode step in one call (``decode_layer.cpp`` via ctypes).
 
 ``DecodeLayerWeights`` holds the C struct of one layer's weight pointers, built once at load
 time (it keeps the tensors alive); ``DecodeLayers`` the array of them for a whole model.
@@ -18,15 +17,15 @@ from conveyor.model.kernels.build import kernel_function
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 
 
-class _BlockWeight(ctypes.Structure):
-    _fields_ = [("codes", _P), ("scale", _P), ("minimum", _P), ("n_out", _I)]
+class _Weight(ctypes.Structure):
+    _fields_ = [("codes", _P), ("scale", _P), ("minimum", _P), ("panels", _P), ("n_out", _I)]
 
 
 class _LayerWeights(ctypes.Structure):
-    _fields_ = [("input_norm", _P), ("post_norm", _P), ("qkv", _BlockWeight), ("o", _BlockWeight),
-                ("gate_up", _BlockWeight), ("down", _BlockWeight), ("hidden", _I),
-                ("num_heads", _I), ("num_kv_heads", _I), ("head_dim", _I), ("intermediate", _I),
-                ("eps", _F)]
+    _fields_ = [("input_norm", _P), ("post_norm", _P), ("qkv", _Weight), ("o", _Weight),
+                ("gate_up", _Weight), ("down", _Weight), ("hidden", _I), ("num_heads", _I),
+                ("num_kv_heads", _I), ("head_dim", _I), ("intermediate", _I),
+                ("max_block_rows", _I), ("eps", _F)]
 
 
 _ARGTYPES = [_P] * 3 + [_I] + [_P] * 2 + [_I] + [_P] * 2 + [_I] + [_P] * 3 + [_I, _F, ctypes.c_int]
@@ -42,48 +41,59 @@ def decode_layer_available() -> bool:
 
 
 class DecodeLayerWeights:
-    """A layer's norms (float32 or bf16: the activations' dtype) and 4-bit projections
-    (NibbleInt4: ``codes``, ``scale``, ``min``), as pointers for ``decode_layers``."""
+    """A layer's norms (float32 or bf16: the activations' dtype) and projections, as pointers for
+    ``decode_layers``: each one's 4-bit blocks (NibbleInt4: ``codes``, ``scale``, ``min``), which
+    serve up to ``max_block_rows`` rows, and optionally its panels (``pack_panels`` in the
+    activations' dtype), which serve more; without panels the layer serves no more rows."""
 
-    def __init__(self, input_norm: torch.Tensor, post_norm: torch.Tensor, projections: dict,
-                 num_heads: int, num_kv_heads: int, head_dim: int, eps: float) -> None:
+    def __init__(self, input_norm: torch.Tensor, post_norm: torch.Tensor, blocks: dict,
+                 panels: dict | None, max_block_rows: int, num_heads: int, num_kv_heads: int,
+                 head_dim: int, eps: float) -> None:
         norms = [input_norm, post_norm]
-        floats = [t for p in projections.values() for t in (p.scale, p.min)]
-        codes = [p.codes for p in projections.values()]
+        floats = [t for p in blocks.values() for t in (p.scale, p.min)]
+        codes = [p.codes for p in blocks.values()]
+        packed = list(panels.values()) if panels else []
         if (input_norm.dtype not in _SYMBOLS or post_norm.dtype != input_norm.dtype
                 or any(t.dtype != torch.float32 for t in floats)
                 or any(t.dtype != torch.uint8 for t in codes)
-                or not all(t.is_contiguous() for t in norms + floats + codes)):
-            raise ValueError("decode_layers needs contiguous float32 or bf16 norms, float32 "
-                             "scales and uint8 codes")
+                or any(t.dtype != input_norm.dtype for t in packed)
+                or not all(t.is_contiguous() for t in norms + floats + codes + packed)):
+            raise ValueError("decode_layers needs contiguous float32 or bf16 norms (and panels "
+                             "in their dtype), float32 scales and uint8 codes")
         self.dtype = input_norm.dtype
-        self._tensors = norms + floats + codes  # keeps the pointed-to memory alive
+        self.max_rows = None if panels else max_block_rows  # None: any number of rows
+        self._tensors = norms + floats + codes + packed  # keeps the pointed-to memory alive
 
-        def block(p) -> _BlockWeight:
-            return _BlockWeight(p.codes.data_ptr(), p.scale.data_ptr(), p.min.data_ptr(),
-                                p.codes.shape[0])
+        def weight(name: str) -> _Weight:
+            p = blocks[name]
+            return _Weight(p.codes.data_ptr(), p.scale.data_ptr(), p.min.data_ptr(),
+                           panels[name].data_ptr() if panels else None, p.codes.shape[0])
 
         self.struct = _LayerWeights(
-            input_norm.data_ptr(), post_norm.data_ptr(), *(block(projections[n]) for n in (
-                "qkv", "o", "gate_up", "down")),
+            input_norm.data_ptr(), post_norm.data_ptr(),
+            *(weight(n) for n in ("qkv", "o", "gate_up", "down")),
             input_norm.shape[0], num_heads, num_kv_heads, head_dim,
-            projections["gate_up"].codes.shape[0] // 2, eps)
+            blocks["gate_up"].codes.shape[0] // 2, max_block_rows, eps)
         self.scale = head_dim ** -0.5
 
 
 class DecodeLayers:
     """The pointer array of a model's ``DecodeLayerWeights``, in layer order, and the most rows
-    (decode tokens) their 4-bit copies serve."""
+    (decode tokens) they serve: None for any number."""
 
-    def __init__(self, layers: list[DecodeLayerWeights], max_rows: int) -> None:
+    def __init__(self, layers: list[DecodeLayerWeights]) -> None:
         self.layers = layers  # keeps the structs alive
-        self.max_rows = max_rows
         self.array = (ctypes.c_void_p * len(layers))(
             *[ctypes.addressof(w.struct) for w in layers])
         self.scale = layers[0].scale
         self.dtype = layers[0].dtype
         if any(w.dtype != self.dtype for w in layers):
             raise ValueError("every layer's norms must have one dtype")
+        limits = [w.max_rows for w in layers if w.max_rows is not None]
+        self.max_rows = min(limits) if limits else None
+
+    def serves(self, rows: int) -> bool:
+        return self.max_rows is None or rows <= self.max_rows
 
 
 def decode_layers(weights: DecodeLayers, x: torch.Tensor, residual: torch.Tensor,

@@ -41,10 +41,18 @@ constexpr int kMaxChunks = 256 / kLanes;  // head_dim <= 256
 constexpr int kLineChunks = 64 / sizeof(vfloat);  // vectors in a cache line: 2 (AVX2) or 1
 constexpr int kGroupTile = 4;  // query heads whose value accumulators are held in registers
 
-struct Scratch {  // per thread, reused across tasks
+struct Scratch {  // per thread, reused across tasks and calls
   std::vector<float> scores, inv_sum;
   std::vector<vfloat> qv, acc, dots;  // dots: kLanes rows' unreduced q.k products per head
 };
+
+// v with room for n elements: grown, never shrunk, so that it is not zero-filled again (fresh
+// score rows cost about 14 MB of memset a batch-64 step).
+template <typename V>
+auto* at_least(V& v, int64_t n) {
+  if (static_cast<int64_t>(v.size()) < n) v.resize(n);
+  return v.data();
+}
 
 // One query token, KV heads [h0, h1): each of them with its `group` query heads. The context is
 // read block by block (blocks are scattered: the next one is prefetched, and the key pass
@@ -60,15 +68,12 @@ void attend(T* out, const T* q, const C* k_cache, const C* v_cache, const int32_
   const int64_t heads = (h1 - h0) * group;  // query heads handled here
   const int64_t padded = (ctx + kLanes - 1) / kLanes * kLanes;  // a score row's length
   const int64_t range = (h1 - h0) * head_dim;  // elements of a token row handled here
-  scratch.scores.resize(heads * padded);
-  scratch.qv.resize(heads * chunks);
-  scratch.acc.assign(heads * chunks, vfloat{});
-  scratch.dots.resize(heads * kLanes);
-  scratch.inv_sum.resize(heads);
-  float* scores = scratch.scores.data();
-  vfloat* qv = scratch.qv.data();
-  vfloat* acc = scratch.acc.data();
-  vfloat* dots = scratch.dots.data();
+  float* scores = at_least(scratch.scores, heads * padded);
+  vfloat* qv = at_least(scratch.qv, heads * chunks);
+  vfloat* acc = at_least(scratch.acc, heads * chunks);
+  std::fill(acc, acc + heads * chunks, vfloat{});
+  vfloat* dots = at_least(scratch.dots, heads * kLanes);
+  float* inv_sum = at_least(scratch.inv_sum, heads);
 
   // Block b's rows, from head h0 on; how many of them are in the context.
   auto rows_of = [&](const C* cache, int64_t b) {
@@ -120,7 +125,7 @@ void attend(T* out, const T* q, const C* k_cache, const C* v_cache, const int32_
   }
 
   for (int64_t i = 0; i < heads; ++i)
-    scratch.inv_sum[i] = softmax_row(scores + i * padded, ctx, padded);
+    inv_sum[i] = softmax_row(scores + i * padded, ctx, padded);
 
   // out_i = sum_t p[i][t] v_t / sum_t p[i][t]. Block by block; within a block, one cache line
   // of a KV head's values (kLineChunks vectors) for up to kGroupTile of its query heads at a
@@ -159,7 +164,7 @@ void attend(T* out, const T* q, const C* k_cache, const C* v_cache, const int32_
   for (int64_t i = 0; i < heads; ++i) {
     T* o = out + (h0 * group + i) * head_dim;
     for (int64_t c = 0; c < chunks; ++c)
-      store(acc[i * chunks + c] * scratch.inv_sum[i], o + c * kLanes);
+      store(acc[i * chunks + c] * inv_sum[i], o + c * kLanes);
   }
 }
 
@@ -239,7 +244,7 @@ void paged_attention(T* out, const T* q, C* k_cache, C* v_cache, NewKV<T> new_kv
                  token_stride);
       }
     }
-    Scratch scratch;
+    static thread_local Scratch scratch;
     TileScratch tile_scratch;
 #pragma omp for schedule(dynamic, 1)
     for (int64_t i = 0; i < num_tasks; ++i) {
