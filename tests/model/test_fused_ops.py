@@ -89,3 +89,19 @@ def test_unsupported_calls_fall_back() -> None:
     assert fused_ops.rms_norm(torch.randn(2, 64).half(), torch.ones(64).half(), 1e-5) is None
     assert fused_ops.rotary(torch.randn(2, 3, 64).transpose(0, 1), torch.randn(3, 1, 64),
                             torch.randn(3, 1, 64)) is None  # heads not packed
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows,width", [(1, 16), (3, 48), (64, 49152)])
+def test_argmax_is_the_first_maximum(dtype, rows, width) -> None:
+    x = _randn(rows, width, dtype=dtype)
+    x[0, width // 3] = x[0, width - 1] = x[0].max() + 1  # a tie: the first one wins
+    if rows > 1:
+        x[1, width - 1] = x[1, 1] = float("nan")  # a NaN wins, the first one, as in torch.max
+    if rows > 2:
+        x[2] = -float("inf")  # all equal
+    got = fused_ops.argmax(x)
+    assert got.dtype == torch.int64
+    assert torch.equal(got, x.max(dim=-1).indices)
+    assert got[0] == width // 3
+    assert fused_ops.argmax(_randn(2, 40, dtype=dtype)) is None  # width not a multiple of 16

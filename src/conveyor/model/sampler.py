@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from conveyor.core.sampling_params import SamplingParams
+from conveyor.model.kernels import fused_ops
 
 _MASK64 = (1 << 64) - 1
 
@@ -59,6 +60,13 @@ def _padded(rows: list[list[int]], pad: int, device: torch.device) -> torch.Tens
     return torch.tensor([r + [pad] * (width - len(r)) for r in rows], dtype=torch.int64, device=device)
 
 
+def _greedy(logits: torch.Tensor) -> torch.Tensor:
+    """Each row's first maximum: the C++ pass on the CPU, else max().indices (as argmax, but
+    about 3x faster on CPU in torch 2.13)."""
+    chosen = fused_ops.argmax(logits)
+    return chosen if chosen is not None else logits.max(dim=-1).indices
+
+
 class Sampler:
     def __init__(self, seed: int = 0, eos_token_ids: tuple[int, ...] | list[int] = ()) -> None:
         self.generator = torch.Generator().manual_seed(seed)
@@ -85,14 +93,13 @@ class Sampler:
         logits = self._mask_stop_tokens_before_min_tokens(logits, rows, vocab)
 
         is_greedy = [p.temperature == 0.0 for p in params]
-        # max().indices: the first maximum, as argmax, but about 3x faster on CPU (torch 2.13)
         if all(is_greedy):
-            chosen = logits.max(dim=-1).indices
+            chosen = _greedy(logits)
         else:
             chosen = self._sample(logits, rows, vocab)
             if any(is_greedy):
                 greedy = torch.tensor(is_greedy, device=device)
-                chosen = torch.where(greedy, logits.max(dim=-1).indices, chosen)
+                chosen = torch.where(greedy, _greedy(logits), chosen)
         token_ids = chosen.tolist()
 
         logprob_dicts = None

@@ -8,12 +8,15 @@
 //   silu_mul:  out = T(silu(gate)) * up, gate_up = [gate | up] per row
 //   rotary:    out = T(x * cos) + T(rotate_half(x) * sin), per head ("rotate_half" layout);
 //              out may be x (each pair of halves is read before it is written)
+//   argmax:    out[r] = the first index of row r's largest value (greedy sampling; a NaN
+//              counts as the largest, as in torch.max)
 //
 // Rows are spread over OpenMP threads when there are enough of them. Widths are multiples of
 // 16 (the Python side checks). Built and loaded like paged_attention.cpp.
 
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 
 #include "vec.h"
 
@@ -81,6 +84,38 @@ void rotary(T* out, const T* x, const T* cos, const T* sin, int64_t rows, int64_
   }
 }
 
+template <typename T>
+void argmax(int64_t* out, const T* x, int64_t rows, int64_t width, int num_threads) {
+#pragma omp parallel for num_threads(num_threads) if (rows * width >= kParallelElements)
+  for (int64_t r = 0; r < rows; ++r) {
+    const T* xr = x + r * width;
+    vfloat top = load(xr);  // lane-wise maxima, then the first index that holds the maximum
+    vint nan = top != top;
+    for (int64_t c = kLanes; c < width; c += kLanes) {
+      const vfloat v = load(xr + c);
+      top = v > top ? v : top;
+      nan |= v != v;
+    }
+    bool any_nan = false;
+    float best = top[0];
+    for (int i = 0; i < kLanes; ++i) {
+      any_nan |= nan[i] != 0;
+      best = top[i] > best ? top[i] : best;
+    }
+    const vfloat wanted = vfloat{} + best;
+    const vint none{};
+    int64_t at = -1;
+    for (int64_t c = 0; c < width && at < 0; c += kLanes) {
+      const vfloat v = load(xr + c);
+      const vint hit = any_nan ? v != v : v == wanted;
+      if (std::memcmp(&hit, &none, sizeof hit) == 0) continue;  // no lane of this vector
+      for (int i = 0; i < kLanes && at < 0; ++i)
+        if (hit[i]) at = c + i;
+    }
+    out[r] = at;
+  }
+}
+
 }  // namespace
 
 #define CONVEYOR_FUSED_OPS(SUFFIX, T)                                                         \
@@ -101,6 +136,10 @@ void rotary(T* out, const T* x, const T* cos, const T* sin, int64_t rows, int64_
     rotary<T>(static_cast<T*>(out), static_cast<const T*>(x), static_cast<const T*>(cos),   \
               static_cast<const T*>(sin), rows, heads, head_dim, x_stride, out_stride,        \
               num_threads);                                                                   \
+  }                                                                                           \
+  extern "C" void argmax_##SUFFIX(int64_t* out, const void* x, int64_t rows, int64_t width,  \
+                                  int num_threads) {                                          \
+    argmax<T>(out, static_cast<const T*>(x), rows, width, num_threads);                      \
   }
 
 CONVEYOR_FUSED_OPS(f32, float)

@@ -20,6 +20,7 @@ _ARGTYPES = {
     "rms_norm": [_P, _P, _P, _P, _I, _I, _I, _F, _N],
     "silu_mul": [_P, _P, _I, _I, _N],
     "rotary": [_P, _P, _P, _P, _I, _I, _I, _I, _I, _N],
+    "argmax": [_P, _P, _I, _I, _N],
 }
 
 
@@ -81,4 +82,16 @@ def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
         out = torch.empty(t, heads, head_dim, dtype=x.dtype)
     fn(out.data_ptr(), x.data_ptr(), cos.data_ptr(), sin.data_ptr(), t, heads, head_dim,
        x.stride(0), out.stride(0), torch.get_num_threads())
+    return out
+
+
+def argmax(x: torch.Tensor) -> torch.Tensor | None:
+    """x [R, V] -> [R] int64: each row's first index of its largest value (a NaN counts as the
+    largest), as ``x.max(dim=-1).indices``; one pass over the row instead of torch's reduction
+    (which took about 1.5 ms for 64 rows of a 49,152-token vocabulary in bf16)."""
+    fn = _function("argmax", x, x.shape[-1])
+    if fn is None or x.dim() != 2 or not x.is_contiguous() or x.numel() == 0:
+        return None
+    out = torch.empty(x.shape[0], dtype=torch.int64)
+    fn(out.data_ptr(), x.data_ptr(), x.shape[0], x.shape[1], torch.get_num_threads())
     return out
