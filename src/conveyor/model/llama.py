@@ -76,9 +76,8 @@ class DecoderLayer(nn.Module):
                   if all(p.packing == "panels" for p in projections.values()) else None)
         return DecodeLayerWeights(
             self.input_norm.weight, self.post_norm.weight,
-            {name: p.quantized for name, p in projections.items()}, panels,
-            min(p.quantized.max_tokens for p in projections.values()),
-            self.num_heads, self.num_kv_heads, self.head_dim, self.input_norm.eps)
+            {name: p.quantized for name, p in projections.items()}, panels, self.num_heads,
+            self.num_kv_heads, self.head_dim, self.input_norm.eps)
 
     def _attention(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                    k_cache: torch.Tensor, v_cache: torch.Tensor,

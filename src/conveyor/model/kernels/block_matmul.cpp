@@ -265,10 +265,8 @@ void block_matmul_widened(uint16_t* y, const uint16_t* x, const uint8_t* codes,
                           int64_t k, int64_t x_stride, int num_threads) {
   std::vector<float> xf(rows * k), yf(rows * n_out);
   for (int64_t r = 0; r < rows; ++r)
-    for (int64_t i = 0; i < k; ++i) {
-      const uint32_t bits = uint32_t(x[r * x_stride + i]) << 16;
-      std::memcpy(&xf[r * k + i], &bits, sizeof bits);
-    }
+    for (int64_t i = 0; i < k; i += conveyor::kLanes)  // k: a multiple of 32
+      conveyor::store(conveyor::load(x + r * x_stride + i), xf.data() + r * k + i);
   block_matmul<Format, F32Activations>(yf.data(), xf.data(), codes, scale, minimum, rows, n_out,
                                        k, k, num_threads);
   for (int64_t i = 0; i < rows * n_out; ++i) conveyor::store(yf[i], y + i);

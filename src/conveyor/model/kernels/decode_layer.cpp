@@ -11,8 +11,8 @@
 //   residual += a @ Wo^T; h = rms_norm(residual)       (post_norm)
 //   out = (silu(h @ Wgate^T) * (h @ Wup^T)) @ Wdown^T
 //
-// where each matmul is the 4-bit block kernel up to max_block_rows rows and the panel GEMM above
-// (as Linear picks), so its results equal the layer's Python path bit for bit (the tests
+// where each matmul is the 4-bit block kernel up to its max_block_rows rows and the panel GEMM
+// above (as Linear picks), so its results equal the layer's Python path bit for bit (the tests
 // check). The pieces come from the kernels' own sources, compiled into this library too.
 
 #include <cstdint>
@@ -32,6 +32,7 @@ struct Weight {  // a projection [n_out, k]: 4-bit as NibbleInt4 holds it, and i
   const float* minimum;
   const void* panels;  // pack_panels' layout in the activations' type; null: blocks only
   int64_t n_out;
+  int64_t max_block_rows;  // rows up to which the blocks serve (NibbleInt4.max_tokens)
 };
 
 struct LayerWeights {
@@ -39,7 +40,6 @@ struct LayerWeights {
   const void* post_norm;
   Weight qkv, o, gate_up, down;
   int64_t hidden, num_heads, num_kv_heads, head_dim, intermediate;
-  int64_t max_block_rows;  // rows up to which the blocks serve (the Python side's max_tokens)
   float eps;
 };
 
@@ -58,9 +58,8 @@ void panel_matmul(uint16_t* y, const uint16_t* x, const void* panels, int64_t ro
 }
 
 template <typename T>
-void matmul(T* y, const T* x, const Weight& w, int64_t rows, int64_t k, int64_t max_block_rows,
-            int num_threads) {
-  if (rows <= max_block_rows)
+void matmul(T* y, const T* x, const Weight& w, int64_t rows, int64_t k, int num_threads) {
+  if (rows <= w.max_block_rows)
     multiply<Q4>(y, x, w.codes, w.scale, w.minimum, rows, w.n_out, k, k, num_threads);
   else
     panel_matmul(y, x, w.panels, rows, w.n_out, k, num_threads);
@@ -100,9 +99,8 @@ void decode_layer(const LayerWeights* w, T* out, const T* x, T* residual, int64_
   T *h = a.h.get(), *qkv = a.qkv.get(), *qk = a.qk.get(), *attn = a.attn.get();
   T *proj = a.proj.get(), *gate_up = a.gate_up.get(), *act = a.act.get();
 
-  const int64_t most = w->max_block_rows;
   rms_norm<T>(h, x, residual, input_norm, rows, hidden, hidden, w->eps, num_threads);
-  matmul(qkv, h, w->qkv, rows, hidden, most, num_threads);
+  matmul(qkv, h, w->qkv, rows, hidden, num_threads);
   rotary<T>(qk, qkv, cos, sin, rows, q_heads + kv_heads, hd, qkv_width, qk_width,
             num_threads);
   const NewKV<T> new_kv{qk + q_heads * hd, qkv + qk_width, qk_width, qkv_width,
@@ -110,12 +108,12 @@ void decode_layer(const LayerWeights* w, T* out, const T* x, T* residual, int64_
   paged_attention<T>(attn, qk, k_cache, v_cache, new_kv, block_tables, nullptr,
                      context_lens, rows, q_heads, kv_heads, hd, block_size, max_blocks, qk_width,
                      scale, num_threads);
-  matmul(proj, attn, w->o, rows, q_heads * hd, most, num_threads);
+  matmul(proj, attn, w->o, rows, q_heads * hd, num_threads);
   rms_norm<T>(h, proj, residual, post_norm, rows, hidden, hidden, w->eps,
               num_threads);
-  matmul(gate_up, h, w->gate_up, rows, hidden, most, num_threads);
+  matmul(gate_up, h, w->gate_up, rows, hidden, num_threads);
   silu_mul<T>(act, gate_up, rows, inter, num_threads);
-  matmul(out, act, w->down, rows, inter, most, num_threads);
+  matmul(out, act, w->down, rows, inter, num_threads);
 }
 
 }  // namespace

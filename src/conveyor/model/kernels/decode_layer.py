@@ -18,14 +18,14 @@ _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 
 
 class _Weight(ctypes.Structure):
-    _fields_ = [("codes", _P), ("scale", _P), ("minimum", _P), ("panels", _P), ("n_out", _I)]
+    _fields_ = [("codes", _P), ("scale", _P), ("minimum", _P), ("panels", _P), ("n_out", _I),
+                ("max_block_rows", _I)]
 
 
 class _LayerWeights(ctypes.Structure):
     _fields_ = [("input_norm", _P), ("post_norm", _P), ("qkv", _Weight), ("o", _Weight),
                 ("gate_up", _Weight), ("down", _Weight), ("hidden", _I), ("num_heads", _I),
-                ("num_kv_heads", _I), ("head_dim", _I), ("intermediate", _I),
-                ("max_block_rows", _I), ("eps", _F)]
+                ("num_kv_heads", _I), ("head_dim", _I), ("intermediate", _I), ("eps", _F)]
 
 
 _ARGTYPES = [_P] * 3 + [_I] + [_P] * 2 + [_I] + [_P] * 2 + [_I] + [_P] * 3 + [_I, _F, ctypes.c_int]
@@ -43,12 +43,12 @@ def decode_layer_available() -> bool:
 class DecodeLayerWeights:
     """A layer's norms (float32 or bf16: the activations' dtype) and projections, as pointers for
     ``decode_layers``: each one's 4-bit blocks (NibbleInt4: ``codes``, ``scale``, ``min``), which
-    serve up to ``max_block_rows`` rows, and optionally its panels (``pack_panels`` in the
+    serve up to their ``max_tokens`` rows, and optionally its panels (``pack_panels`` in the
     activations' dtype), which serve more; without panels the layer serves no more rows."""
 
     def __init__(self, input_norm: torch.Tensor, post_norm: torch.Tensor, blocks: dict,
-                 panels: dict | None, max_block_rows: int, num_heads: int, num_kv_heads: int,
-                 head_dim: int, eps: float) -> None:
+                 panels: dict | None, num_heads: int, num_kv_heads: int, head_dim: int,
+                 eps: float) -> None:
         norms = [input_norm, post_norm]
         floats = [t for p in blocks.values() for t in (p.scale, p.min)]
         codes = [p.codes for p in blocks.values()]
@@ -61,19 +61,21 @@ class DecodeLayerWeights:
             raise ValueError("decode_layers needs contiguous float32 or bf16 norms (and panels "
                              "in their dtype), float32 scales and uint8 codes")
         self.dtype = input_norm.dtype
-        self.max_rows = None if panels else max_block_rows  # None: any number of rows
+        # None: any number of rows
+        self.max_rows = None if panels else min(p.max_tokens for p in blocks.values())
         self._tensors = norms + floats + codes + packed  # keeps the pointed-to memory alive
 
         def weight(name: str) -> _Weight:
             p = blocks[name]
             return _Weight(p.codes.data_ptr(), p.scale.data_ptr(), p.min.data_ptr(),
-                           panels[name].data_ptr() if panels else None, p.codes.shape[0])
+                           panels[name].data_ptr() if panels else None, p.codes.shape[0],
+                           p.max_tokens)
 
         self.struct = _LayerWeights(
             input_norm.data_ptr(), post_norm.data_ptr(),
             *(weight(n) for n in ("qkv", "o", "gate_up", "down")),
             input_norm.shape[0], num_heads, num_kv_heads, head_dim,
-            blocks["gate_up"].codes.shape[0] // 2, max_block_rows, eps)
+            blocks["gate_up"].codes.shape[0] // 2, eps)
         self.scale = head_dim ** -0.5
 
 
