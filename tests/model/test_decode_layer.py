@@ -11,6 +11,7 @@ import torch
 
 from conveyor.model.config import ModelConfig
 from conveyor.model.kernels.decode_layer import DecodeLayers, decode_layer_available, decode_layers
+from conveyor.model.kernels.int8_gemm import int8_gemm_available
 from conveyor.model.kernels.paged_attention import attention_kernel_available
 from conveyor.model.kernels.panel_gemm import panel_gemm_available
 from conveyor.model.layers.attention import build_attention_metadata
@@ -29,9 +30,9 @@ BLOCK = 16
 
 
 def quantized_layer(seed: int = 0, dtype: torch.dtype = torch.float32,
-                    panels: bool = False) -> DecoderLayer:
-    """A layer whose dense weights are its random 4-bit blocks, dequantized (and packed into
-    panels, with ``panels``)."""
+                    large: str | None = None) -> DecoderLayer:
+    """A layer whose dense weights are its random 4-bit blocks, dequantized; ``large`` says what
+    serves more rows than the blocks: nothing (None), "panels" or "int8" (Int8Panels)."""
     g = torch.Generator().manual_seed(seed)
     layer = DecoderLayer(CFG)
     for norm in (layer.input_norm, layer.post_norm):
@@ -43,8 +44,10 @@ def quantized_layer(seed: int = 0, dtype: torch.dtype = torch.float32,
                             -8 * scale + 0.01 * torch.randn(n, k // GROUP, generator=g))
         linear.weight.data = blocks.dequantize().to(dtype)
         linear.quantized = pack_blocks(blocks, dtype)
-        if panels:
+        if large == "panels":
             linear.prepack("panels")
+        elif large == "int8":
+            linear.use_int8_panels(blocks)
     return layer
 
 
@@ -73,22 +76,26 @@ def max_rows(dtype: torch.dtype) -> int:
     return quantized_layer(0, dtype).qkv_proj.quantized.max_tokens
 
 
-def with_panels(dtype: torch.dtype) -> list[bool]:
-    """Whether to test layers without and with panels (where the panel GEMM runs here)."""
-    return [False, True] if panel_gemm_available(dtype) else [False]
+def larges(dtype: torch.dtype) -> list[str | None]:
+    """What may serve rows beyond the blocks here: nothing, panels, Int8Panels (bf16)."""
+    return ([None] + (["panels"] if panel_gemm_available(dtype) else [])
+            + (["int8"] if dtype == torch.bfloat16 and int8_gemm_available() else []))
 
 
 # Without panels up to each dtype's max_tokens, where the Python path runs the same block
-# kernel; with them, beyond it too, where both run the panel GEMM.
-@pytest.mark.parametrize("dtype,num_seqs", [(torch.float32, n) for n in (1, 3, 5, 12, 13, 40)]
-                         + [(torch.bfloat16, n) for n in (1, 3, 4, 5, 40)])
-def test_fused_layers_equal_python_path(dtype, num_seqs):
-    panels = num_seqs > max_rows(dtype)
-    if panels and not panel_gemm_available(dtype):
-        pytest.skip(f"no {dtype} panel GEMM here")
-    layers = [quantized_layer(0, dtype, panels), quantized_layer(1, dtype, panels)]
+# kernel; with panels or Int8Panels, beyond it too, where both run the same GEMM.
+@pytest.mark.parametrize("dtype,num_seqs,large",
+                         [(torch.float32, n, None) for n in (1, 3, 5, 12)]
+                         + [(torch.float32, n, "panels") for n in (13, 40)]
+                         + [(torch.bfloat16, n, None) for n in (1, 3, 4)]
+                         + [(torch.bfloat16, n, large) for n in (5, 40)
+                            for large in ("panels", "int8")])
+def test_fused_layers_equal_python_path(dtype, num_seqs, large):
+    if large not in larges(dtype):
+        pytest.skip(f"no {large} GEMM for {dtype} here")
+    layers = [quantized_layer(0, dtype, large), quantized_layer(1, dtype, large)]
     fused = DecodeLayers([layer.decode_weights() for layer in layers])
-    assert fused.serves(num_seqs) and fused.serves(1000) == panels
+    assert fused.serves(num_seqs) and fused.serves(1000) == (large is not None)
     x, residual, cos, sin, (k, v), meta = decode_step(num_seqs, dtype=dtype)
     assert meta.decode_only
     caches = [(k.clone(), v.clone()), (k.clone() + 1, v.clone() - 1)]
@@ -104,31 +111,31 @@ def test_fused_layers_equal_python_path(dtype, num_seqs):
         assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1])
 
 
-def _tiny_model(dtype: torch.dtype = torch.float32, panels: bool = False) -> LlamaForCausalLM:
+def _tiny_model(dtype: torch.dtype = torch.float32, large: str | None = None) -> LlamaForCausalLM:
     cfg = dataclasses.replace(CFG, num_layers=2)
     model = LlamaForCausalLM(cfg)
     g = torch.Generator().manual_seed(7)
     model.embed_tokens.data = torch.randn(cfg.vocab_size, cfg.hidden_size, generator=g)
     model.lm_head.weight.data = torch.randn(cfg.vocab_size, cfg.hidden_size, generator=g)
     model.to(dtype)
-    model.layers = torch.nn.ModuleList([quantized_layer(0, dtype, panels),
-                                        quantized_layer(1, dtype, panels)])
+    model.layers = torch.nn.ModuleList([quantized_layer(0, dtype, large),
+                                        quantized_layer(1, dtype, large)])
     return model
 
 
-@pytest.mark.parametrize("dtype,panels", [(d, p) for d in (torch.float32, torch.bfloat16)
-                                          for p in with_panels(d)])
-def test_fused_layers_are_used_only_where_they_apply(monkeypatch, dtype, panels):
+@pytest.mark.parametrize("dtype,large", [(d, large) for d in (torch.float32, torch.bfloat16)
+                                         for large in larges(d)])
+def test_fused_layers_are_used_only_where_they_apply(monkeypatch, dtype, large):
     import conveyor.model.llama as llama
 
     calls = []
     real = llama.decode_layers
     monkeypatch.setattr(llama, "decode_layers", lambda *a: calls.append(1) or real(*a))
-    model = _tiny_model(dtype, panels)
+    model = _tiny_model(dtype, large)
     assert model.fuse_decode_layers()
     most = max_rows(dtype)
-    # As far as the 4-bit copies serve; with panels, any decode step.
-    for num_seqs, used in ((most, True), (most + 1, panels), (30, panels)):
+    # As far as the 4-bit copies serve; with panels or Int8Panels, any decode step.
+    for num_seqs, used in ((most, True), (most + 1, large is not None), (30, large is not None)):
         x, residual, cos, sin, (k, v), meta = decode_step(num_seqs, dtype=dtype)
         ids = torch.arange(num_seqs) % CFG.vocab_size
         logits, fused = [], model.fused_decode

@@ -34,7 +34,8 @@ class LLMEngine:
             from conveyor.executor.model_executor import ModelExecutor
 
             executor = ModelExecutor(args.model, dtype=args.dtype, device=args.device,
-                                     seed=args.seed, kv_cache_dtype=args.kv_cache_dtype)
+                                     seed=args.seed, kv_cache_dtype=args.kv_cache_dtype,
+                                     int8_activations=args.int8_activations)
         self.executor = executor
         self.tokenizer = self.executor.tokenizer
         self.model_config = self.executor.model_config

@@ -28,14 +28,14 @@ from conveyor.model.sampler import Sampler, SampleRow
 
 class ModelExecutor:
     def __init__(self, model: str | None = None, dtype: str = "auto", device: str = "auto",
-                 seed: int = 0, kv_cache_dtype: str = "auto") -> None:
+                 seed: int = 0, kv_cache_dtype: str = "auto", int8_activations: bool = False) -> None:
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype, self.device)
         self.kv_cache_dtype = resolve_kv_cache_dtype(kv_cache_dtype, self.dtype)
         # before torch's first allocation, see its docstring
         self.trim_after_long_steps = self.device.type == "cpu" and configure_cpu_allocator()
         torch.manual_seed(seed)
-        loaded = load_model(model, self.dtype, self.device)
+        loaded = load_model(model, self.dtype, self.device, int8_activations)
         self.model = loaded.model
         self.model_config: ModelConfig = loaded.config
         self.tokenizer = loaded.tokenizer

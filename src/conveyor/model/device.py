@@ -96,6 +96,19 @@ def use_block_weights(device: torch.device, dtype: torch.dtype) -> bool:
     return block_matmul_available()
 
 
+def use_int8_panels(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether a bf16 model's GGUF 4-bit and 8-bit matmuls above a few rows can run on integer
+    dot products (``Linear.use_int8_panels``, kernels/int8_gemm.cpp) in place of bf16 panels,
+    when asked (``int8_activations``): where the CPU has AVX512-VNNI and the weights would
+    otherwise be bf16 panels (with AMX, oneDNN's bf16 GEMM is faster still). A float32 model
+    keeps float32 activations: asking for float32 is asking for its accuracy."""
+    if dtype != torch.bfloat16 or linear_packing(device, dtype) != "panels":
+        return False
+    from conveyor.model.kernels.int8_gemm import int8_gemm_available
+
+    return int8_gemm_available()
+
+
 def use_attention_kernel(device: torch.device, dtype: torch.dtype, head_dim: int,
                          cache_dtype: torch.dtype | None = None) -> bool:
     """The C++ paged attention kernel: CPU, float32/bf16 (a float32 model's cache may be bf16),

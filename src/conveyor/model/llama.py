@@ -61,7 +61,7 @@ class DecoderLayer(nn.Module):
         """This layer's weights for ``kernels/decode_layer.cpp``, which runs decode steps with
         the same kernels as the steps below, without some 130 µs of Python a layer; None unless
         it is a float32 or bf16 Llama layer whose projections all have 4-bit copies. With panels
-        too (``prepack("panels")``) it serves any batch, else up to the copies' ``max_tokens``."""
+        or Int8Panels too it serves any batch, else up to the copies' ``max_tokens``."""
         projections = {"qkv": self.qkv_proj, "o": self.o_proj, "gate_up": self.gate_up_proj,
                        "down": self.down_proj}
         if (self.q_norm is not None
@@ -72,11 +72,12 @@ class DecoderLayer(nn.Module):
                 or self.gate_up_proj.quantized.codes.shape[0] % 32  # 2 x intermediate
                 or not decode_layer_available()):
             return None
-        panels = ({name: p.weight for name, p in projections.items()}
-                  if all(p.packing == "panels" for p in projections.values()) else None)
+        large = ({name: p.int8 if p.packing == "int8" else p.weight
+                  for name, p in projections.items()}
+                 if all(p.packing in ("panels", "int8") for p in projections.values()) else None)
         return DecodeLayerWeights(
             self.input_norm.weight, self.post_norm.weight,
-            {name: p.quantized for name, p in projections.items()}, panels, self.num_heads,
+            {name: p.quantized for name, p in projections.items()}, large, self.num_heads,
             self.num_kv_heads, self.head_dim, self.input_norm.eps)
 
     def _attention(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -225,14 +226,23 @@ class LlamaForCausalLM(nn.Module):
             if isinstance(module, Linear):
                 module.prepack(packing)
 
-    def attach_blocks(self, blocks: dict[str, Int4Blocks | Int8Blocks]) -> int:
+    def attach_blocks(self, blocks: dict[str, Int4Blocks | Int8Blocks],
+                      int8_panels: bool = False) -> int:
         """Give each projection whose checkpoint weights were all blocks of one kind its quantized
-        copy (a fused projection needs every part). Returns the bytes added.
+        copy (a fused projection needs every part), and with ``int8_panels`` also
+        ``Int8Panels`` of them in place of its dense weight (``Linear.use_int8_panels``).
+        Returns the bytes added.
 
         The lm_head gets the embedding's 8-bit blocks when they are tied; once it holds its own
         packed copy (``prepack``), lookups read those blocks and the dense table is dropped."""
         dtype = self.dtype
         added = 0
+
+        def attach(linear: Linear, weight: Int4Blocks | Int8Blocks) -> int:
+            linear.quantized = pack_blocks(weight, dtype)
+            extra = linear.use_int8_panels(weight) if int8_panels else 0
+            return linear.quantized.nbytes() + extra
+
         for i, layer in enumerate(self.layers):
             a, m = f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp."
             for linear, names in ((layer.qkv_proj, [a + "q_proj", a + "k_proj", a + "v_proj"]),
@@ -242,13 +252,11 @@ class LlamaForCausalLM(nn.Module):
                 parts = [blocks.get(n + ".weight") for n in names]
                 kinds = {type(p) for p in parts}
                 if None not in parts and len(kinds) == 1:
-                    linear.quantized = pack_blocks(kinds.pop().cat(parts), dtype)
-                    added += linear.quantized.nbytes()
+                    added += attach(linear, kinds.pop().cat(parts))
         embed = blocks.get("model.embed_tokens.weight")
         head = embed if self.config.tie_word_embeddings else blocks.get("lm_head.weight")
         if head is not None:
-            self.lm_head.quantized = pack_blocks(head, dtype)
-            added += self.lm_head.quantized.nbytes()
+            added += attach(self.lm_head, head)
         if isinstance(embed, Int8Blocks) and self.lm_head.weight is not self.embed_tokens:
             self.embed_blocks, self.embed_tokens = embed, None
             added += 0 if embed is head else embed.nbytes()

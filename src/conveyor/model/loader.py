@@ -35,12 +35,16 @@ class LoadedModel:
     tokenizer: Any
 
 
-def load_model(model: str | None, dtype: torch.dtype, device: torch.device) -> LoadedModel:
+def load_model(model: str | None, dtype: torch.dtype, device: torch.device,
+               int8_activations: bool = False) -> LoadedModel:
+    """``int8_activations``: let a GGUF model's quantized matmuls round their activations to 8
+    bits where that is faster (``device.use_int8_panels``): off by default, for accuracy."""
     from conveyor.model.device import (
         dtype_name,
         linear_packing,
         return_freed_memory,
         use_block_weights,
+        use_int8_panels,
     )
     from conveyor.model.tokenizer import load_tokenizer
 
@@ -78,7 +82,8 @@ def load_model(model: str | None, dtype: torch.dtype, device: torch.device) -> L
     packing = linear_packing(device, dtype)
     if packing is not None:
         net.prepack(packing)
-    config.quantized_bytes = net.attach_blocks(blocks) if blocks else 0
+    int8_panels = int8_activations and use_int8_panels(device, dtype)
+    config.quantized_bytes = net.attach_blocks(blocks, int8_panels) if blocks else 0
     if blocks:
         net.fuse_decode_layers()
     del blocks

@@ -11,9 +11,10 @@
 //   residual += a @ Wo^T; h = rms_norm(residual)       (post_norm)
 //   out = (silu(h @ Wgate^T) * (h @ Wup^T)) @ Wdown^T
 //
-// where each matmul is the 4-bit block kernel up to its max_block_rows rows and the panel GEMM
-// above (as Linear picks), so its results equal the layer's Python path bit for bit (the tests
-// check). The pieces come from the kernels' own sources, compiled into this library too.
+// where each matmul is the 4-bit block kernel up to its max_block_rows rows and above them the
+// integer GEMM of int8_gemm.cpp where the weight has Int8Panels, else the panel GEMM (as Linear
+// picks), so its results equal the layer's Python path bit for bit (the tests check). The
+// pieces come from the kernels' own sources, compiled into this library too.
 
 #include <cstdint>
 #include <cstdlib>
@@ -21,6 +22,7 @@
 
 #include "block_matmul.cpp"
 #include "fused_ops.cpp"
+#include "int8_gemm.cpp"
 #include "paged_attention.cpp"
 #include "panel_gemm.cpp"
 
@@ -30,7 +32,8 @@ struct Weight {  // a projection [n_out, k]: 4-bit as NibbleInt4 holds it, and i
   const uint8_t* codes;
   const float* scale;
   const float* minimum;
-  const void* panels;  // pack_panels' layout in the activations' type; null: blocks only
+  const void* panels;  // pack_panels' layout in the activations' type; null: none
+  Int8Weight int8;  // Int8Panels; codes null: none
   int64_t n_out;
   int64_t max_block_rows;  // rows up to which the blocks serve (NibbleInt4.max_tokens)
 };
@@ -58,9 +61,22 @@ void panel_matmul(uint16_t* y, const uint16_t* x, const void* panels, int64_t ro
 }
 
 template <typename T>
-void matmul(T* y, const T* x, const Weight& w, int64_t rows, int64_t k, int num_threads) {
+void int8_panel_matmul(T* y, const T* x, const Int8Weight& w, int64_t rows, int64_t k,
+                       QuantizedRows& scratch, int num_threads) {
+#ifdef CONVEYOR_INT8_GEMM
+  int8_matmul(y, x, w, rows, k, k, scratch, num_threads);
+#else
+  std::abort();  // Int8Panels exist only with AVX512-VNNI (the Python side checks)
+#endif
+}
+
+template <typename T>
+void matmul(T* y, const T* x, const Weight& w, int64_t rows, int64_t k, QuantizedRows& scratch,
+            int num_threads) {
   if (rows <= w.max_block_rows)
     multiply<Q4>(y, x, w.codes, w.scale, w.minimum, rows, w.n_out, k, k, num_threads);
+  else if (w.int8.codes)
+    int8_panel_matmul(y, x, w.int8, rows, k, scratch, num_threads);
   else
     panel_matmul(y, x, w.panels, rows, w.n_out, k, num_threads);
 }
@@ -71,6 +87,7 @@ void matmul(T* y, const T* x, const Weight& w, int64_t rows, int64_t k, int num_
 template <typename T>
 struct Activations {
   std::unique_ptr<T[]> h, qkv, qk, attn, proj, gate_up, act;
+  QuantizedRows quantized;  // the int8 GEMM's rounded inputs
   Activations(const LayerWeights& w, int64_t rows)
       : h(new T[rows * w.hidden]),
         qkv(new T[rows * w.qkv.n_out]),
@@ -100,7 +117,7 @@ void decode_layer(const LayerWeights* w, T* out, const T* x, T* residual, int64_
   T *proj = a.proj.get(), *gate_up = a.gate_up.get(), *act = a.act.get();
 
   rms_norm<T>(h, x, residual, input_norm, rows, hidden, hidden, w->eps, num_threads);
-  matmul(qkv, h, w->qkv, rows, hidden, num_threads);
+  matmul(qkv, h, w->qkv, rows, hidden, a.quantized, num_threads);
   rotary<T>(qk, qkv, cos, sin, rows, q_heads + kv_heads, hd, qkv_width, qk_width,
             num_threads);
   const NewKV<T> new_kv{qk + q_heads * hd, qkv + qk_width, qk_width, qkv_width,
@@ -108,12 +125,12 @@ void decode_layer(const LayerWeights* w, T* out, const T* x, T* residual, int64_
   paged_attention<T>(attn, qk, k_cache, v_cache, new_kv, block_tables, nullptr,
                      context_lens, rows, q_heads, kv_heads, hd, block_size, max_blocks, qk_width,
                      scale, num_threads);
-  matmul(proj, attn, w->o, rows, q_heads * hd, num_threads);
+  matmul(proj, attn, w->o, rows, q_heads * hd, a.quantized, num_threads);
   rms_norm<T>(h, proj, residual, post_norm, rows, hidden, hidden, w->eps,
               num_threads);
-  matmul(gate_up, h, w->gate_up, rows, hidden, num_threads);
+  matmul(gate_up, h, w->gate_up, rows, hidden, a.quantized, num_threads);
   silu_mul<T>(act, gate_up, rows, inter, num_threads);
-  matmul(out, act, w->down, rows, inter, num_threads);
+  matmul(out, act, w->down, rows, inter, a.quantized, num_threads);
 }
 
 }  // namespace

@@ -13,13 +13,19 @@ import ctypes
 import torch
 
 from conveyor.model.kernels.build import kernel_function
+from conveyor.model.kernels.int8_gemm import int8_gemm_available
+from conveyor.model.layers.quantized import Int8Panels
 
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 
 
+class _Int8Weight(ctypes.Structure):
+    _fields_ = [("codes", _P), ("scale", _P), ("minimum", _P), ("n_out", _I)]
+
+
 class _Weight(ctypes.Structure):
-    _fields_ = [("codes", _P), ("scale", _P), ("minimum", _P), ("panels", _P), ("n_out", _I),
-                ("max_block_rows", _I)]
+    _fields_ = [("codes", _P), ("scale", _P), ("minimum", _P), ("panels", _P),
+                ("int8", _Int8Weight), ("n_out", _I), ("max_block_rows", _I)]
 
 
 class _LayerWeights(ctypes.Structure):
@@ -43,33 +49,47 @@ def decode_layer_available() -> bool:
 class DecodeLayerWeights:
     """A layer's norms (float32 or bf16: the activations' dtype) and projections, as pointers for
     ``decode_layers``: each one's 4-bit blocks (NibbleInt4: ``codes``, ``scale``, ``min``), which
-    serve up to their ``max_tokens`` rows, and optionally its panels (``pack_panels`` in the
-    activations' dtype), which serve more; without panels the layer serves no more rows."""
+    serve up to their ``max_tokens`` rows, and optionally what serves more: ``large``, per
+    projection either its panels (``pack_panels`` in the activations' dtype) or its
+    ``Int8Panels``. Without ``large`` the layer serves no more rows than the blocks."""
 
     def __init__(self, input_norm: torch.Tensor, post_norm: torch.Tensor, blocks: dict,
-                 panels: dict | None, num_heads: int, num_kv_heads: int, head_dim: int,
+                 large: dict | None, num_heads: int, num_kv_heads: int, head_dim: int,
                  eps: float) -> None:
+        large = large or {}
         norms = [input_norm, post_norm]
+        int8 = [p for p in large.values() if isinstance(p, Int8Panels)]
         floats = [t for p in blocks.values() for t in (p.scale, p.min)]
+        floats += [t for p in int8 for t in (p.scale, p.min)]
         codes = [p.codes for p in blocks.values()]
-        packed = list(panels.values()) if panels else []
+        packed = [p for p in large.values() if isinstance(p, torch.Tensor)]
         if (input_norm.dtype not in _SYMBOLS or post_norm.dtype != input_norm.dtype
                 or any(t.dtype != torch.float32 for t in floats)
                 or any(t.dtype != torch.uint8 for t in codes)
+                or any(p.codes.dtype != torch.uint8 for p in int8)
                 or any(t.dtype != input_norm.dtype for t in packed)
                 or not all(t.is_contiguous() for t in norms + floats + codes + packed)):
             raise ValueError("decode_layers needs contiguous float32 or bf16 norms (and panels "
                              "in their dtype), float32 scales and uint8 codes")
+        if int8 and not int8_gemm_available():
+            raise ValueError("Int8Panels need the int8 GEMM kernel (AVX512-VNNI)")
         self.dtype = input_norm.dtype
         # None: any number of rows
-        self.max_rows = None if panels else min(p.max_tokens for p in blocks.values())
-        self._tensors = norms + floats + codes + packed  # keeps the pointed-to memory alive
+        self.max_rows = None if large else min(p.max_tokens for p in blocks.values())
+        # keeps the pointed-to memory alive
+        self._tensors = norms + floats + codes + packed + [p.codes for p in int8]
+
+        def int8_weight(p: Int8Panels | None) -> _Int8Weight:
+            if p is None:
+                return _Int8Weight()
+            return _Int8Weight(p.codes.data_ptr(), p.scale.data_ptr(), p.min.data_ptr(), p.n_out)
 
         def weight(name: str) -> _Weight:
-            p = blocks[name]
+            p, big = blocks[name], large.get(name)
             return _Weight(p.codes.data_ptr(), p.scale.data_ptr(), p.min.data_ptr(),
-                           panels[name].data_ptr() if panels else None, p.codes.shape[0],
-                           p.max_tokens)
+                           big.data_ptr() if isinstance(big, torch.Tensor) else None,
+                           int8_weight(big if isinstance(big, Int8Panels) else None),
+                           p.codes.shape[0], p.max_tokens)
 
         self.struct = _LayerWeights(
             input_norm.data_ptr(), post_norm.data_ptr(),

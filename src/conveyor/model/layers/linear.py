@@ -13,8 +13,13 @@ quantized copy.
   (``torch.ops.mkldnn._reorder_linear_weight``) and calling ``_linear_pointwise`` makes the
   small-batch (decode) matmuls about 2x faster.
 
-Either packed tensor replaces the dense weight (about the same size), so memory is not doubled;
-``dense_weight()`` gives the [out, in] matrix back.
+* ``"int8"``, set by ``use_int8_panels`` rather than ``prepack``: a bf16 model's GGUF 4-bit or
+  8-bit blocks as ``Int8Panels`` (``kernels/int8_gemm.cpp``, AVX512-VNNI), activations rounded
+  to 8 bits per block of 32. On a 2-core Zen 4, SmolLM2's projections ran 1.1-1.4x faster than
+  on bf16 panels (docs/performance.md, change 32).
+
+Any of these replaces the dense weight, so memory is not doubled; ``dense_weight()`` gives the
+[out, in] matrix back.
 
 When the checkpoint stored the weight as blocks (GGUF Q4_0 / Q4_1 / Q8_0), ``quantized`` holds
 them too (``layers/quantized.py``) and serves calls of up to its ``max_tokens`` rows, where
@@ -30,7 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from conveyor.model.kernels.panel_gemm import pack_panels, panel_gemm, unpack_panels
-from conveyor.model.layers.quantized import Int8Blocks, NibbleInt4
+from conveyor.model.layers.quantized import Int4Blocks, Int8Blocks, Int8Panels, NibbleInt4
 
 PACK_BATCH_HINT = 64  # batch size oneDNN tunes the packed layout for
 
@@ -42,8 +47,9 @@ class Linear(nn.Module):
         self.bias = (nn.Parameter(torch.empty(out_features), requires_grad=False) if bias
                      else None)
         self.out_features = out_features
-        self.packing: str | None = None  # None (dense), "panels" or "onednn": see prepack
+        self.packing: str | None = None  # None (dense), "panels", "onednn" or "int8"
         self.quantized: NibbleInt4 | Int8Blocks | None = None
+        self.int8: Int8Panels | None = None  # packing "int8": see use_int8_panels
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.quantized is not None and x.shape[0] <= self.quantized.max_tokens:
@@ -51,6 +57,9 @@ class Linear(nn.Module):
             return y if self.bias is None else y + self.bias
         if self.packing == "panels":
             y = panel_gemm(x, self.weight, self.out_features)
+            return y if self.bias is None else y.add_(self.bias)
+        if self.packing == "int8":
+            y = self.int8.matmul(x)
             return y if self.bias is None else y.add_(self.bias)
         if self.packing == "onednn":
             return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
@@ -60,6 +69,8 @@ class Linear(nn.Module):
         """Bytes of weight a call with ``rows`` rows reads."""
         if self.quantized is not None and rows <= self.quantized.max_tokens:
             return self.quantized.nbytes()
+        if self.packing == "int8":
+            return self.int8.nbytes()
         return self.weight.numel() * self.weight.element_size()
 
     def dense_weight(self) -> torch.Tensor:
@@ -68,6 +79,8 @@ class Linear(nn.Module):
             return unpack_panels(self.weight, self.out_features)
         if self.packing == "onednn":
             return self.weight.to_dense()
+        if self.packing == "int8":
+            return self.int8.dequantize().to(self.weight.dtype)
         return self.weight
 
     def prepack(self, packing: str) -> None:
@@ -83,3 +96,14 @@ class Linear(nn.Module):
             raise ValueError(f"packing must be 'panels' or 'onednn', got {packing!r}")
         self.weight = nn.Parameter(packed, requires_grad=False)
         self.packing = packing
+
+    def use_int8_panels(self, blocks: Int4Blocks | Int8Blocks) -> int:
+        """Serve calls above the blocks' rows from ``Int8Panels`` of the checkpoint's ``blocks``
+        instead of the (packed) dense weight, which is dropped. Returns the bytes added."""
+        if blocks.codes.shape[0] != self.out_features:
+            raise ValueError(f"blocks of {blocks.codes.shape[0]} outputs for a "
+                             f"{self.out_features}-output layer")
+        self.int8 = Int8Panels.pack(blocks)
+        self.weight = nn.Parameter(torch.empty(0, dtype=self.weight.dtype), requires_grad=False)
+        self.packing = "int8"
+        return self.int8.nbytes()
