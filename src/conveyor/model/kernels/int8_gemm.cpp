@@ -27,7 +27,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
-#include <memory>
+#include <vector>
 
 #include "dispatch.h"
 #include "vec.h"
@@ -54,33 +54,21 @@ struct Int8Weight {  // a projection as Int8Panels holds it
 };
 
 // Activations rounded to 8 bits: rows x k signed bytes, and per row and block the scale s and
-// S = s * sum(qa). Buffers grow and are reused (quantize_rows writes every element it reads).
+// S = s * sum(qa). Reused across calls (conveyor::at_least); quantize_rows writes every element
+// the GEMM reads.
 struct QuantizedRows {
-  std::unique_ptr<int8_t[]> codes;
-  std::unique_ptr<float[]> scale, sum;
-  int64_t capacity = 0, block_capacity = 0;
-
-  void reserve(int64_t rows, int64_t k) {
-    if (rows * k > capacity) {
-      codes.reset(new int8_t[rows * k]);
-      capacity = rows * k;
-    }
-    if (rows * (k / kInt8Block) > block_capacity) {
-      block_capacity = rows * (k / kInt8Block);
-      scale.reset(new float[block_capacity]);
-      sum.reset(new float[block_capacity]);
-    }
-  }
+  std::vector<int8_t> codes;
+  std::vector<float> scale, sum;
 };
 
 #ifdef CONVEYOR_INT8_GEMM
 template <typename T>
 void quantize_rows(QuantizedRows& out, const T* x, int64_t rows, int64_t k, int64_t x_stride,
                    int num_threads) {
-  out.reserve(rows, k);
   const int64_t blocks = k / kInt8Block;
-  int8_t* codes = out.codes.get();
-  float *scale = out.scale.get(), *sum = out.sum.get();
+  int8_t* codes = conveyor::at_least(out.codes, rows * k);
+  float* scale = conveyor::at_least(out.scale, rows * blocks);
+  float* sum = conveyor::at_least(out.sum, rows * blocks);
 #pragma omp parallel for num_threads(num_threads) schedule(static)
   for (int64_t r = 0; r < rows; ++r)
     for (int64_t b = 0; b < blocks; ++b) {
@@ -153,8 +141,8 @@ void int8_gemm_rows(T* y, const QuantizedRows& a, const Int8Weight& w, int64_t m
       const int64_t off = p * blocks * kInt8Panel;  // into the panel's scale rows
       const int64_t cols = std::min<int64_t>(kInt8Panel, n - p * kInt8Panel);
       auto tile = [&](auto rows, int64_t r) {
-        int8_tile<decltype(rows)::value>(y + r * n + p * kInt8Panel, n, a.codes.get() + r * k,
-                                         a.scale.get() + r * blocks, a.sum.get() + r * blocks,
+        int8_tile<decltype(rows)::value>(y + r * n + p * kInt8Panel, n, a.codes.data() + r * k,
+                                         a.scale.data() + r * blocks, a.sum.data() + r * blocks,
                                          codes, w.scale + off, w.minimum + off, k, cols);
       };
       int64_t r = r0;

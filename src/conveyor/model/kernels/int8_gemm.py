@@ -18,7 +18,7 @@ _P, _I = ctypes.c_void_p, ctypes.c_int64
 _ARGTYPES = [_P] * 5 + [_I] * 4 + [ctypes.c_int]
 _SYMBOLS = {torch.float32: "int8_gemm_f32", torch.bfloat16: "int8_gemm_bf16"}
 PANEL = 32  # outputs per panel
-BLOCK = 32  # inputs per scale block
+_BLOCK = 32  # inputs per scale block (layers/quantized.py: GROUP)
 
 
 def _kernel(dtype: torch.dtype):
@@ -41,7 +41,7 @@ def int8_gemm(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, minimum
     if kernel is None:
         raise RuntimeError(f"the int8 GEMM kernel for {x.dtype} is not available")
     panels, blocks = codes.shape[:2]
-    k = blocks * BLOCK
+    k = blocks * _BLOCK
     if x.dim() != 2 or x.shape[1] != k:
         raise ValueError(f"x must be [M, {k}], got {tuple(x.shape)}")
     if panels * PANEL < n:

@@ -46,14 +46,6 @@ struct Scratch {  // per thread, reused across tasks and calls
   std::vector<vfloat> qv, acc, dots;  // dots: kLanes rows' unreduced q.k products per head
 };
 
-// v with room for n elements: grown, never shrunk, so that it is not zero-filled again (fresh
-// score rows cost about 14 MB of memset a batch-64 step).
-template <typename V>
-auto* at_least(V& v, int64_t n) {
-  if (static_cast<int64_t>(v.size()) < n) v.resize(n);
-  return v.data();
-}
-
 // One query token, KV heads [h0, h1): each of them with its `group` query heads. The context is
 // read block by block (blocks are scattered: the next one is prefetched, and the key pass
 // prefetches the block's values into L2 for the value pass). CHUNKS = head_dim / kLanes when

@@ -62,6 +62,15 @@ inline void store(float x, uint16_t* out) {
   *out = static_cast<uint16_t>(bits >> 16);
 }
 
+// A scratch vector v with room for n elements: grown, never shrunk, so that reusing it across
+// calls does not zero-fill it again (fresh attention score rows cost about 14 MB of memset a
+// batch-64 step).
+template <typename V>
+auto* at_least(V& v, int64_t n) {
+  if (static_cast<int64_t>(v.size()) < n) v.resize(n);
+  return v.data();
+}
+
 inline vfloat shuffle(vfloat v, vuint idx) { return __builtin_shuffle(v, idx); }
 
 inline float hsum(vfloat v) {  // a tree: a left-to-right sum would be kLanes dependent adds

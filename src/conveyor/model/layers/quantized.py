@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from conveyor.model.kernels.block_matmul import block_matmul
-from conveyor.model.kernels.int8_gemm import BLOCK, PANEL, int8_gemm
+from conveyor.model.kernels.int8_gemm import PANEL, int8_gemm
 
 GROUP = 32
 
@@ -83,15 +83,18 @@ class Int8Blocks:
         return sum(t.numel() * t.element_size() for t in (self.codes, self.scale))
 
 
+def _check_input_size(k: int) -> None:
+    if k % GROUP:
+        raise ValueError(f"block weights need an input size divisible by {GROUP}, got {k}")
+
+
 # Rows up to which blocks serve a bf16 model's calls, 4- and 8-bit alike (see max_tokens).
 BF16_MAX_TOKENS = 4
 
 
 def pack_blocks(blocks: Int4Blocks | Int8Blocks, dtype: torch.dtype) -> NibbleInt4 | Int8Blocks:
     """The blocks laid out for ``block_matmul`` with activations of ``dtype``."""
-    k = blocks.codes.shape[1]
-    if k % GROUP:
-        raise ValueError(f"block weights need an input size divisible by {GROUP}, got {k}")
+    _check_input_size(blocks.codes.shape[1])
     if dtype not in (torch.float32, torch.bfloat16):
         raise ValueError(f"block weights run with float32 or bf16 activations, not {dtype}")
     packed = NibbleInt4.pack(blocks) if isinstance(blocks, Int4Blocks) else replace(blocks)
@@ -144,22 +147,21 @@ class Int8Panels:
     def pack(blocks: Int4Blocks | Int8Blocks) -> Int8Panels:
         """4-bit: the file's codes and minima; 8-bit: codes + 128 (unsigned) and m = -128 d."""
         n, k = blocks.codes.shape
-        if k % GROUP:
-            raise ValueError(f"block weights need an input size divisible by {GROUP}, got {k}")
+        _check_input_size(k)
         if isinstance(blocks, Int4Blocks):
             codes, minimum = blocks.codes, blocks.min
         else:
             codes, minimum = (blocks.codes.to(torch.int16) + 128).to(torch.uint8), -128 * blocks.scale
         padded = -n % PANEL
         codes = F.pad(codes, (0, 0, 0, padded))
-        panels, steps = codes.shape[0] // PANEL, k // BLOCK
+        panels, steps = codes.shape[0] // PANEL, k // GROUP
 
         def per_panel(t: torch.Tensor) -> torch.Tensor:  # [N, K / 32] -> [panels, K / 32, 32]
             t = F.pad(t.float(), (0, 0, 0, padded))
             return t.view(panels, PANEL, steps).transpose(1, 2).contiguous()
 
         return Int8Panels(
-            codes.view(panels, PANEL, steps, BLOCK // 4, 4).permute(0, 2, 3, 1, 4).contiguous(),
+            codes.view(panels, PANEL, steps, GROUP // 4, 4).permute(0, 2, 3, 1, 4).contiguous(),
             per_panel(blocks.scale), per_panel(minimum), n)
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
@@ -168,9 +170,9 @@ class Int8Panels:
     def dequantize(self) -> torch.Tensor:
         """The [N, K] float32 weight."""
         panels, steps = self.codes.shape[:2]
-        u = self.codes.permute(0, 3, 1, 2, 4).reshape(panels * PANEL, steps, BLOCK).float()
+        u = self.codes.permute(0, 3, 1, 2, 4).reshape(panels * PANEL, steps, GROUP).float()
         w = u * self.scale.transpose(1, 2).reshape(-1, steps, 1) + self.min.transpose(1, 2).reshape(-1, steps, 1)
-        return w.reshape(panels * PANEL, steps * BLOCK)[:self.n_out]
+        return w.reshape(panels * PANEL, steps * GROUP)[:self.n_out]
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.codes, self.scale, self.min))
