@@ -48,6 +48,7 @@ def _reference(q, k_cache, v_cache, tables, lens, token_seqs=None):
     (80, 4, 4, 1),  # no compile-time head size; one token per block
     (16, 14, 2, 32),  # a group of 7
     (32, 8, 1, 12),  # a group of 8 (two register tiles of values); blocks of 8 + 4 rows
+    (64, 16, 2, 5),  # bf16 on vdpbf16ps: a group of 8 (two tiles), row pairs in odd blocks
 ])
 @pytest.mark.parametrize("num_seqs", [3, 12])  # few: a task per KV head; many: per sequence
 def test_kernel_equals_reference(dtype, cache_dtype, head_dim, num_heads, kv_heads, block_size,

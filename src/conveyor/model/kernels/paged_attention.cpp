@@ -7,9 +7,10 @@
 // A decode token (attend below): for each KV head, the g query heads that share it walk the
 // sequence's block table together: each key row is read from its block once, converted to
 // float once and dotted with all g queries; values are read a cache line at a time for up to
-// kGroupTile query heads. A prefill chunk's consecutive tokens instead go in tiles of query
-// rows (attention_tile.h), where each key and value row read serves many queries. Nothing is
-// gathered into a contiguous copy first, which is what makes this faster than index_select +
+// kGroupTile query heads (bf16 queries over a bf16 cache, where the CPU has AVX512-BF16, take
+// attention_bf16.h's version of this on vdpbf16ps). A prefill chunk's consecutive tokens
+// instead go in tiles of query rows (attention_tile.h), where each key and value row read
+// serves many queries. Nothing is gathered into a contiguous copy first, which is what makes this faster than index_select +
 // scaled_dot_product_attention.
 //
 // Layouts (element strides; T, the queries' type, and C, the cache's, are float or bf16
@@ -28,8 +29,10 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <type_traits>
 #include <vector>
 
+#include "attention_bf16.h"
 #include "attention_tile.h"
 #include "dispatch.h"
 #include "vec.h"
@@ -237,6 +240,9 @@ void paged_attention(T* out, const T* q, C* k_cache, C* v_cache, NewKV<T> new_kv
       }
     }
     static thread_local Scratch scratch;
+#ifdef __AVX512BF16__
+    static thread_local Bf16Scratch bf16_scratch;
+#endif
     TileScratch tile_scratch;
 #pragma omp for schedule(dynamic, 1)
     for (int64_t i = 0; i < num_tasks; ++i) {
@@ -250,6 +256,21 @@ void paged_attention(T* out, const T* q, C* k_cache, C* v_cache, NewKV<T> new_kv
         attend_tile<T, C>(o, num_heads * head_dim, qt, q_stride, k_cache, v_cache, table, ctx,
                           task.n, h0, group, head_dim, block_size, token_stride, scale,
                           tile_scratch);
+#ifdef __AVX512BF16__
+      else if (std::is_same_v<T, uint16_t> && std::is_same_v<C, uint16_t> &&
+               (head_dim == 64 || head_dim == 128)) {
+        const auto* qb = reinterpret_cast<const uint16_t*>(qt);
+        auto* ob = reinterpret_cast<uint16_t*>(o);
+        const auto* kb = reinterpret_cast<const uint16_t*>(k_cache);
+        const auto* vb = reinterpret_cast<const uint16_t*>(v_cache);
+        if (head_dim == 64)
+          attend_bf16<2>(ob, qb, kb, vb, table, ctx, h0, h1, group, block_size, token_stride,
+                         scale, bf16_scratch);
+        else
+          attend_bf16<4>(ob, qb, kb, vb, table, ctx, h0, h1, group, block_size, token_stride,
+                         scale, bf16_scratch);
+      }
+#endif
       else if (head_dim == 64)
         attend<T, C, 64 / kLanes>(o, qt, k_cache, v_cache, table, ctx, h0, h1, group,
                                   head_dim, block_size, token_stride, scale, scratch);

@@ -1,0 +1,166 @@
+// Decode attention of bf16 queries over a bf16 cache on vdpbf16ps (AVX512-BF16): one query
+// token against KV heads [h0, h1), each with its `group` query heads. Included by
+// paged_attention.cpp, which sends decode tokens here when the CPU has the instruction and
+// head_dim is 64 or 128.
+//
+// paged_attention.cpp's attend converts every key and value element to float before its
+// FMAs; on a batch-64 decode step (SmolLM2's 30 layers, contexts about 210) that made it
+// compute-bound: 11 ms with the cache in L2. vdpbf16ps takes the bf16 elements as they are
+// and does 32 products where an FMA does 16 (5.9 ms in L2; from memory, over scattered blocks,
+// 20 -> 17 ms, about what this CPU reads from 6 KB blocks in random order):
+//   keys:   q . k_t as two vectors of 32 bf16 per 64 dims, the products exact and summed in
+//           float (the scale is applied to the reduced score, not rounded into q);
+//   values: out += p_t v_t + p_t+1 v_t+1, two consecutive rows of a block interleaved by
+//           element (vpunpck{l,h}wd) so that each 32-bit lane holds one dimension of both, and
+//           the weights p_t, p_t+1 rounded to bf16 (as flash attention rounds P before its PV
+//           product). The weights are normalised by the sum of their rounded values.
+// Unpacking works within 128-bit lanes, so the accumulators hold a chunk's 32 dimensions in a
+// fixed permuted order (lo: 8L + e, hi: 8L + 4 + e for lane 4L + e); the output undoes it once.
+
+#pragma once
+
+#ifdef __AVX512BF16__
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "dispatch.h"
+#include "vec.h"
+
+namespace conveyor {
+
+constexpr int kBf16Chunk = 32;       // dimensions per vector of bf16
+constexpr int kBf16GroupTile = 4;    // query heads whose accumulators stay in registers
+
+struct Bf16Scratch {  // per thread, reused across tasks and calls
+  std::vector<float> scores, inv_sum;
+  std::vector<uint16_t> weights;  // the scores after softmax, rounded to bf16
+  std::vector<vfloat> dots;
+};
+
+inline __m512bh load_bf16(const uint16_t* p) { return (__m512bh)_mm512_loadu_si512(p); }
+
+template <int PAIRS>  // head_dim / kBf16Chunk
+void attend_bf16(uint16_t* out, const uint16_t* q, const uint16_t* k_cache,
+                 const uint16_t* v_cache, const int32_t* table, int64_t ctx, int64_t h0,
+                 int64_t h1, int64_t group, int64_t block_size, int64_t token_stride,
+                 float scale, Bf16Scratch& scratch) {
+  constexpr int64_t head_dim = PAIRS * kBf16Chunk;
+  const int64_t block_stride = block_size * token_stride;
+  const int64_t num_blocks = (ctx + block_size - 1) / block_size;
+  const int64_t heads = (h1 - h0) * group;
+  const int64_t padded = (ctx + kLanes - 1) / kLanes * kLanes;  // a score row's length
+  const int64_t range = (h1 - h0) * head_dim;
+  float* scores = at_least(scratch.scores, heads * padded);
+  uint16_t* weights = at_least(scratch.weights, heads * padded);
+  vfloat* dots = at_least(scratch.dots, heads * kLanes);
+  float* inv_sum = at_least(scratch.inv_sum, heads);
+  const uint16_t* qh = q + h0 * group * head_dim;  // query head i of this task: qh + i * head_dim
+
+  auto rows_of = [&](const uint16_t* cache, int64_t b) {
+    return cache + table[b] * block_stride + h0 * head_dim;
+  };
+  auto rows_in = [&](int64_t b) { return std::min(block_size, ctx - b * block_size); };
+
+  // Scores, as attend computes them: each key row loaded once for its g query heads, each dot
+  // left as a vector and kLanes rows' vectors reduced together.
+  for (int64_t b = 0; b < num_blocks; ++b) {
+    const uint16_t* rows = rows_of(k_cache, b);
+    const uint16_t* next = b + 1 < num_blocks ? rows_of(k_cache, b + 1) : nullptr;
+    const uint16_t* values = rows_of(v_cache, b);
+    const int64_t n = rows_in(b);
+    for (int64_t j = 0; j < n; j += kLanes) {
+      const int64_t m = std::min<int64_t>(kLanes, n - j);
+      for (int64_t r = 0; r < m; ++r) {
+        const uint16_t* row = rows + (j + r) * token_stride;
+        for (int64_t e = 0; e < range; e += 32) {
+          if (next) __builtin_prefetch(next + (j + r) * token_stride + e, 0, 2);
+          __builtin_prefetch(values + (j + r) * token_stride + e, 0, 2);
+        }
+        for (int64_t h = 0; h < h1 - h0; ++h) {
+          __m512bh kv[PAIRS];
+          for (int c = 0; c < PAIRS; ++c) kv[c] = load_bf16(row + h * head_dim + c * kBf16Chunk);
+          for (int64_t g = 0; g < group; ++g) {
+            const int64_t i = h * group + g;
+            __m512 dot = _mm512_setzero_ps();
+            for (int c = 0; c < PAIRS; ++c)
+              dot = _mm512_dpbf16_ps(dot, kv[c], load_bf16(qh + i * head_dim + c * kBf16Chunk));
+            dots[i * kLanes + r] = (vfloat)dot;
+          }
+        }
+      }
+      for (int64_t i = 0; i < heads; ++i) {
+        float* s = scores + i * padded + b * block_size + j;
+        if (m == kLanes)
+          store(transposed_hsum(dots + i * kLanes) * scale, s);
+        else
+          for (int64_t r = 0; r < m; ++r) s[r] = hsum(dots[i * kLanes + r]) * scale;
+      }
+    }
+  }
+
+  // Softmax, then the weights rounded to bf16 (zeros from ctx to padded: the last pair's
+  // partner after an odd context).
+  for (int64_t i = 0; i < heads; ++i) {
+    float* s = scores + i * padded;
+    softmax_row(s, ctx, padded);
+    vfloat sum{};
+    for (int64_t t = 0; t < padded; t += kLanes) {
+      const vfloat w = load(s + t);
+      store(w, weights + i * padded + t);
+      sum += rounded(w, weights);
+    }
+    inv_sum[i] = 1.f / hsum(sum);
+  }
+
+  // out_i = sum_t w[i][t] v_t / sum_t w[i][t]: per KV head, up to kBf16GroupTile query heads and
+  // one chunk of 32 dimensions at a time (2 accumulators a head), over the context's row pairs.
+  auto weigh_values = [&](auto tile, int64_t h, int64_t g0, int c) {
+    constexpr int G = decltype(tile)::value;
+    const int64_t i0 = h * group + g0;
+    __m512 lo[G], hi[G];
+    for (int g = 0; g < G; ++g) lo[g] = hi[g] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < num_blocks; ++b) {
+      const uint16_t* rows = rows_of(v_cache, b) + h * head_dim + c * kBf16Chunk;
+      const int64_t t0 = b * block_size, n = rows_in(b);
+      for (int64_t j = 0; j < n; j += 2) {
+        const __m512i a = _mm512_loadu_si512(rows + j * token_stride);
+        const __m512i z = j + 1 < n ? _mm512_loadu_si512(rows + (j + 1) * token_stride)
+                                    : _mm512_setzero_si512();
+        const __m512bh pair_lo = (__m512bh)_mm512_unpacklo_epi16(a, z);
+        const __m512bh pair_hi = (__m512bh)_mm512_unpackhi_epi16(a, z);
+        for (int g = 0; g < G; ++g) {
+          uint32_t wpair;
+          std::memcpy(&wpair, weights + (i0 + g) * padded + t0 + j, sizeof wpair);
+          const __m512bh p = (__m512bh)_mm512_set1_epi32(static_cast<int>(wpair));
+          lo[g] = _mm512_dpbf16_ps(lo[g], pair_lo, p);
+          hi[g] = _mm512_dpbf16_ps(hi[g], pair_hi, p);
+        }
+      }
+    }
+    for (int g = 0; g < G; ++g) {
+      const vfloat l = (vfloat)lo[g] * inv_sum[i0 + g], u = (vfloat)hi[g] * inv_sum[i0 + g];
+      uint16_t* o = out + (h0 * group + i0 + g) * head_dim + c * kBf16Chunk;
+      // Dimension d of the chunk: 128-bit lane L = d / 8, e = d % 8; lo lane 4L + e if e < 4,
+      // else hi lane 4L + e - 4 (hi's lanes are numbered kLanes on in the shuffle).
+      store(__builtin_shufflevector(l, u, 0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23),
+            o);
+      store(__builtin_shufflevector(l, u, 8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29,
+                                    30, 31),
+            o + kLanes);
+    }
+  };
+  for (int64_t h = 0; h < h1 - h0; ++h)
+    for (int64_t g = 0; g < group; g += kBf16GroupTile)
+      for (int c = 0; c < PAIRS; ++c)
+        with_constant<kBf16GroupTile>(std::min<int64_t>(group - g, kBf16GroupTile),
+                                      [&](auto tile) { weigh_values(tile, h, g, c); });
+}
+
+}  // namespace conveyor
+
+#endif  // __AVX512BF16__
