@@ -46,8 +46,10 @@ def quantized_layer(seed: int = 0, dtype: torch.dtype = torch.float32,
         linear.quantized = pack_blocks(blocks, dtype)
         if large == "panels":
             linear.prepack("panels")
-        elif large == "int8":
-            linear.use_int8_panels(blocks)
+        elif large == "int8":  # exact channels where the model has them (calibration.py)
+            exact = (torch.tensor([1, 2, k // 2, k - 1], dtype=torch.int32)
+                     if linear in (layer.qkv_proj, layer.gate_up_proj) else None)
+            linear.use_int8_panels(blocks, exact)
     return layer
 
 

@@ -103,3 +103,43 @@ def test_linear_on_int8_panels_serves_rows_above_its_blocks():
     assert torch.equal(linear.dense_weight(), blocks.dequantize().bfloat16())
     with pytest.raises(ValueError, match="40-output"):
         Linear(64, 40).use_int8_panels(random_blocks(64, 64, 0, 4))
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("rows", [3, 64])
+def test_exact_channels_are_kept_out_of_the_rounding(dtype, bits, rows):
+    n, k = 70, 192  # a partial last panel
+    blocks = random_blocks(n, k, 5, bits)
+    exact = torch.tensor([5, 31, 32, 100, 101, 190], dtype=torch.int32)  # two in one pair of blocks
+    panels = Int8Panels.pack(blocks, exact)
+    g = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, k, generator=g)
+    x[:, exact] *= 40  # outliers: plain rounding loses their blocks
+    x = x.to(dtype)
+    got = panels.matmul(x)
+    # The rest rounded with the exact channels zeroed; those in bf16 against bf16 columns.
+    ex = exact.long()
+    zeroed = x.float().clone()
+    zeroed[:, ex] = 0
+    weight = blocks.dequantize()
+    columns = weight[:, ex].bfloat16().double()
+    expected = (rounded_activations(zeroed).double() @ weight.double().T
+                + x[:, ex].bfloat16().double() @ columns.T)
+    tol = 2e-5 if dtype == torch.float32 else 4e-3
+    torch.testing.assert_close(got.double(), expected, rtol=tol, atol=tol * expected.abs().max())
+    unrounded = x.double() @ weight.double().T
+    plain = Int8Panels.pack(blocks).matmul(x).double()
+    error = (got.double() - unrounded).norm() / unrounded.norm()
+    assert error < 0.01 and error < (plain - unrounded).norm() / unrounded.norm() / 3
+    assert torch.equal(panels.dequantize(), Int8Panels.pack(blocks).dequantize())
+    assert panels.nbytes() == Int8Panels.pack(blocks).nbytes() + 6 * 4 + 3 * 96 * 2 * 2
+
+
+@needs_kernel
+def test_bad_exact_channels_are_refused():
+    blocks = random_blocks(32, 64, 0, 4)
+    for bad in ([1, 2, 3], [4, 4], [0, 64], [-1, 3]):
+        with pytest.raises(ValueError, match="exact must be"):
+            Int8Panels.pack(blocks, torch.tensor(bad, dtype=torch.int32))

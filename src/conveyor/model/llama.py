@@ -227,10 +227,12 @@ class LlamaForCausalLM(nn.Module):
                 module.prepack(packing)
 
     def attach_blocks(self, blocks: dict[str, Int4Blocks | Int8Blocks],
-                      int8_panels: bool = False) -> int:
+                      int8_panels: bool = False,
+                      exact: dict[Linear, torch.Tensor] | None = None) -> int:
         """Give each projection whose checkpoint weights were all blocks of one kind its quantized
         copy (a fused projection needs every part), and with ``int8_panels`` also
-        ``Int8Panels`` of them in place of its dense weight (``Linear.use_int8_panels``).
+        ``Int8Panels`` of them in place of its dense weight (``Linear.use_int8_panels``), with
+        ``exact``'s channels for the projections it names (``calibration.exact_channels``).
         Returns the bytes added.
 
         The lm_head gets the embedding's 8-bit blocks when they are tied; once it holds its own
@@ -240,7 +242,7 @@ class LlamaForCausalLM(nn.Module):
 
         def attach(linear: Linear, weight: Int4Blocks | Int8Blocks) -> int:
             linear.quantized = pack_blocks(weight, dtype)
-            extra = linear.use_int8_panels(weight) if int8_panels else 0
+            extra = linear.use_int8_panels(weight, (exact or {}).get(linear)) if int8_panels else 0
             return linear.quantized.nbytes() + extra
 
         for i, layer in enumerate(self.layers):

@@ -39,6 +39,7 @@ def load_model(model: str | None, dtype: torch.dtype, device: torch.device,
                int8_activations: bool = False) -> LoadedModel:
     """``int8_activations``: let a GGUF model's quantized matmuls round their activations to 8
     bits where that is faster (``device.use_int8_panels``): off by default, for accuracy."""
+    from conveyor.model.calibration import exact_channels
     from conveyor.model.device import (
         dtype_name,
         linear_packing,
@@ -82,8 +83,9 @@ def load_model(model: str | None, dtype: torch.dtype, device: torch.device,
     packing = linear_packing(device, dtype)
     if packing is not None:
         net.prepack(packing)
-    int8_panels = int8_activations and use_int8_panels(device, dtype)
-    config.quantized_bytes = net.attach_blocks(blocks, int8_panels) if blocks else 0
+    int8_panels = bool(blocks) and int8_activations and use_int8_panels(device, dtype)
+    exact = exact_channels(net, tokenizer) if int8_panels else None
+    config.quantized_bytes = net.attach_blocks(blocks, int8_panels, exact) if blocks else 0
     if blocks:
         net.fuse_decode_layers()
     del blocks

@@ -20,7 +20,8 @@ _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 
 
 class _Int8Weight(ctypes.Structure):
-    _fields_ = [("codes", _P), ("scale", _P), ("minimum", _P), ("n_out", _I)]
+    _fields_ = [("codes", _P), ("scale", _P), ("minimum", _P), ("n_out", _I), ("exact", _P),
+                ("exact_weights", _P), ("n_exact", _I)]
 
 
 class _Weight(ctypes.Structure):
@@ -77,12 +78,17 @@ class DecodeLayerWeights:
         # None: any number of rows
         self.max_rows = None if large else min(p.max_tokens for p in blocks.values())
         # keeps the pointed-to memory alive
-        self._tensors = norms + floats + codes + packed + [p.codes for p in int8]
+        self._tensors = norms + floats + codes + packed + [
+            t for p in int8 for t in (p.codes, p.exact, p.exact_weights) if t is not None]
 
         def int8_weight(p: Int8Panels | None) -> _Int8Weight:
             if p is None:
                 return _Int8Weight()
-            return _Int8Weight(p.codes.data_ptr(), p.scale.data_ptr(), p.min.data_ptr(), p.n_out)
+            exact = p.exact is not None
+            return _Int8Weight(p.codes.data_ptr(), p.scale.data_ptr(), p.min.data_ptr(), p.n_out,
+                               p.exact.data_ptr() if exact else None,
+                               p.exact_weights.data_ptr() if exact else None,
+                               p.exact.numel() if exact else 0)
 
         def weight(name: str) -> _Weight:
             p, big = blocks[name], large.get(name)

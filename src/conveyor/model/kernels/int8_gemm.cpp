@@ -22,6 +22,14 @@
 // per block, those become float with the scales above (4 vector operations for 8 vpdpbusd, so
 // the gain over bf16 is about 1.3x, not 2x). Threads split the panels, as in panel_gemm.cpp.
 //
+// Exact channels: a few input channels of a projection (those whose activations calibration
+// found largest, layers/quantized.py) can be kept out of the rounding, as LLM.int8 does. The
+// normed hidden state that QKV and gate/up read has such outlier channels: one of them in a
+// block of 32 sets the block's scale and leaves its other 31 values a few steps each. Those
+// channels are zeroed before rounding, and their bf16 values meet bf16 copies of their weight
+// columns (pairs of channels, vdpbf16ps) in the tile's epilogue: 16 channels add about 5% to a
+// tile's instructions.
+//
 // Built and loaded like paged_attention.cpp; only where the compiler targets AVX512-VNNI.
 
 #include <algorithm>
@@ -32,7 +40,7 @@
 #include "dispatch.h"
 #include "vec.h"
 
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
 #define CONVEYOR_INT8_GEMM 1
 #include <immintrin.h>
 #endif
@@ -51,29 +59,54 @@ struct Int8Weight {  // a projection as Int8Panels holds it
   const float* scale;
   const float* minimum;
   int64_t n_out;
+  // Exact channels (n_exact: even, may be 0): their indices, and per panel their weight columns
+  // as bf16 pairs [n_exact / 2][kInt8Panel][2] (vdpbf16ps's operand order).
+  const int32_t* exact;
+  const uint16_t* exact_weights;
+  int64_t n_exact;
 };
 
 // Activations rounded to 8 bits: rows x k signed bytes, and per row and block the scale s and
-// S = s * sum(qa). Reused across calls (conveyor::at_least); quantize_rows writes every element
-// the GEMM reads.
+// S = s * sum(qa); the exact channels' values in bf16, rows x n_exact. Reused across calls
+// (conveyor::at_least); quantize_rows writes every element the GEMM reads.
 struct QuantizedRows {
   std::vector<int8_t> codes;
   std::vector<float> scale, sum;
+  std::vector<uint16_t> exact;
+  std::vector<uint32_t> zeroed;  // per block, a bit per exact channel in it
 };
 
 #ifdef CONVEYOR_INT8_GEMM
+inline uint16_t bf16_bits(uint16_t bits) { return bits; }
+inline uint16_t bf16_bits(float x) {  // rounded to nearest even
+  uint16_t bits;
+  conveyor::store(x, &bits);
+  return bits;
+}
+
 template <typename T>
 void quantize_rows(QuantizedRows& out, const T* x, int64_t rows, int64_t k, int64_t x_stride,
-                   int num_threads) {
+                   const Int8Weight& w, int num_threads) {
   const int64_t blocks = k / kInt8Block;
   int8_t* codes = conveyor::at_least(out.codes, rows * k);
   float* scale = conveyor::at_least(out.scale, rows * blocks);
   float* sum = conveyor::at_least(out.sum, rows * blocks);
+  uint16_t* exact = conveyor::at_least(out.exact, rows * w.n_exact);
+  uint32_t* zeroed = conveyor::at_least(out.zeroed, blocks);
+  std::fill(zeroed, zeroed + blocks, 0u);
+  for (int64_t j = 0; j < w.n_exact; ++j)
+    zeroed[w.exact[j] / kInt8Block] |= 1u << (w.exact[j] % kInt8Block);
 #pragma omp parallel for num_threads(num_threads) schedule(static)
-  for (int64_t r = 0; r < rows; ++r)
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t j = 0; j < w.n_exact; ++j)
+      exact[r * w.n_exact + j] = bf16_bits(x[r * x_stride + w.exact[j]]);
     for (int64_t b = 0; b < blocks; ++b) {
       const T* xb = x + r * x_stride + b * kInt8Block;
-      const __m512 lo = (__m512)conveyor::load(xb), hi = (__m512)conveyor::load(xb + 16);
+      __m512 lo = (__m512)conveyor::load(xb), hi = (__m512)conveyor::load(xb + 16);
+      if (zeroed[b]) {
+        lo = _mm512_maskz_mov_ps(static_cast<__mmask16>(~zeroed[b]), lo);
+        hi = _mm512_maskz_mov_ps(static_cast<__mmask16>(~zeroed[b] >> 16), hi);
+      }
       const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
       const __m512 inv = _mm512_set1_ps(amax > 0 ? 127.f / amax : 0.f);
       const __m512i qlo = _mm512_cvtps_epi32(_mm512_mul_ps(lo, inv));  // to nearest even
@@ -85,12 +118,15 @@ void quantize_rows(QuantizedRows& out, const T* x, int64_t rows, int64_t k, int6
       scale[r * blocks + b] = s;
       sum[r * blocks + b] = s * static_cast<float>(_mm512_reduce_add_epi32(_mm512_add_epi32(qlo, qhi)));
     }
+  }
 }
 
-// y[0:R, 0:cols] (row stride ldy) from R quantized rows and one panel (cols <= kInt8Panel).
+// y[0:R, 0:cols] (row stride ldy) from R quantized rows and one panel (cols <= kInt8Panel);
+// ex: the rows' exact channels (n_exact apart), ew: the panel's exact weight pairs.
 template <int R, typename T>
 void int8_tile(T* y, int64_t ldy, const int8_t* q, const float* s, const float* s_sum,
-               const uint8_t* codes, const float* d, const float* m, int64_t k, int64_t cols) {
+               const uint8_t* codes, const float* d, const float* m, int64_t k, int64_t cols,
+               const uint16_t* ex, const uint16_t* ew, int64_t n_exact) {
   const int64_t blocks = k / kInt8Block;
   __m512 acc[R][2];
   for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
@@ -119,6 +155,17 @@ void int8_tile(T* y, int64_t ldy, const int8_t* q, const float* s, const float* 
       }
     }
   }
+  for (int64_t j = 0; j < n_exact; j += 2) {
+    const __m512bh w0 = (__m512bh)_mm512_loadu_si512(ew + j * kInt8Panel);
+    const __m512bh w1 = (__m512bh)_mm512_loadu_si512(ew + j * kInt8Panel + 32);
+    for (int r = 0; r < R; ++r) {
+      uint32_t pair;
+      std::memcpy(&pair, ex + r * n_exact + j, sizeof pair);
+      const __m512bh a = (__m512bh)_mm512_set1_epi32(static_cast<int>(pair));
+      acc[r][0] = _mm512_dpbf16_ps(acc[r][0], w0, a);
+      acc[r][1] = _mm512_dpbf16_ps(acc[r][1], w1, a);
+    }
+  }
   for (int r = 0; r < R; ++r) {
     T row[kInt8Panel];
     conveyor::store((conveyor::vfloat)acc[r][0], row);
@@ -143,7 +190,9 @@ void int8_gemm_rows(T* y, const QuantizedRows& a, const Int8Weight& w, int64_t m
       auto tile = [&](auto rows, int64_t r) {
         int8_tile<decltype(rows)::value>(y + r * n + p * kInt8Panel, n, a.codes.data() + r * k,
                                          a.scale.data() + r * blocks, a.sum.data() + r * blocks,
-                                         codes, w.scale + off, w.minimum + off, k, cols);
+                                         codes, w.scale + off, w.minimum + off, k, cols,
+                                         a.exact.data() + r * w.n_exact,
+                                         w.exact_weights + p * w.n_exact * kInt8Panel, w.n_exact);
       };
       int64_t r = r0;
       for (; r + kInt8Rows <= r1; r += kInt8Rows) tile(std::integral_constant<int, kInt8Rows>{}, r);
@@ -156,7 +205,7 @@ void int8_gemm_rows(T* y, const QuantizedRows& a, const Int8Weight& w, int64_t m
 template <typename T>
 void int8_matmul(T* y, const T* x, const Int8Weight& w, int64_t m, int64_t k, int64_t x_stride,
                  QuantizedRows& scratch, int num_threads) {
-  quantize_rows(scratch, x, m, k, x_stride, num_threads);
+  quantize_rows(scratch, x, m, k, x_stride, w, num_threads);
   int8_gemm_rows(y, scratch, w, m, k, num_threads);
 }
 
@@ -165,14 +214,18 @@ void int8_matmul(T* y, const T* x, const Int8Weight& w, int64_t m, int64_t k, in
 }  // namespace
 
 #ifdef CONVEYOR_INT8_GEMM
-// y [m, n] = x [m, k] @ W^T, W as above; x and y float32 or bf16 (uint16_t).
-#define CONVEYOR_INT8_GEMM_EXPORT(SUFFIX, T)                                                        \
-  extern "C" void int8_gemm_##SUFFIX(void* y, const void* x, const uint8_t* codes,           \
-                                     const float* scale, const float* minimum, int64_t m,      \
-                                     int64_t n, int64_t k, int64_t x_stride, int num_threads) { \
-    static thread_local QuantizedRows scratch;                                                 \
-    int8_matmul(static_cast<T*>(y), static_cast<const T*>(x),                                  \
-                Int8Weight{codes, scale, minimum, n}, m, k, x_stride, scratch, num_threads);   \
+// y [m, n] = x [m, k] @ W^T, W as above; x and y float32 or bf16 (uint16_t). A float32 x's
+// exact channels are rounded to bf16.
+#define CONVEYOR_INT8_GEMM_EXPORT(SUFFIX, T)                                                   \
+  extern "C" void int8_gemm_##SUFFIX(void* y, const void* x, const uint8_t* codes,            \
+                                     const float* scale, const float* minimum,                 \
+                                     const int32_t* exact, const uint16_t* exact_weights,      \
+                                     int64_t n_exact, int64_t m, int64_t n, int64_t k,         \
+                                     int64_t x_stride, int num_threads) {                      \
+    static thread_local QuantizedRows scratch;                                                \
+    const Int8Weight w{codes, scale, minimum, n, exact, exact_weights, n_exact};              \
+    int8_matmul(static_cast<T*>(y), static_cast<const T*>(x), w, m, k, x_stride, scratch,     \
+                num_threads);                                                                  \
   }
 
 CONVEYOR_INT8_GEMM_EXPORT(f32, float)

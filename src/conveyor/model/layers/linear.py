@@ -97,13 +97,15 @@ class Linear(nn.Module):
         self.weight = nn.Parameter(packed, requires_grad=False)
         self.packing = packing
 
-    def use_int8_panels(self, blocks: Int4Blocks | Int8Blocks) -> int:
+    def use_int8_panels(self, blocks: Int4Blocks | Int8Blocks,
+                        exact: torch.Tensor | None = None) -> int:
         """Serve calls above the blocks' rows from ``Int8Panels`` of the checkpoint's ``blocks``
-        instead of the (packed) dense weight, which is dropped. Returns the bytes added."""
+        (``exact``: input channels kept out of the rounding) instead of the (packed) dense
+        weight, which is dropped. Returns the bytes added."""
         if blocks.codes.shape[0] != self.out_features:
             raise ValueError(f"blocks of {blocks.codes.shape[0]} outputs for a "
                              f"{self.out_features}-output layer")
-        self.int8 = Int8Panels.pack(blocks)
+        self.int8 = Int8Panels.pack(blocks, exact)
         self.weight = nn.Parameter(torch.empty(0, dtype=self.weight.dtype), requires_grad=False)
         self.packing = "int8"
         return self.int8.nbytes()
