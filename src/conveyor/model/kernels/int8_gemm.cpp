@@ -23,14 +23,15 @@
 // the gain over bf16 is about 1.3x, not 2x). Threads split the panels, as in panel_gemm.cpp.
 //
 // Exact channels: a few input channels of a projection (those whose activations calibration
-// found largest, layers/quantized.py) can be kept out of the rounding, as LLM.int8 does. The
+// found largest, model/calibration.py) can be kept out of the rounding, as LLM.int8 does. The
 // normed hidden state that QKV and gate/up read has such outlier channels: one of them in a
 // block of 32 sets the block's scale and leaves its other 31 values a few steps each. Those
 // channels are zeroed before rounding, and their bf16 values meet bf16 copies of their weight
 // columns (pairs of channels, vdpbf16ps) in the tile's epilogue: 16 channels add about 5% to a
 // tile's instructions.
 //
-// Built and loaded like paged_attention.cpp; only where the compiler targets AVX512-VNNI.
+// Built and loaded like paged_attention.cpp; only where the compiler targets AVX512-VNNI (and
+// AVX512-BF16, for the exact channels: every CPU that runs a bf16 model on panels has both).
 
 #include <algorithm>
 #include <cstdint>
