@@ -143,3 +143,5 @@ def test_bad_exact_channels_are_refused():
     for bad in ([1, 2, 3], [4, 4], [0, 64], [-1, 3]):
         with pytest.raises(ValueError, match="exact must be"):
             Int8Panels.pack(blocks, torch.tensor(bad, dtype=torch.int32))
+    none = Int8Panels.pack(blocks, torch.zeros(0, dtype=torch.int32))  # none to keep: plain
+    assert none.exact is None and none.nbytes() == Int8Panels.pack(blocks).nbytes()

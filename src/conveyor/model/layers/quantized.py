@@ -154,9 +154,10 @@ class Int8Panels:
         ``exact``: an even number of distinct input channels to keep exact."""
         n, k = blocks.codes.shape
         _check_input_size(k)
-        if exact is not None and (exact.dim() != 1 or exact.numel() % 2
-                                  or exact.unique().numel() != exact.numel()
-                                  or int(exact.min()) < 0 or int(exact.max()) >= k):
+        if exact is not None and exact.numel() and (exact.dim() != 1 or exact.numel() % 2
+                                                    or exact.unique().numel() != exact.numel()
+                                                    or int(exact.min()) < 0
+                                                    or int(exact.max()) >= k):
             raise ValueError(f"exact must be an even number of distinct channels below {k}, "
                              f"got {exact.tolist()}")
         if isinstance(blocks, Int4Blocks):
