@@ -44,12 +44,12 @@ struct Bf16Scratch {  // per thread, reused across tasks and calls
 
 inline __m512bh load_bf16(const uint16_t* p) { return (__m512bh)_mm512_loadu_si512(p); }
 
-template <int PAIRS>  // head_dim / kBf16Chunk
+template <int CHUNKS>  // head_dim / kBf16Chunk
 void attend_bf16(uint16_t* out, const uint16_t* q, const uint16_t* k_cache,
                  const uint16_t* v_cache, const int32_t* table, int64_t ctx, int64_t h0,
                  int64_t h1, int64_t group, int64_t block_size, int64_t token_stride,
                  float scale, Bf16Scratch& scratch) {
-  constexpr int64_t head_dim = PAIRS * kBf16Chunk;
+  constexpr int64_t head_dim = CHUNKS * kBf16Chunk;
   const int64_t block_stride = block_size * token_stride;
   const int64_t num_blocks = (ctx + block_size - 1) / block_size;
   const int64_t heads = (h1 - h0) * group;
@@ -82,12 +82,12 @@ void attend_bf16(uint16_t* out, const uint16_t* q, const uint16_t* k_cache,
           __builtin_prefetch(values + (j + r) * token_stride + e, 0, 2);
         }
         for (int64_t h = 0; h < h1 - h0; ++h) {
-          __m512bh kv[PAIRS];
-          for (int c = 0; c < PAIRS; ++c) kv[c] = load_bf16(row + h * head_dim + c * kBf16Chunk);
+          __m512bh kv[CHUNKS];
+          for (int c = 0; c < CHUNKS; ++c) kv[c] = load_bf16(row + h * head_dim + c * kBf16Chunk);
           for (int64_t g = 0; g < group; ++g) {
             const int64_t i = h * group + g;
             __m512 dot = _mm512_setzero_ps();
-            for (int c = 0; c < PAIRS; ++c)
+            for (int c = 0; c < CHUNKS; ++c)
               dot = _mm512_dpbf16_ps(dot, kv[c], load_bf16(qh + i * head_dim + c * kBf16Chunk));
             dots[i * kLanes + r] = (vfloat)dot;
           }
@@ -156,7 +156,7 @@ void attend_bf16(uint16_t* out, const uint16_t* q, const uint16_t* k_cache,
   };
   for (int64_t h = 0; h < h1 - h0; ++h)
     for (int64_t g = 0; g < group; g += kBf16GroupTile)
-      for (int c = 0; c < PAIRS; ++c)
+      for (int c = 0; c < CHUNKS; ++c)
         with_constant<kBf16GroupTile>(std::min<int64_t>(group - g, kBf16GroupTile),
                                       [&](auto tile) { weigh_values(tile, h, g, c); });
 }
