@@ -33,6 +33,7 @@
 #include <vector>
 
 #include "attention_bf16.h"
+#include "attention_keys.h"
 #include "attention_tile.h"
 #include "dispatch.h"
 #include "vec.h"
@@ -50,8 +51,7 @@ struct Scratch {  // per thread, reused across tasks and calls
 };
 
 // One query token, KV heads [h0, h1): each of them with its `group` query heads. The context is
-// read block by block (blocks are scattered: the next one is prefetched, and the key pass
-// prefetches the block's values into L2 for the value pass). CHUNKS = head_dim / kLanes when
+// read block by block (attention_keys.h, then the values; the next block is prefetched). CHUNKS = head_dim / kLanes when
 // known at compile time (loops unroll), 0 for any other size.
 template <typename T, typename C, int CHUNKS>
 void attend(T* out, const T* q, const C* k_cache, const C* v_cache, const int32_t* table,
@@ -81,43 +81,22 @@ void attend(T* out, const T* q, const C* k_cache, const C* v_cache, const int32_
     for (int64_t c = 0; c < chunks; ++c)
       qv[i * chunks + c] = load(q + (h0 * group + i) * head_dim + c * kLanes) * scale;
 
-  // scores[i][t] = q_i . k_t (i: query head). Row by row, each key row loaded once for its g
-  // query heads; each dot product is left as a vector, and kLanes rows' vectors are reduced
-  // together (transposed_hsum): a hsum per score would cost more than the products.
-  for (int64_t b = 0; b < num_blocks; ++b) {
-    const C* rows = rows_of(k_cache, b);
-    const C* next = b + 1 < num_blocks ? rows_of(k_cache, b + 1) : nullptr;
-    const C* values = rows_of(v_cache, b);
-    const int64_t n = rows_in(b);
-    for (int64_t j = 0; j < n; j += kLanes) {
-      const int64_t m = std::min<int64_t>(kLanes, n - j);
-      for (int64_t r = 0; r < m; ++r) {
-        const C* row = rows + (j + r) * token_stride;
-        for (int64_t e = 0; e < range; e += 64 / sizeof(C)) {
-          if (next) __builtin_prefetch(next + (j + r) * token_stride + e);
-          __builtin_prefetch(values + (j + r) * token_stride + e, 0, 2);
-        }
-        for (int64_t h = 0; h < h1 - h0; ++h) {
-          vfloat kv[kMaxChunks];
-          for (int64_t c = 0; c < chunks; ++c) kv[c] = load(row + h * head_dim + c * kLanes);
-          for (int64_t g = 0; g < group; ++g) {
-            const int64_t i = h * group + g;
-            const vfloat* qi = qv + i * chunks;
-            vfloat dot = qi[0] * kv[0];
-            for (int64_t c = 1; c < chunks; ++c) dot += qi[c] * kv[c];
-            dots[i * kLanes + r] = dot;
-          }
-        }
-      }
-      for (int64_t i = 0; i < heads; ++i) {
-        float* s = scores + i * padded + b * block_size + j;
-        if (m == kLanes)
-          store(transposed_hsum(dots + i * kLanes), s);
-        else
-          for (int64_t r = 0; r < m; ++r) s[r] = hsum(dots[i * kLanes + r]);
+  // scores[i][t] = q_i . k_t (i: query head; q is scaled already), each key row converted to
+  // float once for its g query heads.
+  score_keys<3>(scores, padded, k_cache, v_cache, table, ctx, h0, range, heads, head_dim,
+                block_size, token_stride, 1.f, dots, [=](const C* row, int64_t r) {
+    for (int64_t h = 0; h < h1 - h0; ++h) {
+      vfloat kv[kMaxChunks];
+      for (int64_t c = 0; c < chunks; ++c) kv[c] = load(row + h * head_dim + c * kLanes);
+      for (int64_t g = 0; g < group; ++g) {
+        const int64_t i = h * group + g;
+        const vfloat* qi = qv + i * chunks;
+        vfloat dot = qi[0] * kv[0];
+        for (int64_t c = 1; c < chunks; ++c) dot += qi[c] * kv[c];
+        dots[i * kLanes + r] = dot;
       }
     }
-  }
+  });
 
   for (int64_t i = 0; i < heads; ++i)
     inv_sum[i] = softmax_row(scores + i * padded, ctx, padded);

@@ -1,0 +1,59 @@
+// The key pass of a decode token's attention, shared by paged_attention.cpp's attend (float
+// FMAs) and attention_bf16.h's attend_bf16 (vdpbf16ps): the token's sequence is read block by
+// block (blocks are scattered: the next block's keys are prefetched, and this block's values
+// too, into L2 for the value pass that follows), each key row once for all the query heads
+// that share its KV heads. The caller's dot_row(row, r) leaves, for every query head i, the
+// products of q_i and key `row` as an unreduced vector in dots[i * kLanes + r]; kLanes rows'
+// vectors are then reduced together (transposed_hsum): a hsum per score would cost more than
+// the products.
+
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+
+#include "vec.h"
+
+namespace conveyor {
+
+// scores[i * padded + t] = scale * q_i . k_t for t < ctx, i < heads. Rows start at KV head h0;
+// `range` elements of each row (the task's KV heads) are prefetched. NEXT_LOCALITY: the
+// prefetch hint for the next block's keys (3: L1, 2: L2). Always inlined: called out of line,
+// the dot_row closure's captures were reloaded every row (bf16 decode 5-10% slower in L2).
+template <int NEXT_LOCALITY, typename C, typename DotRow>
+__attribute__((always_inline)) inline void score_keys(
+    float* scores, int64_t padded, const C* k_cache, const C* v_cache, const int32_t* table,
+    int64_t ctx, int64_t h0, int64_t range, int64_t heads, int64_t head_dim, int64_t block_size,
+    int64_t token_stride, float scale, vfloat* dots, DotRow&& dot_row) {
+  const int64_t block_stride = block_size * token_stride;
+  const int64_t num_blocks = (ctx + block_size - 1) / block_size;
+  auto rows_of = [&](const C* cache, int64_t b) {
+    return cache + table[b] * block_stride + h0 * head_dim;
+  };
+  for (int64_t b = 0; b < num_blocks; ++b) {
+    const C* rows = rows_of(k_cache, b);
+    const C* next = b + 1 < num_blocks ? rows_of(k_cache, b + 1) : nullptr;
+    const C* values = rows_of(v_cache, b);
+    const int64_t n = std::min(block_size, ctx - b * block_size);
+    for (int64_t j = 0; j < n; j += kLanes) {
+      const int64_t m = std::min<int64_t>(kLanes, n - j);
+      for (int64_t r = 0; r < m; ++r) {
+        const C* row = rows + (j + r) * token_stride;
+        for (int64_t e = 0; e < range; e += 64 / sizeof(C)) {
+          if (next) __builtin_prefetch(next + (j + r) * token_stride + e, 0, NEXT_LOCALITY);
+          __builtin_prefetch(values + (j + r) * token_stride + e, 0, 2);
+        }
+        dot_row(row, r);
+      }
+      for (int64_t i = 0; i < heads; ++i) {
+        float* s = scores + i * padded + b * block_size + j;
+        if (m == kLanes)
+          store(transposed_hsum(dots + i * kLanes) * scale, s);
+        else
+          for (int64_t r = 0; r < m; ++r) s[r] = hsum(dots[i * kLanes + r]) * scale;
+      }
+    }
+  }
+}
+
+}  // namespace conveyor
