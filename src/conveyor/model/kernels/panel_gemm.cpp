@@ -41,6 +41,9 @@ using namespace conveyor;
 constexpr int kPanel = 2 * kLanes;
 constexpr int kRows = 6;  // bf16 on Zen 4: 4, 8 and 12 rows measured no better
 constexpr int64_t kBlockRows = 32 * kRows;
+// Below this many rows a matmul is bound by reading W, and prefetching the next panel on top of
+// the hardware's own prefetch measured slower (1 row: 30 layers 8 -> 10 ms).
+constexpr int64_t kPanelPrefetchRows = 24;
 
 // float32: one k per step; x broadcast as a float, one FMA per accumulator.
 struct F32 {
@@ -82,18 +85,21 @@ inline void store_row(const vfloat* acc, T* y, int64_t cols) {
 }
 
 // y[0:R, 0:cols] (row stride ldy) = x[0:R, :] (row stride k) @ panel^T, cols <= kPanel.
-// `next`: a panel to prefetch into L2 meanwhile (a step's row of it), or null.
+// Meanwhile, cache lines [first, last) of `next` (a panel, or null) are prefetched into L2,
+// spread evenly over the steps of K.
 template <class F, int R>
 void tile(typename F::T* y, int64_t ldy, const typename F::T* x, const typename F::T* panel,
-          int64_t k, int64_t cols, const typename F::T* next) {
+          int64_t k, int64_t cols, const typename F::T* next, int64_t first, int64_t last) {
   constexpr int64_t kStepElems = kPanel * F::kStep;  // W's elements per step of K
-  constexpr int kLinesPerStep = kStepElems * sizeof(typename F::T) / 64;
+  constexpr int64_t kLineElems = 64 / sizeof(typename F::T);
+  const int64_t steps = k / F::kStep, lines = next ? last - first : 0;
+  const typename F::T* line = next ? next + first * kLineElems : nullptr;
+  int64_t due = 0;  // Bresenham: `lines` prefetches over `steps` steps
   vfloat acc[R][2] = {};
   for (int64_t i = 0; i < k; i += F::kStep) {
     const typename F::T* w = panel + i * kPanel;
-    if (next)
-      for (int line = 0; line < kLinesPerStep; ++line)
-        __builtin_prefetch(next + i * kPanel + line * 64 / sizeof(typename F::T), 0, 2);
+    for (due += lines; due >= steps; due -= steps, line += kLineElems)
+      __builtin_prefetch(line, 0, 2);
     const auto w0 = F::weights(w), w1 = F::weights(w + kStepElems / 2);
     for (int r = 0; r < R; ++r) {
       const auto xr = F::broadcast(x + r * k + i);
@@ -115,14 +121,19 @@ void gemm(typename F::T* y, const typename F::T* x, const typename F::T* packed,
       const typename F::T* panel = packed + p * k * kPanel;
       const int64_t cols = std::min<int64_t>(kPanel, n - p * kPanel);
       typename F::T* yp = y + p * kPanel;
-      // The first tile streams this panel from memory; it also fetches the thread's next one
-      // (static schedule: p + 1) into L2, so that one does not wait on memory (2-3% at 64 rows).
-      const typename F::T* next = p + 1 < panels ? panel + k * kPanel : nullptr;
+      // The first tile streams this panel from memory; meanwhile the thread's next panel
+      // (static schedule: p + 1) is fetched into L2, a share of its lines in each tile.
+      const bool prefetch = p + 1 < panels && r1 - r0 >= kPanelPrefetchRows;
+      const typename F::T* next = prefetch ? panel + k * kPanel : nullptr;
+      const int64_t lines = k * kPanel * sizeof(typename F::T) / 64;
+      const int64_t tiles = (r1 - r0 + kRows - 1) / kRows;
       int64_t r = r0;
-      for (; r + kRows <= r1; r += kRows, next = nullptr)
-        tile<F, kRows>(yp + r * n, n, x + r * k, panel, k, cols, next);
+      for (int64_t t = 0; r + kRows <= r1; r += kRows, ++t)
+        tile<F, kRows>(yp + r * n, n, x + r * k, panel, k, cols, next, t * lines / tiles,
+                       (t + 1) * lines / tiles);
       with_constant<kRows - 1>(r1 - r, [&](auto rows) {  // leftover rows, a tile of their height
-        tile<F, decltype(rows)::value>(yp + r * n, n, x + r * k, panel, k, cols, nullptr);
+        tile<F, decltype(rows)::value>(yp + r * n, n, x + r * k, panel, k, cols, next,
+                                       (tiles - 1) * lines / tiles, lines);
       });
     }
   }
