@@ -20,7 +20,8 @@
 // ran at 163-187 GFLOP/s against 124-160 for oneDNN's packed GEMM, from 64 to 4,096 rows. On the
 // 2-core Zen 4 (AVX512-BF16) the bf16 kernel ran SmolLM2's 30 layers at 64 rows in 35-36 ms
 // against oneDNN's 41-46 (375-387 GFLOP/s, 90% of the 2048^3 bf16 peak), 1.5-1.7x faster at 1-8
-// rows, even from 512 on (docs/performance.md, changes 19 and 28).
+// rows, even from 512 on (docs/performance.md, changes 19 and 28; the next panel's prefetch,
+// change 35).
 //
 // Built and loaded like paged_attention.cpp.
 
