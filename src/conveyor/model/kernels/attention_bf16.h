@@ -11,11 +11,10 @@
 //   keys:   q . k_t as two vectors of 32 bf16 per 64 dims, the products exact and summed in
 //           float (the scale is applied to the reduced score, not rounded into q);
 //   values: out += p_t v_t + p_t+1 v_t+1, two consecutive rows of a block interleaved by
-//           element (vpunpck{l,h}wd) so that each 32-bit lane holds one dimension of both, and
-//           the weights p_t, p_t+1 rounded to bf16 (as flash attention rounds P before its PV
-//           product). The weights are normalised by the sum of their rounded values.
-// Unpacking works within 128-bit lanes, so the accumulators hold a chunk's 32 dimensions in a
-// fixed permuted order (lo: 8L + e, hi: 8L + 4 + e for lane 4L + e); the output undoes it once.
+//           element (bf16_pairs.h; the accumulators hold a chunk's 32 dimensions in a permuted
+//           order, put back once at the output), and the weights p_t, p_t+1 rounded to bf16 (as
+//           flash attention rounds P before its PV product). The weights are normalised by the
+//           sum of their rounded values.
 
 #pragma once
 
@@ -25,16 +24,17 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <cstring>
 #include <vector>
 
 #include "attention_keys.h"
+#include "bf16_pairs.h"
+#include "madd_step.h"
 #include "dispatch.h"
 #include "vec.h"
 
 namespace conveyor {
 
-constexpr int kBf16Chunk = 32;       // dimensions per vector of bf16
+constexpr int kBf16Chunk = kPairDims;  // dimensions per vector of bf16
 constexpr int kBf16GroupTile = 4;    // query heads whose accumulators stay in registers
 
 struct Bf16Scratch {  // per thread, reused across tasks and calls
@@ -84,18 +84,12 @@ void attend_bf16(uint16_t* out, const uint16_t* q, const uint16_t* k_cache,
     }
   });
 
-  // Softmax, then the weights rounded to bf16 (zeros from ctx to padded: the last pair's
-  // partner after an odd context).
+  // Softmax, the weights rounded to bf16 (zeros from ctx to padded: the last pair's partner
+  // after an odd context).
   for (int64_t i = 0; i < heads; ++i) {
     float* s = scores + i * padded;
-    softmax_row(s, ctx, padded);
-    vfloat sum{};
-    for (int64_t t = 0; t < padded; t += kLanes) {
-      const vfloat w = load(s + t);
-      store(w, weights + i * padded + t);
-      sum += rounded(w, weights);
-    }
-    inv_sum[i] = 1.f / hsum(sum);
+    inv_sum[i] = softmax_row<uint16_t>(s, ctx, padded);
+    for (int64_t t = 0; t < padded; t += kLanes) store(load(s + t), weights + i * padded + t);
   }
 
   // out_i = sum_t w[i][t] v_t / sum_t w[i][t]: per KV head, up to kBf16GroupTile query heads and
@@ -103,36 +97,22 @@ void attend_bf16(uint16_t* out, const uint16_t* q, const uint16_t* k_cache,
   auto weigh_values = [&](auto tile, int64_t h, int64_t g0, int c) {
     constexpr int G = decltype(tile)::value;
     const int64_t i0 = h * group + g0;
-    __m512 lo[G], hi[G];
-    for (int g = 0; g < G; ++g) lo[g] = hi[g] = _mm512_setzero_ps();
+    vfloat lo[G] = {}, hi[G] = {};
     for (int64_t b = 0; b < num_blocks; ++b) {
       const uint16_t* rows = rows_of(v_cache, b) + h * head_dim + c * kBf16Chunk;
       const int64_t t0 = b * block_size, n = rows_in(b);
       for (int64_t j = 0; j < n; j += 2) {
-        const __m512i a = _mm512_loadu_si512(rows + j * token_stride);
-        const __m512i z = j + 1 < n ? _mm512_loadu_si512(rows + (j + 1) * token_stride)
-                                    : _mm512_setzero_si512();
-        const __m512bh pair_lo = (__m512bh)_mm512_unpacklo_epi16(a, z);
-        const __m512bh pair_hi = (__m512bh)_mm512_unpackhi_epi16(a, z);
+        const RowPairs v = interleave(rows + j * token_stride,
+                                      j + 1 < n ? rows + (j + 1) * token_stride : nullptr);
         for (int g = 0; g < G; ++g) {
-          uint32_t wpair;
-          std::memcpy(&wpair, weights + (i0 + g) * padded + t0 + j, sizeof wpair);
-          const __m512bh p = (__m512bh)_mm512_set1_epi32(static_cast<int>(wpair));
-          lo[g] = _mm512_dpbf16_ps(lo[g], pair_lo, p);
-          hi[g] = _mm512_dpbf16_ps(hi[g], pair_hi, p);
+          const auto p = BF16::broadcast(weights + (i0 + g) * padded + t0 + j);
+          BF16::madd(lo[g], p, v.lo);
+          BF16::madd(hi[g], p, v.hi);
         }
       }
     }
     for (int g = 0; g < G; ++g) {
-      const vfloat l = (vfloat)lo[g] * inv_sum[i0 + g], u = (vfloat)hi[g] * inv_sum[i0 + g];
-      uint16_t* o = out + (h0 * group + i0 + g) * head_dim + c * kBf16Chunk;
-      // Dimension d of the chunk: 128-bit lane L = d / 8, e = d % 8; lo lane 4L + e if e < 4,
-      // else hi lane 4L + e - 4 (hi's lanes are numbered kLanes on in the shuffle).
-      store(__builtin_shufflevector(l, u, 0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23),
-            o);
-      store(__builtin_shufflevector(l, u, 8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29,
-                                    30, 31),
-            o + kLanes);
+      store_in_order(lo[g] * inv_sum[i0 + g], hi[g] * inv_sum[i0 + g], out + (h0 * group + i0 + g) * head_dim + c * kBf16Chunk);
     }
   };
   for (int64_t h = 0; h < h1 - h0; ++h)

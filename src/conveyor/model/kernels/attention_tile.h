@@ -11,20 +11,32 @@
 //   softmax per row over the chunk's keys of its own context (later keys get weight 0), folded
 //           into the row's running max and sum (an online softmax): the output so far is
 //           rescaled when the max grows;
-//   values  O[R, head_dim] += P V: kRowTile rows x two vectors of a value row in registers,
-//           over kValueKeys keys at a time.
+//   values  O[R, head_dim] += P V: kValueKeys value rows are laid out for the products once,
+//           then kRowTile rows x two vectors of the head dimension stay in registers over them.
 // The scores of a chunk (R x kKeyChunk floats) stay in L2 however long the context. Chunks
 // start at fixed key positions, so every query row's result depends only on its own query,
 // context and cache, not on which other rows share its tile.
+//
+// The products (F, madd_step.h) are float FMAs (F32: queries scaled and every element converted
+// to float once), or, for bf16 queries over a bf16 cache, vdpbf16ps on pairs of elements (BF16:
+// half the instructions, as in attention_bf16.h's decode path): queries and keys as they are,
+// the scale applied to the scores, and the softmax weights rounded to bf16 (as flash attention
+// rounds P) and normalised by the sum of their rounded values. Keys transpose as 32-bit lanes
+// either way (a lane: one float, or a pair of bf16 dimensions); value rows are interleaved in
+// pairs (bf16_pairs.h), so BF16's output accumulates in a permuted order, undone when stored.
 
 #pragma once
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
+#include <type_traits>
 #include <vector>
 
+#include "bf16_pairs.h"
 #include "dispatch.h"
+#include "madd_step.h"
 #include "vec.h"
 
 namespace conveyor {
@@ -36,69 +48,127 @@ constexpr int64_t kTileRows = 96;     // query rows a task aims for (tokens x gr
 // Keys whose scores are held at once: a multiple of kKeyTile and of kValueKeys.
 constexpr int64_t kKeyChunk = 512;
 
+template <typename E>  // F::T: float, or bf16 as uint16_t
 struct TileScratch {  // per thread, reused across tasks
-  std::vector<float> q, kt, scores, o, row_max, row_sum;
+  std::vector<E> q, kt, vt, p;  // p: the softmax weights as E (BF16 only)
+  std::vector<float> scores, o, row_max, row_sum;
 };
 
-// s[r][0..kKeyTile) = q[r] . kt[.][j] for MR rows; kt is [head_dim][kKeyTile].
-template <int MR>
-inline void score_rows(const float* q, int64_t head_dim, const float* kt, float* s,
-                       int64_t s_stride) {
-  vfloat acc[MR][2] = {};
-  for (int64_t d = 0; d < head_dim; ++d) {
-    const vfloat k0 = load(kt + d * kKeyTile), k1 = load(kt + d * kKeyTile + kLanes);
-    for (int r = 0; r < MR; ++r) {
-      const float x = q[r * head_dim + d];
-      acc[r][0] += x * k0;
-      acc[r][1] += x * k1;
-    }
-  }
-  for (int r = 0; r < MR; ++r) {
-    store(acc[r][0], s + r * s_stride);
-    store(acc[r][1], s + r * s_stride + kLanes);
+// 16 32-bit lanes of a row: F32, 16 elements as float; BF16, 32 elements as 16 pairs.
+template <class F, typename C>
+inline vfloat lanes(const C* row) {
+  if constexpr (F::kStep == 1) {
+    return load(row);
+  } else {
+    vfloat v;
+    std::memcpy(&v, row, sizeof v);
+    return v;
   }
 }
 
-// o[r][d0 .. d0 + NV * kLanes) += sum_k p[r][k] * rows[k][d0 ..] for MR rows, keys [0, n).
-template <int MR, int NV, typename C>
-inline void weigh_rows(const float* p, int64_t p_stride, const C* const* rows, int64_t n,
-                       float* o, int64_t head_dim, int64_t d0) {
+template <class F>
+inline void store_lanes(vfloat v, typename F::T* out) {
+  std::memcpy(out, &v, sizeof v);
+}
+
+// s[r][0..kKeyTile) = scale * q[r] . kt[.][j] for MR rows; kt is [head_dim / kStep][kKeyTile]
+// lanes.
+template <class F, int MR>
+inline void score_rows(const typename F::T* q, int64_t head_dim, const typename F::T* kt,
+                       float* s, int64_t s_stride, float scale) {
+  vfloat acc[MR][2] = {};
+  for (int64_t d = 0; d < head_dim; d += F::kStep) {
+    const auto* k = kt + d * kKeyTile;
+    const auto k0 = F::vector(k), k1 = F::vector(k + kLanes * F::kStep);
+    for (int r = 0; r < MR; ++r) {
+      const auto x = F::broadcast(q + r * head_dim + d);
+      F::madd(acc[r][0], x, k0);
+      F::madd(acc[r][1], x, k1);
+    }
+  }
+  for (int r = 0; r < MR; ++r) {
+    store(acc[r][0] * scale, s + r * s_stride);
+    store(acc[r][1] * scale, s + r * s_stride + kLanes);
+  }
+}
+
+// o[r][d0 .. d0 + NV * kLanes) += sum_k p[r][k] * v[k][d0 ..] for MR rows, keys [0, n); vt
+// holds the values as weigh_rows reads them (value_tile), a step of keys per head_dim lanes.
+template <class F, int MR, int NV>
+inline void weigh_rows(const typename F::T* p, int64_t p_stride, const typename F::T* vt,
+                       int64_t n, float* o, int64_t head_dim, int64_t d0) {
   vfloat acc[MR][NV];
   for (int r = 0; r < MR; ++r)
     for (int c = 0; c < NV; ++c) acc[r][c] = load(o + r * head_dim + d0 + c * kLanes);
-  for (int64_t k = 0; k < n; ++k) {
-    vfloat v[NV];
-    for (int c = 0; c < NV; ++c) v[c] = load(rows[k] + d0 + c * kLanes);
+  for (int64_t k = 0; k < n; k += F::kStep) {
+    decltype(F::vector(vt)) v[NV];
+    for (int c = 0; c < NV; ++c)
+      v[c] = F::vector(vt + k * head_dim + (d0 + c * kLanes) * F::kStep);
     for (int r = 0; r < MR; ++r) {
-      const float w = p[r * p_stride + k];
-      for (int c = 0; c < NV; ++c) acc[r][c] += w * v[c];
+      const auto w = F::broadcast(p + r * p_stride + k);
+      for (int c = 0; c < NV; ++c) F::madd(acc[r][c], w, v[c]);
     }
   }
   for (int r = 0; r < MR; ++r)
     for (int c = 0; c < NV; ++c) store(acc[r][c], o + r * head_dim + d0 + c * kLanes);
 }
 
+// vt = value rows [0, n) as weigh_rows reads them: F32, [n][head_dim] floats; BF16, per pair of
+// rows [head_dim / 32][lo, hi] (bf16_pairs.h), a missing partner after an odd n as zeros.
+template <class F, typename C>
+inline void value_tile(typename F::T* vt, const C* const* rows, int64_t n, int64_t head_dim) {
+  if constexpr (F::kStep == 1) {
+    for (int64_t k = 0; k < n; ++k)
+      for (int64_t d = 0; d < head_dim; d += kLanes) store(load(rows[k] + d), vt + k * head_dim + d);
+  } else {
+#ifdef __AVX512BF16__
+    for (int64_t k = 0; k < n; k += 2)
+      for (int64_t d = 0; d < head_dim; d += kPairDims) {
+        const RowPairs v = interleave(rows[k] + d, k + 1 < n ? rows[k + 1] + d : nullptr);
+        std::memcpy(vt + k * head_dim + 2 * d, &v.lo, sizeof v.lo);
+        std::memcpy(vt + k * head_dim + 2 * d + 2 * kLanes, &v.hi, sizeof v.hi);
+      }
+#endif
+  }
+}
+
+// A row of the output: o's sums times inv_sum, in order.
+template <class F, typename T>
+inline void store_output(const float* o, float inv_sum, T* out, int64_t head_dim) {
+  if constexpr (F::kStep == 1) {
+    for (int64_t d = 0; d < head_dim; d += kLanes) store(load(o + d) * inv_sum, out + d);
+  } else {
+#ifdef __AVX512BF16__
+    for (int64_t d = 0; d < head_dim; d += kPairDims)
+      store_in_order(load(o + d) * inv_sum, load(o + d + kLanes) * inv_sum, out + d);
+#endif
+  }
+}
+
 // Tokens [0, n) of one sequence (token i: query row q + i * q_stride, output row
 // out + i * out_stride, context ctx0 + i positions) against KV head h and its `group` query
 // heads. Row r of the tile is token r / group, query head h * group + r % group.
-template <typename T, typename C>
+// F = BF16 takes T = C = uint16_t (bf16) and head_dim a multiple of 32.
+template <class F, typename T, typename C>
 void attend_tile(T* out, int64_t out_stride, const T* q, int64_t q_stride, const C* k_cache,
                  const C* v_cache, const int32_t* table, int64_t ctx0, int64_t n, int64_t h,
                  int64_t group, int64_t head_dim, int64_t block_size, int64_t token_stride,
-                 float scale, TileScratch& scratch) {
+                 float scale, TileScratch<typename F::T>& scratch) {
+  using E = typename F::T;
+  constexpr bool kBf16 = F::kStep == 2;
   const int64_t rows = n * group, ctx = ctx0 + n - 1;  // ctx: the last token's context
-  const int64_t chunks = head_dim / kLanes;
+  const int64_t lane_chunks = head_dim / F::kStep / kLanes;  // a row's vectors of lanes
   // A row's scores: one chunk's, at most (a short context's fewer, rounded up to a key tile).
   const int64_t stride = std::min(kKeyChunk, (ctx + kKeyTile - 1) / kKeyTile * kKeyTile);
-  scratch.q.resize(rows * head_dim);
-  scratch.kt.resize(head_dim * kKeyTile);
-  scratch.scores.resize(rows * stride);
+  E* qs = at_least(scratch.q, rows * head_dim);
+  E* kt = at_least(scratch.kt, head_dim * kKeyTile);
+  E* vt = at_least(scratch.vt, (kValueKeys + 1) * head_dim);
+  float* scores = at_least(scratch.scores, rows * stride);
+  // The weights the values take: the scores themselves in float, a bf16 copy for BF16.
+  const E* p = kBf16 ? at_least(scratch.p, rows * stride) : reinterpret_cast<const E*>(scores);
   scratch.o.assign(rows * head_dim, 0.f);
   scratch.row_max.assign(rows, -INFINITY);
   scratch.row_sum.assign(rows, 0.f);
-  float* qs = scratch.q.data();
-  float* kt = scratch.kt.data();
-  float* scores = scratch.scores.data();
   float* o = scratch.o.data();
 
   auto row_ctx = [&](int64_t r) { return ctx0 + r / group; };
@@ -107,11 +177,15 @@ void attend_tile(T* out, int64_t out_stride, const T* q, int64_t q_stride, const
            h * head_dim;
   };
 
+  // Queries: F32 scales them here (the scores then need no scale), BF16 keeps them as they are.
   for (int64_t r = 0; r < rows; ++r) {
     const T* src = q + r / group * q_stride + (h * group + r % group) * head_dim;
-    for (int64_t c = 0; c < chunks; ++c)
-      store(load(src + c * kLanes) * scale, qs + r * head_dim + c * kLanes);
+    if constexpr (kBf16)
+      std::memcpy(qs + r * head_dim, src, head_dim * sizeof(E));
+    else
+      for (int64_t d = 0; d < head_dim; d += kLanes) store(load(src + d) * scale, qs + r * head_dim + d);
   }
+  const float score_scale = kBf16 ? scale : 1.f;
 
   const C* key_rows[kKeyTile];
   const C* value_rows[kValueKeys];
@@ -124,20 +198,22 @@ void attend_tile(T* out, int64_t out_stride, const T* q, int64_t q_stride, const
       const int64_t nk = std::min<int64_t>(kKeyTile, c1 - k0);
       for (int64_t k = 0; k < nk; ++k) key_rows[k] = cache_row(k_cache, k0 + k);
       for (int64_t half = 0; half < kKeyTile; half += kLanes)
-        for (int64_t c = 0; c < chunks; ++c) {
+        for (int64_t c = 0; c < lane_chunks; ++c) {
           vfloat block[kLanes];
           for (int64_t j = 0; j < kLanes; ++j)
-            block[j] = half + j < nk ? load(key_rows[half + j] + c * kLanes) : vfloat{};
+            block[j] = half + j < nk ? lanes<F>(key_rows[half + j] + c * kLanes * F::kStep)
+                                     : vfloat{};
           transpose(block);
           for (int64_t d = 0; d < kLanes; ++d)
-            store(block[d], kt + (c * kLanes + d) * kKeyTile + half);
+            store_lanes<F>(block[d], kt + ((c * kLanes + d) * kKeyTile + half) * F::kStep);
         }
       for (int64_t r0 = 0; r0 < rows; r0 += kRowTile) {
         const int64_t m = std::min<int64_t>(kRowTile, rows - r0);
         if (k0 >= row_ctx(r0 + m - 1)) continue;
         with_constant<kRowTile>(m, [&](auto mr) {
-          score_rows<decltype(mr)::value>(qs + r0 * head_dim, head_dim, kt,
-                                          scores + r0 * stride + k0 - c0, stride);
+          score_rows<F, decltype(mr)::value>(qs + r0 * head_dim, head_dim, kt,
+                                             scores + r0 * stride + k0 - c0, stride,
+                                             score_scale);
         });
       }
     }
@@ -149,18 +225,23 @@ void attend_tile(T* out, int64_t out_stride, const T* q, int64_t q_stride, const
       const int64_t own = std::min(c1, row_ctx(r)) - c0;
       if (own <= 0) {
         std::fill(s, s + width, 0.f);
-        continue;
+      } else {
+        const float rescale =
+            softmax_fold<E>(s, own, width, scratch.row_max[r], scratch.row_sum[r]);
+        if (rescale != 1.f)
+          for (int64_t d = 0; d < head_dim; d += kLanes)
+            store(load(o + r * head_dim + d) * rescale, o + r * head_dim + d);
       }
-      const float rescale = softmax_fold(s, own, width, scratch.row_max[r], scratch.row_sum[r]);
-      if (rescale != 1.f)
-        for (int64_t c = 0; c < chunks; ++c)
-          store(load(o + r * head_dim + c * kLanes) * rescale, o + r * head_dim + c * kLanes);
+      if constexpr (kBf16)  // exact: the weights are rounded to bf16 already
+        for (int64_t t = 0; t < width; t += kLanes)
+          store(load(s + t), scratch.p.data() + r * stride + t);
     }
 
     // Values, kValueKeys keys at a time, two vectors of the head dimension per pass.
     for (int64_t k0 = c0; k0 < c1; k0 += kValueKeys) {
       const int64_t nk = std::min<int64_t>(kValueKeys, c1 - k0);
       for (int64_t k = 0; k < nk; ++k) value_rows[k] = cache_row(v_cache, k0 + k);
+      value_tile<F>(vt, value_rows, nk, head_dim);
       for (int64_t d0 = 0; d0 < head_dim; d0 += 2 * kLanes) {
         const bool pair = d0 + 2 * kLanes <= head_dim;
         for (int64_t r0 = 0; r0 < rows; r0 += kRowTile) {
@@ -169,23 +250,20 @@ void attend_tile(T* out, int64_t out_stride, const T* q, int64_t q_stride, const
           if (keys <= 0) continue;
           with_constant<kRowTile>(m, [&](auto mr) {
             constexpr int MR = decltype(mr)::value;
-            const float* p = scores + r0 * stride + k0 - c0;
+            const E* pr = p + r0 * stride + k0 - c0;
             if (pair)
-              weigh_rows<MR, 2>(p, stride, value_rows, keys, o + r0 * head_dim, head_dim, d0);
+              weigh_rows<F, MR, 2>(pr, stride, vt, keys, o + r0 * head_dim, head_dim, d0);
             else
-              weigh_rows<MR, 1>(p, stride, value_rows, keys, o + r0 * head_dim, head_dim, d0);
+              weigh_rows<F, MR, 1>(pr, stride, vt, keys, o + r0 * head_dim, head_dim, d0);
           });
         }
       }
     }
   }
 
-  for (int64_t r = 0; r < rows; ++r) {
-    T* dst = out + r / group * out_stride + (h * group + r % group) * head_dim;
-    const float inv_sum = 1.f / scratch.row_sum[r];
-    for (int64_t c = 0; c < chunks; ++c)
-      store(load(o + r * head_dim + c * kLanes) * inv_sum, dst + c * kLanes);
-  }
+  for (int64_t r = 0; r < rows; ++r)
+    store_output<F>(o + r * head_dim, 1.f / scratch.row_sum[r],
+                    out + r / group * out_stride + (h * group + r % group) * head_dim, head_dim);
 }
 
 }  // namespace conveyor

@@ -222,7 +222,10 @@ void paged_attention(T* out, const T* q, C* k_cache, C* v_cache, NewKV<T> new_kv
 #ifdef __AVX512BF16__
     static thread_local Bf16Scratch bf16_scratch;
 #endif
-    TileScratch tile_scratch;
+    TileScratch<float> tile_scratch;
+#ifdef __AVX512BF16__
+    TileScratch<uint16_t> bf16_tile_scratch;
+#endif
 #pragma omp for schedule(dynamic, 1)
     for (int64_t i = 0; i < num_tasks; ++i) {
       const Task& task = tasks[i];
@@ -231,10 +234,21 @@ void paged_attention(T* out, const T* q, C* k_cache, C* v_cache, NewKV<T> new_kv
       const int32_t* table = block_tables + (token_seqs ? token_seqs[t] : t) * max_blocks;
       T* o = out + t * num_heads * head_dim;
       const T* qt = q + t * q_stride;
-      if (task.tile)
-        attend_tile<T, C>(o, num_heads * head_dim, qt, q_stride, k_cache, v_cache, table, ctx,
-                          task.n, h0, group, head_dim, block_size, token_stride, scale,
-                          tile_scratch);
+      if (task.tile) {
+        auto tile = [&](auto step, auto& step_scratch) {  // step: madd_step.h's F32 or BF16
+          attend_tile<decltype(step)>(o, num_heads * head_dim, qt, q_stride, k_cache, v_cache,
+                                      table, ctx, task.n, h0, group, head_dim, block_size,
+                                      token_stride, scale, step_scratch);
+        };
+#ifdef __AVX512BF16__
+        if constexpr (std::is_same_v<T, uint16_t> && std::is_same_v<C, uint16_t>)
+          if (head_dim % kPairDims == 0) {
+            tile(BF16{}, bf16_tile_scratch);
+            continue;
+          }
+#endif
+        tile(F32{}, tile_scratch);
+      }
 #ifdef __AVX512BF16__
       else if (std::is_same_v<T, uint16_t> && std::is_same_v<C, uint16_t> &&
                (head_dim == 64 || head_dim == 128)) {

@@ -30,11 +30,8 @@
 #include <cstring>
 
 #include "dispatch.h"
+#include "madd_step.h"
 #include "vec.h"
-
-#ifdef __AVX512BF16__
-#include <immintrin.h>
-#endif
 
 namespace {
 
@@ -45,36 +42,6 @@ constexpr int64_t kBlockRows = 32 * kRows;
 // Below this many rows a matmul is bound by reading W, and prefetching the next panel on top of
 // the hardware's own prefetch measured slower (1 row: 30 layers 8 -> 10 ms).
 constexpr int64_t kPanelPrefetchRows = 24;
-
-// float32: one k per step; x broadcast as a float, one FMA per accumulator.
-struct F32 {
-  using T = float;
-  static constexpr int kStep = 1;
-  using Bcast = vfloat;
-  // One vbroadcastss; `vfloat{} + x` is two (the add of 0.0 cannot be folded: -0.0).
-  static Bcast broadcast(const float* x) { return *x - vfloat{}; }
-  static vfloat weights(const float* w) { return load(w); }
-  static void madd(vfloat& acc, Bcast x, vfloat w) { acc += x * w; }
-};
-
-#ifdef __AVX512BF16__
-// bf16: two k per step; x's pair broadcast as one 32-bit lane, one vdpbf16ps per accumulator
-// (acc[l] += x[2i] * w[l][2i] + x[2i + 1] * w[l][2i + 1], in float32).
-struct BF16 {
-  using T = uint16_t;
-  static constexpr int kStep = 2;
-  using Bcast = __m512bh;
-  static Bcast broadcast(const uint16_t* x) {
-    uint32_t pair;
-    std::memcpy(&pair, x, sizeof pair);
-    return (__m512bh)_mm512_set1_epi32(static_cast<int>(pair));
-  }
-  static __m512bh weights(const uint16_t* w) { return (__m512bh)_mm512_loadu_si512(w); }
-  static void madd(vfloat& acc, Bcast x, __m512bh w) {
-    acc = (vfloat)_mm512_dpbf16_ps((__m512)acc, x, w);
-  }
-};
-#endif
 
 // A tile row's first `cols` outputs, in T (bf16 rounded to nearest even).
 template <typename T>
@@ -101,7 +68,7 @@ void tile(typename F::T* y, int64_t ldy, const typename F::T* x, const typename 
     const typename F::T* w = panel + i * kPanel;
     for (due += lines; due >= steps; due -= steps, line += kLineElems)
       __builtin_prefetch(line, 0, 2);
-    const auto w0 = F::weights(w), w1 = F::weights(w + kStepElems / 2);
+    const auto w0 = F::vector(w), w1 = F::vector(w + kStepElems / 2);
     for (int r = 0; r < R; ++r) {
       const auto xr = F::broadcast(x + r * k + i);
       F::madd(acc[r][0], xr, w0);

@@ -166,7 +166,9 @@ inline vfloat vexp(vfloat x) {
 // and sum l (m = -inf and l = 0 before its first stretch): with m' = max(m, max s[0, n)),
 // s[t] = exp(s[t] - m'), 0 from n to width (a multiple of kLanes); l = l exp(m - m') + the
 // stretch's sum; m = m'. Returns exp(m - m'): the factor for what the row summed before.
-// n >= 1.
+// n >= 1. W = uint16_t: the weights are rounded to bf16 (for bf16 products), and l sums the
+// rounded weights.
+template <typename W = float>
 inline float softmax_fold(float* s, int64_t n, int64_t width, float& m, float& l) {
   std::fill(s + n, s + width, -INFINITY);
   vfloat vmax = load(s);
@@ -179,7 +181,7 @@ inline float softmax_fold(float* s, int64_t n, int64_t width, float& m, float& l
   vfloat sum{};
   for (int64_t t = 0; t < width; t += kLanes) {
     const vfloat x = load(s + t);
-    const vfloat e = x > -INFINITY ? vexp(x - mx) : vfloat{};
+    const vfloat e = rounded(x > -INFINITY ? vexp(x - mx) : vfloat{}, static_cast<W*>(nullptr));
     store(e, s + t);
     sum += e;
   }
@@ -190,9 +192,10 @@ inline float softmax_fold(float* s, int64_t n, int64_t width, float& m, float& l
 }
 
 // The softmax of a whole row as one stretch; returns 1 / the sum.
+template <typename W = float>
 inline float softmax_row(float* s, int64_t n, int64_t width) {
   float m = -INFINITY, l = 0.f;
-  softmax_fold(s, n, width, m, l);
+  softmax_fold<W>(s, n, width, m, l);
   return 1.f / l;
 }
 
