@@ -42,16 +42,19 @@ def test_int8_activations_stay_close_to_float32(executor, prompt_ids, reference_
         ex = ModelExecutor(dtype="bfloat16", device="cpu", int8_activations=int8)
         layer = ex.model.layers[0]
         assert (layer.gate_up_proj.packing == "int8") == int8
-        assert (ex.model.lm_head.packing == "int8") == int8
+        assert ex.model.lm_head.packing == "panels"  # the logits stay bf16 products
         assert (layer.qkv_proj.int8 is not None and layer.qkv_proj.int8.exact is not None) == int8
         assert ex.model.fused_decode.serves(64)  # any decode batch runs in one call either way
         got = all_logits(ex, seqs).log_softmax(-1)
         kl = (reference.exp() * (reference - got)).sum(-1).mean().item()
         top1 = (reference.argmax(-1) == got.argmax(-1)).float().mean().item()
         measured[int8] = kl, top1
+        print(f"int8_activations={int8}: KL {kl:.5f}, top-1 agreement {top1:.4f}")
         del ex
-    # Measured on a Zen 4: bf16 KL 0.0014, top-1 agreement 98.1%; int8 0.0037, 95.9% (without
-    # the exact channels of calibration.py 0.0053, 96.4%; llama.cpp 0.0034, 98.1%).
+    # Measured on a Zen 4: bf16 KL 0.0013, top-1 agreement 97.9%; int8 0.0042, 96.3% (with an
+    # int8 lm_head 0.0037, 95.9%; without calibration.py's exact channels too 0.0053, 96.4%;
+    # llama.cpp 0.0034, 98.1%). Over 4,096 positions of docs/ text, the int8 lm_head's rounding
+    # was most of the difference from bf16: docs/performance.md, change 37.
     assert measured[False][0] < 0.004 and measured[False][1] > 0.97
     assert measured[True][0] < 0.006 and measured[True][1] > 0.94
     assert measured[True][0] > measured[False][0]  # the rounding is not free
