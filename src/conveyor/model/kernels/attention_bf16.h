@@ -111,9 +111,9 @@ void attend_bf16(uint16_t* out, const uint16_t* q, const uint16_t* k_cache,
         }
       }
     }
-    for (int g = 0; g < G; ++g) {
-      store_in_order(lo[g] * inv_sum[i0 + g], hi[g] * inv_sum[i0 + g], out + (h0 * group + i0 + g) * head_dim + c * kBf16Chunk);
-    }
+    for (int g = 0; g < G; ++g)
+      store_in_order(lo[g] * inv_sum[i0 + g], hi[g] * inv_sum[i0 + g],
+                     out + (h0 * group + i0 + g) * head_dim + c * kBf16Chunk);
   };
   for (int64_t h = 0; h < h1 - h0; ++h)
     for (int64_t g = 0; g < group; g += kBf16GroupTile)

@@ -31,7 +31,6 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
-#include <type_traits>
 #include <vector>
 
 #include "bf16_pairs.h"
@@ -54,7 +53,8 @@ struct TileScratch {  // per thread, reused across tasks
   std::vector<float> scores, o, row_max, row_sum;
 };
 
-// 16 32-bit lanes of a row: F32, 16 elements as float; BF16, 32 elements as 16 pairs.
+// kLanes 32-bit lanes of a row: F32, kLanes elements as float; BF16, 2 x kLanes elements as
+// pairs.
 template <class F, typename C>
 inline vfloat lanes(const C* row) {
   if constexpr (F::kStep == 1) {
@@ -64,11 +64,6 @@ inline vfloat lanes(const C* row) {
     std::memcpy(&v, row, sizeof v);
     return v;
   }
-}
-
-template <class F>
-inline void store_lanes(vfloat v, typename F::T* out) {
-  std::memcpy(out, &v, sizeof v);
 }
 
 // s[r][0..kKeyTile) = scale * q[r] . kt[.][j] for MR rows; kt is [head_dim / kStep][kKeyTile]
@@ -119,7 +114,8 @@ template <class F, typename C>
 inline void value_tile(typename F::T* vt, const C* const* rows, int64_t n, int64_t head_dim) {
   if constexpr (F::kStep == 1) {
     for (int64_t k = 0; k < n; ++k)
-      for (int64_t d = 0; d < head_dim; d += kLanes) store(load(rows[k] + d), vt + k * head_dim + d);
+      for (int64_t d = 0; d < head_dim; d += kLanes)
+        store(load(rows[k] + d), vt + k * head_dim + d);
   } else {
 #ifdef __AVX512BF16__
     for (int64_t k = 0; k < n; k += 2)
@@ -183,7 +179,8 @@ void attend_tile(T* out, int64_t out_stride, const T* q, int64_t q_stride, const
     if constexpr (kBf16)
       std::memcpy(qs + r * head_dim, src, head_dim * sizeof(E));
     else
-      for (int64_t d = 0; d < head_dim; d += kLanes) store(load(src + d) * scale, qs + r * head_dim + d);
+      for (int64_t d = 0; d < head_dim; d += kLanes)
+        store(load(src + d) * scale, qs + r * head_dim + d);
   }
   const float score_scale = kBf16 ? scale : 1.f;
 
@@ -205,7 +202,8 @@ void attend_tile(T* out, int64_t out_stride, const T* q, int64_t q_stride, const
                                      : vfloat{};
           transpose(block);
           for (int64_t d = 0; d < kLanes; ++d)
-            store_lanes<F>(block[d], kt + ((c * kLanes + d) * kKeyTile + half) * F::kStep);
+            std::memcpy(kt + ((c * kLanes + d) * kKeyTile + half) * F::kStep, &block[d],
+                        sizeof block[d]);
         }
       for (int64_t r0 = 0; r0 < rows; r0 += kRowTile) {
         const int64_t m = std::min<int64_t>(kRowTile, rows - r0);
