@@ -1,7 +1,8 @@
 // One step of a dot-product micro-kernel, in float or in bf16 pairs: a broadcast of one
 // operand, a vector of the other, a multiply-add into float accumulators. Shared by the panel
-// GEMM (panel_gemm.cpp: x broadcast, W's panel as vectors) and the prefill attention tiles
-// (attention_tile.h: a query or a softmax weight broadcast, keys or values as vectors).
+// GEMM (panel_gemm.cpp: x broadcast, W's panel as vectors), the prefill attention tiles
+// (attention_tile.h: a query or a softmax weight broadcast, keys or values as vectors) and the
+// decode attention's value pass (attention_bf16.h: the weights of two rows broadcast).
 
 #pragma once
 
