@@ -232,9 +232,8 @@ class LlamaForCausalLM(nn.Module):
         """Give each projection whose checkpoint weights were all blocks of one kind its quantized
         copy (a fused projection needs every part), and with ``int8_panels`` the decoder layers'
         projections also ``Int8Panels`` of them in place of their dense weights
-        (``Linear.use_int8_panels``), with
-        ``exact``'s channels for the projections it names (``calibration.exact_channels``).
-        Returns the bytes added.
+        (``Linear.use_int8_panels``), with ``exact``'s channels for the projections it names
+        (``calibration.exact_channels``). Returns the bytes added.
 
         The lm_head gets the embedding's 8-bit blocks when they are tied; once it holds its own
         packed copy (``prepack``), lookups read those blocks and the dense table is dropped."""
@@ -261,7 +260,7 @@ class LlamaForCausalLM(nn.Module):
         if head is not None:
             # The lm_head stays on its bf16 panels: rounding the final hidden state to 8 bits
             # cost more agreement with float32's top-1 than all the layers' rounding together
-            # (docs/performance.md, change 37), for 1.5 ms of a 62 ms batch-64 decode step.
+            # (docs/performance.md, change 37), for 1.4 ms of a 62 ms batch-64 decode step.
             added += attach(self.lm_head, head, False)
         if isinstance(embed, Int8Blocks) and self.lm_head.weight is not self.embed_tokens:
             self.embed_blocks, self.embed_tokens = embed, None

@@ -28,8 +28,8 @@
 
 #include "attention_keys.h"
 #include "bf16_pairs.h"
-#include "madd_step.h"
 #include "dispatch.h"
+#include "madd_step.h"
 #include "vec.h"
 
 namespace conveyor {
@@ -42,8 +42,6 @@ struct Bf16Scratch {  // per thread, reused across tasks and calls
   std::vector<uint16_t> weights;  // the scores after softmax, rounded to bf16
   std::vector<vfloat> dots;
 };
-
-inline __m512bh load_bf16(const uint16_t* p) { return (__m512bh)_mm512_loadu_si512(p); }
 
 template <int CHUNKS>  // head_dim / kBf16Chunk
 void attend_bf16(uint16_t* out, const uint16_t* q, const uint16_t* k_cache,
@@ -73,12 +71,12 @@ void attend_bf16(uint16_t* out, const uint16_t* q, const uint16_t* k_cache,
                 block_size, token_stride, scale, dots, [=](const uint16_t* row, int64_t r) {
     for (int64_t h = 0; h < h1 - h0; ++h) {
       __m512bh kv[CHUNKS];
-      for (int c = 0; c < CHUNKS; ++c) kv[c] = load_bf16(row + h * head_dim + c * kBf16Chunk);
+      for (int c = 0; c < CHUNKS; ++c) kv[c] = BF16::vector(row + h * head_dim + c * kBf16Chunk);
       for (int64_t g = 0; g < group; ++g) {
         const int64_t i = h * group + g;
         __m512 dot = _mm512_setzero_ps();
         for (int c = 0; c < CHUNKS; ++c)
-          dot = _mm512_dpbf16_ps(dot, kv[c], load_bf16(qh + i * head_dim + c * kBf16Chunk));
+          dot = _mm512_dpbf16_ps(dot, kv[c], BF16::vector(qh + i * head_dim + c * kBf16Chunk));
         dots[i * kLanes + r] = (vfloat)dot;
       }
     }

@@ -39,6 +39,7 @@
 #include <vector>
 
 #include "dispatch.h"
+#include "madd_step.h"
 #include "vec.h"
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
@@ -157,12 +158,10 @@ void int8_tile(T* y, int64_t ldy, const int8_t* q, const float* s, const float* 
     }
   }
   for (int64_t j = 0; j < n_exact; j += 2) {
-    const __m512bh w0 = (__m512bh)_mm512_loadu_si512(ew + j * kInt8Panel);
-    const __m512bh w1 = (__m512bh)_mm512_loadu_si512(ew + j * kInt8Panel + 32);
+    const __m512bh w0 = conveyor::BF16::vector(ew + j * kInt8Panel);
+    const __m512bh w1 = conveyor::BF16::vector(ew + j * kInt8Panel + 32);
     for (int r = 0; r < R; ++r) {
-      uint32_t pair;
-      std::memcpy(&pair, ex + r * n_exact + j, sizeof pair);
-      const __m512bh a = (__m512bh)_mm512_set1_epi32(static_cast<int>(pair));
+      const auto a = conveyor::BF16::broadcast(ex + r * n_exact + j);
       acc[r][0] = _mm512_dpbf16_ps(acc[r][0], w0, a);
       acc[r][1] = _mm512_dpbf16_ps(acc[r][1], w1, a);
     }

@@ -10,8 +10,8 @@
 // kGroupTile query heads (bf16 queries over a bf16 cache, where the CPU has AVX512-BF16, take
 // attention_bf16.h's version of this on vdpbf16ps). A prefill chunk's consecutive tokens
 // instead go in tiles of query rows (attention_tile.h), where each key and value row read
-// serves many queries. Nothing is gathered into a contiguous copy first, which is what makes this faster than index_select +
-// scaled_dot_product_attention.
+// serves many queries. Nothing is gathered into a contiguous copy first, which is what makes
+// this faster than index_select + scaled_dot_product_attention.
 //
 // Layouts (element strides; T, the queries' type, and C, the cache's, are float or bf16
 // stored as uint16_t):
@@ -51,8 +51,8 @@ struct Scratch {  // per thread, reused across tasks and calls
 };
 
 // One query token, KV heads [h0, h1): each of them with its `group` query heads. The context is
-// read block by block (attention_keys.h, then the values; the next block is prefetched). CHUNKS = head_dim / kLanes when
-// known at compile time (loops unroll), 0 for any other size.
+// read block by block (attention_keys.h, then the values; the next block is prefetched).
+// CHUNKS = head_dim / kLanes when known at compile time (loops unroll), 0 for any other size.
 template <typename T, typename C, int CHUNKS>
 void attend(T* out, const T* q, const C* k_cache, const C* v_cache, const int32_t* table,
             int64_t ctx, int64_t h0, int64_t h1, int64_t group, int64_t head_dim,
@@ -219,11 +219,9 @@ void paged_attention(T* out, const T* q, C* k_cache, C* v_cache, NewKV<T> new_kv
       }
     }
     static thread_local Scratch scratch;
-#ifdef __AVX512BF16__
-    static thread_local Bf16Scratch bf16_scratch;
-#endif
     TileScratch<float> tile_scratch;
 #ifdef __AVX512BF16__
+    static thread_local Bf16Scratch bf16_scratch;
     TileScratch<uint16_t> bf16_tile_scratch;
 #endif
 #pragma omp for schedule(dynamic, 1)
