@@ -54,11 +54,19 @@ void silu_mul(T* out, const T* gate_up, int64_t rows, int64_t inter, int num_thr
 #pragma omp parallel for num_threads(num_threads) if (rows * inter >= kParallelElements)
   for (int64_t r = 0; r < rows; ++r) {
     const T* g = gate_up + r * 2 * inter;
-    for (int64_t c = 0; c < inter; c += kLanes) {
-      const vfloat gv = load(g + c);
-      const vfloat silu = rounded(gv / (1.f + vexp(-gv)), g);
-      store(silu * load(g + inter + c), out + r * inter + c);
-    }
+    T* o = out + r * inter;
+    // Eight vectors at a time: their exps overlap (64 x 1536 bf16 on one Zen 4 core: 58 -> 42 us).
+    in_batches<8>(inter, [&](int64_t c, auto batch) {
+      constexpr int B = decltype(batch)::value;
+      vfloat gv[B], e[B];
+      for (int i = 0; i < B; ++i) {
+        gv[i] = load(g + c + i * kLanes);
+        e[i] = vexp(-gv[i]);
+      }
+      for (int i = 0; i < B; ++i)
+        store(rounded(gv[i] / (1.f + e[i]), g) * load(g + inter + c + i * kLanes),
+              o + c + i * kLanes);
+    });
   }
 }
 

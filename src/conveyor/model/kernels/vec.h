@@ -5,10 +5,13 @@
 // uint16_t); sizes handed to these helpers are multiples of 16 (the Python side checks).
 #pragma once
 
+#include <immintrin.h>
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <utility>
 
 namespace conveyor {
@@ -29,10 +32,17 @@ inline vfloat load(const float* p) {
   return v;
 }
 
-inline vfloat load(const uint16_t* p) {  // bf16 -> float: the bf16 bits are a float's top half
+// bf16 -> float: the bf16 bits are a float's top half. GCC lowers the vector-extension
+// widening to two half-width conversions and an insert; with AVX-512 one vpmovzxwd does it.
+inline vfloat load(const uint16_t* p) {
+#ifdef __AVX512F__
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return reinterpret_cast<vfloat>(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+#else
   vhalf h;
   std::memcpy(&h, p, sizeof h);
   return reinterpret_cast<vfloat>(__builtin_convertvector(h, vuint) << 16);
+#endif
 }
 
 inline vuint bf16_rounded_bits(vfloat v) {  // round to nearest even, as torch does
@@ -42,9 +52,14 @@ inline vuint bf16_rounded_bits(vfloat v) {  // round to nearest even, as torch d
 
 inline void store(vfloat v, float* p) { std::memcpy(p, &v, sizeof v); }
 
-inline void store(vfloat v, uint16_t* p) {
+inline void store(vfloat v, uint16_t* p) {  // (vcvtneps2bf16 would flush subnormals to zero)
+#ifdef __AVX512F__
+  const __m512i bits = reinterpret_cast<__m512i>(bf16_rounded_bits(v) >> 16);
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(bits));
+#else
   const vhalf h = __builtin_convertvector(bf16_rounded_bits(v) >> 16, vhalf);
   std::memcpy(p, &h, sizeof h);
+#endif
 }
 
 // v rounded to T and back: what torch's eager ops produce between two bf16 ops.
@@ -143,12 +158,19 @@ inline void transpose(vfloat* rows) {
 // exp(x), kLanes at a time, x clamped to [-87, 88] (exp(-87) ~ 1.6e-38 is still a normal float):
 // 2^n * e^f with n = round(x log2 e) and a degree-6 polynomial for e^f, |f| <= 0.35
 // (relative error about 1e-7). Adding 1.5 * 2^23 rounds x log2 e to an integer (to nearest
-// even) in the sum's low mantissa bits, which then become 2^n's exponent. Scalar expf would
-// be a library call per element.
+// even) in the sum's low mantissa bits, which then become 2^n's exponent (AVX-512: vscalefps
+// multiplies by 2^n, the same product in fewer instructions). Scalar expf would be a library
+// call per element. The polynomial is a chain of dependent FMAs: a loop over many vectors runs
+// faster computing several in one iteration, so the core overlaps their chains.
 inline vfloat vexp(vfloat x) {
   constexpr float kRound = 12582912.f;  // 1.5 * 2^23: floats near it are 1 apart
+#ifdef __AVX512F__  // max/min with x second keep a NaN x, as the comparisons below do
+  x = reinterpret_cast<vfloat>(_mm512_max_ps(_mm512_set1_ps(-87.f), reinterpret_cast<__m512>(x)));
+  x = reinterpret_cast<vfloat>(_mm512_min_ps(_mm512_set1_ps(88.f), reinterpret_cast<__m512>(x)));
+#else
   x = x < -87.f ? vfloat{} - 87.f : x;
   x = x > 88.f ? vfloat{} + 88.f : x;
+#endif
   const vfloat r = x * 1.44269504f + kRound;
   const vfloat n = r - kRound;
   const vfloat f = (x * 1.44269504f - n) * 0.69314718f;
@@ -158,8 +180,23 @@ inline vfloat vexp(vfloat x) {
   p = p * f + 0.5f;
   p = p * f + 1.f;
   p = p * f + 1.f;
+#ifdef __AVX512F__
+  return reinterpret_cast<vfloat>(
+      _mm512_scalef_ps(reinterpret_cast<__m512>(p), reinterpret_cast<__m512>(n)));
+#else
   const vint bits = (reinterpret_cast<vint>(r) - (0x4B400000 - 127)) << 23;
   return p * reinterpret_cast<vfloat>(bits);
+#endif
+}
+
+// body(c, std::integral_constant<int, B>{}) for c = 0, B kLanes, ... while B vectors fit in
+// [0, n), then body(c, std::integral_constant<int, 1>{}) a vector at a time: a loop whose
+// vectors are independent, B at a time (n a multiple of kLanes).
+template <int B, typename Body>
+inline void in_batches(int64_t n, Body&& body) {
+  int64_t c = 0;
+  for (; c + B * kLanes <= n; c += B * kLanes) body(c, std::integral_constant<int, B>{});
+  for (; c < n; c += kLanes) body(c, std::integral_constant<int, 1>{});
 }
 
 // One stretch of a row's unnormalised softmax, in place, folded into the row's running max m
@@ -179,12 +216,18 @@ inline float softmax_fold(float* s, int64_t n, int64_t width, float& m, float& l
   float mx = m;
   for (int i = 0; i < kLanes; ++i) mx = std::max(mx, vmax[i]);
   vfloat sum{};
-  for (int64_t t = 0; t < width; t += kLanes) {
-    const vfloat x = load(s + t);
-    const vfloat e = rounded(x > -INFINITY ? vexp(x - mx) : vfloat{}, static_cast<W*>(nullptr));
-    store(e, s + t);
-    sum += e;
-  }
+  in_batches<4>(width, [&](int64_t t, auto batch) {  // exps overlap: see vexp
+    constexpr int B = decltype(batch)::value;
+    vfloat e[B];
+    for (int i = 0; i < B; ++i) {
+      const vfloat x = load(s + t + i * kLanes);
+      e[i] = rounded(x > -INFINITY ? vexp(x - mx) : vfloat{}, static_cast<W*>(nullptr));
+    }
+    for (int i = 0; i < B; ++i) {
+      store(e[i], s + t + i * kLanes);
+      sum += e[i];
+    }
+  });
   const float rescale = std::exp(m - mx);  // 0 on the first stretch (m = -inf)
   l = l * rescale + hsum(sum);
   m = mx;
