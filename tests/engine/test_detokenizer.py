@@ -84,3 +84,20 @@ def test_byte_fallback_tokens(byte_fallback_tokenizer, text):
     # after a prompt, the first word keeps its leading space (decoded in context, as in vLLM)
     prompt = tok.encode("hello", add_special_tokens=False)
     assert _stream(tok, prompt, ids)[1] == " " + text
+
+
+def test_wordpiece_text_is_cleaned_up_as_transformers_decode_cleans_it():
+    """A WordPiece tokenizer with clean_up_tokenization_spaces: the text goes through
+    transformers' decode (which joins "word ." into "word."), not the Rust backend's alone."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = ["[UNK]", "[SEP]", "hello", "world", "fine", ".", ",", "!"]
+    tok = Tokenizer(models.WordPiece({w: i for i, w in enumerate(words)}, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    tok.decoder = decoders.WordPiece(cleanup=False)  # the clean-up left to transformers
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]", sep_token="[SEP]",
+                                   clean_up_tokenization_spaces=True)
+    ids = fast.encode("hello, world! fine.", add_special_tokens=False)
+    assert fast.backend_tokenizer.decode(ids) != fast.decode(ids)  # the clean-up matters here
+    assert _stream(fast, [], ids)[1] == fast.decode(ids) == "hello, world! fine."

@@ -12,6 +12,8 @@ context.
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from typing import Any
 
 _REPLACEMENT = "\ufffd"
@@ -19,12 +21,22 @@ _PROMPT_CONTEXT_TOKENS = 5
 _TRIM_AT = 64  # drop already-emitted ids once this many pile up before the window
 
 
+def _decoder(tokenizer: Any, skip_special_tokens: bool) -> Callable[[list[int]], str]:
+    """``tokenizer.decode``; for a fast tokenizer whose text transformers leaves as it is (no
+    ``clean_up_tokenization_spaces``), its Rust backend's own ``decode``, which is what
+    transformers calls: its wrapper cost 2.5 us a call, and a batch-64 step makes 128 calls."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    decode = tokenizer.decode
+    if backend is not None and not getattr(tokenizer, "clean_up_tokenization_spaces", True):
+        decode = backend.decode
+    return functools.partial(decode, skip_special_tokens=skip_special_tokens)
+
+
 class IncrementalDetokenizer:
     """Turns one sequence's generated token ids into text, emitting only clean characters."""
 
     def __init__(self, tokenizer: Any, prompt_token_ids: list[int], skip_special_tokens: bool = True):
-        self._tokenizer = tokenizer
-        self._skip_special_tokens = skip_special_tokens
+        self._decode = _decoder(tokenizer, skip_special_tokens)
         self._ids = list(prompt_token_ids[-_PROMPT_CONTEXT_TOKENS:])
         self.read_offset = len(self._ids)
         self.prefix_offset = 0
@@ -32,9 +44,6 @@ class IncrementalDetokenizer:
         while (self.prefix_offset < self.read_offset
                and self._decode(self._ids[self.prefix_offset:self.read_offset]).startswith(_REPLACEMENT)):
             self.prefix_offset += 1
-
-    def _decode(self, ids: list[int]) -> str:
-        return self._tokenizer.decode(ids, skip_special_tokens=self._skip_special_tokens)
 
     def add_token(self, token_id: int) -> str:
         """Append one generated token; return the newly complete text (possibly empty)."""
