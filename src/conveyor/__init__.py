@@ -1,8 +1,8 @@
 """Conveyor: a continuous-batching LLM inference engine."""
 
-from conveyor.core.sampling_params import SamplingParams
+from conveyor.core.sampling_params import RequestOutputKind, SamplingParams
 
-__all__ = ["SamplingParams", "LLM"]
+__all__ = ["SamplingParams", "RequestOutputKind", "LLM"]
 __version__ = "0.1.0"
 
 

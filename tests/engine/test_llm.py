@@ -4,7 +4,7 @@ import copy
 
 import pytest
 
-from conveyor.core.sampling_params import SamplingParams
+from conveyor.core.sampling_params import RequestOutputKind, SamplingParams
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time", "1, 2, 3, 4,"]
 
@@ -33,7 +33,9 @@ def _direct_run(engine, prompt_token_ids, max_tokens):
 
 
 def test_greedy_generate_equals_direct_executor_run(llm, engine, tokenizer):
-    outputs = llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=8), use_tqdm=False)
+    params = SamplingParams(temperature=0.0, max_tokens=8)
+    outputs = llm.generate(PROMPTS, params, use_tqdm=False)
+    assert params.output_kind == RequestOutputKind.CUMULATIVE  # generate asked for FINAL_ONLY on a copy
     assert [o.prompt for o in outputs] == PROMPTS  # input order kept
     direct = _direct_run(engine, [tokenizer.encode(p) for p in PROMPTS], 8)
     assert [o.outputs[0].token_ids for o in outputs] == direct

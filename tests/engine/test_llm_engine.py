@@ -5,7 +5,7 @@ Requests that do not depend on each other run in one batch to keep the number of
 
 import pytest
 
-from conveyor.core.sampling_params import SamplingParams
+from conveyor.core.sampling_params import RequestOutputKind, SamplingParams
 
 PROMPT = "The three most important inventions in history are"
 BASE_TOKENS = 16
@@ -54,6 +54,31 @@ def test_streamed_outputs_are_cumulative(base):
     assert [len(o.outputs[0].token_ids) for o in seen] == list(range(1, BASE_TOKENS + 1))
     assert all(b.startswith(a) for a, b in zip(texts, texts[1:], strict=False))
     assert [o.finished for o in seen] == [False] * (BASE_TOKENS - 1) + [True]
+
+
+def test_delta_outputs_add_up_to_the_cumulative_ones_and_final_only_is_the_last(
+        engine, tokenizer, base):
+    """The same greedy request three ways, cut by a stop string that crosses a token boundary
+    (its first characters are held back, then dropped), n=2 and logprobs on."""
+    stop = _boundary_crossing_stop(tokenizer, base[0].outputs[0].token_ids)
+    params = {kind: greedy(max_tokens=BASE_TOKENS, ignore_eos=True, stop=[stop], n=2, logprobs=2,
+                           output_kind=kind) for kind in RequestOutputKind}
+    finals, seen = run(engine, {kind.name: (PROMPT, p) for kind, p in params.items()})
+    by_kind = {kind.name: [o for o in seen if o.request_id == kind.name] for kind in RequestOutputKind}
+    assert len(by_kind["DELTA"]) == len(by_kind["CUMULATIVE"]) > 2
+    assert by_kind["FINAL_ONLY"] == [finals["FINAL_ONLY"]]
+    full = finals["CUMULATIVE"].outputs
+    assert full[0].finish_reason == "stop" and not full[0].text.endswith(stop)
+    for i, whole in enumerate(full):
+        deltas = [o.outputs[i] for o in by_kind["DELTA"]]
+        assert "".join(d.text for d in deltas) == whole.text
+        assert [t for d in deltas for t in d.token_ids] == whole.token_ids
+        assert [lp for d in deltas for lp in d.logprobs] == whole.logprobs
+        assert deltas[-1].cumulative_logprob == whole.cumulative_logprob
+        assert (deltas[-1].finish_reason, deltas[-1].stop_reason) == ("stop", stop)
+        only = finals["FINAL_ONLY"].outputs[i]
+        assert (only.text, only.token_ids, only.logprobs) == (whole.text, whole.token_ids,
+                                                              whole.logprobs)
 
 
 def _boundary_crossing_stop(tokenizer, token_ids):

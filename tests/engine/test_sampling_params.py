@@ -19,6 +19,7 @@ BAD = [
     ("presence_penalty", 2.5), ("frequency_penalty", -3.0),
     ("repetition_penalty", 0.0), ("repetition_penalty", 2.5),
     ("include_stop_str_in_output", 1), ("ignore_eos", "yes"), ("skip_special_tokens", None),
+    ("output_kind", 1), ("output_kind", "delta"),
 ]
 
 

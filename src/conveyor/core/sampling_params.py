@@ -3,6 +3,15 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from enum import IntEnum
+
+
+class RequestOutputKind(IntEnum):
+    """Which outputs a request yields from ``LLMEngine.step`` (vLLM's names)."""
+
+    CUMULATIVE = 0  # after every step with news: the whole text and token ids so far
+    DELTA = 1  # after every step with news: only what is new since the request's last output
+    FINAL_ONLY = 2  # one output, when the request finishes (LLM.generate asks for this)
 
 
 @dataclass
@@ -30,6 +39,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     skip_special_tokens: bool = True
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -80,6 +90,8 @@ class SamplingParams:
             fail("frequency_penalty", "must be a number in [-2, 2]")
         if not is_num(self.repetition_penalty) or not 0.0 < self.repetition_penalty <= 2.0:
             fail("repetition_penalty", "must be a number in (0, 2]")
+        if not isinstance(self.output_kind, RequestOutputKind):
+            fail("output_kind", "must be a RequestOutputKind (CUMULATIVE, DELTA or FINAL_ONLY)")
         for name in ("include_stop_str_in_output", "ignore_eos", "skip_special_tokens"):
             if not isinstance(getattr(self, name), bool):
                 fail(name, "must be a bool")

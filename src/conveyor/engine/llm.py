@@ -7,12 +7,13 @@ conversations with the model's chat template first.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import time
 from collections.abc import Sequence as Seq
 from typing import Any
 
-from conveyor.core.sampling_params import SamplingParams
+from conveyor.core.sampling_params import RequestOutputKind, SamplingParams
 from conveyor.engine.args import EngineArgs
 from conveyor.engine.chat import chat_prompt
 from conveyor.engine.llm_engine import LLMEngine, Prompt
@@ -92,8 +93,17 @@ def _as_prompt_list(prompts: Prompt | Seq[Prompt]) -> list[Prompt]:
 
 def _as_params_list(params: SamplingParams | Seq[SamplingParams] | None, n: int) -> list[SamplingParams]:
     if params is None or isinstance(params, SamplingParams):
-        return [params or SamplingParams()] * n
+        return [_final_only(params or SamplingParams())] * n
     params = list(params)
     if len(params) != n:
         raise ValueError(f"sampling_params: got {len(params)} for {n} prompts")
-    return params
+    return [_final_only(p) for p in params]
+
+
+def _final_only(params: SamplingParams) -> SamplingParams:
+    """A copy that asks for the finished output only: ``generate`` reads nothing else, so the
+    engine need not build an output per request per step. (Anything else is passed on for
+    ``add_request`` to refuse.)"""
+    if not isinstance(params, SamplingParams):
+        return params
+    return dataclasses.replace(params, output_kind=RequestOutputKind.FINAL_ONLY)

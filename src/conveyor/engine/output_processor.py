@@ -14,6 +14,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+from conveyor.core.sampling_params import RequestOutputKind
 from conveyor.core.sequence import Sequence, SequenceGroup, SequenceStatus
 from conveyor.engine.detokenizer import IncrementalDetokenizer
 from conveyor.engine.outputs import CompletionOutput, Logprob, RequestOutput
@@ -30,6 +31,8 @@ class _SeqState:
     done: bool = False  # final text settled (flushed or cut at a stop string)
     logprobs: list[dict[int, Logprob]] | None = None
     cumulative_logprob: float = 0.0
+    sent_tokens: int = 0  # output tokens, and characters of text, already in a DELTA output
+    sent_chars: int = 0
 
 
 @dataclass
@@ -79,7 +82,8 @@ class OutputProcessor:
             progressed = False
             for seq in group.seqs:
                 progressed |= self._update_seq(request, seq)
-            if progressed or group.is_finished:
+            final_only = group.sampling_params.output_kind == RequestOutputKind.FINAL_ONLY
+            if group.is_finished or (progressed and not final_only):
                 outputs.append(self._make_output(request))
         return outputs
 
@@ -153,14 +157,19 @@ class OutputProcessor:
             text = state.text
             if not state.done and params.stop and not params.include_stop_str_in_output:
                 text = text[: len(text) - partial_stop_len(text, params.stop)]
+            logprobs = state.logprobs
+            first_token = first_char = 0
+            if params.output_kind == RequestOutputKind.DELTA:
+                first_token, first_char = state.sent_tokens, state.sent_chars
+                state.sent_tokens, state.sent_chars = seq.num_output_tokens, len(text)
             completions.append(CompletionOutput(
                 index=seq.index,
-                text=text,
-                token_ids=list(seq.output_token_ids),
+                text=text[first_char:],
+                token_ids=seq.token_ids[seq.num_prompt_tokens + first_token:],
                 finish_reason=seq.status.finish_reason,
                 stop_reason=seq.stop_reason,
-                logprobs=list(state.logprobs) if state.logprobs is not None else None,
-                cumulative_logprob=state.cumulative_logprob if state.logprobs is not None else None,
+                logprobs=logprobs[first_token:] if logprobs is not None else None,
+                cumulative_logprob=state.cumulative_logprob if logprobs is not None else None,
             ))
         finished = group.is_finished
         if finished:

@@ -1,7 +1,8 @@
 """RequestOutput and CompletionOutput: what the engine hands back for a request (vLLM's fields).
 
-Outputs are cumulative: each one carries the whole text and token ids generated so far, so a
-consumer that wants deltas diffs two consecutive outputs of the same request.
+By default outputs are cumulative: each one carries the whole text and token ids generated so
+far. ``SamplingParams.output_kind`` asks for deltas (only what is new since the request's last
+output) or for the final output alone (``RequestOutputKind``).
 """
 
 from __future__ import annotations
