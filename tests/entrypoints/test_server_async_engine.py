@@ -8,7 +8,7 @@ from contextlib import aclosing
 
 import pytest
 
-from conveyor.core.sampling_params import SamplingParams
+from conveyor.core.sampling_params import RequestOutputKind, SamplingParams
 from conveyor.engine.async_engine import AsyncEngine, EngineStoppedError
 
 pytestmark = pytest.mark.timeout(300)
@@ -45,8 +45,10 @@ def test_async_engine_deltas_abort_and_stop(llm, one_thread) -> None:
         ae = AsyncEngine(engine)
         ae.start()
         try:
+            # Its streams are deltas whatever output_kind the caller's params ask for.
+            delta = greedy.with_output_kind(RequestOutputKind.DELTA)
             got_greedy, got_sampled = await asyncio.gather(
-                _collect(ae, "g", greedy), _collect(ae, "s", sampled))
+                _collect(ae, "g", delta), _collect(ae, "s", sampled))
             # Leave a long request after two deltas: it is aborted and its blocks come back.
             long = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
             async with aclosing(ae.generate(PROMPT, long, "leaver")) as gen:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from enum import IntEnum
 
@@ -95,6 +96,10 @@ class SamplingParams:
         for name in ("include_stop_str_in_output", "ignore_eos", "skip_special_tokens"):
             if not isinstance(getattr(self, name), bool):
                 fail(name, "must be a bool")
+
+    def with_output_kind(self, kind: RequestOutputKind) -> SamplingParams:
+        """A copy that asks for ``kind`` of outputs; these params are left as they are."""
+        return dataclasses.replace(self, output_kind=kind)
 
     @property
     def greedy(self) -> bool:

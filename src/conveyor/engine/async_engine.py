@@ -21,8 +21,9 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from conveyor.core.sampling_params import RequestOutputKind, SamplingParams
+
 if TYPE_CHECKING:
-    from conveyor.core.sampling_params import SamplingParams
     from conveyor.engine.llm_engine import LLMEngine
     from conveyor.engine.outputs import RequestOutput
 
@@ -129,6 +130,9 @@ class AsyncEngine:
             raise RuntimeError("AsyncEngine.start() was not called")
         if request_id in self._streams:
             raise ValueError(f"request_id {request_id!r} is already running")
+        if isinstance(sampling_params, SamplingParams):  # anything else: add_request refuses it
+            # The streams' deltas are diffs of cumulative outputs (_delta).
+            sampling_params = sampling_params.with_output_kind(RequestOutputKind.CUMULATIVE)
         queue: asyncio.Queue[Any] = asyncio.Queue()
         with self._lock:
             if self._stopping or self._dead is not None:

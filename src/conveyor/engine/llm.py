@@ -7,7 +7,6 @@ conversations with the model's chat template first.
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import time
 from collections.abc import Sequence as Seq
@@ -106,4 +105,4 @@ def _final_only(params: SamplingParams) -> SamplingParams:
     ``add_request`` to refuse.)"""
     if not isinstance(params, SamplingParams):
         return params
-    return dataclasses.replace(params, output_kind=RequestOutputKind.FINAL_ONLY)
+    return params.with_output_kind(RequestOutputKind.FINAL_ONLY)
