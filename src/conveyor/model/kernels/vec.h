@@ -5,7 +5,9 @@
 // uint16_t); sizes handed to these helpers are multiples of 16 (the Python side checks).
 #pragma once
 
+#ifdef __AVX512F__
 #include <immintrin.h>
+#endif
 
 #include <algorithm>
 #include <cmath>
