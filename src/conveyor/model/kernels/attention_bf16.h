@@ -47,7 +47,7 @@ template <int CHUNKS>  // head_dim / kBf16Chunk
 void attend_bf16(uint16_t* out, const uint16_t* q, const uint16_t* k_cache,
                  const uint16_t* v_cache, const int32_t* table, int64_t ctx, int64_t h0,
                  int64_t h1, int64_t group, int64_t block_size, int64_t token_stride,
-                 float scale, Bf16Scratch& scratch) {
+                 float scale, Bf16Scratch& scratch, KeyStream& next_keys) {
   constexpr int64_t head_dim = CHUNKS * kBf16Chunk;
   const int64_t block_stride = block_size * token_stride;
   const int64_t num_blocks = (ctx + block_size - 1) / block_size;
@@ -92,6 +92,9 @@ void attend_bf16(uint16_t* out, const uint16_t* q, const uint16_t* k_cache,
 
   // out_i = sum_t w[i][t] v_t / sum_t w[i][t]: per KV head, up to kBf16GroupTile query heads and
   // one chunk of 32 dimensions at a time (2 accumulators a head), over the context's row pairs.
+  // The values are in L2 (the key pass fetched them), so the next task's keys come in meanwhile.
+  const int64_t tiles = (group + kBf16GroupTile - 1) / kBf16GroupTile;
+  next_keys.spread_over((h1 - h0) * tiles * CHUNKS * num_blocks);
   auto weigh_values = [&](auto tile, int64_t h, int64_t g0, int c) {
     constexpr int G = decltype(tile)::value;
     const int64_t i0 = h * group + g0;
@@ -99,6 +102,7 @@ void attend_bf16(uint16_t* out, const uint16_t* q, const uint16_t* k_cache,
     for (int64_t b = 0; b < num_blocks; ++b) {
       const uint16_t* rows = rows_of(v_cache, b) + h * head_dim + c * kBf16Chunk;
       const int64_t t0 = b * block_size, n = rows_in(b);
+      next_keys.step();
       for (int64_t j = 0; j < n; j += 2) {
         const RowPairs v = interleave(rows + j * token_stride,
                                       j + 1 < n ? rows + (j + 1) * token_stride : nullptr);

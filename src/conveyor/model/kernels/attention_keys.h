@@ -6,6 +6,8 @@
 // products of q_i and key `row` as an unreduced vector in dots[i * kLanes + r]; kLanes rows'
 // vectors are then reduced together (transposed_hsum): a hsum per score would cost more than
 // the products.
+// KeyStream brings the next task's keys into L2 during this task's value pass, which reads from
+// L2 and would otherwise leave memory idle.
 
 #pragma once
 
@@ -55,5 +57,35 @@ __attribute__((always_inline)) inline void score_keys(
     }
   }
 }
+
+// A sequence's keys (KV heads [h0, h1) of its first `ctx` rows) prefetched into L2 a few rows
+// at a time: spread_over(n) paces them evenly over n calls of step(). Default-constructed, it
+// prefetches nothing.
+class KeyStream {
+ public:
+  KeyStream() = default;
+  template <typename C>
+  KeyStream(const C* k_cache, const int32_t* table, int64_t ctx, int64_t h0, int64_t h1,
+            int64_t head_dim, int64_t block_size, int64_t token_stride)
+      : cache_(reinterpret_cast<const char*>(k_cache + h0 * head_dim)), table_(table),
+        rows_(ctx), block_size_(block_size), row_bytes_(token_stride * sizeof(C)),
+        row_lines_(((h1 - h0) * head_dim * sizeof(C) + 63) / 64) {}
+
+  void spread_over(int64_t steps) { per_step_ = steps > 0 ? (rows_ + steps - 1) / steps : 0; }
+
+  void step() {
+    for (const int64_t end = std::min(rows_, row_ + per_step_); row_ < end; ++row_) {
+      const char* at = cache_ + (table_[row_ / block_size_] * block_size_ + row_ % block_size_) *
+                                    row_bytes_;
+      for (int64_t line = 0; line < row_lines_; ++line) __builtin_prefetch(at + line * 64, 0, 2);
+    }
+  }
+
+ private:
+  const char* cache_ = nullptr;  // block 0's first row, at KV head h0
+  const int32_t* table_ = nullptr;
+  int64_t rows_ = 0, block_size_ = 1, row_bytes_ = 0, row_lines_ = 0, per_step_ = 0;
+  int64_t row_ = 0;  // the next row to fetch
+};
 
 }  // namespace conveyor

@@ -8,9 +8,10 @@
 // sequence's block table together: each key row is read from its block once, converted to
 // float once and dotted with all g queries; values are read a cache line at a time for up to
 // kGroupTile query heads (bf16 queries over a bf16 cache, where the CPU has AVX512-BF16, take
-// attention_bf16.h's version of this on vdpbf16ps). A prefill chunk's consecutive tokens
-// instead go in tiles of query rows (attention_tile.h), where each key and value row read
-// serves many queries. Nothing is gathered into a contiguous copy first, which is what makes
+// attention_bf16.h's version of this on vdpbf16ps). The value pass reads from L2, so meanwhile
+// the keys of the thread's next task are prefetched (attention_keys.h's KeyStream). A prefill
+// chunk's consecutive tokens instead go in tiles of query rows (attention_tile.h), where each
+// key and value row read serves many queries. Nothing is gathered into a contiguous copy first, which is what makes
 // this faster than index_select + scaled_dot_product_attention.
 //
 // Layouts (element strides; T, the queries' type, and C, the cache's, are float or bf16
@@ -28,6 +29,7 @@
 // with ctypes. The OpenMP runtime is the one torch already loaded (same soname).
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <type_traits>
 #include <vector>
@@ -56,7 +58,8 @@ struct Scratch {  // per thread, reused across tasks and calls
 template <typename T, typename C, int CHUNKS>
 void attend(T* out, const T* q, const C* k_cache, const C* v_cache, const int32_t* table,
             int64_t ctx, int64_t h0, int64_t h1, int64_t group, int64_t head_dim,
-            int64_t block_size, int64_t token_stride, float scale, Scratch& scratch) {
+            int64_t block_size, int64_t token_stride, float scale, Scratch& scratch,
+            KeyStream& next_keys) {
   const int64_t chunks = CHUNKS ? CHUNKS : head_dim / kLanes;
   const int64_t block_stride = block_size * token_stride;
   const int64_t num_blocks = (ctx + block_size - 1) / block_size;
@@ -124,10 +127,12 @@ void attend(T* out, const T* q, const C* k_cache, const C* v_cache, const int32_
     for (int g = 0; g < G; ++g)
       for (int c = 0; c < kLineChunks; ++c) acc[(i0 + g) * chunks + c0 + c] = a[g][c];
   };
+  next_keys.spread_over(num_blocks);
   for (int64_t b = 0; b < num_blocks; ++b) {
     const C* rows = rows_of(v_cache, b);
     const C* next = b + 1 < num_blocks ? rows_of(v_cache, b + 1) : nullptr;
     const int64_t t0 = b * block_size, n = rows_in(b);
+    next_keys.step();
     for (int64_t h = 0; h < h1 - h0; ++h)
       for (int64_t g = 0; g < group; g += kGroupTile)
         for (int64_t c = 0; c < chunks; c += kLineChunks)
@@ -207,6 +212,10 @@ void paged_attention(T* out, const T* q, C* k_cache, C* v_cache, NewKV<T> new_kv
   const std::vector<Task> tasks =
       plan_tasks(token_seqs, context_lens, num_tokens, num_kv_heads, group, num_threads);
   const int64_t num_tasks = static_cast<int64_t>(tasks.size());
+  auto table_of = [&](int64_t t) {  // token t's sequence's block table
+    return block_tables + (token_seqs ? token_seqs[t] : t) * max_blocks;
+  };
+  std::atomic<int64_t> next_task{0};
 #pragma omp parallel num_threads(num_threads)
   {
     if (new_kv.k) {
@@ -224,14 +233,24 @@ void paged_attention(T* out, const T* q, C* k_cache, C* v_cache, NewKV<T> new_kv
     static thread_local Bf16Scratch bf16_scratch;
     TileScratch<uint16_t> bf16_tile_scratch;
 #endif
-#pragma omp for schedule(dynamic, 1)
-    for (int64_t i = 0; i < num_tasks; ++i) {
+    // Dynamic scheduling by hand: a thread claims its next task as it starts one, so that a
+    // decode task can fetch the next one's keys (KeyStream) while it computes.
+    int64_t i = next_task.fetch_add(1);
+    while (i < num_tasks) {
+      const int64_t following = next_task.fetch_add(1);
       const Task& task = tasks[i];
       const int64_t t = task.t, h0 = task.h0, h1 = task.h1;
       const int64_t ctx = context_lens[t];
-      const int32_t* table = block_tables + (token_seqs ? token_seqs[t] : t) * max_blocks;
+      const int32_t* table = table_of(t);
       T* o = out + t * num_heads * head_dim;
       const T* qt = q + t * q_stride;
+      KeyStream next_keys;
+      if (following < num_tasks && !tasks[following].tile) {
+        const Task& f = tasks[following];
+        next_keys = KeyStream(k_cache, table_of(f.t), context_lens[f.t], f.h0, f.h1, head_dim,
+                              block_size, token_stride);
+      }
+      i = following;
       if (task.tile) {
         auto tile = [&](auto step, auto& step_scratch) {  // step: madd_step.h's F32 or BF16
           attend_tile<decltype(step)>(o, num_heads * head_dim, qt, q_stride, k_cache, v_cache,
@@ -256,21 +275,21 @@ void paged_attention(T* out, const T* q, C* k_cache, C* v_cache, NewKV<T> new_kv
         const auto* vb = reinterpret_cast<const uint16_t*>(v_cache);
         if (head_dim == 64)
           attend_bf16<2>(ob, qb, kb, vb, table, ctx, h0, h1, group, block_size, token_stride,
-                         scale, bf16_scratch);
+                         scale, bf16_scratch, next_keys);
         else
           attend_bf16<4>(ob, qb, kb, vb, table, ctx, h0, h1, group, block_size, token_stride,
-                         scale, bf16_scratch);
+                         scale, bf16_scratch, next_keys);
       }
 #endif
       else if (head_dim == 64)
         attend<T, C, 64 / kLanes>(o, qt, k_cache, v_cache, table, ctx, h0, h1, group,
-                                  head_dim, block_size, token_stride, scale, scratch);
+                                  head_dim, block_size, token_stride, scale, scratch, next_keys);
       else if (head_dim == 128)
         attend<T, C, 128 / kLanes>(o, qt, k_cache, v_cache, table, ctx, h0, h1, group,
-                                   head_dim, block_size, token_stride, scale, scratch);
+                                   head_dim, block_size, token_stride, scale, scratch, next_keys);
       else
         attend<T, C, 0>(o, qt, k_cache, v_cache, table, ctx, h0, h1, group, head_dim,
-                        block_size, token_stride, scale, scratch);
+                        block_size, token_stride, scale, scratch, next_keys);
     }
   }
 }
