@@ -233,24 +233,12 @@ void paged_attention(T* out, const T* q, C* k_cache, C* v_cache, NewKV<T> new_kv
     static thread_local Bf16Scratch bf16_scratch;
     TileScratch<uint16_t> bf16_tile_scratch;
 #endif
-    // Dynamic scheduling by hand: a thread claims its next task as it starts one, so that a
-    // decode task can fetch the next one's keys (KeyStream) while it computes.
-    int64_t i = next_task.fetch_add(1);
-    while (i < num_tasks) {
-      const int64_t following = next_task.fetch_add(1);
-      const Task& task = tasks[i];
+    auto run = [&](const Task& task, KeyStream& next_keys) {
       const int64_t t = task.t, h0 = task.h0, h1 = task.h1;
       const int64_t ctx = context_lens[t];
       const int32_t* table = table_of(t);
       T* o = out + t * num_heads * head_dim;
       const T* qt = q + t * q_stride;
-      KeyStream next_keys;
-      if (following < num_tasks && !tasks[following].tile) {
-        const Task& f = tasks[following];
-        next_keys = KeyStream(k_cache, table_of(f.t), context_lens[f.t], f.h0, f.h1, head_dim,
-                              block_size, token_stride);
-      }
-      i = following;
       if (task.tile) {
         auto tile = [&](auto step, auto& step_scratch) {  // step: madd_step.h's F32 or BF16
           attend_tile<decltype(step)>(o, num_heads * head_dim, qt, q_stride, k_cache, v_cache,
@@ -261,7 +249,7 @@ void paged_attention(T* out, const T* q, C* k_cache, C* v_cache, NewKV<T> new_kv
         if constexpr (std::is_same_v<T, uint16_t> && std::is_same_v<C, uint16_t>)
           if (head_dim % kPairDims == 0) {
             tile(BF16{}, bf16_tile_scratch);
-            continue;
+            return;
           }
 #endif
         tile(F32{}, tile_scratch);
@@ -290,6 +278,21 @@ void paged_attention(T* out, const T* q, C* k_cache, C* v_cache, NewKV<T> new_kv
       else
         attend<T, C, 0>(o, qt, k_cache, v_cache, table, ctx, h0, h1, group, head_dim,
                         block_size, token_stride, scale, scratch, next_keys);
+    };
+    // Dynamic scheduling by hand. With tasks enough to go round, a thread claims its next task
+    // as it starts one, so that a decode task can fetch the next one's keys (KeyStream) while it
+    // computes; with few, claiming ahead could leave the other thread idle.
+    const bool claim_ahead = num_tasks >= 4 * num_threads;
+    for (int64_t i = next_task++; i < num_tasks;) {
+      const int64_t following = claim_ahead ? next_task++ : num_tasks;
+      KeyStream next_keys;
+      if (following < num_tasks && !tasks[following].tile) {
+        const Task& f = tasks[following];
+        next_keys = KeyStream(k_cache, table_of(f.t), context_lens[f.t], f.h0, f.h1, head_dim,
+                              block_size, token_stride);
+      }
+      run(tasks[i], next_keys);
+      i = claim_ahead ? following : next_task++;
     }
   }
 }
