@@ -84,11 +84,8 @@ void attend_bf16(uint16_t* out, const uint16_t* q, const uint16_t* k_cache,
 
   // Softmax, the weights rounded to bf16 (zeros from ctx to padded: the last pair's partner
   // after an odd context).
-  for (int64_t i = 0; i < heads; ++i) {
-    float* s = scores + i * padded;
-    inv_sum[i] = softmax_row<uint16_t>(s, ctx, padded);
-    for (int64_t t = 0; t < padded; t += kLanes) store(load(s + t), weights + i * padded + t);
-  }
+  for (int64_t i = 0; i < heads; ++i)
+    inv_sum[i] = softmax_row(scores + i * padded, ctx, padded, weights + i * padded);
 
   // out_i = sum_t w[i][t] v_t / sum_t w[i][t]: per KV head, up to kBf16GroupTile query heads and
   // one chunk of 32 dimensions at a time (2 accumulators a head), over the context's row pairs.

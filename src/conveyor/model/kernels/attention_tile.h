@@ -160,8 +160,9 @@ void attend_tile(T* out, int64_t out_stride, const T* q, int64_t q_stride, const
   E* kt = at_least(scratch.kt, head_dim * kKeyTile);
   E* vt = at_least(scratch.vt, (kValueKeys + 1) * head_dim);
   float* scores = at_least(scratch.scores, rows * stride);
-  // The weights the values take: the scores themselves in float, a bf16 copy for BF16.
-  const E* p = kBf16 ? at_least(scratch.p, rows * stride) : reinterpret_cast<const E*>(scores);
+  // The weights the values take: the scores themselves in float, written over them; for BF16
+  // their bf16 rounding, in an array of their own.
+  E* p = kBf16 ? at_least(scratch.p, rows * stride) : reinterpret_cast<E*>(scores);
   scratch.o.assign(rows * head_dim, 0.f);
   scratch.row_max.assign(rows, -INFINITY);
   scratch.row_sum.assign(rows, 0.f);
@@ -219,20 +220,17 @@ void attend_tile(T* out, int64_t out_stride, const T* q, int64_t q_stride, const
     // Softmax over each row's own keys in the chunk; the rest of the row gets 0. A row whose
     // context ends before the chunk takes no part in it.
     for (int64_t r = 0; r < rows; ++r) {
-      float* s = scores + r * stride;
+      E* pr = p + r * stride;
       const int64_t own = std::min(c1, row_ctx(r)) - c0;
       if (own <= 0) {
-        std::fill(s, s + width, 0.f);
+        std::fill(pr, pr + width, E{});  // 0 as float and as bf16
       } else {
-        const float rescale =
-            softmax_fold<E>(s, own, width, scratch.row_max[r], scratch.row_sum[r]);
+        const float rescale = softmax_fold(scores + r * stride, own, width, scratch.row_max[r],
+                                           scratch.row_sum[r], pr);
         if (rescale != 1.f)
           for (int64_t d = 0; d < head_dim; d += kLanes)
             store(load(o + r * head_dim + d) * rescale, o + r * head_dim + d);
       }
-      if constexpr (kBf16)  // exact: the weights are rounded to bf16 already
-        for (int64_t t = 0; t < width; t += kLanes)
-          store(load(s + t), scratch.p.data() + r * stride + t);
     }
 
     // Values, kValueKeys keys at a time, two vectors of the head dimension per pass.

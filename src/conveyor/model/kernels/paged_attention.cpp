@@ -11,8 +11,8 @@
 // attention_bf16.h's version of this on vdpbf16ps). The value pass reads from L2, so meanwhile
 // the keys of the thread's next task are prefetched (attention_keys.h's KeyStream). A prefill
 // chunk's consecutive tokens instead go in tiles of query rows (attention_tile.h), where each
-// key and value row read serves many queries. Nothing is gathered into a contiguous copy first, which is what makes
-// this faster than index_select + scaled_dot_product_attention.
+// key and value row read serves many queries. Nothing is gathered into a contiguous copy
+// first, which is what makes this faster than index_select + scaled_dot_product_attention.
 //
 // Layouts (element strides; T, the queries' type, and C, the cache's, are float or bf16
 // stored as uint16_t):
@@ -102,7 +102,7 @@ void attend(T* out, const T* q, const C* k_cache, const C* v_cache, const int32_
   });
 
   for (int64_t i = 0; i < heads; ++i)
-    inv_sum[i] = softmax_row(scores + i * padded, ctx, padded);
+    inv_sum[i] = softmax_row(scores + i * padded, ctx, padded, scores + i * padded);
 
   // out_i = sum_t p[i][t] v_t / sum_t p[i][t]. Block by block; within a block, one cache line
   // of a KV head's values (kLineChunks vectors) for up to kGroupTile of its query heads at a

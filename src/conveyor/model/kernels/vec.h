@@ -201,14 +201,14 @@ inline void in_batches(int64_t n, Body&& body) {
   for (; c < n; c += kLanes) body(c, std::integral_constant<int, 1>{});
 }
 
-// One stretch of a row's unnormalised softmax, in place, folded into the row's running max m
-// and sum l (m = -inf and l = 0 before its first stretch): with m' = max(m, max s[0, n)),
-// s[t] = exp(s[t] - m'), 0 from n to width (a multiple of kLanes); l = l exp(m - m') + the
+// One stretch of a row's unnormalised softmax, folded into the row's running max m and sum l
+// (m = -inf and l = 0 before its first stretch): with m' = max(m, max s[0, n)),
+// w[t] = exp(s[t] - m'), 0 from n to width (a multiple of kLanes); l = l exp(m - m') + the
 // stretch's sum; m = m'. Returns exp(m - m'): the factor for what the row summed before.
-// n >= 1. W = uint16_t: the weights are rounded to bf16 (for bf16 products), and l sums the
-// rounded weights.
-template <typename W = float>
-inline float softmax_fold(float* s, int64_t n, int64_t width, float& m, float& l) {
+// n >= 1. w may be s itself (W = float). W = uint16_t: the weights are rounded to bf16 (for
+// bf16 products), and l sums the rounded weights.
+template <typename W>
+inline float softmax_fold(float* s, int64_t n, int64_t width, float& m, float& l, W* w) {
   std::fill(s + n, s + width, -INFINITY);
   vfloat vmax = load(s);
   for (int64_t t = kLanes; t < width; t += kLanes) {
@@ -223,10 +223,10 @@ inline float softmax_fold(float* s, int64_t n, int64_t width, float& m, float& l
     vfloat e[B];
     for (int i = 0; i < B; ++i) {
       const vfloat x = load(s + t + i * kLanes);
-      e[i] = rounded(x > -INFINITY ? vexp(x - mx) : vfloat{}, static_cast<W*>(nullptr));
+      e[i] = rounded(x > -INFINITY ? vexp(x - mx) : vfloat{}, w);
     }
     for (int i = 0; i < B; ++i) {
-      store(e[i], s + t + i * kLanes);
+      store(e[i], w + t + i * kLanes);
       sum += e[i];
     }
   });
@@ -237,10 +237,10 @@ inline float softmax_fold(float* s, int64_t n, int64_t width, float& m, float& l
 }
 
 // The softmax of a whole row as one stretch; returns 1 / the sum.
-template <typename W = float>
-inline float softmax_row(float* s, int64_t n, int64_t width) {
+template <typename W>
+inline float softmax_row(float* s, int64_t n, int64_t width, W* w) {
   float m = -INFINITY, l = 0.f;
-  softmax_fold<W>(s, n, width, m, l);
+  softmax_fold(s, n, width, m, l, w);
   return 1.f / l;
 }
 
