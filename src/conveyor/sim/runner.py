@@ -17,9 +17,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from conveyor.core.sampling_params import SamplingParams
-from conveyor.executor.simulated import SimulatedExecutor
 from conveyor.sim.clock import VirtualClock
 from conveyor.sim.cost_model import CostModel
+from conveyor.sim.executor import SimulatedExecutor
 from conveyor.sim.metrics import RunResult
 from conveyor.sim.specs import HardwareSpec, ModelSpec
 from conveyor.sim.workload import Workload
