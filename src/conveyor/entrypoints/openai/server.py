@@ -15,7 +15,8 @@ from types import FrameType
 import uvicorn
 
 from conveyor.engine.args import EngineArgs
-from conveyor.entrypoints.openai.app import ServerState, build_app
+from conveyor.entrypoints.openai.app import build_app
+from conveyor.entrypoints.openai.state import ServerState
 
 logger = logging.getLogger("conveyor.serve")
 

@@ -24,7 +24,7 @@ from conveyor.entrypoints.openai.errors import APIError, bad_request, from_valid
 if TYPE_CHECKING:
     from conveyor.engine.async_engine import AsyncEngine
     from conveyor.engine.outputs import Logprob, RequestOutput
-    from conveyor.entrypoints.openai.app import ServerState
+    from conveyor.entrypoints.openai.state import ServerState
 
 
 @dataclass
