@@ -68,8 +68,7 @@ def schedule_chunked(sched: SchedulerInterface) -> SchedulerOutput:
 def _schedule_decodes(sched: SchedulerInterface, step: _Step) -> None:
     limit = min(sched.config.max_num_seqs, step.budget)
     decodes = schedule_decodes(sched, limit)
-    if sched.swapped and not sched.preempted_this_step:
-        step.protected.update(resume_swapped(sched, decodes, limit))
+    step.protected.update(resume_swapped(sched, decodes, limit))
     n = len(decodes)
     step.seqs = decodes
     step.num_new = [1] * n

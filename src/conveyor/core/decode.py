@@ -109,14 +109,17 @@ def _decodes_with_preemption(sched: SchedulerInterface, limit: int) -> list[Sequ
 def resume_swapped(sched: SchedulerInterface, scheduled: list[Sequence],
                    limit: int) -> list[Sequence]:
     """Swap sequences in from the head of ``swapped`` while ``scheduled`` has fewer than
-    ``limit`` entries and their blocks are free; returns those swapped in.
+    ``limit`` entries and their blocks are free; returns those swapped in. Nothing resumes in a
+    step that had to preempt: memory is short, and swapping back in would only thrash.
 
     A decoding one joins ``running`` and ``scheduled`` (one token); one that was preempted
     mid-prefill (chunked only) joins ``prefilling`` and takes no seat here.
     """
-    gpu = sched.block_manager.gpu
     swapped = sched.swapped
     resumed: list[Sequence] = []
+    if not swapped or sched.preempted_this_step:
+        return resumed
+    gpu = sched.block_manager.gpu
     while len(scheduled) < limit:
         seq = swapped.peek()
         if seq is None or sched.blocks_to_swap_in(seq) > gpu.num_free:

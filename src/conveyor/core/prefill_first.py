@@ -83,8 +83,7 @@ def _preempt_lower_priority(sched: SchedulerInterface, head: Sequence) -> bool:
 def _decode_step(sched: SchedulerInterface) -> SchedulerOutput:
     limit = sched.config.max_num_seqs
     scheduled = schedule_decodes(sched, limit)
-    if sched.swapped and not sched.preempted_this_step:
-        resume_swapped(sched, scheduled, limit)
+    resume_swapped(sched, scheduled, limit)
     n = len(scheduled)
     return SchedulerOutput(seqs=scheduled, num_new_tokens=[1] * n, num_batched_tokens=n,
                            is_prefill=False, num_decodes=n)
