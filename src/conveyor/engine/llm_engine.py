@@ -35,7 +35,8 @@ class LLMEngine:
 
             executor = ModelExecutor(args.model, dtype=args.dtype, device=args.device,
                                      seed=args.seed, kv_cache_dtype=args.kv_cache_dtype,
-                                     int8_activations=args.int8_activations)
+                                     int8_activations=args.int8_activations,
+                                     parallel=args.parallel_config())
         self.executor = executor
         self.tokenizer = self.executor.tokenizer
         self.model_config = self.executor.model_config
@@ -67,6 +68,13 @@ class LLMEngine:
         self._num_steps = 0
         self._prompt_tokens_total = 0
         self._generation_tokens_total = 0
+
+    def shutdown(self) -> None:
+        """Stop the executor's tensor-parallel workers, if any (also done at garbage collection
+        and interpreter exit)."""
+        shutdown = getattr(self.executor, "shutdown", None)
+        if shutdown is not None:
+            shutdown()
 
     # ------------------------------------------------------------------ requests
 
