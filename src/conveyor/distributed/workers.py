@@ -44,7 +44,8 @@ def _worker_process(spec: WorkerSpec) -> None:
     os._exit(run_worker(spec))
 
 
-def _teardown(procs: list, state: dict) -> None:
+def _teardown(procs: list, state: dict, stop: threading.Event) -> None:
+    stop.set()
     if state["closed"]:
         return
     state["closed"] = True
@@ -63,6 +64,17 @@ def _teardown(procs: list, state: dict) -> None:
         if p.is_alive():
             p.kill()
             p.join(timeout=5)
+
+
+def _watch(procs: list, state: dict, stop: threading.Event) -> None:
+    while not stop.wait(0.2):
+        if any(p.exitcode is not None for p in procs) and not state["closed"]:
+            state["healthy"] = False
+            for p in procs:
+                if p.exitcode is not None:
+                    logger.error("tensor-parallel worker %s exited with code %s", p.name,
+                                 p.exitcode)
+            return
 
 
 class TensorParallelWorkers:
@@ -84,11 +96,14 @@ class TensorParallelWorkers:
                                                    threads, rank, os.getpid(), backend),))
                       for rank in range(1, parallel.local_ranks)]
         self._state = {"closed": False, "healthy": True}
-        self._finalizer = weakref.finalize(self, _teardown, self.procs, self._state)
+        self._stop_watch = threading.Event()
+        self._finalizer = weakref.finalize(self, _teardown, self.procs, self._state,
+                                           self._stop_watch)
         for p in self.procs:
             p.start()
-        self._stop_watch = threading.Event()
-        threading.Thread(target=self._watch, name="conveyor-tp-watchdog", daemon=True).start()
+        # The thread holds no reference to self, so garbage collection still tears down.
+        threading.Thread(target=_watch, args=(self.procs, self._state, self._stop_watch),
+                         name="conveyor-tp-watchdog", daemon=True).start()
         self._rendezvous(size, addr, port, backend)
         try:
             broadcast_object(settings)
@@ -115,16 +130,6 @@ class TensorParallelWorkers:
             raise self.failure(RuntimeError("before joining the process group"))
         if outcome[0] is not None:
             raise self.failure(outcome[0]) from outcome[0]
-
-    def _watch(self) -> None:
-        while not self._stop_watch.wait(0.2):
-            if any(p.exitcode is not None for p in self.procs) and not self._state["closed"]:
-                self._state["healthy"] = False
-                for p in self.procs:
-                    if p.exitcode is not None:
-                        logger.error("tensor-parallel worker %s exited with code %s", p.name,
-                                     p.exitcode)
-                return
 
     def dead_workers(self) -> list[str]:
         return [f"{p.name} (exit code {p.exitcode})" for p in self.procs if p.exitcode is not None]
@@ -162,5 +167,4 @@ class TensorParallelWorkers:
             raise self.failure(e) from e
 
     def shutdown(self) -> None:
-        self._stop_watch.set()
         self._finalizer()
