@@ -25,8 +25,7 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
 SHARED = ("You are a helpful assistant. Answer briefly and precisely, and think about the "
           "question before you answer it. ")
 QUESTIONS = ["What is the capital of France?", "Write a haiku about the sea.",
-             "Why is the sky blue?", "What is 17 times 23?", "Name three prime numbers.",
-             "Translate 'good morning' into Spanish."]
+             "Why is the sky blue?", "What is 17 times 23?"]
 
 
 def random_prompts(n: int, seed: int = 0) -> list[list[int]]:
@@ -50,13 +49,13 @@ def _smollm2_cases(executor: ModelExecutor) -> dict[str, list[list[list[int]]]]:
     """Both policies over one executor, with prefix hits (a shared system prompt), preemption
     (a KV cache too small for every request at once: swap, then recompute) and an n=2 fork."""
     prompts = [SHARED + q for q in QUESTIONS]
-    params = [GREEDY] * len(prompts)
+    params = [SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)] * len(prompts)
     prompts.append("Tell me a story about a dragon.")
-    params.append(SamplingParams(temperature=0.8, n=2, seed=7, max_tokens=16))
+    params.append(SamplingParams(temperature=0.8, n=2, seed=7, max_tokens=12))
     results = {}
     for policy, preemption in (("prefill_first", "swap"), ("chunked", "recompute")):
         args = EngineArgs(dtype="float32", policy=policy, preemption_mode=preemption,
-                          num_gpu_blocks=14, block_size=16, max_num_batched_tokens=64,
+                          num_gpu_blocks=8, block_size=16, max_num_batched_tokens=64,
                           swap_space=0.05)
         engine = LLMEngine(args, executor=executor)
         results[policy] = _run(engine, prompts, params)

@@ -34,6 +34,7 @@ logger = logging.getLogger(__name__)
 
 class TensorParallelError(RuntimeError):
     """A rank failed: the engine cannot go on (every later step would fail too)."""
+    engine_fatal = True  # AsyncEngine stops instead of failing just the step's requests
 
 
 def threads_per_rank(parallel: ParallelConfig) -> int:
