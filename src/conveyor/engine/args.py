@@ -68,9 +68,11 @@ _HELP = {
     "max_num_batched_tokens": "most tokens computed in one step",
     "max_model_len": "context length (prompt + output)",
     "block_size": "tokens per KV-cache block",
-    "kv_cache_memory": "KV cache size: bytes, or a fraction (<=1) of available memory",
+    "kv_cache_memory": "KV cache size: bytes, or a fraction (<=1) of available memory; on the "
+                       "CPU, shared by this machine's tensor-parallel ranks",
     "num_gpu_blocks": "exact number of KV-cache blocks (overrides --kv-cache-memory)",
-    "swap_space": "GiB of CPU memory for swapped-out KV blocks",
+    "swap_space": "GiB of CPU memory for swapped-out KV blocks (shared by this machine's "
+                  "tensor-parallel ranks)",
     "policy": "scheduling policy: prefill_first or chunked",
     "queue": "queue order: fcfs or priority",
     "preemption_mode": "recompute or swap",
