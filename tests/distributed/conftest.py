@@ -8,13 +8,13 @@ import torch
 VOCAB = 96
 
 
-def build_tiny(kind: str, path: str, num_kv_heads: int) -> None:
+def build_tiny(kind: str, path: str, num_kv_heads: int, max_positions: int = 256) -> None:
     import transformers
     from tokenizers import Tokenizer, models, pre_tokenizers
 
     common = dict(vocab_size=VOCAB, hidden_size=128, intermediate_size=192, num_hidden_layers=2,
                   num_attention_heads=8, num_key_value_heads=num_kv_heads,
-                  max_position_embeddings=256, bos_token_id=1, eos_token_id=2)
+                  max_position_embeddings=max_positions, bos_token_id=1, eos_token_id=2)
     if kind == "llama":
         model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
             **common, tie_word_embeddings=False))
@@ -46,3 +46,11 @@ def tiny_qwen3(tmp_path_factory) -> str:
     build_tiny("qwen3", path, num_kv_heads=4)
     return path
 
+
+
+@pytest.fixture(scope="module")
+def tiny_llama_long(tmp_path_factory) -> str:
+    """The tiny Llama with room for the benchmark workloads' prompts and outputs."""
+    path = str(tmp_path_factory.mktemp("tiny_llama_long"))
+    build_tiny("llama", path, num_kv_heads=2, max_positions=1024)
+    return path

@@ -54,7 +54,14 @@ def run_worker(spec: WorkerSpec) -> int:
     )
     from conveyor.distributed.step import INIT_CACHE, SHUTDOWN, receive_message, run_step
     from conveyor.executor.kv_cache import KVCache
-    from conveyor.model.device import resolve_device, resolve_dtype, use_attention_kernel
+    from conveyor.model.device import (
+        TRIM_AFTER_TOKENS,
+        configure_cpu_allocator,
+        resolve_device,
+        resolve_dtype,
+        return_freed_memory,
+        use_attention_kernel,
+    )
     from conveyor.model.layers.parallel import TensorParallel
     from conveyor.model.loader import load_model
 
@@ -71,6 +78,7 @@ def run_worker(spec: WorkerSpec) -> int:
             if device.type == "cuda":
                 torch.cuda.set_device(spec.local_rank)
                 device = torch.device("cuda", spec.local_rank)
+            trim = device.type == "cpu" and configure_cpu_allocator()
             dtype = resolve_dtype(settings["dtype"], device)
             kv_dtype = resolve_dtype(settings["kv_cache_dtype"], device)
             loaded = load_model(settings["model"], dtype, device,
@@ -98,6 +106,8 @@ def run_worker(spec: WorkerSpec) -> int:
                     continue
                 run_step(model, cache, msg, layer.num_heads // layer.num_kv_heads,
                          attention_kernel, dtype, device)
+                if trim and len(msg.input_ids) > TRIM_AFTER_TOKENS:
+                    return_freed_memory()
     finally:
         destroy_group()
 

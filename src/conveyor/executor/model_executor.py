@@ -41,13 +41,13 @@ class ModelExecutor:
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype, self.device)
         self.kv_cache_dtype = resolve_kv_cache_dtype(kv_cache_dtype, self.dtype)
+        # before torch's first allocation (and before workers inherit the environment)
+        self.trim_after_long_steps = self.device.type == "cpu" and configure_cpu_allocator()
         self.parallel = parallel or ParallelConfig()
         self.workers = None
         self.tp: TensorParallel | None = None
         if self.parallel.tensor_parallel_size > 1:
             self._start_workers(model, int8_activations)
-        # before torch's first allocation, see its docstring
-        self.trim_after_long_steps = self.device.type == "cpu" and configure_cpu_allocator()
         torch.manual_seed(seed)
         try:
             loaded = load_model(model, self.dtype, self.device, int8_activations, tp=self.tp)
