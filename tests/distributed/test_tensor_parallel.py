@@ -166,3 +166,23 @@ def test_bad_tensor_parallel_size_fails_before_any_process_starts(tiny_llama: st
     with pytest.raises(ValueError, match="tensor_parallel_size must be a positive integer"):
         LLM(tiny_llama, tensor_parallel_size=0)
     assert not multiprocessing.active_children()
+
+
+@pytest.mark.slow
+def test_hung_worker_raises_after_the_timeout(tiny_llama: str) -> None:
+    from conveyor.distributed.workers import TensorParallelError
+
+    llm = LLM(tiny_llama, dtype="float32", num_gpu_blocks=64, block_size=8,
+              tensor_parallel_size=2, threads_per_rank=1, distributed_timeout=5)
+    worker = llm.llm_engine.executor.workers.procs[0]
+    os.kill(worker.pid, signal.SIGSTOP)
+    try:
+        start = time.monotonic()
+        with pytest.raises(TensorParallelError, match="timed out after 5 s"):
+            llm.generate(random_prompts(1), GREEDY, use_tqdm=False)
+        assert time.monotonic() - start < 30
+        worker.join(timeout=30)
+        assert not worker.is_alive()  # torn down (killed: a stopped process ignores SIGTERM)
+    finally:
+        if worker.is_alive():
+            os.kill(worker.pid, signal.SIGKILL)
