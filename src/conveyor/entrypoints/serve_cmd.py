@@ -8,7 +8,6 @@ import os
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     from conveyor.engine.args import add_cli_args
-    from conveyor.entrypoints.openai.limits import DEFAULT_MAX_REQUEST_BYTES
 
     p = subparsers.add_parser("serve", help="OpenAI-compatible HTTP server",
                               description="Serve /v1/completions, /v1/chat/completions, "
@@ -47,9 +46,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                      help="CORS request headers, comma-separated (default: *)")
     sec.add_argument("--ssl-keyfile", default=None, help="serve HTTPS with this private key")
     sec.add_argument("--ssl-certfile", default=None, help="serve HTTPS with this certificate")
-    sec.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES,
-                     help="answer 413 to a larger request body (default: "
-                     f"{DEFAULT_MAX_REQUEST_BYTES})")
+    sec.add_argument("--max-request-bytes", type=int, default=None,
+                     help="answer 413 to a larger request body (default: 8 MiB)")
     add_cli_args(p)
     p.set_defaults(func=_run)
 
@@ -62,13 +60,13 @@ def _split(values: list[str], default: tuple[str, ...] = ()) -> tuple[str, ...]:
 def _run(args: argparse.Namespace) -> int:
     from conveyor.engine.args import from_cli_args
     from conveyor.entrypoints.openai.access_log import AccessLogSettings
-    from conveyor.entrypoints.openai.limits import ServerLimits
+    from conveyor.entrypoints.openai.limits import DEFAULT_MAX_REQUEST_BYTES, ServerLimits
     from conveyor.entrypoints.openai.security import ServerSecurity, load_api_keys
     from conveyor.entrypoints.openai.server import run_server
 
     if args.max_queued_requests is not None and args.max_queued_requests < 1:
         raise SystemExit("--max-queued-requests must be >= 1")
-    if args.max_request_bytes < 1:
+    if args.max_request_bytes is not None and args.max_request_bytes < 1:
         raise SystemExit("--max-request-bytes must be >= 1")
     if (args.ssl_keyfile is None) != (args.ssl_certfile is None):
         raise SystemExit("--ssl-keyfile and --ssl-certfile go together")
@@ -88,6 +86,7 @@ def _run(args: argparse.Namespace) -> int:
                       max_queued_requests=args.max_queued_requests,
                       shutdown_timeout=args.shutdown_timeout, log_level=args.log_level,
                       security=security,
-                      limits=ServerLimits(max_request_bytes=args.max_request_bytes),
+                      limits=ServerLimits(max_request_bytes=args.max_request_bytes
+                                          or DEFAULT_MAX_REQUEST_BYTES),
                       access_log=AccessLogSettings(args.access_log, args.log_prompts),
                       ssl_keyfile=args.ssl_keyfile, ssl_certfile=args.ssl_certfile)
