@@ -24,6 +24,13 @@ CASES = [
      "deeper than 32", None),
     ("/v1/chat/completions", b'{"messages": ' + b'[{"a": ' * 5000 + b"1" + b"}]" * 5000 + b"}",
      "deeper than 32", None),
+    ("/v1/completions", json.dumps({"prompt": "x" * 8_000_000}).encode(), "8000000 characters",
+     "prompt"),
+    ("/v1/completions", json.dumps({"prompt": ["hi", "y " * 100_000]}).encode(),
+     "200000 characters", "prompt"),
+    ("/v1/chat/completions", json.dumps({"messages": [{"role": "user", "content": "z" * 50_000},
+                                                      {"role": "user", "content": "z" * 50_000}]}
+                                        ).encode(), "100000 characters", "messages"),
     ("/v1/completions", b'{"prompt": "hi", "seed": ' + b"9" * 5000 + b"}", "digits", None),
     ("/v1/completions", json.dumps({"prompt": "hi", "stop": ["x"] * 17}).encode(),
      "at most 16", "stop"),

@@ -21,6 +21,7 @@ from conveyor.entrypoints.openai.serving import (
     check_admission,
     check_model,
     check_priority,
+    check_prompt_chars,
     engine_error,
     make_params,
     merged_deltas,
@@ -68,6 +69,7 @@ async def create_chat_completion(state: ServerState, request: Request,
         raise bad_request("'top_logprobs' requires 'logprobs': true", param="top_logprobs")
     messages = [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})}
                 for m in req.messages]
+    check_prompt_chars(state, sum(len(m["content"]) for m in messages), "messages")
     try:
         prompt = state.encode_chat(messages, req.add_generation_prompt)
     except Exception as e:  # a template that rejects the conversation (e.g. role order)

@@ -21,6 +21,7 @@ from conveyor.entrypoints.openai.serving import (
     check_admission,
     check_model,
     check_priority,
+    check_prompt_chars,
     engine_error,
     make_params,
     merged_deltas,
@@ -52,6 +53,8 @@ def _prompts(state: ServerState, prompt: Any) -> list[tuple[list[int], str | Non
     vocab = state.vocab_size
     out = []
     for p in prompt:
+        if isinstance(p, str):
+            check_prompt_chars(state, len(p), "prompt")
         ids = state.encode(p) if isinstance(p, str) else list(p)
         if not ids:
             raise bad_request("'prompt' must not be empty", param="prompt")

@@ -93,6 +93,30 @@ def parse_body(raw: bytes, model_cls: type[Any], limits: ServerLimits | None = N
     return req
 
 
+_max_token_chars: dict[int, int] = {}  # id(tokenizer) -> bound, computed once per tokenizer
+
+
+def check_prompt_chars(state: ServerState, chars: int, param: str) -> None:
+    """Reject, before tokenizing it, a text that cannot fit the context whatever its tokens:
+    tokenizing runs on the event loop, and megabytes of text would stall every stream for
+    seconds. No token decodes to more characters than its vocabulary entry has (a normalizer
+    may first merge characters, hence the margin when there is one)."""
+    tok = state.tokenizer
+    per_token = _max_token_chars.get(id(tok))
+    if per_token is None:
+        per_token = max((len(t) for t in tok.get_vocab()), default=1)
+        backend = getattr(tok, "backend_tokenizer", None)
+        if backend is None or backend.normalizer is not None:
+            per_token *= 4
+        _max_token_chars[id(tok)] = per_token
+    limit = state.engine.max_model_len
+    if chars > limit * per_token:
+        raise bad_request(f"This model's maximum context length is {limit} tokens, and the "
+                          f"prompt's {chars} characters are more than that many tokens can "
+                          "hold. Please reduce the length of the prompt.", param=param,
+                          code="context_length_exceeded")
+
+
 def check_model(state: ServerState, model: str | None) -> None:
     if model is not None and model not in state.model_names:
         raise APIError(404, f"The model `{model}` does not exist. Served: "
