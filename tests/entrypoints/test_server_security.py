@@ -129,7 +129,7 @@ def test_health_is_open_and_metrics_needs_the_key(secure) -> None:
 def test_https_through_the_openai_client(secure) -> None:
     c = client(secure, FLAG_KEY)
     r = c.chat.completions.create(model=None, messages=[{"role": "user", "content": "Hello"}],
-                                  max_tokens=3, temperature=0.0)
+                                  max_tokens=3, temperature=0.0, extra_body={"ignore_eos": True})
     assert r.usage.completion_tokens == 3
     # The same server is not trusted without its certificate, and does not speak plain HTTP.
     untrusting = openai.OpenAI(base_url=secure.base_url + "/v1", api_key=FLAG_KEY,
@@ -215,9 +215,10 @@ def _log_when(server: Any, predicate: Callable[[str], bool], timeout: float = 10
 
 def test_access_log_and_no_key_in_logs(secure) -> None:
     c = client(secure, FLAG_KEY)
-    r = c.completions.create(model=None, prompt=PROMPT_MARKER, max_tokens=3)
+    r = c.completions.create(model=None, prompt=PROMPT_MARKER, max_tokens=3,
+                             extra_body={"ignore_eos": True})
     list(c.chat.completions.create(model=None, messages=[{"role": "user", "content": "Hi"}],
-                                   max_tokens=2, stream=True))
+                                   max_tokens=2, stream=True, extra_body={"ignore_eos": True}))
     with pytest.raises(openai.AuthenticationError):
         client(secure, WRONG_KEY).models.list()
     log = _log_when(secure, lambda text: r.id in text and '"GET /v1/models" 401' in text)
@@ -234,7 +235,7 @@ def test_access_log_and_no_key_in_logs(secure) -> None:
 def test_access_log_leaves_prompts_out_by_default(server) -> None:
     marker = "A prompt that must stay out of the log"
     r = httpx.post(server.base_url + "/v1/completions",
-                   json={"prompt": marker, "max_tokens": 2}, timeout=60).json()
+                   json={"prompt": marker, "max_tokens": 2, "ignore_eos": True}, timeout=60).json()
     log = _log_when(server, lambda text: r["id"] in text)
     line = next(line for line in log.splitlines() if r["id"] in line)
     assert '"POST /v1/completions" 200' in line and "output_tokens=2" in line
