@@ -1,12 +1,14 @@
 """`conveyor serve`'s security flags, checked before any model loads: where API keys come from,
-and the flag combinations refused with a message."""
+the flag combinations refused with a message, and the bearer check itself."""
 
 from __future__ import annotations
+
+import asyncio
 
 import pytest
 
 from conveyor.entrypoints.cli import main
-from conveyor.entrypoints.openai.security import ServerSecurity, load_api_keys
+from conveyor.entrypoints.openai.security import APIKeyMiddleware, ServerSecurity, load_api_keys
 
 
 def test_keys_from_flags_file_and_environment(tmp_path) -> None:
@@ -39,3 +41,31 @@ def test_bad_flags_stop_before_the_model_loads(flags, message) -> None:
     with pytest.raises(SystemExit) as info:
         main(["serve", *flags])
     assert message in str(info.value.code)
+
+
+@pytest.mark.parametrize(("authorization", "status"), [
+    (None, 401), (b"Bearer sk-a", 200), (b"bearer   sk-a ", 200), ("Bearer clé-ü".encode(), 200),
+    (b"Bearer sk-b", 401), (b"Bearer sk-a-longer", 401), (b"Token sk-a", 401), (b"Bearer ", 401),
+])
+def test_bearer_check(authorization, status) -> None:
+    async def app(scope, receive, send) -> None:
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"ok"})
+
+    async def call(path: str) -> int:
+        sent = []
+
+        async def send(message) -> None:
+            sent.append(message)
+
+        async def receive() -> dict:
+            return {"type": "http.request", "body": b""}
+
+        headers = [] if authorization is None else [(b"authorization", authorization)]
+        await APIKeyMiddleware(app, ["sk-a", "clé-ü"], metrics_require_key=False)(
+            {"type": "http", "path": path, "headers": headers}, receive, send)
+        return sent[0]["status"]
+
+    assert asyncio.run(call("/v1/models")) == status
+    assert asyncio.run(call("/health")) == 200
+    assert asyncio.run(call("/metrics")) == 200

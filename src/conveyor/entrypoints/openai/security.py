@@ -74,7 +74,7 @@ class APIKeyMiddleware:
         token = _bearer_token(scope)
         if token is None:
             return False
-        presented = _digest(token)
+        presented = hashlib.sha256(token).digest()
         ok = False
         for digest in self._digests:
             ok |= hmac.compare_digest(presented, digest)
@@ -93,14 +93,15 @@ class APIKeyMiddleware:
 
 
 def _digest(key: str) -> bytes:
-    return hashlib.sha256(key.encode("utf-8", "surrogateescape")).digest()
+    return hashlib.sha256(key.encode("utf-8")).digest()
 
 
-def _bearer_token(scope: Scope) -> str | None:
+def _bearer_token(scope: Scope) -> bytes | None:
+    """The key of the Authorization header, as the bytes sent (UTF-8 for a non-ASCII key)."""
     for name, value in scope["headers"]:
         if name == b"authorization":
-            scheme, _, token = value.decode("latin-1").partition(" ")
-            if scheme.lower() == "bearer" and token.strip():
+            scheme, _, token = value.partition(b" ")
+            if scheme.lower() == b"bearer" and token.strip():
                 return token.strip()
             return None
     return None
