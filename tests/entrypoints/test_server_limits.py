@@ -1,6 +1,6 @@
 """Bodies the server refuses by size or shape before they cost anything: deep JSON nesting,
 integer literals Python will not convert, too many or too long stop strings, oversized short
-fields. Each is a 400 in OpenAI's shape, naming the field where there is one."""
+fields, too many prompts. Each is a 400 in OpenAI's shape, naming the field where there is one."""
 
 from __future__ import annotations
 
@@ -32,6 +32,10 @@ CASES = [
                                                       {"role": "user", "content": "z" * 50_000}]}
                                         ).encode(), "100000 characters", "messages"),
     ("/v1/completions", b'{"prompt": "hi", "seed": ' + b"9" * 5000 + b"}", "digits", None),
+    ("/v1/completions", json.dumps({"prompt": [[1]] * 1025}).encode(), "at most 1024",
+     "prompt"),
+    ("/v1/completions", json.dumps({"prompt": ["a"] * 2000}).encode(), "2000 prompts",
+     "prompt"),
     ("/v1/completions", json.dumps({"prompt": "hi", "stop": ["x"] * 17}).encode(),
      "at most 16", "stop"),
     ("/v1/completions", json.dumps({"prompt": "hi", "stop": "s" * 1025}).encode(),

@@ -1,6 +1,6 @@
 """How much one request may ask of the server: the body size (enforced before anything reads
-the body), the JSON nesting depth, the number and length of stop strings and the length of
-short string fields. Each violation is a 4xx in OpenAI's error shape, never a 500."""
+the body), the JSON nesting depth, the number and length of stop strings, the length of
+short string fields and the number of prompts. Each violation is a 4xx in OpenAI's error shape, never a 500."""
 
 from __future__ import annotations
 
@@ -21,6 +21,7 @@ class ServerLimits:
     max_stop_sequences: int = 16
     max_stop_chars: int = 1024
     max_name_chars: int = 1024  # model, user, a message's name
+    max_prompts: int = 1024  # prompts in one /v1/completions request (each an engine request)
 
 
 class _BodyTooLarge(Exception):
@@ -103,8 +104,14 @@ def json_depth_exceeds(obj: Any, limit: int) -> bool:
     return False
 
 
-def check_strings(req: Any, limits: ServerLimits) -> None:
-    """Stop strings and short string fields of a validated request within ``limits``."""
+def check_sizes(req: Any, limits: ServerLimits) -> None:
+    """Stop strings, short string fields and the number of prompts of a validated request
+    within ``limits``."""
+    prompt = getattr(req, "prompt", None)
+    if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
+        if len(prompt) > limits.max_prompts:
+            raise bad_request(f"'prompt' has {len(prompt)} prompts; at most "
+                              f"{limits.max_prompts} are allowed in one request", param="prompt")
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
     if len(stop) > limits.max_stop_sequences:
         raise bad_request(f"'stop' has {len(stop)} sequences; at most "

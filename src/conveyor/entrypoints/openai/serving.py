@@ -20,7 +20,7 @@ from pydantic import ValidationError
 
 from conveyor.core.sampling_params import SamplingParams
 from conveyor.entrypoints.openai.errors import APIError, bad_request, from_validation_error
-from conveyor.entrypoints.openai.limits import ServerLimits, check_strings, json_depth_exceeds
+from conveyor.entrypoints.openai.limits import ServerLimits, check_sizes, json_depth_exceeds
 
 if TYPE_CHECKING:
     from conveyor.engine.async_engine import AsyncEngine
@@ -89,7 +89,7 @@ def parse_body(raw: bytes, model_cls: type[Any], limits: ServerLimits | None = N
         req = model_cls.model_validate_json(text)
     except ValidationError as e:
         raise from_validation_error(e) from e
-    check_strings(req, limits)
+    check_sizes(req, limits)
     return req
 
 
