@@ -1,6 +1,7 @@
 """How much one request may ask of the server: the body size (enforced before anything reads
-the body), the JSON nesting depth, the number and length of stop strings, the length of
-short string fields and the number of prompts. Each violation is a 4xx in OpenAI's error shape, never a 500."""
+the body), the JSON nesting depth, the number and length of stop strings, the length of short
+string fields and the number of prompts. Each violation is a 4xx in OpenAI's error shape, never
+a 500."""
 
 from __future__ import annotations
 
