@@ -1,0 +1,6 @@
+"""Triton kernels for the CUDA path: the paged KV-cache write, paged decode attention (split-K
+with a reduce step) and paged prefill/extend attention, all over the project's cache layout
+``[num_blocks, block_size, num_kv_heads, head_dim]`` and reading the block table directly.
+
+With ``TRITON_INTERPRET=1`` the same kernels run on CPU tensors (how the tests check them).
+"""
