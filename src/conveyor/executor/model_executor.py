@@ -20,6 +20,7 @@ from conveyor.model.device import (
     resolve_kv_cache_dtype,
     return_freed_memory,
     use_attention_kernel,
+    use_triton_attention,
 )
 from conveyor.model.layers.attention import build_attention_metadata
 from conveyor.model.loader import load_model
@@ -28,7 +29,8 @@ from conveyor.model.sampler import Sampler, SampleRow
 
 class ModelExecutor:
     def __init__(self, model: str | None = None, dtype: str = "auto", device: str = "auto",
-                 seed: int = 0, kv_cache_dtype: str = "auto", int8_activations: bool = False) -> None:
+                 seed: int = 0, kv_cache_dtype: str = "auto", int8_activations: bool = False,
+                 max_num_seqs: int = 64, enforce_eager: bool = False) -> None:
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype, self.device)
         self.kv_cache_dtype = resolve_kv_cache_dtype(kv_cache_dtype, self.dtype)
@@ -44,6 +46,10 @@ class ModelExecutor:
         self.attention_kernel = use_attention_kernel(self.device, self.dtype, c.head_dim,
                                                      self.kv_cache_dtype)
         self.kv_cache: KVCache | None = None
+        # The CUDA path (executor/cuda_runner.py) replaces the forward below once the cache exists.
+        self.triton_attention = use_triton_attention(self.device, c.head_dim)
+        self.max_num_seqs, self.enforce_eager = max_num_seqs, enforce_eager
+        self.cuda_runner = None
 
     def kv_cache_bytes_per_block(self, block_size: int) -> int:
         c = self.model_config
@@ -54,6 +60,11 @@ class ModelExecutor:
         c = self.model_config
         self.kv_cache = KVCache(c.num_layers, c.num_kv_heads, c.head_dim, block_size,
                                 num_gpu_blocks, num_cpu_blocks, self.kv_cache_dtype, self.device)
+        if self.triton_attention:
+            from conveyor.executor.cuda_runner import CudaModelRunner
+
+            self.cuda_runner = CudaModelRunner(self.model, c, self.kv_cache, self.max_num_seqs,
+                                               self.enforce_eager, self.device)
 
     @torch.inference_mode()
     def execute(self, scheduler_output: SchedulerOutput) -> ExecutorOutput:
@@ -86,14 +97,19 @@ class ModelExecutor:
                 sample_entries.append(i)
                 logits_indices.append(len(input_ids) - 1)
 
-        meta = build_attention_metadata(tables, starts, counts, cache.block_size,
-                                        self.model_config.num_queries_per_kv, self.device,
-                                        self.attention_kernel, self.dtype)
         sampled: list[list[int]] = [[] for _ in range(n)]
         logprobs: list[list[dict[int, float]]] = [[] for _ in range(n)]
-        logits = self.model(torch.tensor(input_ids, device=self.device), meta.positions,
-                            cache.layers, meta,
-                            torch.tensor(logits_indices or [len(input_ids) - 1], device=self.device))
+        if self.cuda_runner is not None:
+            logits = self.cuda_runner.forward(input_ids, tables, starts, counts,
+                                              logits_indices or [len(input_ids) - 1])
+        else:
+            meta = build_attention_metadata(tables, starts, counts, cache.block_size,
+                                            self.model_config.num_queries_per_kv, self.device,
+                                            self.attention_kernel, self.dtype)
+            logits = self.model(torch.tensor(input_ids, device=self.device), meta.positions,
+                                cache.layers, meta,
+                                torch.tensor(logits_indices or [len(input_ids) - 1],
+                                             device=self.device))
         if self.trim_after_long_steps and len(input_ids) > TRIM_AFTER_TOKENS:
             return_freed_memory()  # the step's activations are freed by now
         if not sample_entries:
