@@ -29,6 +29,12 @@ def dot_dtype(dtype: torch.dtype):
     return {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}[dtype]
 
 
+def dot_precision(dtype: torch.dtype) -> str:
+    """float32 models get exact float32 products (``"ieee"``), not TF32's 10-bit mantissas;
+    16-bit operands multiply exactly either way."""
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
 def check_cache(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
     if k_cache.shape != v_cache.shape or k_cache.dtype != v_cache.dtype:
         raise ValueError(f"k_cache {tuple(k_cache.shape)} {k_cache.dtype} and v_cache "

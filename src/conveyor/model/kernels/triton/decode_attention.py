@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from conveyor.model.kernels.triton.common import check_cache, dot_dtype
+from conveyor.model.kernels.triton.common import check_cache, dot_dtype, dot_precision
 
 MIN_TOKENS_PER_SPLIT = 256  # below this a split's fixed cost outweighs the parallelism it adds
 MAX_SPLITS = 16
@@ -39,7 +39,7 @@ def _decode_split_kernel(
     stride_ot, stride_oh, stride_os, stride_lt, stride_lh,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     NUM_SPLITS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_N: tl.constexpr, DOT: tl.constexpr,
+    BLOCK_N: tl.constexpr, DOT: tl.constexpr, PRECISION: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -69,13 +69,13 @@ def _decode_split_kernel(
         kv_off = row[:, None] + kv_head * stride_ch + d[None, :]
         kv_mask = n_mask[:, None] & d_mask[None, :]
         k = tl.load(k_cache_ptr + kv_off, mask=kv_mask, other=0.0).to(tl.float32)
-        s = tl.dot(q, tl.trans(k.to(DOT))) * scale  # [BLOCK_H, BLOCK_N]
+        s = tl.dot(q, tl.trans(k.to(DOT)), input_precision=PRECISION) * scale  # [BLOCK_H, BLOCK_N]
         s = tl.where(n_mask[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         p = tl.exp(s - m_new[:, None])
         alpha = tl.exp(m_i - m_new)
         v = tl.load(v_cache_ptr + kv_off, mask=kv_mask, other=0.0).to(tl.float32)
-        acc = acc * alpha[:, None] + tl.dot(p.to(DOT), v.to(DOT))
+        acc = acc * alpha[:, None] + tl.dot(p.to(DOT), v.to(DOT), input_precision=PRECISION)
         l_i = l_i * alpha + tl.sum(p, axis=1)
         m_i = m_new
 
@@ -148,7 +148,7 @@ def decode_attention(
         part_lse.stride(0), part_lse.stride(1),
         GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, NUM_SPLITS=num_splits,
         BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_D=block_d, BLOCK_N=block_n,
-        DOT=dot_dtype(q.dtype),
+        DOT=dot_dtype(q.dtype), PRECISION=dot_precision(q.dtype),
     )
     _decode_reduce_kernel[(num_seqs, num_heads)](
         part_o, part_lse, out,

@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from conveyor.model.kernels.triton.common import check_cache, dot_dtype
+from conveyor.model.kernels.triton.common import check_cache, dot_dtype, dot_precision
 
 
 @triton.jit
@@ -26,6 +26,7 @@ def _prefill_kernel(
     stride_ch,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DOT: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):
     seq = tl.program_id(0)
     head = tl.program_id(1)
@@ -58,7 +59,7 @@ def _prefill_kernel(
             kv_off = row[:, None] + kv_head * stride_ch + d[None, :]
             kv_mask = n_mask[:, None] & d_mask[None, :]
             k = tl.load(k_cache_ptr + kv_off, mask=kv_mask, other=0.0).to(tl.float32)
-            s = tl.dot(q, tl.trans(k.to(DOT))) * scale  # [BLOCK_M, BLOCK_N]
+            s = tl.dot(q, tl.trans(k.to(DOT)), input_precision=PRECISION) * scale  # [BLOCK_M, BLOCK_N]
             visible = (n[None, :] <= q_pos[:, None]) & n_mask[None, :]
             s = tl.where(visible, s, float("-inf"))
             # Rows past q_len see no key; their max stays finite through the 0 fallback.
@@ -67,7 +68,7 @@ def _prefill_kernel(
             p = tl.exp(s - m_safe[:, None])
             alpha = tl.exp(m_i - m_safe)
             v = tl.load(v_cache_ptr + kv_off, mask=kv_mask, other=0.0).to(tl.float32)
-            acc = acc * alpha[:, None] + tl.dot(p.to(DOT), v.to(DOT))
+            acc = acc * alpha[:, None] + tl.dot(p.to(DOT), v.to(DOT), input_precision=PRECISION)
             l_i = l_i * alpha + tl.sum(p, axis=1)
             m_i = m_new
 
@@ -108,6 +109,6 @@ def prefill_attention(
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         GROUP=num_heads // kv_heads, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=triton.next_power_of_2(head_dim),
-        DOT=dot_dtype(q.dtype),
+        DOT=dot_dtype(q.dtype), PRECISION=dot_precision(q.dtype),
     )
     return out
