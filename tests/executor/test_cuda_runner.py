@@ -167,3 +167,35 @@ def test_eager_runner_matches_transformers(tmp_path):
     check(logits[:2], [want_a[21], want_b[15]])
     changed = (cache.cache != before).flatten(4).any(-1).any(0).any(0).flatten()
     assert sorted(changed.nonzero().flatten().tolist()) == sorted(flat.slot_mapping)
+
+
+def test_engine_sizes_a_cuda_cache_from_mem_get_info(monkeypatch):
+    """The engine's block count on CUDA: gpu_memory_utilization of what mem_get_info reports,
+    less what is in use and the activation reserve; a kv_cache_memory in bytes still wins."""
+    from types import SimpleNamespace
+
+    from conveyor.engine.args import EngineArgs
+    from conveyor.engine.llm_engine import _num_blocks
+    from conveyor.executor.gpu_memory import GRAPH_AND_WORKSPACE_BYTES
+    from conveyor.model.config import ModelConfig
+
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (70 * GiB, 80 * GiB))
+    config = SimpleNamespace(hidden_size=576, intermediate_size=1536, vocab_size=49152)
+    executor = SimpleNamespace(device=torch.device("cuda"), dtype=torch.bfloat16,
+                               model_config=config,
+                               kv_cache_bytes_per_block=lambda block_size: 2**20)
+    args = EngineArgs(gpu_memory_utilization=0.5, max_num_batched_tokens=2048, max_num_seqs=8)
+    reserved = GRAPH_AND_WORKSPACE_BYTES + activation_bytes(2048, 8, 576, 1536, 49152, 2)
+    assert _num_blocks(args, executor) == (((40 - 10) * GiB - reserved) // 2**20, 0)
+    assert _num_blocks(args.replace(kv_cache_memory=5 * 2**20), executor) == (5, 0)
+    assert _num_blocks(args.replace(preemption_mode="swap", swap_space=1.0), executor)[1] == 1024
+    assert {"hidden_size", "intermediate_size", "vocab_size"} <= set(
+        ModelConfig.__dataclass_fields__)
+
+
+def test_cpu_executor_keeps_the_cpu_path():
+    from conveyor.model.device import use_triton_attention
+
+    assert not use_triton_attention(torch.device("cpu"), 64)
+    assert use_triton_attention(torch.device("cuda"), 64)
+    assert not use_triton_attention(torch.device("cuda"), 96)  # not a power of two

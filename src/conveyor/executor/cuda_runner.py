@@ -31,23 +31,28 @@ class CudaModelRunner:
                         if device.type == "cuda" else DEFAULT_NUM_SMS)
         block_size = kv_cache.block_size
         width = -(-config.max_position_embeddings // block_size)
-        # Graphs replay with any context length, so their split count is set for the longest.
-        self.graph_splits = self.num_splits(config.max_position_embeddings, 1)
         self.no_prefill = torch.zeros(1, dtype=torch.int32, device=device)
         self.rows = torch.arange(max(max_num_seqs, 1), device=device)
         self.graphs = (CudaGraphRunner(self._decode_forward, max_num_seqs, width, device)
                        if device.type == "cuda" and not enforce_eager else None)
 
-    def num_splits(self, max_context_len: int, num_seqs: int) -> int:
+    def decode_splits(self, num_seqs: int) -> int:
+        """The decode kernel's split count for a batch of ``num_seqs``: set for the longest
+        context the model takes, as a graph replays with any; eager decode steps use the count
+        of the graph they would have padded to, so both compute alike."""
+        from conveyor.executor.cuda_graphs import padded_batch_size
         from conveyor.model.kernels.triton.decode_attention import num_splits_for
 
-        return num_splits_for(max_context_len, num_seqs, self.config.num_kv_heads, self.num_sms)
+        if self.graphs is not None:
+            num_seqs = padded_batch_size(num_seqs, self.graphs.sizes) or num_seqs
+        return num_splits_for(self.config.max_position_embeddings, num_seqs,
+                              self.config.num_kv_heads, self.num_sms)
 
     def _decode_forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                         slot_mapping: torch.Tensor, block_tables: torch.Tensor,
                         seq_lens: torch.Tensor) -> torch.Tensor:
         n = input_ids.shape[0]
-        batch = TritonBatch(block_tables, seq_lens, self.no_prefill, n, 0, self.graph_splits)
+        batch = TritonBatch(block_tables, seq_lens, self.no_prefill, n, 0, self.decode_splits(n))
         meta = AttentionMetadata(slot_mapping, positions, None, [], triton=batch)
         return self.model(input_ids, positions, self.kv_cache.layers, meta, self.rows[:n])
 
@@ -64,9 +69,7 @@ class CudaModelRunner:
                                            self.graphs.width)
             logits = self.graphs.run(inputs)
             return logits[torch.tensor(logits_indices, device=self.device)]
-        longest_decode = max(flat.seq_lens[:flat.num_decodes], default=1)
-        batch = build_triton_batch(flat, self.device,
-                                   self.num_splits(longest_decode, max(flat.num_decodes, 1)))
+        batch = build_triton_batch(flat, self.device, self.decode_splits(max(flat.num_decodes, 1)))
         meta = AttentionMetadata(torch.tensor(flat.slot_mapping, device=self.device),
                                  torch.tensor(flat.positions, device=self.device), None, [],
                                  triton=batch)

@@ -76,13 +76,15 @@ def test_kv_write_scattered_slots(dtype, head_dim, device):
 @pytest.mark.parametrize("num_splits", [1, 3])
 def test_decode_gqa_ragged_contexts(dtype, head_dim, num_splits, device):
     heads, kv_heads, num_blocks = 6, 2, 24
-    seq_lens = [1, 17, 70, 33]  # one token, one past a block, several blocks, ragged
+    # one token, one past a block, several blocks, ragged; with 3 splits of at least 16
+    # positions, the short ones leave splits empty
+    seq_lens = [1, 17, 70, 33]
     k_cache, v_cache = _cache(num_blocks, kv_heads, head_dim, dtype, device)
     tables = _block_tables(seq_lens, num_blocks)
     q = torch.randn(len(seq_lens), heads, head_dim).to(dtype).to(device)
     out = decode_attention(q, k_cache, v_cache, tables.to(device),
                            torch.tensor(seq_lens, dtype=torch.int32, device=device),
-                           head_dim ** -0.5, num_splits, block_n=16)
+                           head_dim ** -0.5, num_splits, block_n=16, min_split_len=16)
     for i, n in enumerate(seq_lens):
         want = _reference(q[i:i + 1], k_cache, v_cache, tables[i], n, 1)
         torch.testing.assert_close(out[i:i + 1].cpu().float(), want, atol=TOLERANCE[dtype],

@@ -6,7 +6,10 @@ one KV head (GQA: the group's keys are read once, and the heads, padded to 16 ro
 the block table with an online softmax. It leaves a partial output and its log-sum-exp.
 Stage 2, grid ``(seqs, heads)``: merges the splits. Splitting the context (split-K, as in
 flash-decoding) keeps the GPU busy when a few long sequences decode alone; the number of splits
-is a launch constant, so a CUDA graph captured with it serves every context length. A sequence
+is a launch constant, so a CUDA graph captured with it serves every context length. A split
+covers at least ``min_split_len`` positions, so a short context fills the first splits and
+leaves the rest empty: where splits fall depends on the context length and the split count
+only, which is what makes a graph's replay equal an eager step with the same count. A sequence
 whose context length is 0 (a padded graph row) gets zeros.
 """
 
@@ -24,7 +27,7 @@ MAX_SPLITS = 16
 
 def num_splits_for(max_context_len: int, num_seqs: int, num_kv_heads: int,
                    num_sms: int = 132) -> int:
-    """Splits for a batch whose longest context is ``max_context_len``: enough programs to fill
+    """Splits for a batch that may hold contexts of ``max_context_len``: enough programs to fill
     ``num_sms`` streaming multiprocessors, none shorter than ``MIN_TOKENS_PER_SPLIT``."""
     by_length = triton.cdiv(max(max_context_len, 1), MIN_TOKENS_PER_SPLIT)
     by_occupancy = triton.cdiv(num_sms, max(num_seqs * num_kv_heads, 1))
@@ -38,15 +41,15 @@ def _decode_split_kernel(
     stride_qt, stride_qh, stride_bt, stride_cblock, stride_cslot, stride_ch,
     stride_ot, stride_oh, stride_os, stride_lt, stride_lh,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_N: tl.constexpr, DOT: tl.constexpr, PRECISION: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, MIN_SPLIT_LEN: tl.constexpr, BLOCK_H: tl.constexpr,
+    BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, DOT: tl.constexpr, PRECISION: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + seq)
-    per_split = tl.cdiv(seq_len, NUM_SPLITS)
-    lo = split * per_split
+    per_split = tl.maximum(tl.cdiv(seq_len, NUM_SPLITS), MIN_SPLIT_LEN)
+    lo = tl.minimum(split * per_split, seq_len)
     hi = tl.minimum(lo + per_split, seq_len)
 
     h = tl.arange(0, BLOCK_H)
@@ -123,6 +126,7 @@ def decode_attention(
     num_splits: int,
     out: torch.Tensor | None = None,  # [S, num_heads, head_dim]
     block_n: int = 32,
+    min_split_len: int = MIN_TOKENS_PER_SPLIT,
 ) -> torch.Tensor:
     check_cache(k_cache, v_cache)
     num_seqs, num_heads, head_dim = q.shape
@@ -147,7 +151,8 @@ def decode_attention(
         k_cache.stride(2), part_o.stride(0), part_o.stride(1), part_o.stride(2),
         part_lse.stride(0), part_lse.stride(1),
         GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, NUM_SPLITS=num_splits,
-        BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_D=block_d, BLOCK_N=block_n,
+        MIN_SPLIT_LEN=min_split_len, BLOCK_H=max(16, triton.next_power_of_2(group)),
+        BLOCK_D=block_d, BLOCK_N=block_n,
         DOT=dot_dtype(q.dtype), PRECISION=dot_precision(q.dtype),
     )
     _decode_reduce_kernel[(num_seqs, num_heads)](
