@@ -294,6 +294,8 @@ def _ints(text: str) -> list[int]:
 
 
 def peer_jobs(args: argparse.Namespace, model_path: str, dtype: str) -> list[PeerJob]:
+    from conveyor.model.device import resolve_device
+
     jobs = []
     for name in [c.strip() for c in (args.compare or "").split(",") if c.strip()]:
         settings: list[int | None] = [None]
@@ -303,7 +305,8 @@ def peer_jobs(args: argparse.Namespace, model_path: str, dtype: str) -> list[Pee
             settings = _ints(args.llamacpp_parallel)
         for s in settings:
             jobs.append(PeerJob(name, model_path, args.workload, args.seed, args.num_requests,
-                                args.peer_repeats or args.repeats, dtype, s, args.threads))
+                                args.peer_repeats or args.repeats, dtype, s, args.threads,
+                                resolve_device(args.device).type))
     return jobs
 
 
