@@ -129,7 +129,9 @@ class ModelExecutor:
                 ))
             repeats.append(k)
         if any(r > 1 for r in repeats):
-            logits = logits.repeat_interleave(torch.tensor(repeats, device=logits.device), dim=0)
+            # output_size: without it a GPU waits for the sum of the repeats
+            logits = logits.repeat_interleave(torch.tensor(repeats, device=logits.device), dim=0,
+                                              output_size=sum(repeats))
         out = self.sampler(logits, rows)
         row = 0
         for i, k in zip(sample_entries, repeats, strict=True):
