@@ -18,6 +18,12 @@ import triton.language as tl
 from conveyor.model.kernels.triton.common import check_cache, dot_dtype, dot_precision
 
 
+def prefill_tiles(dtype: torch.dtype) -> tuple[int, int]:
+    """(BLOCK_M, BLOCK_N): 64 x 64 for 16-bit types; 32 x 32 for float32, whose K and V tiles at
+    head_dim 128 would need 115 KB of shared memory, more than sm_86/89 cards have."""
+    return (32, 32) if dtype == torch.float32 else (64, 64)
+
+
 @triton.jit
 def _prefill_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, block_table_ptr, seq_lens_ptr, query_start_ptr,
@@ -87,8 +93,8 @@ def prefill_attention(
     max_query_len: int,
     scale: float,
     out: torch.Tensor | None = None,  # [T, num_heads, head_dim]
-    block_m: int = 64,
-    block_n: int = 64,
+    block_m: int | None = None,  # default: prefill_tiles
+    block_n: int | None = None,
 ) -> torch.Tensor:
     check_cache(k_cache, v_cache)
     _, num_heads, head_dim = q.shape
@@ -99,6 +105,8 @@ def prefill_attention(
         raise ValueError("head_dim must be contiguous in q and the caches")
     if out is None:
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    default_m, default_n = prefill_tiles(q.dtype)
+    block_m, block_n = block_m or default_m, block_n or default_n
     num_seqs = seq_lens.shape[0]
     if num_seqs == 0 or max_query_len == 0:
         return out
