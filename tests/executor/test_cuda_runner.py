@@ -124,13 +124,14 @@ def test_eager_runner_matches_transformers(tmp_path):
     from conveyor.executor.cuda_runner import CudaModelRunner
     from conveyor.executor.model_executor import ModelExecutor
 
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # else interpreted
     ref = _tiny_llama(tmp_path)
-    ex = ModelExecutor(str(tmp_path), dtype="float32", device="cpu")
+    ex = ModelExecutor(str(tmp_path), dtype="float32", device=device.type)
     cfg = ex.model_config
     cache = KVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, block_size=8, num_blocks=12,
-                    num_cpu_blocks=0, dtype=torch.float32, device=torch.device("cpu"))
+                    num_cpu_blocks=0, dtype=torch.float32, device=device)
     runner = CudaModelRunner(ex.model, cfg, cache, max_num_seqs=4, enforce_eager=True,
-                             device=torch.device("cpu"))
+                             device=device)
     gen = torch.Generator().manual_seed(1)
     seq_a = torch.randint(3, 96, (22,), generator=gen).tolist()
     seq_b = torch.randint(3, 96, (16,), generator=gen).tolist()
@@ -149,7 +150,7 @@ def test_eager_runner_matches_transformers(tmp_path):
                               [e[3] for e in entries], last)
 
     def check(got, wants):
-        torch.testing.assert_close(got, torch.stack(wants), atol=2e-4, rtol=2e-4)
+        torch.testing.assert_close(got.cpu(), torch.stack(wants), atol=2e-4, rtol=2e-4)
 
     check(step([(seq_a, table_a, 0, 12), (seq_b, table_b, 0, 13)]), [want_a[11], want_b[12]])
     check(step([(seq_b, table_b, 13, 1), (seq_a, table_a, 12, 8)]), [want_b[13], want_a[19]])
@@ -161,12 +162,13 @@ def test_eager_runner_matches_transformers(tmp_path):
     inputs = prepare_decode_inputs([seq_a[21], seq_b[15]], flat.positions, flat.slot_mapping,
                                    [table_a, table_b], batch_size=4, width=16)
     before = cache.cache.clone()
-    logits = runner._decode_forward(inputs.input_ids, inputs.positions, inputs.slot_mapping,
-                                    inputs.block_tables, inputs.seq_lens)
+    logits = runner._decode_forward(*(t.to(device) for t in (
+        inputs.input_ids, inputs.positions, inputs.slot_mapping, inputs.block_tables,
+        inputs.seq_lens)))
     assert logits.shape[0] == 4
     check(logits[:2], [want_a[21], want_b[15]])
     changed = (cache.cache != before).flatten(4).any(-1).any(0).any(0).flatten()
-    assert sorted(changed.nonzero().flatten().tolist()) == sorted(flat.slot_mapping)
+    assert sorted(changed.nonzero().flatten().cpu().tolist()) == sorted(flat.slot_mapping)
 
 
 def test_engine_sizes_a_cuda_cache_from_mem_get_info(monkeypatch):
