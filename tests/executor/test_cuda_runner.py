@@ -201,3 +201,18 @@ def test_cpu_executor_keeps_the_cpu_path():
     assert not use_triton_attention(torch.device("cpu"), 64)
     assert use_triton_attention(torch.device("cuda"), 64)
     assert not use_triton_attention(torch.device("cuda"), 96)  # not a power of two
+
+
+def test_decode_splits_follow_the_padded_batch_with_or_without_graphs():
+    """Eager decode uses the split count of the graph its batch would pad to, so graph replays
+    and eager steps reduce alike (bit-equal tokens)."""
+    from types import SimpleNamespace
+
+    from conveyor.executor.cuda_runner import CudaModelRunner
+
+    config = SimpleNamespace(max_position_embeddings=8192, num_kv_heads=3)
+    runner = CudaModelRunner(torch.nn.Identity(), config, SimpleNamespace(block_size=16),
+                             max_num_seqs=64, enforce_eager=True, device=torch.device("cpu"))
+    assert runner.graphs is None
+    assert runner.decode_splits(12) == runner.decode_splits(16) != runner.decode_splits(4)
+    assert runner.decode_splits(1) == 16  # one long sequence alone: the most splits

@@ -10,7 +10,12 @@ from __future__ import annotations
 
 import torch
 
-from conveyor.executor.cuda_graphs import CudaGraphRunner, prepare_decode_inputs
+from conveyor.executor.cuda_graphs import (
+    CudaGraphRunner,
+    graph_batch_sizes,
+    padded_batch_size,
+    prepare_decode_inputs,
+)
 from conveyor.executor.kv_cache import KVCache
 from conveyor.model.config import ModelConfig
 from conveyor.model.layers.attention import AttentionMetadata
@@ -33,18 +38,17 @@ class CudaModelRunner:
         width = -(-config.max_position_embeddings // block_size)
         self.no_prefill = torch.zeros(1, dtype=torch.int32, device=device)
         self.rows = torch.arange(max(max_num_seqs, 1), device=device)
+        self.ladder = graph_batch_sizes(max_num_seqs)
         self.graphs = (CudaGraphRunner(self._decode_forward, max_num_seqs, width, device)
                        if device.type == "cuda" and not enforce_eager else None)
 
     def decode_splits(self, num_seqs: int) -> int:
         """The decode kernel's split count for a batch of ``num_seqs``: set for the longest
-        context the model takes, as a graph replays with any; eager decode steps use the count
-        of the graph they would have padded to, so both compute alike."""
-        from conveyor.executor.cuda_graphs import padded_batch_size
+        context the model takes, as a graph replays with any; eager decode steps (with graphs
+        off too) use the count of the graph they would pad to, so both compute alike."""
         from conveyor.model.kernels.triton.decode_attention import num_splits_for
 
-        if self.graphs is not None:
-            num_seqs = padded_batch_size(num_seqs, self.graphs.sizes) or num_seqs
+        num_seqs = padded_batch_size(num_seqs, self.ladder) or num_seqs
         return num_splits_for(self.config.max_position_embeddings, num_seqs,
                               self.config.num_kv_heads, self.num_sms)
 
@@ -62,8 +66,6 @@ class CudaModelRunner:
         n = len(counts)
         width = max(len(t) for t in block_tables)
         if self.graphs is not None and flat.num_decodes == n and self.graphs.serves(n, width):
-            from conveyor.executor.cuda_graphs import padded_batch_size
-
             inputs = prepare_decode_inputs(input_ids, flat.positions, flat.slot_mapping,
                                            block_tables, padded_batch_size(n, self.graphs.sizes),
                                            self.graphs.width)
