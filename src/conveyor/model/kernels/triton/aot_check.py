@@ -38,7 +38,12 @@ def _builds(dtype: str, head_dim: int, group: int = 3, block_size: int = 16, num
     import torch
     import triton
 
-    from conveyor.model.kernels.triton import decode_attention, kv_write, prefill_attention
+    from conveyor.model.kernels.triton import (
+        decode_attention,
+        kv_write,
+        prefill_attention,
+        rms_norm,
+    )
     from conveyor.model.kernels.triton.common import dot_dtype, dot_precision
 
     t = _TL[dtype]
@@ -60,6 +65,9 @@ def _builds(dtype: str, head_dim: int, group: int = 3, block_size: int = 16, num
     yield "decode_reduce", decode_attention._decode_reduce_kernel, {
         "part_o_ptr": "*fp32", "part_lse_ptr": "*fp32", "out_ptr": f"*{t}"}, (), dict(
         NUM_SPLITS=num_splits, BLOCK_S=triton.next_power_of_2(num_splits), **kw)
+    yield "rms_norm", rms_norm._rms_norm_kernel, {
+        "x_ptr": f"*{t}", "residual_ptr": f"*{t}", "weight_ptr": f"*{t}", "out_ptr": f"*{t}"}, (
+        "eps",), dict(N=576, BLOCK=1024, HAS_RESIDUAL=True)
     block_m, block_n = prefill_attention.prefill_tiles(torch_dtype)
     yield "prefill", prefill_attention._prefill_kernel, {
         "q_ptr": f"*{t}", **cache, "out_ptr": f"*{t}", **tables, "query_start_ptr": "*i32"}, (

@@ -3,12 +3,14 @@ its interpreter, and the dtype the kernels feed ``tl.dot``."""
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import os
 
 import torch
 
 
+@functools.cache
 def triton_available() -> bool:
     return importlib.util.find_spec("triton") is not None
 
