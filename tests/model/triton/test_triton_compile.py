@@ -21,6 +21,7 @@ def test_kernels_compile_for_h100_and_a100():
                               *flags], env=env, capture_output=True, text=True, timeout=600)
         assert out.returncode == 0, out.stderr[-3000:]
         lines = out.stdout.splitlines()
-        kernels = {"kv_write", "decode_split", "decode_reduce", "rms_norm", "prefill"}
+        kernels = {"kv_write", "decode_split", "decode_reduce", "rms_norm", "rotary",
+                   "silu_mul", "prefill"}
         assert len(lines) == len(kernels) * flags.count("--dtype") * flags.count("--head-dim")
         assert {line.split()[1] for line in lines} == kernels

@@ -40,6 +40,7 @@ def _builds(dtype: str, head_dim: int, group: int = 3, block_size: int = 16, num
 
     from conveyor.model.kernels.triton import (
         decode_attention,
+        elementwise,
         kv_write,
         prefill_attention,
         rms_norm,
@@ -68,6 +69,11 @@ def _builds(dtype: str, head_dim: int, group: int = 3, block_size: int = 16, num
     yield "rms_norm", rms_norm._rms_norm_kernel, {
         "x_ptr": f"*{t}", "residual_ptr": f"*{t}", "weight_ptr": f"*{t}", "out_ptr": f"*{t}"}, (
         "eps",), dict(N=576, BLOCK=1024, HAS_RESIDUAL=True)
+    yield "rotary", elementwise._rotary_kernel, {
+        "x_ptr": f"*{t}", "cos_ptr": f"*{t}", "sin_ptr": f"*{t}", "out_ptr": f"*{t}"}, (), dict(
+        NUM_HEADS=12, HALF=head_dim // 2, BLOCK_H=16, BLOCK_D=block_d // 2)
+    yield "silu_mul", elementwise._silu_mul_kernel, {
+        "gate_up_ptr": f"*{t}", "out_ptr": f"*{t}"}, (), dict(N=1536, BLOCK=1024)
     block_m, block_n = prefill_attention.prefill_tiles(torch_dtype)
     yield "prefill", prefill_attention._prefill_kernel, {
         "q_ptr": f"*{t}", **cache, "out_ptr": f"*{t}", **tables, "query_start_ptr": "*i32"}, (
