@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from conveyor.core.sampling_params import RequestOutputKind, SamplingParams
+from conveyor.engine.stats_stream import StatsPublisher
 
 if TYPE_CHECKING:
     from conveyor.engine.llm_engine import LLMEngine
@@ -76,6 +77,8 @@ class AsyncEngine:
         # Engine-thread side only: request id -> {sample index -> what was sent}.
         self._sent: dict[str, dict[int, _Sent]] = {}
         self.stats = engine.get_stats()  # latest snapshot, replaced (never mutated) by the thread
+        self.stats_publisher = StatsPublisher()  # the same snapshots, for streaming watchers
+        self.stats_publisher.publish(self.stats)
 
     # ---------------------------------------------------------------- properties
     @property
@@ -277,6 +280,7 @@ class AsyncEngine:
         stats = self.engine.get_stats()
         with self._lock:
             self.stats = stats
+        self.stats_publisher.publish(stats, self.engine.scheduler.unfinished_groups)
 
     def _post(self, request_id: str, item: Any) -> None:
         self._call_in_loop(self._dispatch_one, request_id, item)

@@ -22,6 +22,7 @@ from conveyor.entrypoints.openai.chat import create_chat_completion
 from conveyor.entrypoints.openai.completions import create_completion
 from conveyor.entrypoints.openai.errors import APIError
 from conveyor.entrypoints.openai.metrics import ServerMetrics
+from conveyor.entrypoints.openai.playground import register_playground
 
 logger = logging.getLogger("conveyor.serve")
 
@@ -189,4 +190,5 @@ def build_app(state: ServerState) -> FastAPI:
             raise APIError(503, "metrics are not available yet")
         return Response(state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
+    register_playground(app, state)
     return app
