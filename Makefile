@@ -17,6 +17,7 @@ run: $(STAMP)
 	$(VENV)/bin/conveyor demo
 
 test: $(STAMP)
+	@.ci/install-chromium
 	$(VENV)/bin/pytest $(PYTEST_ARGS)
 
 bench: $(STAMP)
