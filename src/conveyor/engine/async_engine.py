@@ -9,6 +9,9 @@ blocks the event loop, and the engine never sees two threads at once.
 and logprobs that are new since the previous one (samples that did not change are left out).
 Leaving the iterator early (client gone, task cancelled) aborts the request, which frees its
 KV blocks at the engine thread's next turn, i.e. within one step.
+
+After every step the thread replaces ``stats`` (read by /metrics) and hands the same snapshot to
+``stats_publisher``, which streams it to any number of watchers (the playground's stats stream).
 """
 
 from __future__ import annotations

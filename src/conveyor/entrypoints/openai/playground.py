@@ -92,8 +92,9 @@ def stats_event(previous: Snapshot | None, snapshot: Snapshot) -> dict[str, Any]
         "kv_usage": s.kv_usage,
         "free_blocks": s.num_free_blocks,
         "total_blocks": s.num_total_blocks,
+        # None: no prompt was looked up since the previous event (no admission), so no rate.
         "prefix_cache_hit_rate": (s.prefix_cache_hits - p.prefix_cache_hits) / queries
-        if queries > 0 else 0.0,
+        if queries > 0 else None,
         "prefix_cache_hit_rate_total": s.prefix_cache_hits / s.prefix_cache_queries
         if s.prefix_cache_queries > 0 else 0.0,
         "steps_per_s": per_second(s.num_steps, p.num_steps),

@@ -215,7 +215,7 @@ function setUpCharts() {
   window.addEventListener("resize", scheduleDraw);
 }
 
-function drawChart(canvas, values, scale) {
+function drawChart(canvas, values, metric) {
   const ratio = window.devicePixelRatio || 1;
   const width = canvas.clientWidth;
   const height = canvas.clientHeight;
@@ -224,7 +224,7 @@ function drawChart(canvas, values, scale) {
   const ctx = canvas.getContext("2d");
   ctx.setTransform(ratio, 0, 0, ratio, 0, 0);
   ctx.clearRect(0, 0, width, height);
-  const top = scale || Math.max(1, ...values) * 1.1;
+  const top = metric.scale || Math.max(1, ...values) * 1.1;
   const x = (i) => width - (values.length - 1 - i) * (width / (HISTORY - 1));
   const y = (v) => height - 1 - (v / top) * (height - 2);
   ctx.strokeStyle = "#dde1e8";
@@ -232,7 +232,12 @@ function drawChart(canvas, values, scale) {
   ctx.moveTo(0, height - 0.5);
   ctx.lineTo(width, height - 0.5);
   ctx.stroke();
+  ctx.fillStyle = "#6b7385";
+  ctx.font = "10px system-ui, sans-serif";
+  ctx.textAlign = "left";
+  ctx.textBaseline = "top";
   if (values.length < 2) return;
+  ctx.fillText("peak " + metric.format(Math.max(...values)), 2, 0);
   ctx.beginPath();
   values.forEach((v, i) => (i ? ctx.lineTo(x(i), y(v)) : ctx.moveTo(x(i), y(v))));
   ctx.strokeStyle = "#2563eb";
@@ -252,7 +257,7 @@ function scheduleDraw() {
     drawPending = false;
     for (const metric of METRICS) {
       const canvas = document.querySelector(`.tile[data-metric="${metric.key}"] canvas`);
-      drawChart(canvas, history[metric.key], metric.scale);
+      drawChart(canvas, history[metric.key], metric);
     }
   });
 }
@@ -276,8 +281,10 @@ function showRequests(stats) {
 
 function showStats(stats) {
   for (const metric of METRICS) {
-    const value = Number(stats[metric.key]) || 0;
     const series = history[metric.key];
+    // null: nothing to measure this time (no prompt looked up): hold the previous value.
+    const raw = stats[metric.key];
+    const value = raw === null ? (series.length ? series[series.length - 1] : 0) : Number(raw) || 0;
     series.push(value);
     if (series.length > HISTORY) series.shift();
     $("stat-" + metric.key).textContent = metric.format(value);
