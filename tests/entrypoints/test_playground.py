@@ -22,7 +22,7 @@ pytestmark = pytest.mark.timeout(600)
 
 EVENT_KEYS = {"version", "time", "waiting", "running", "swapped", "kv_usage",
               "prefix_cache_hit_rate", "batch_size", "tokens_per_step", "output_tokens_per_s",
-              "preemptions", "num_requests", "requests"}
+              "preemptions", "num_requests", "requests", "watchers"}
 ABORTED = "conveyor:request_success_total{finished_reason=abort}"
 # SmolLM2's greedy reply to this starts with a fenced <script> element.
 MARKUP_PROMPT = "Write an HTML page with a <script> tag that says hello."
@@ -100,6 +100,21 @@ def test_stats_stream_rejects_a_bad_interval(server) -> None:
                          timeout=10)
         assert resp.status_code == 400, bad
         assert resp.json()["error"]["param"] == "interval"
+
+
+def test_closed_streams_stop_watching(server) -> None:
+    long: list = []
+    watcher = threading.Thread(target=lambda: long.extend(_read_events(server.base_url, 10, 0.2)))
+    watcher.start()
+    time.sleep(0.5)
+    short = [threading.Thread(target=_read_events, args=(server.base_url, 3, 0.2))
+             for _ in range(2)]
+    for w in short:
+        w.start()
+    for w in short + [watcher]:
+        w.join(60)
+    counts = [e["watchers"] for _, e in long]
+    assert counts[0] == 1 and max(counts) == 3 and counts[-1] == 1, counts
 
 
 def test_several_watchers_see_the_engine_work(server) -> None:
@@ -214,7 +229,7 @@ def test_playground_in_chromium(server, browser, tmp_path: Path) -> None:
     driver = browser
     driver.get(server.base_url + "/")
     _wait("the model name", lambda: "max_model_len" in _text(driver, "model-name"), 30)
-    _wait("the stats stream", lambda: _text(driver, "stream-status") == "live", 30)
+    _wait("the stats stream", lambda: _text(driver, "stream-status").startswith("live"), 30)
 
     # A streamed reply; markup in the prompt and in the reply is shown as text, never parsed.
     _set(driver, "system-prompt", "")

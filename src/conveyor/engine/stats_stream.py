@@ -14,7 +14,7 @@ import asyncio
 import math
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Iterable
+from collections.abc import AsyncGenerator, Callable, Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -124,7 +124,8 @@ class StatsPublisher:
                 pass  # the event loop is closed: nobody is watching any more
 
     # ------------------------------------------------------------ event-loop side
-    async def watch(self, interval_s: float, heartbeat_s: float = 1.0) -> AsyncIterator[Snapshot]:
+    async def watch(self, interval_s: float,
+                    heartbeat_s: float = 1.0) -> AsyncGenerator[Snapshot, None]:
         """The latest snapshot now, then each newer one, at most one per ``interval_s``; with
         nothing new for ``heartbeat_s`` (an idle engine), the latest again."""
         with self._lock:

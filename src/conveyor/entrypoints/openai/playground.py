@@ -18,7 +18,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import FileResponse, Response, StreamingResponse
 from fastapi.staticfiles import StaticFiles
 
-from conveyor.engine.stats_stream import Snapshot
+from conveyor.engine.stats_stream import Snapshot, StatsPublisher
 from conveyor.entrypoints.openai.errors import APIError
 
 if TYPE_CHECKING:
@@ -42,7 +42,7 @@ def register_playground(app: FastAPI, state: ServerState) -> None:
         interval = _interval(request.query_params.get("interval"))
         engine = state.ready_engine()
         return StreamingResponse(
-            _events(state, engine.stats_publisher.watch(interval, max(interval, HEARTBEAT_S))),
+            _events(state, engine.stats_publisher, interval),
             media_type="text/event-stream",
             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
@@ -60,16 +60,20 @@ def _interval(raw: str | None) -> float:
     return value
 
 
-async def _events(state: ServerState, snapshots: AsyncIterator[Snapshot]) -> AsyncIterator[str]:
+async def _events(state: ServerState, publisher: StatsPublisher,
+                  interval: float) -> AsyncIterator[str]:
+    snapshots = publisher.watch(interval, max(interval, HEARTBEAT_S))
     previous: Snapshot | None = None
     try:
         async for snapshot in snapshots:
             if state.draining:
                 return  # lets the server's graceful shutdown finish
-            yield f"data: {json.dumps(stats_event(previous, snapshot))}\n\n"
+            event = stats_event(previous, snapshot)
+            event["watchers"] = publisher.num_watchers
+            yield f"data: {json.dumps(event)}\n\n"
             previous = snapshot
     finally:
-        await snapshots.aclose()  # type: ignore[attr-defined]
+        await snapshots.aclose()
 
 
 def stats_event(previous: Snapshot | None, snapshot: Snapshot) -> dict[str, Any]:

@@ -290,6 +290,8 @@ function showStats(stats) {
     $("stat-" + metric.key).textContent = metric.format(value);
   }
   showRequests(stats);
+  const viewers = stats.watchers === 1 ? " viewer" : " viewers";
+  $("stream-status").textContent = "live · " + stats.watchers + viewers;
   scheduleDraw();
 }
 
