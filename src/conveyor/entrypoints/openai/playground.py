@@ -40,9 +40,11 @@ def register_playground(app: FastAPI, state: ServerState) -> None:
     @app.get("/v1/stats/stream")
     async def stats_stream(request: Request) -> Response:
         interval = _interval(request.query_params.get("interval"))
-        engine = state.ready_engine()
+        publisher = getattr(state.ready_engine(), "stats_publisher", None)
+        if publisher is None:  # an engine that publishes no per-step statistics
+            raise APIError(404, "This server has no statistics stream.", code="no_stats_stream")
         return StreamingResponse(
-            _events(state, engine.stats_publisher, interval),
+            _events(state, publisher, interval),
             media_type="text/event-stream",
             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 

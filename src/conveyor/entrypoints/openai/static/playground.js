@@ -72,9 +72,18 @@ async function* sseEvents(response) {
 // ------------------------------------------------------------------ model name
 let modelName = null;
 
+// What got a 401 waits for the API key box to change, then tries again.
+const keyWaiters = [];
+const nextKey = () => new Promise((resolve) => keyWaiters.push(resolve));
+
 async function loadModel() {
   try {
     const response = await fetch("/v1/models", { headers: headers() });
+    if (response.status === 401) {
+      $("model-name").textContent = "this server needs an API key: enter it on the right";
+      await nextKey();
+      return loadModel();
+    }
     if (!response.ok) throw new Error(await errorMessage(response));
     const body = await response.json();
     modelName = body.data[0].id;
@@ -299,6 +308,15 @@ async function watchStats() {
   for (;;) {
     try {
       const response = await fetch("/v1/stats/stream?interval=" + STATS_INTERVAL_S, { headers: headers() });
+      if (response.status === 401) {
+        $("stream-status").textContent = "needs the API key";
+        await nextKey();
+        continue;
+      }
+      if (response.status === 404) {
+        $("stream-status").textContent = "not available: " + (await errorMessage(response));
+        return;
+      }
       if (!response.ok) throw new Error(await errorMessage(response));
       $("stream-status").textContent = "live";
       for await (const data of sseEvents(response)) showStats(JSON.parse(data));
@@ -316,7 +334,7 @@ function setUpApiKey() {
   input.value = localStorage.getItem("conveyor-api-key") || "";
   input.addEventListener("change", () => {
     localStorage.setItem("conveyor-api-key", input.value.trim());
-    if (!modelName) loadModel();
+    keyWaiters.splice(0).forEach((resolve) => resolve());
   });
 }
 
