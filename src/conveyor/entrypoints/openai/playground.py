@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from fastapi import FastAPI, Request
 from fastapi.responses import FileResponse, Response, StreamingResponse
@@ -21,16 +21,21 @@ from fastapi.staticfiles import StaticFiles
 from conveyor.engine.stats_stream import Snapshot, StatsPublisher
 from conveyor.entrypoints.openai.errors import APIError
 
-if TYPE_CHECKING:
-    from conveyor.entrypoints.openai.app import ServerState
-
 STATIC_DIR = Path(__file__).parent / "static"
 DEFAULT_INTERVAL_S = 0.25
 MIN_INTERVAL_S, MAX_INTERVAL_S = 0.05, 10.0
 HEARTBEAT_S = 1.0
 
 
-def register_playground(app: FastAPI, state: ServerState) -> None:
+class PlaygroundState(Protocol):
+    """What the playground needs of the app's server state."""
+
+    draining: bool
+
+    def ready_engine(self) -> Any: ...
+
+
+def register_playground(app: FastAPI, state: PlaygroundState) -> None:
     app.mount("/static", StaticFiles(directory=STATIC_DIR), name="static")
 
     @app.get("/", include_in_schema=False)
@@ -62,7 +67,7 @@ def _interval(raw: str | None) -> float:
     return value
 
 
-async def _events(state: ServerState, publisher: StatsPublisher,
+async def _events(state: PlaygroundState, publisher: StatsPublisher,
                   interval: float) -> AsyncIterator[str]:
     snapshots = publisher.watch(interval, max(interval, HEARTBEAT_S))
     previous: Snapshot | None = None
