@@ -290,3 +290,37 @@ def test_playground_in_chromium(server, browser, tmp_path: Path) -> None:
 
     errors = [e for e in driver.get_log("browser") if e["level"] in ("SEVERE", "ERROR")]
     assert errors == []
+
+
+def test_playground_behind_an_api_key(start_server, browser) -> None:
+    key = "playground-test-key"
+    keyed = start_server(["--api-key", key])
+    for path in ("/", "/static/playground.js", "/static/playground.css"):
+        assert httpx.get(keyed.base_url + path, timeout=10).status_code == 200, path
+    stream = keyed.base_url + "/v1/stats/stream"
+    assert httpx.get(stream, timeout=10).status_code == 401
+    events = []
+    with httpx.stream("GET", stream, headers={"Authorization": f"Bearer {key}"},
+                      timeout=30) as resp:
+        assert resp.status_code == 200
+        for line in resp.iter_lines():
+            if line.startswith("data: "):
+                events.append(json.loads(line[len("data: "):]))
+                break
+    assert EVENT_KEYS <= events[0].keys()
+
+    driver = browser
+    driver.get(keyed.base_url + "/")
+    _wait("the key prompt", lambda: "API key" in _text(driver, "model-name"), 30)
+    _wait("the stream's key prompt", lambda: "API key" in _text(driver, "stream-status"), 30)
+    _set(driver, "api-key", key)
+    driver.find_element("id", "prompt").click()  # leaving the box fires its change event
+    _wait("the model name", lambda: "max_model_len" in _text(driver, "model-name"), 30)
+    _wait("the stats stream", lambda: _text(driver, "stream-status").startswith("live"), 30)
+    _set(driver, "max-tokens", "8")
+    _, reply = _send(driver, "Hello!")
+    meta = _wait("the reply to finish", lambda: reply.find_elements("css selector", ".meta"), 120)
+    assert meta[0].text.startswith("finish:"), meta[0].text
+    # The only console errors are the two refused calls made before the key was given.
+    errors = [e["message"] for e in driver.get_log("browser") if e["level"] == "SEVERE"]
+    assert len(errors) <= 2 and all("401" in m for m in errors), errors
