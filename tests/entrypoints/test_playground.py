@@ -1,8 +1,8 @@
 """The web playground on a real server: the page and its static files, the /v1/stats/stream
 server-sent events (format, cadence, several watchers), and the page itself in headless
 Chromium driven by Selenium: a streamed chat reply (markup in it shown as text), the scheduler
-pane moving under 32 concurrent requests, the stop button aborting on the server, and a console
-with no errors."""
+pane moving under 32 concurrent requests, the stop button aborting on the server, a console
+with no errors, and a server with an API key (the page open, its API calls taking the key)."""
 
 from __future__ import annotations
 
