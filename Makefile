@@ -17,6 +17,7 @@ run: $(STAMP)
 	$(VENV)/bin/conveyor demo
 
 test: $(STAMP)
+	@.ci/install-chromium
 	$(VENV)/bin/pytest $(PYTEST_ARGS)
 
 # On a machine whose torch sees a CUDA GPU: the end-to-end GPU tests, the Triton kernels compiled

@@ -24,6 +24,7 @@ from conveyor.entrypoints.openai.completions import create_completion
 from conveyor.entrypoints.openai.errors import APIError
 from conveyor.entrypoints.openai.limits import BodySizeLimitMiddleware, ServerLimits
 from conveyor.entrypoints.openai.metrics import ServerMetrics
+from conveyor.entrypoints.openai.playground import register_playground
 from conveyor.entrypoints.openai.security import ServerSecurity, add_security
 
 logger = logging.getLogger("conveyor.serve")
@@ -205,4 +206,5 @@ def build_app(state: ServerState, security: ServerSecurity | None = None,
             raise APIError(503, "metrics are not available yet")
         return Response(state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
+    register_playground(app, state)
     return app
