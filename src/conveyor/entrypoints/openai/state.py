@@ -111,6 +111,11 @@ class ServerState:
 
         return chat_prompt(self.tokenizer, messages, add_generation_prompt)
 
+    async def health(self) -> dict[str, Any]:
+        """The /health body; raises APIError (503) when not ready."""
+        self.ready_engine()
+        return {"status": "ok"}
+
     @staticmethod
     def api_error(e: BaseException) -> APIError:
         """An exception raised while generating -> the error the client sees."""
