@@ -19,7 +19,6 @@ from conveyor.model.device import (
     resolve_dtype,
     resolve_kv_cache_dtype,
     return_freed_memory,
-    use_attention_kernel,
 )
 from conveyor.model.layers.attention import build_attention_metadata
 from conveyor.model.loader import load_model
@@ -35,14 +34,13 @@ class ModelExecutor:
         # before torch's first allocation, see its docstring
         self.trim_after_long_steps = self.device.type == "cpu" and configure_cpu_allocator()
         torch.manual_seed(seed)
-        loaded = load_model(model, self.dtype, self.device, int8_activations)
+        loaded = load_model(model, self.dtype, self.device, int8_activations,
+                            self.kv_cache_dtype)
         self.model = loaded.model
         self.model_config: ModelConfig = loaded.config
         self.tokenizer = loaded.tokenizer
         self.sampler = Sampler(seed, self.model_config.eos_token_ids)
-        c = self.model_config
-        self.attention_kernel = use_attention_kernel(self.device, self.dtype, c.head_dim,
-                                                     self.kv_cache_dtype)
+        self.attention_kernel = loaded.kernels.attention
         self.kv_cache: KVCache | None = None
 
     def kv_cache_bytes_per_block(self, block_size: int) -> int:

