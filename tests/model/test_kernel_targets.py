@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import platform
 import shutil
+import subprocess
 
 import pytest
 import torch
@@ -23,11 +24,23 @@ pytestmark = [pytest.mark.slow, pytest.mark.skipif(
     platform.machine() not in ("x86_64", "AMD64"), reason="the targets are x86-64 levels")]
 
 
+def _openmp_missing(compiler: str) -> str | None:
+    """Why ``compiler`` cannot build OpenMP code here, or None when it can."""
+    path = shutil.which(compiler)
+    if path is None:
+        return f"{compiler} is not installed"
+    probe = subprocess.run([path, "-fopenmp", "-x", "c++", "-fsyntax-only", "-"],
+                           input="#include <omp.h>\nint f() { return omp_get_max_threads(); }\n",
+                           capture_output=True, text=True, timeout=60)
+    return None if probe.returncode == 0 else f"{compiler} has no OpenMP runtime (libomp-dev)"
+
+
 def _compiler_param(name: str | None):
     if name is None:
         return pytest.param(None, id="cxx")
-    return pytest.param(name, id=name, marks=pytest.mark.skipif(
-        shutil.which(name) is None, reason=f"{name} is not installed"))
+    missing = _openmp_missing(name)
+    return pytest.param(name, id=name, marks=pytest.mark.skipif(missing is not None,
+                                                                reason=missing or ""))
 
 
 @pytest.fixture(scope="module", params=list(build.TARGETS))
