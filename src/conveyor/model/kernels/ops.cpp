@@ -451,6 +451,13 @@ void paged_attention_op(const Tensor& q_in, const Tensor& k_cache, const Tensor&
   });
 }
 
+}  // namespace
+
+// A namespace named per build: torch keys custom classes by their C++ type, and clang gives a
+// type in an anonymous namespace one identity in every library that defines it, so two builds
+// (tests load several) would register the same class.
+namespace CONVEYOR_OPS_NAMESPACE {
+
 // ---- decode_layer.cpp ----
 
 // A model's decoder layers for decode_layers, built once at load time: each layer's weight
@@ -589,9 +596,10 @@ void decode_layers_op(const c10::intrusive_ptr<DecodeLayers>& weights, const Ten
   });
 }
 
-}  // namespace
+}  // namespace CONVEYOR_OPS_NAMESPACE
 
 TORCH_LIBRARY(CONVEYOR_OPS_NAMESPACE, m) {
+  using CONVEYOR_OPS_NAMESPACE::DecodeLayers;
   m.class_<DecodeLayers>("DecodeLayers")
       .def(torch::init<>())
       .def("add_layer", &DecodeLayers::add_layer)
@@ -618,5 +626,5 @@ TORCH_LIBRARY(CONVEYOR_OPS_NAMESPACE, m) {
         ".DecodeLayers weights, Tensor(a!) x, Tensor(b!) residual, "
         "Tensor cos, Tensor sin, Tensor(c!)[] k_caches, Tensor(d!)[] v_caches, "
         "Tensor slot_mapping, Tensor block_tables, Tensor context_lens) -> ()",
-        &decode_layers_op);
+        &CONVEYOR_OPS_NAMESPACE::decode_layers_op);
 }
