@@ -73,10 +73,11 @@ class _Server(uvicorn.Server):
 def run_server(engine_args: EngineArgs, host: str = "127.0.0.1", port: int = 8000,
                served_model_name: str | None = None, max_queued_requests: int | None = None,
                shutdown_timeout: float = 30.0, log_level: str = "info",
-               access_log: bool = False) -> int:
-    """Serve until a signal; returns the process exit status."""
+               access_log: bool = False, state: ServerState | None = None) -> int:
+    """Serve until a signal; returns the process exit status. ``state``: serve over another
+    engine (a fleet of replicas) instead of one built from ``engine_args``."""
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    state = ServerState(engine_args, served_model_name, max_queued_requests)
+    state = state or ServerState(engine_args, served_model_name, max_queued_requests)
     config = uvicorn.Config(build_app(state), host=host, port=port, log_level=log_level,
                             access_log=access_log, timeout_graceful_shutdown=shutdown_timeout,
                             lifespan="on")

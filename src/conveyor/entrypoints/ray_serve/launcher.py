@@ -1,0 +1,98 @@
+"""`conveyor serve --data-parallel-size N`: start (or join) a Ray cluster, deploy N replicas with
+Ray Serve, and serve the OpenAI app over them from this process (see docs/parallelism.md)."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from conveyor.engine.args import EngineArgs
+
+logger = logging.getLogger("conveyor.serve")
+
+APP_NAME = "conveyor"
+DEPLOYMENT_NAME = "ConveyorReplica"
+MAX_ONGOING_REQUESTS = 1024  # Serve's per-replica cap; the engine's own queue does the waiting
+
+
+@dataclass
+class FleetConfig:
+    data_parallel_size: int = 2
+    router: str = "prefix_affinity"
+    threads_per_replica: int = 1
+    ray_address: str | None = None  # None: start a local Ray instance for this server
+    num_cpus: int | None = None  # for a local instance (None: Ray's default, every core)
+
+
+def deploy(engine_args: EngineArgs, fleet: FleetConfig,
+           served_model_name: str | None = None) -> tuple[Any, Any, Callable[[], None]]:
+    """Bring the replicas up (blocks until they have loaded the model); returns the deployment
+    handle, the router's stats and a callable that takes everything down again."""
+    import ray
+    from ray import serve
+    from ray.serve.config import ProxyLocation, RequestRouterConfig
+
+    from conveyor.entrypoints.ray_serve.replica import ConveyorReplica
+    from conveyor.entrypoints.ray_serve.router import ConveyorRequestRouter
+    from conveyor.entrypoints.ray_serve.stats import stats_for
+
+    owns_ray = not ray.is_initialized() and fleet.ray_address is None
+    if not ray.is_initialized():
+        ray.init(address=fleet.ray_address, num_cpus=fleet.num_cpus if owns_ray else None,
+                 include_dashboard=False, namespace="conveyor")
+    serve.start(proxy_location=ProxyLocation.Disabled)  # HTTP is served by this process
+    threads = fleet.threads_per_replica
+    env = {"OMP_NUM_THREADS": str(threads), "TQDM_DISABLE": "1"}
+    deployment = serve.deployment(
+        ConveyorReplica, name=DEPLOYMENT_NAME, num_replicas=fleet.data_parallel_size,
+        max_ongoing_requests=MAX_ONGOING_REQUESTS, health_check_period_s=2.0,
+        health_check_timeout_s=30.0, graceful_shutdown_timeout_s=5.0,
+        ray_actor_options={"num_cpus": threads, "num_gpus": _gpus_per_replica(engine_args),
+                           "runtime_env": {"env_vars": env}},
+        request_router_config=RequestRouterConfig(
+            request_router_class=ConveyorRequestRouter,
+            request_router_kwargs={"policy": fleet.router, "block_size": engine_args.block_size}),
+    )
+    logger.info("deploying %d replica(s) (%d thread(s) each, router %s) on Ray %s",
+                fleet.data_parallel_size, threads, fleet.router,
+                "local" if owns_ray else fleet.ray_address or "(already connected)")
+    handle = serve.run(deployment.bind(engine_args, threads, served_model_name), name=APP_NAME,
+                       route_prefix=None)
+
+    def undeploy() -> None:
+        try:
+            serve.delete(APP_NAME)
+            if owns_ray:
+                serve.shutdown()
+                ray.shutdown()
+        except Exception:
+            logger.exception("taking the replicas down failed")
+
+    return handle, stats_for(DEPLOYMENT_NAME), undeploy
+
+
+def _gpus_per_replica(engine_args: EngineArgs) -> float:
+    """Ray hides GPUs from an actor that reserved none: --device cuda reserves one per
+    tensor-parallel rank."""
+    if engine_args.device != "cuda":
+        return 0.0
+    return float(getattr(engine_args, "tensor_parallel_size", 1) or 1)
+
+
+def run_fleet(engine_args: EngineArgs, fleet: FleetConfig, host: str = "127.0.0.1",
+              port: int = 8000, served_model_name: str | None = None,
+              max_queued_requests: int | None = None, shutdown_timeout: float = 30.0,
+              log_level: str = "info", access_log: bool = False) -> int:
+    from conveyor.entrypoints.openai.server import run_server
+    from conveyor.entrypoints.ray_serve.fleet import FleetState
+    from conveyor.routing import make_router
+
+    make_router(fleet.router)  # a bad name fails here, before Ray starts
+    if fleet.data_parallel_size < 1 or fleet.threads_per_replica < 1:
+        raise ValueError("--data-parallel-size and --threads-per-replica must be >= 1")
+    state = FleetState(engine_args, lambda: deploy(engine_args, fleet, served_model_name),
+                       served_model_name, max_queued_requests)
+    return run_server(engine_args, host=host, port=port, shutdown_timeout=shutdown_timeout,
+                      log_level=log_level, access_log=access_log, state=state)
