@@ -161,19 +161,18 @@ class FleetMetrics:
 
 class FleetState(ServerState):
     """ServerState whose engine is a fleet: ``deploy`` (run in a thread at startup) brings the
-    replicas up and returns (deployment handle, router stats, undeploy callback)."""
+    replicas up and returns (deployment handle, router stats); whoever deployed them takes
+    them down after the server stopped."""
 
-    def __init__(self, engine_args: EngineArgs,
-                 deploy: Callable[[], tuple[Any, RouterStats, Callable[[], None]]],
+    def __init__(self, engine_args: EngineArgs, deploy: Callable[[], tuple[Any, RouterStats]],
                  served_model_name: str | None = None,
                  max_queued_requests: int | None = None) -> None:
         super().__init__(engine_args, served_model_name, max_queued_requests)
         self._deploy = deploy
-        self._undeploy: Callable[[], None] | None = None
 
     async def load(self) -> None:
         try:
-            handle, router_stats, self._undeploy = await asyncio.to_thread(self._deploy)
+            handle, router_stats = await asyncio.to_thread(self._deploy)
             info = await handle.info.remote()
         except Exception as e:
             logger.exception("failed to start the replicas")
@@ -186,11 +185,6 @@ class FleetState(ServerState):
         self.engine = engine  # type: ignore[assignment]
         logger.info("%d replica(s) of %s ready (router %s); serving",
                     len(router_stats.replicas), name, router_stats.policy)
-
-    async def close(self) -> None:
-        await super().close()
-        if self._undeploy is not None:
-            await asyncio.to_thread(self._undeploy)
 
     async def health(self) -> dict[str, Any]:
         self.ready_engine()

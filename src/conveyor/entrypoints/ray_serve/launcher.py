@@ -4,7 +4,6 @@ Ray Serve, and serve the OpenAI app over them from this process (see docs/parall
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,9 +26,9 @@ class FleetConfig:
 
 
 def deploy(engine_args: EngineArgs, fleet: FleetConfig,
-           served_model_name: str | None = None) -> tuple[Any, Any, Callable[[], None]]:
+           served_model_name: str | None = None) -> tuple[Any, Any]:
     """Bring the replicas up (blocks until they have loaded the model); returns the deployment
-    handle, the router's stats and a callable that takes everything down again."""
+    handle and the router's stats. ``disconnect_ray`` takes them down again."""
     import ray
     from ray import serve
     from ray.serve.config import ProxyLocation, RequestRouterConfig
@@ -38,10 +37,8 @@ def deploy(engine_args: EngineArgs, fleet: FleetConfig,
     from conveyor.entrypoints.ray_serve.router import ConveyorRequestRouter
     from conveyor.entrypoints.ray_serve.stats import stats_for
 
-    owns_ray = not ray.is_initialized() and fleet.ray_address is None
-    if not ray.is_initialized():
-        ray.init(address=fleet.ray_address, num_cpus=fleet.num_cpus if owns_ray else None,
-                 include_dashboard=False, namespace="conveyor")
+    if not ray.is_initialized():  # run_fleet connected already; this is for other callers
+        connect_ray(fleet)
     serve.start(proxy_location=ProxyLocation.Disabled)  # HTTP is served by this process
     threads = fleet.threads_per_replica
     env = {"OMP_NUM_THREADS": str(threads), "TQDM_DISABLE": "1"}
@@ -57,20 +54,81 @@ def deploy(engine_args: EngineArgs, fleet: FleetConfig,
     )
     logger.info("deploying %d replica(s) (%d thread(s) each, router %s) on Ray %s",
                 fleet.data_parallel_size, threads, fleet.router,
-                "local" if owns_ray else fleet.ray_address or "(already connected)")
+                fleet.ray_address or "local")
     handle = serve.run(deployment.bind(engine_args, threads, served_model_name), name=APP_NAME,
                        route_prefix=None)
+    return handle, stats_for(DEPLOYMENT_NAME)
 
-    def undeploy() -> None:
-        try:
+
+def connect_ray(fleet: FleetConfig) -> None:
+    """Join ``fleet.ray_address``, or start a local instance that ``disconnect_ray`` stops.
+    Both run in the main thread: Ray's core worker aborts the process when the thread that
+    initialised it ends first (a to_thread worker does, when the event loop closes)."""
+    import ray
+
+    ray.init(address=fleet.ray_address,
+             num_cpus=fleet.num_cpus if fleet.ray_address is None else None,
+             include_dashboard=False, namespace="conveyor")
+
+
+def ray_is_connected() -> bool:
+    import ray
+
+    return ray.is_initialized()
+
+
+def disconnect_ray(fleet: FleetConfig) -> None:
+    import ray
+    from ray import serve
+
+    ours = _local_ray_pids() if fleet.ray_address is None else []
+    try:
+        if fleet.ray_address is None:  # ours: take Serve's controller down with the instance
+            serve.shutdown()
+        else:
             serve.delete(APP_NAME)
-            if owns_ray:
-                serve.shutdown()
-                ray.shutdown()
-        except Exception:
-            logger.exception("taking the replicas down failed")
+    except Exception:
+        logger.exception("taking the replicas down failed")
+    logger.info("stopping Ray")
+    ray.shutdown()
+    _kill_survivors(ours)
+    logger.info("Ray stopped")
 
-    return handle, stats_for(DEPLOYMENT_NAME), undeploy
+
+def _local_ray_pids() -> list[int]:
+    """The processes of the Ray instance this server started (its raylet's agents included)."""
+    import psutil  # Ray ships it
+    import ray
+
+    pids: set[int] = set()
+    node = ray._private.worker._global_node
+    for infos in (node.all_processes.values() if node is not None else []):
+        for info in infos:
+            try:
+                proc = psutil.Process(info.process.pid)
+                pids.add(proc.pid)
+                pids.update(child.pid for child in proc.children(recursive=True))
+            except psutil.Error:
+                pass
+    return sorted(pids)
+
+
+def _kill_survivors(pids: list[int], grace_s: float = 5.0) -> None:
+    """Ray's dashboard and runtime-env agents can outlive ray.shutdown(); end them."""
+    import psutil
+
+    procs = []
+    for pid in pids:
+        try:
+            procs.append(psutil.Process(pid))
+        except psutil.Error:
+            pass
+    _, alive = psutil.wait_procs(procs, timeout=grace_s)
+    for proc in alive:
+        try:
+            proc.kill()
+        except psutil.Error:
+            pass
 
 
 def _gpus_per_replica(engine_args: EngineArgs) -> float:
@@ -94,5 +152,10 @@ def run_fleet(engine_args: EngineArgs, fleet: FleetConfig, host: str = "127.0.0.
         raise ValueError("--data-parallel-size and --threads-per-replica must be >= 1")
     state = FleetState(engine_args, lambda: deploy(engine_args, fleet, served_model_name),
                        served_model_name, max_queued_requests)
-    return run_server(engine_args, host=host, port=port, shutdown_timeout=shutdown_timeout,
-                      log_level=log_level, access_log=access_log, state=state)
+    connect_ray(fleet)
+    try:
+        return run_server(engine_args, host=host, port=port, shutdown_timeout=shutdown_timeout,
+                          log_level=log_level, access_log=access_log, state=state)
+    finally:
+        if ray_is_connected():
+            disconnect_ray(fleet)
