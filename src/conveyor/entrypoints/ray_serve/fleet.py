@@ -34,7 +34,7 @@ REPLICA_CALL_TIMEOUT_S = 10.0
 
 @dataclass
 class FleetStats:
-    num_total_blocks: int  # the smallest replica's KV cache: what any request must fit in
+    num_total_blocks: int  # one replica's KV cache (all run the same engine flags)
 
 
 class FleetEngine:
