@@ -1,5 +1,6 @@
 """The serving benchmark: arrivals, SLO/metrics parsing, and the client against a real server."""
 
+import argparse
 import json
 import math
 import statistics
@@ -8,11 +9,12 @@ import pytest
 
 from conveyor.bench.serving import (
     RequestResult,
+    add_parser,
     arrival_offsets,
     parse_rates,
     parse_slo,
-    prefix_cache_from_metrics,
     preemptions_from_metrics,
+    prefix_cache_from_metrics,
     spawn_variants,
     summarize,
 )
@@ -79,11 +81,8 @@ def test_prefix_cache_is_summed_over_replicas():
 
 
 def test_one_spawned_fleet_per_router():
-    parser = __import__("argparse").ArgumentParser()
-    from conveyor.bench import serving
-
-    sub = parser.add_subparsers()
-    serving.add_parser(sub)
+    parser = argparse.ArgumentParser()
+    add_parser(parser.add_subparsers())
     args = parser.parse_args(["serve", "--spawn", "--data-parallel-size", "2", "--router",
                               "prefix_affinity,round_robin", "--ray-num-cpus", "2"])
     variants = spawn_variants(args)

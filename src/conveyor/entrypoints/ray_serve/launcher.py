@@ -136,7 +136,7 @@ def _gpus_per_replica(engine_args: EngineArgs) -> float:
     tensor-parallel rank."""
     if engine_args.device != "cuda":
         return 0.0
-    return float(getattr(engine_args, "tensor_parallel_size", 1) or 1)
+    return float(engine_args.tensor_parallel_size)
 
 
 def run_fleet(engine_args: EngineArgs, fleet: FleetConfig, host: str = "127.0.0.1",

@@ -27,6 +27,10 @@ class ConveyorReplica:
         from conveyor.entrypoints.openai.metrics import ServerMetrics
 
         torch.set_num_threads(threads)
+        if engine_args.tensor_parallel_size > 1 and engine_args.threads_per_rank is None:
+            # The replica's Ray CPUs are shared by its ranks, not the machine's cores.
+            engine_args = engine_args.replace(
+                threads_per_rank=max(1, threads // engine_args.tensor_parallel_size))
         self.engine = LLMEngine(engine_args)
         self.engine_args = engine_args
         self.model_name = served_model_name or engine_args.model or self.engine.model_config.name
