@@ -114,8 +114,9 @@ def test_client_disconnect_aborts_on_the_replica(fleet) -> None:
 
 
 def _shared_prefix_hit_rate(server: ServerProcess) -> float:
-    """GROUPS prompts sharing PREFIX_BLOCKS blocks each, ROUNDS requests per group (each round
-    concurrent, rounds one after another): the prefix-cache hit rate over the fleet."""
+    """GROUPS prompts sharing PREFIX_BLOCKS blocks each, ROUNDS requests per group, one request
+    at a time (round_robin's order is then fixed: with an odd GROUPS a group alternates between
+    the two replicas): the prefix-cache hit rate over the fleet."""
 
     def totals() -> tuple[float, float]:
         m = server.metrics()
@@ -128,18 +129,13 @@ def _shared_prefix_hit_rate(server: ServerProcess) -> float:
     salt = int(time.time()) % 1000  # prefixes no earlier request used
     with httpx.Client(base_url=server.base_url, timeout=120) as client:
         for r in range(ROUNDS):
-            def one(g: int, r: int = r) -> None:
-                prefix = [(1000 + 37 * g + 11 * salt + i) % 40000 for i in range(16 * PREFIX_BLOCKS)]
+            for g in range(GROUPS):
+                prefix = [(1000 + 37 * g + 11 * salt + i) % 40000
+                          for i in range(16 * PREFIX_BLOCKS)]
                 suffix = [(20000 + 101 * r + 7 * g + i) % 40000 for i in range(16)]
                 resp = client.post("/v1/completions", json={"prompt": prefix + suffix,
                                                             "max_tokens": 2})
                 assert resp.status_code == 200, resp.text
-
-            threads = [threading.Thread(target=one, args=(g,)) for g in range(GROUPS)]
-            for t in threads:
-                t.start()
-            for t in threads:
-                t.join()
     hits1, queries1 = totals()
     return (hits1 - hits0) / (queries1 - queries0)
 
