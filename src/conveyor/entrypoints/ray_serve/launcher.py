@@ -139,10 +139,10 @@ def _gpus_per_replica(engine_args: EngineArgs) -> float:
     return float(engine_args.tensor_parallel_size)
 
 
-def run_fleet(engine_args: EngineArgs, fleet: FleetConfig, host: str = "127.0.0.1",
-              port: int = 8000, served_model_name: str | None = None,
-              max_queued_requests: int | None = None, shutdown_timeout: float = 30.0,
-              log_level: str = "info", access_log: bool = False) -> int:
+def run_fleet(engine_args: EngineArgs, fleet: FleetConfig,
+              served_model_name: str | None = None, max_queued_requests: int | None = None,
+              **server_kwargs: Any) -> int:
+    """``conveyor serve`` over a fleet; ``server_kwargs`` are run_server's (host, port, ...)."""
     from conveyor.entrypoints.openai.server import run_server
     from conveyor.entrypoints.ray_serve.fleet import FleetState
     from conveyor.routing import make_router
@@ -154,8 +154,8 @@ def run_fleet(engine_args: EngineArgs, fleet: FleetConfig, host: str = "127.0.0.
                        served_model_name, max_queued_requests)
     connect_ray(fleet)
     try:
-        return run_server(engine_args, host=host, port=port, shutdown_timeout=shutdown_timeout,
-                          log_level=log_level, access_log=access_log, state=state)
+        return run_server(engine_args, served_model_name=served_model_name,
+                          max_queued_requests=max_queued_requests, state=state, **server_kwargs)
     finally:
         if ray_is_connected():
             disconnect_ray(fleet)
