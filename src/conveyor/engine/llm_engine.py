@@ -36,7 +36,9 @@ class LLMEngine:
             executor = ModelExecutor(args.model, dtype=args.dtype, device=args.device,
                                      seed=args.seed, kv_cache_dtype=args.kv_cache_dtype,
                                      int8_activations=args.int8_activations,
-                                     parallel=args.parallel_config())
+                                     parallel=args.parallel_config(),
+                                     max_num_seqs=args.max_num_seqs,
+                                     enforce_eager=args.enforce_eager)
         self.executor = executor
         self.tokenizer = self.executor.tokenizer
         self.model_config = self.executor.model_config
@@ -66,6 +68,8 @@ class LLMEngine:
         )
         self._outputs = OutputProcessor(self.tokenizer, self.scheduler.finish_sequence, self._clock)
         self._num_steps = 0
+        self._scheduled_seqs_total = 0
+        self._scheduled_tokens_total = 0
         self._prompt_tokens_total = 0
         self._generation_tokens_total = 0
 
@@ -144,6 +148,8 @@ class LLMEngine:
             result = self.executor.execute(scheduled)
             sampled, logprobs = result.sampled_token_ids, result.logprobs
             self._num_steps += 1
+            self._scheduled_seqs_total += len(scheduled.seqs)
+            self._scheduled_tokens_total += scheduled.num_batched_tokens
         self._generation_tokens_total += sum(len(tokens) for tokens in sampled)
         parents = list(scheduled.seqs)
         finished = self.scheduler.update(scheduled, sampled)
@@ -178,6 +184,8 @@ class LLMEngine:
         s = self.scheduler.stats
         stats = EngineStats(**{name: getattr(s, name) for name in EngineStats.SCHEDULER_FIELDS})
         stats.num_steps = self._num_steps
+        stats.scheduled_seqs_total = self._scheduled_seqs_total
+        stats.scheduled_tokens_total = self._scheduled_tokens_total
         stats.prompt_tokens_total = self._prompt_tokens_total
         stats.generation_tokens_total = self._generation_tokens_total
         stats.finished_by_reason = dict(self._outputs.finished_by_reason)
@@ -206,6 +214,13 @@ def _num_blocks(args: EngineArgs, executor: Any) -> tuple[int, int]:
         if args.kv_cache_memory <= 0:
             raise ValueError(f"kv_cache_memory must be > 0, got {args.kv_cache_memory}")
         budget = args.kv_cache_memory
+        on_cuda = str(getattr(executor, "device", "cpu")).startswith("cuda")
+        if budget <= 1 and on_cuda:
+            from conveyor.executor.gpu_memory import cuda_kv_cache_blocks
+
+            num_gpu = cuda_kv_cache_blocks(executor, args.block_size, args.gpu_memory_utilization,
+                                           args.max_num_batched_tokens, args.max_num_seqs)
+            return num_gpu, _num_cpu_blocks(args, bytes_per_block, local_ranks)
         if budget <= 1:
             budget *= _available_memory(getattr(executor, "device", "cpu"))
         if not str(getattr(executor, "device", "cpu")).startswith("cuda"):
@@ -214,12 +229,15 @@ def _num_blocks(args: EngineArgs, executor: Any) -> tuple[int, int]:
         if num_gpu < 1:
             raise ValueError(f"kv_cache_memory ({args.kv_cache_memory}) holds no KV block of "
                              f"{bytes_per_block} bytes")
-    num_cpu = 0
-    if args.preemption_mode == "swap":
-        if args.swap_space < 0:
-            raise ValueError(f"swap_space must be >= 0, got {args.swap_space}")
-        num_cpu = int(args.swap_space * 2**30 / local_ranks // bytes_per_block)
-    return num_gpu, num_cpu
+    return num_gpu, _num_cpu_blocks(args, bytes_per_block, local_ranks)
+
+
+def _num_cpu_blocks(args: EngineArgs, bytes_per_block: int, local_ranks: int = 1) -> int:
+    if args.preemption_mode != "swap":
+        return 0
+    if args.swap_space < 0:
+        raise ValueError(f"swap_space must be >= 0, got {args.swap_space}")
+    return int(args.swap_space * 2**30 / local_ranks // bytes_per_block)
 
 
 def _available_memory(device: Any) -> int:

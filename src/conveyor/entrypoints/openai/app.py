@@ -25,6 +25,7 @@ from conveyor.entrypoints.openai.completions import create_completion
 from conveyor.entrypoints.openai.errors import APIError
 from conveyor.entrypoints.openai.limits import BodySizeLimitMiddleware, ServerLimits
 from conveyor.entrypoints.openai.metrics import ServerMetrics
+from conveyor.entrypoints.openai.playground import register_playground
 from conveyor.entrypoints.openai.security import ServerSecurity, add_security
 
 logger = logging.getLogger("conveyor.serve")
@@ -213,4 +214,5 @@ def build_app(state: ServerState, security: ServerSecurity | None = None,
             body = await body
         return Response(body, media_type=CONTENT_TYPE_LATEST)
 
+    register_playground(app, state)
     return app
