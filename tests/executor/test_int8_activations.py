@@ -8,11 +8,12 @@ import pytest
 import torch
 
 from conveyor.executor.model_executor import ModelExecutor
-from conveyor.model.device import use_int8_panels
+from conveyor.model.device import select_kernels
 from conveyor.model.layers.attention import build_attention_metadata
+from conveyor.model.layers.linear import Int8PanelMethod, PanelMethod
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(
-    not use_int8_panels(torch.device("cpu"), torch.bfloat16),
+    not select_kernels(torch.device("cpu"), torch.bfloat16, 64, int8_activations=True).int8_panels,
     reason="int8 panels need bf16 panels and a compiler targeting AVX512-VNNI")]
 
 
@@ -41,9 +42,10 @@ def test_int8_activations_stay_close_to_float32(executor, prompt_ids, reference_
     for int8 in (False, True):
         ex = ModelExecutor(dtype="bfloat16", device="cpu", int8_activations=int8)
         layer = ex.model.layers[0]
-        assert (layer.gate_up_proj.packing == "int8") == int8
-        assert ex.model.lm_head.packing == "panels"  # the logits stay bf16 products
-        assert (layer.qkv_proj.int8 is not None and layer.qkv_proj.int8.exact is not None) == int8
+        assert isinstance(layer.gate_up_proj.method, Int8PanelMethod) == int8
+        assert isinstance(ex.model.lm_head.method, PanelMethod)  # logits stay bf16 products
+        qkv = layer.qkv_proj.method
+        assert (isinstance(qkv, Int8PanelMethod) and qkv.int8.exact is not None) == int8
         assert ex.model.fused_decode.serves(64)  # any decode batch runs in one call either way
         got = all_logits(ex, seqs).log_softmax(-1)
         kl = (reference.exp() * (reference - got)).sum(-1).mean().item()

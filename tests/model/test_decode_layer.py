@@ -15,6 +15,7 @@ from conveyor.model.kernels.int8_gemm import int8_gemm_available
 from conveyor.model.kernels.paged_attention import attention_kernel_available
 from conveyor.model.kernels.panel_gemm import panel_gemm_available
 from conveyor.model.layers.attention import build_attention_metadata
+from conveyor.model.layers.linear import PanelMethod
 from conveyor.model.layers.quantized import GROUP, Int4Blocks, pack_blocks
 from conveyor.model.layers.rotary import RotaryEmbedding, rope_inv_freq
 from conveyor.model.llama import DecoderLayer, LlamaForCausalLM
@@ -45,7 +46,7 @@ def quantized_layer(seed: int = 0, dtype: torch.dtype = torch.float32,
         linear.weight.data = blocks.dequantize().to(dtype)
         linear.quantized = pack_blocks(blocks, dtype)
         if large == "panels":
-            linear.prepack("panels")
+            linear.prepack(PanelMethod)
         elif large == "int8":  # exact channels where the model has them (calibration.py)
             exact = (torch.tensor([1, 2, k // 2, k - 1], dtype=torch.int32)
                      if linear in (layer.qkv_proj, layer.gate_up_proj) else None)

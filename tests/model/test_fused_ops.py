@@ -7,9 +7,9 @@ import torch
 import torch.nn.functional as F
 
 from conveyor.model.kernels import fused_ops
-from conveyor.model.kernels.build import kernel_library
+from conveyor.model.kernels.build import kernel_ops
 
-pytestmark = pytest.mark.skipif(kernel_library("fused_ops.cpp") is None,
+pytestmark = pytest.mark.skipif(kernel_ops() is None,
                                 reason="no C++ compiler: the torch path runs")
 # float32: a different summation order; bf16: the same plus an occasional one-ulp rounding flip
 TOL = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.bfloat16: dict(rtol=1e-2, atol=1e-2)}

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from conveyor.executor.model_executor import ModelExecutor
-from conveyor.model.device import use_attention_kernel
+from conveyor.model.device import select_kernels
 from conveyor.model.kv_cache import KVCache
 from conveyor.model.layers.attention import build_attention_metadata
 
@@ -66,7 +66,7 @@ def test_logits_match_transformers(kind: str, attention_kernel: bool, tmp_path) 
     ref = _build(kind, str(tmp_path))
     ex = ModelExecutor(str(tmp_path), dtype="float32", device="cpu")
     cfg = ex.model_config
-    if attention_kernel and not use_attention_kernel(ex.device, ex.dtype, cfg.head_dim):
+    if attention_kernel and not select_kernels(ex.device, ex.dtype, cfg.head_dim).attention:
         pytest.skip("the attention kernel does not run this head size / machine")
     assert cfg.architecture == kind.split("_")[0]
     assert cfg.num_params == sum(p.numel() for p in ref.parameters())
@@ -173,14 +173,13 @@ def test_many_decodes_of_different_lengths(tmp_path) -> None:
 
 
 def test_bfloat16_with_prepacked_weights_is_close(tmp_path) -> None:
-    from conveyor.model.device import linear_packing
-
     ref = _build("qwen2", str(tmp_path))  # QKV bias: the packed path with a bias
     ex = ModelExecutor(str(tmp_path), dtype="bfloat16", device="cpu")
     cfg = ex.model_config
     assert cfg.dtype == "bfloat16"
-    packing = linear_packing(torch.device("cpu"), torch.bfloat16)
-    assert ex.model.layers[0].qkv_proj.packing == packing and ex.model.lm_head.packing == packing
+    method = select_kernels(torch.device("cpu"), torch.bfloat16, cfg.head_dim).linear
+    assert type(ex.model.layers[0].qkv_proj.method) is method
+    assert type(ex.model.lm_head.method) is method
     prompt = torch.randint(3, VOCAB, (30,), generator=torch.Generator().manual_seed(3)).tolist()
     cache = KVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, 16, 4, 0, torch.bfloat16,
                     torch.device("cpu"))

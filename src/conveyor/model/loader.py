@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from conveyor.model.config import ModelConfig
+from conveyor.model.device import KernelPlan
 from conveyor.model.layers.parallel import TensorParallel, shard_plan
 from conveyor.model.llama import LlamaForCausalLM
 
@@ -50,22 +51,19 @@ class LoadedModel:
     config: ModelConfig
     model: LlamaForCausalLM
     tokenizer: Any
+    kernels: KernelPlan
 
 
 def load_model(model: str | None, dtype: torch.dtype, device: torch.device,
-               int8_activations: bool = False, tp: TensorParallel | None = None,
+               int8_activations: bool = False,
+               kv_cache_dtype: torch.dtype | None = None, tp: TensorParallel | None = None,
                with_tokenizer: bool = True) -> LoadedModel:
     """``int8_activations``: let a GGUF model's quantized matmuls round their activations to 8
-    bits where that is faster (``device.use_int8_panels``): off by default, for accuracy.
+    bits where that is faster (``KernelPlan.int8_panels``): off by default, for accuracy.
+    ``kv_cache_dtype`` (default: ``dtype``) is what the attention kernel's choice depends on.
     ``tp``: load only this rank's shard (``layers/parallel.py``)."""
     from conveyor.model.calibration import exact_channels
-    from conveyor.model.device import (
-        dtype_name,
-        linear_packing,
-        return_freed_memory,
-        use_block_weights,
-        use_int8_panels,
-    )
+    from conveyor.model.device import dtype_name, return_freed_memory, select_kernels
     from conveyor.model.tokenizer import load_tokenizer
 
     path = model or default_model_path()
@@ -76,6 +74,7 @@ def load_model(model: str | None, dtype: torch.dtype, device: torch.device,
         from conveyor.model.hf_loader import read_hf_config, read_hf_weights
 
         config = read_hf_config(path)
+        kernels = select_kernels(device, dtype, config.head_dim, kv_cache_dtype, int8_activations)
         plan = _plan(config, tp)
         weights = read_hf_weights(path, plan, config.head_dim)
     elif path.endswith(".gguf"):
@@ -85,9 +84,10 @@ def load_model(model: str | None, dtype: torch.dtype, device: torch.device,
 
         reader = gguf.GGUFReader(path)
         config = read_gguf_config(reader, os.path.basename(path))
+        kernels = select_kernels(device, dtype, config.head_dim, kv_cache_dtype, int8_activations)
         plan = _plan(config, tp)
         weights = read_gguf_weights(reader, config, plan)
-        if use_block_weights(device, dtype):
+        if kernels.block_weights:
             blocks = read_gguf_blocks(reader, config, plan)
     else:
         raise ValueError(f"model {path!r} is neither a .gguf file nor a directory")
@@ -102,19 +102,16 @@ def load_model(model: str | None, dtype: torch.dtype, device: torch.device,
     net.rotary.to(device)
     config.dtype = dtype_name(dtype)
     config.num_params = net.num_params()
-    packing = linear_packing(device, dtype)
-    if packing is not None:
-        net.prepack(packing)
+    net.prepack(kernels.linear)
     # Calibration runs a prefill of its own: one process only (the executor refuses it under TP).
-    int8_panels = (bool(blocks) and int8_activations and use_int8_panels(device, dtype)
-                   and plan is None)
+    int8_panels = bool(blocks) and kernels.int8_panels and plan is None
     exact = exact_channels(net, tokenizer) if int8_panels else None
     config.quantized_bytes = net.attach_blocks(blocks, int8_panels, exact) if blocks else 0
     if blocks:
         net.fuse_decode_layers()
     del blocks
     return_freed_memory()
-    return LoadedModel(config, net, tokenizer)
+    return LoadedModel(config, net, tokenizer, kernels)
 
 
 def _plan(config: ModelConfig, tp: TensorParallel | None):

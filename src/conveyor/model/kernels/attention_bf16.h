@@ -4,10 +4,9 @@
 // head_dim is 64 or 128.
 //
 // paged_attention.cpp's attend converts every key and value element to float before its
-// FMAs; on a batch-64 decode step (SmolLM2's 30 layers, contexts about 210) that made it
-// compute-bound: 11 ms with the cache in L2. vdpbf16ps takes the bf16 elements as they are
-// and does 32 products where an FMA does 16 (5.9 ms in L2; from memory, over scattered blocks,
-// 20 -> 17 ms, about what this CPU reads from 6 KB blocks in random order):
+// FMAs, which makes a large decode step compute-bound once the cache is in L2. vdpbf16ps takes
+// the bf16 elements as they are and does 32 products where an FMA does 16, which leaves it
+// bound by reading the scattered blocks:
 //   keys:   q . k_t as two vectors of 32 bf16 per 64 dims, the products exact and summed in
 //           float (the scale is applied to the reduced score, not rounded into q);
 //   values: out += p_t v_t + p_t+1 v_t+1, two consecutive rows of a block interleaved by

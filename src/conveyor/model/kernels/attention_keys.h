@@ -21,7 +21,7 @@ namespace conveyor {
 // scores[i * padded + t] = scale * q_i . k_t for t < ctx, i < heads. Rows start at KV head h0;
 // `range` elements of each row (the task's KV heads) are prefetched. NEXT_LOCALITY: the
 // prefetch hint for the next block's keys (3: L1, 2: L2). Always inlined: called out of line,
-// the dot_row closure's captures were reloaded every row (bf16 decode 5-10% slower in L2).
+// the dot_row closure's captures were reloaded every row.
 template <int NEXT_LOCALITY, typename C, typename DotRow>
 __attribute__((always_inline)) inline void score_keys(
     float* scores, int64_t padded, const C* k_cache, const C* v_cache, const int32_t* table,

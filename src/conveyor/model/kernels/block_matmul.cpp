@@ -12,7 +12,7 @@
 // is bound by reading W, and these blocks are 0.75 (4-bit) or 1.13 (8-bit) bytes per weight
 // against float32's 4 and bf16's 2. Threads split the outputs.
 //
-// Built and loaded like paged_attention.cpp; K is a multiple of 32 (the Python side
+// Built and loaded like paged_attention.cpp; K is a multiple of 32 (ops.cpp
 // checks).
 
 #include <cstdint>
@@ -130,9 +130,8 @@ struct Q8 {
 #endif
 };
 
-// Output n's codes, scales and minima into the cache ahead of their use. The hardware
-// prefetcher follows the three streams less far: the 8-bit lm_head at one row ran 1.1-1.2x
-// faster so, the 4-bit layers 1.0-1.03x (docs/performance.md, change 26).
+// Output n's codes, scales and minima into the cache ahead of their use: the hardware
+// prefetcher follows three streams less far (docs/performance.md, change 26).
 template <class Format>
 void prefetch_row(const uint8_t* codes, const float* scale, const float* minimum, int64_t n,
                   int64_t blocks) {
@@ -295,22 +294,3 @@ void multiply(uint16_t* y, const uint16_t* x, const uint8_t* codes, const float*
 }
 
 }  // namespace
-
-// y [rows, N] = x [rows, K] @ W^T. codes: [N, K / 2] bytes (4-bit) or [N, K] (8-bit); scale and
-// minimum: [N, K / 32] floats (minimum unused for 8-bit). bf16 is stored as uint16_t,
-// accumulated in float32 and y rounded once.
-#define CONVEYOR_BLOCK_MATMUL(SUFFIX, T)                                                         \
-  extern "C" void block_matmul_##SUFFIX(void* y, const void* x, const uint8_t* codes,          \
-                                        const float* scale, const float* minimum, int64_t rows, \
-                                        int64_t n_out, int64_t k, int64_t x_stride, int bits,   \
-                                        int num_threads) {                                      \
-    auto* yt = static_cast<T*>(y);                                                              \
-    const auto* xt = static_cast<const T*>(x);                                                  \
-    if (bits == 4)                                                                              \
-      multiply<Q4>(yt, xt, codes, scale, minimum, rows, n_out, k, x_stride, num_threads);       \
-    else                                                                                        \
-      multiply<Q8>(yt, xt, codes, scale, minimum, rows, n_out, k, x_stride, num_threads);       \
-  }
-
-CONVEYOR_BLOCK_MATMUL(f32, float)
-CONVEYOR_BLOCK_MATMUL(bf16, uint16_t)

@@ -1,22 +1,25 @@
-"""Compile a C++ kernel of this package into a shared library, once per machine, and load it.
+"""Build the C++ kernels into one torch operator library, once per machine, and load it.
 
-The source is built with the system C++ compiler (``$CXX``, else ``c++``) for this CPU
-(``-O3 -march=native -fopenmp``) into a cache folder (``$CONVEYOR_CACHE_DIR``, else
-``~/.cache/conveyor``), keyed by a hash of every kernel source and header here (one may include
-another), the flags, the compiler's version and this CPU's feature flags: a library built for
-one CPU is never loaded on another.
-Torch's inductor builds its CPU kernels the same way. A build takes a second or two; later
-loads are instant. ``kernel_library`` returns None when there is no compiler or the build fails
-(with one warning) or when ``CONVEYOR_KERNELS=off``; callers then take their torch path.
+``ops.cpp`` (which includes every kernel source) is compiled with the system C++ compiler
+(``$CXX``, else ``c++``) against torch's headers and libraries (``torch.utils.cpp_extension``'s
+paths) into a cache folder (``$CONVEYOR_CACHE_DIR``, else ``~/.cache/conveyor``), keyed by a
+hash of every kernel source and header here, the flags, the compiler's version, torch's version
+and this CPU's feature flags: a library built for one CPU is never loaded on another.
+Loading it registers ``torch.ops.conveyor.*`` (docs/kernels.md lists them).
+
+``kernel_ops()`` is what the model uses: the native build's operators, or None when
+``CONVEYOR_KERNELS=off`` or there is no way to build them here (warned once); callers then take
+their torch path. ``build_ops`` builds other targets (``TARGETS``: baseline x86-64, AVX2) under
+their own operator namespace, so that tests can load them beside the native one.
 """
 
 from __future__ import annotations
 
-import ctypes
 import functools
 import hashlib
 import logging
 import os
+import re
 import shutil
 import subprocess
 import tempfile
@@ -25,9 +28,15 @@ import warnings
 from pathlib import Path
 from typing import Any
 
+import torch
+
 logger = logging.getLogger(__name__)
 
-FLAGS = ["-O3", "-march=native", "-fopenmp", "-std=c++17", "-shared", "-fPIC"]
+SOURCE = Path(__file__).with_name("ops.cpp")
+# Target name -> its -march flag: native is this CPU (what the model loads); the others are
+# what a machine without AVX-512 or without AVX2 builds, compiled here to test them.
+TARGETS = {"native": "-march=native", "x86-64-v3": "-march=x86-64-v3", "x86-64": "-march=x86-64"}
+FLAGS = ["-O3", "-fopenmp", "-std=c++17", "-shared", "-fPIC"]
 
 
 class KernelBuildError(RuntimeError):
@@ -36,6 +45,10 @@ class KernelBuildError(RuntimeError):
 
 def cache_dir() -> Path:
     return Path(os.environ.get("CONVEYOR_CACHE_DIR") or Path.home() / ".cache" / "conveyor")
+
+
+def kernels_enabled() -> bool:
+    return os.environ.get("CONVEYOR_KERNELS", "").lower() not in ("0", "off", "false", "no")
 
 
 def _cpu_flags() -> str:
@@ -48,63 +61,109 @@ def _cpu_flags() -> str:
     return ""
 
 
-def build_kernel(source_name: str) -> tuple[ctypes.CDLL, float]:
-    """Build (or reuse) ``kernels/<source_name>``; returns the library and the build seconds (0 if cached)."""
-    source = Path(__file__).with_name(source_name)
-    compiler = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
-    if compiler is None:
+def find_compiler(compiler: str | None = None) -> str:
+    found = compiler or os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
+    if found is None:
         raise KernelBuildError("no C++ compiler found (set $CXX)")
+    return found
+
+
+def namespace(target: str = "native", compiler: str | None = None) -> str:
+    """The operator namespace of a build: ``conveyor`` for the native one with the default
+    compiler, which the model uses."""
+    if target == "native" and compiler is None:
+        return "conveyor"
+    tag = re.sub(r"\W", "_", f"{target}_{Path(compiler or 'cxx').name}")
+    return f"conveyor_{tag}"
+
+
+def _command(compiler: str, target: str, ns: str, output: Path) -> list[str]:
+    from torch.utils import cpp_extension
+
+    abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
+    includes = [f for path in cpp_extension.include_paths() for f in ("-isystem", path)]
+    libraries = [f"-L{path}" for path in cpp_extension.library_paths()]
+    rpaths = [f"-Wl,-rpath,{path}" for path in cpp_extension.library_paths()]
+    return [compiler, *FLAGS, TARGETS[target], f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
+            f"-DCONVEYOR_OPS_NAMESPACE={ns}", *includes, str(SOURCE), "-o", str(output),
+            *libraries, *rpaths, "-lc10", "-ltorch_cpu"]
+
+
+def build_ops(target: str = "native", compiler: str | None = None) -> tuple[Path, float]:
+    """Build (or reuse) the operator library for ``target`` with ``compiler``; returns its path
+    and the build seconds (0 if cached)."""
+    if target not in TARGETS:
+        raise ValueError(f"target must be one of {', '.join(TARGETS)}, got {target!r}")
+    ns = namespace(target, compiler)
+    compiler = find_compiler(compiler)
     try:
         version = subprocess.run([compiler, "--version"], capture_output=True, text=True,
                                  timeout=30).stdout
     except (OSError, subprocess.SubprocessError) as exc:
         raise KernelBuildError(f"cannot run the C++ compiler {compiler!r}: {exc}") from exc
-    sources = [p.read_text() for p in sorted(source.parent.iterdir()) if p.suffix in (".h", ".cpp")]
-    key = hashlib.sha256("\0".join([source.name, *sources, " ".join(FLAGS), version,
+    sources = [p.read_text() for p in sorted(SOURCE.parent.iterdir()) if p.suffix in (".h", ".cpp")]
+    command = _command(compiler, target, ns, Path("out.so"))
+    key = hashlib.sha256("\0".join([*sources, " ".join(command), version, torch.__version__,
                                     _cpu_flags()]).encode()).hexdigest()[:16]
-    target = cache_dir() / "kernels" / f"{source.stem}-{key}.so"
+    library = cache_dir() / "kernels" / f"{ns}-{key}.so"
     seconds = 0.0
-    if not target.exists():
-        target.parent.mkdir(parents=True, exist_ok=True)
+    if not library.exists():
+        library.parent.mkdir(parents=True, exist_ok=True)
         start = time.perf_counter()
         # Build beside the target, then rename: concurrent builders never see a partial file.
-        with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-            partial = Path(tmp) / target.name
-            result = subprocess.run([compiler, *FLAGS, str(source), "-o", str(partial)],
-                                    capture_output=True, text=True, timeout=300)
+        with tempfile.TemporaryDirectory(dir=library.parent) as tmp:
+            partial = Path(tmp) / library.name
+            try:
+                result = subprocess.run(_command(compiler, target, ns, partial),
+                                        capture_output=True, text=True, timeout=900)
+            except (OSError, subprocess.SubprocessError) as exc:
+                raise KernelBuildError(f"building {SOURCE.name} failed: {exc}") from exc
             if result.returncode != 0:
-                raise KernelBuildError(f"building {source.name} failed:\n{result.stderr[-2000:]}")
-            os.replace(partial, target)
+                raise KernelBuildError(f"building {SOURCE.name} for {target} failed:\n"
+                                       f"{result.stderr[-3000:]}")
+            os.replace(partial, library)
         seconds = time.perf_counter() - start
-    try:
-        return ctypes.CDLL(str(target)), seconds
-    except OSError as exc:
-        raise KernelBuildError(f"cannot load {target}: {exc}") from exc
+    return library, seconds
+
+
+_loaded: dict[str, Path] = {}  # namespace -> the library that registered it
 
 
 @functools.cache
-def kernel_library(source_name: str) -> ctypes.CDLL | None:
-    """The built kernel library, or None: kernels off, or no way to build them here (warned)."""
-    if os.environ.get("CONVEYOR_KERNELS", "").lower() in ("0", "off", "false", "no"):
+def load_ops(target: str = "native", compiler: str | None = None) -> Any:
+    """The operators of ``build_ops(target, compiler)``, loaded (``torch.ops.<namespace>``)."""
+    library, seconds = build_ops(target, compiler)
+    if seconds:
+        logger.info("built the %s kernels in %.1f s", target, seconds)
+    ns = namespace(target, compiler)
+    # A second library registering a namespace aborts the process (from its static
+    # initializers), so one built from changed sources cannot replace a loaded one.
+    if _loaded.setdefault(ns, library) != library:
+        raise KernelBuildError(f"{_loaded[ns]} already registers torch.ops.{ns}; restart to "
+                               f"load {library}")
+    try:
+        torch.ops.load_library(str(library))
+    except (OSError, RuntimeError) as exc:
+        raise KernelBuildError(f"cannot load {library}: {exc}") from exc
+    return getattr(torch.ops, ns)
+
+
+@functools.cache
+def kernel_ops() -> Any | None:
+    """``torch.ops.conveyor`` built for this CPU, or None: kernels off, or no way to build them
+    here (warned)."""
+    if not kernels_enabled():
         return None
     try:
-        lib, seconds = build_kernel(source_name)
+        return load_ops()
     except KernelBuildError as exc:
-        warnings.warn(f"C++ kernel {source_name} unavailable, using the torch path: {exc}",
-                      stacklevel=2)
+        warnings.warn(f"C++ kernels unavailable, using the torch paths: {exc}", stacklevel=2)
         return None
-    if seconds:
-        logger.info("built %s in %.1f s", source_name, seconds)
-    return lib
 
 
-def kernel_function(source_name: str, symbol: str, argtypes: list) -> Any | None:
-    """``symbol`` of the built ``kernels/<source_name>``, its argument types set (it returns
-    nothing), or None where ``kernel_library`` gives None."""
-    lib = kernel_library(source_name)
-    if lib is None:
-        return None
-    fn = getattr(lib, symbol)
-    if fn.argtypes is None:
-        fn.argtypes, fn.restype = argtypes, None
-    return fn
+@functools.cache
+def kernel_features() -> frozenset[str]:
+    """What the native build targets (``avx2``, ``avx512f``, ``avx512bf16``, ``int8_gemm``);
+    empty when the kernels are off or unavailable."""
+    ops = kernel_ops()
+    return frozenset(ops.features()) if ops is not None else frozenset()

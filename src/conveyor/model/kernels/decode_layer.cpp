@@ -1,9 +1,8 @@
 // Every Llama decoder layer of a decode step, in one call (CPU, float32 or bf16).
 //
-// A single-stream decode step spent about as long in Python around each layer's nine kernel
-// calls (about 130 us a layer) as in the kernels themselves, and then about 10 us a layer
-// around a per-layer call; at batch 64 the same Python is about 5% of a step. This runs the
-// same kernels, in the same order and with the same arithmetic, from C++, for each layer:
+// At small batches a decode step's kernels are short, so the Python around each layer's nine
+// kernel calls costs about as much as the kernels themselves. This runs the same kernels, in
+// the same order and with the same arithmetic, from C++, for each layer:
 //
 //   residual += x; h = rms_norm(residual)             (input_norm)
 //   qkv = h @ Wqkv^T; q, k = rotary(q, k)              (one rotary pass over q's and k's heads)
@@ -14,7 +13,7 @@
 // where each matmul is the 4-bit block kernel up to its max_block_rows rows and above them the
 // integer GEMM of int8_gemm.cpp where the weight has Int8Panels, else the panel GEMM (as Linear
 // picks), so its results equal the layer's Python path bit for bit (the tests check). The
-// pieces come from the kernels' own sources, compiled into this library too.
+// pieces come from the kernels' own sources; ops.cpp holds the typed entry point.
 
 #include <cstdint>
 #include <cstdlib>
@@ -82,8 +81,8 @@ void matmul(T* y, const T* x, const Weight& w, int64_t rows, int64_t k, Quantize
 }
 
 // A layer's intermediate activations, allocated once per call for all layers (which share their
-// sizes) and left uninitialized: every element is written before it is read. Zeroing them per
-// layer cost about 1 MB of memset a layer at 64 rows.
+// sizes) and left uninitialized: every element is written before it is read, so zeroing them
+// would be a wasted pass over memory per layer.
 template <typename T>
 struct Activations {
   std::unique_ptr<T[]> h, qkv, qk, attn, proj, gate_up, act;
@@ -134,26 +133,3 @@ void decode_layer(const LayerWeights* w, T* out, const T* x, T* residual, int64_
 }
 
 }  // namespace
-
-// Every layer of a decode step, in order, in one call. Layer i's output overwrites x, which is
-// layer i + 1's input: each layer reads its input only in its first norm and writes its output
-// only at its end. k_caches[i], v_caches[i]: layer i's caches, laid out as above, in T.
-#define CONVEYOR_DECODE_LAYERS(SUFFIX, T)                                                       \
-  extern "C" void decode_layers_##SUFFIX(                                                     \
-      const LayerWeights* const* layers, void* const* k_caches, void* const* v_caches,        \
-      int64_t num_layers, void* x, void* residual, int64_t rows, const void* cos,             \
-      const void* sin, int64_t block_size, const int64_t* slot_mapping,                       \
-      const int32_t* block_tables, const int32_t* context_lens, int64_t max_blocks,           \
-      float scale, int num_threads) {                                                         \
-    T* xt = static_cast<T*>(x);                                                               \
-    Activations<T> activations(*layers[0], rows);                                             \
-    for (int64_t i = 0; i < num_layers; ++i)                                                  \
-      decode_layer<T>(layers[i], xt, xt, static_cast<T*>(residual), rows,                     \
-                      static_cast<const T*>(cos), static_cast<const T*>(sin),                 \
-                      static_cast<T*>(k_caches[i]), static_cast<T*>(v_caches[i]), block_size, \
-                      slot_mapping, block_tables, context_lens, max_blocks, scale,            \
-                      activations, num_threads);                                              \
-  }
-
-CONVEYOR_DECODE_LAYERS(f32, float)
-CONVEYOR_DECODE_LAYERS(bf16, uint16_t)

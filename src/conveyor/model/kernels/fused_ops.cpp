@@ -12,7 +12,7 @@
 //              counts as the largest, as in torch.max)
 //
 // Rows are spread over OpenMP threads when there are enough of them. Widths are multiples of
-// 16 (the Python side checks). Built and loaded like paged_attention.cpp.
+// kLanes (ops.cpp checks). Built and loaded like paged_attention.cpp.
 
 #include <cmath>
 #include <cstdint>
@@ -55,7 +55,7 @@ void silu_mul(T* out, const T* gate_up, int64_t rows, int64_t inter, int num_thr
   for (int64_t r = 0; r < rows; ++r) {
     const T* g = gate_up + r * 2 * inter;
     T* o = out + r * inter;
-    // Eight vectors at a time: their exps overlap (64 x 1536 bf16 on one Zen 4 core: 58 -> 42 us).
+    // Eight vectors at a time, so that their exps (long dependency chains) overlap.
     in_batches<8>(inter, [&](int64_t c, auto batch) {
       constexpr int B = decltype(batch)::value;
       vfloat gv[B], e[B];
@@ -125,30 +125,3 @@ void argmax(int64_t* out, const T* x, int64_t rows, int64_t width, int num_threa
 }
 
 }  // namespace
-
-#define CONVEYOR_FUSED_OPS(SUFFIX, T)                                                         \
-  extern "C" void rms_norm_##SUFFIX(void* out, const void* x, void* residual,                \
-                                    const void* weight, int64_t rows, int64_t dim,            \
-                                    int64_t x_stride, float eps, int num_threads) {           \
-    rms_norm<T>(static_cast<T*>(out), static_cast<const T*>(x), static_cast<T*>(residual),  \
-                static_cast<const T*>(weight), rows, dim, x_stride, eps, num_threads);        \
-  }                                                                                           \
-  extern "C" void silu_mul_##SUFFIX(void* out, const void* gate_up, int64_t rows,            \
-                                    int64_t inter, int num_threads) {                         \
-    silu_mul<T>(static_cast<T*>(out), static_cast<const T*>(gate_up), rows, inter,          \
-                num_threads);                                                                 \
-  }                                                                                           \
-  extern "C" void rotary_##SUFFIX(void* out, const void* x, const void* cos, const void* sin, \
-                                  int64_t rows, int64_t heads, int64_t head_dim,              \
-                                  int64_t x_stride, int64_t out_stride, int num_threads) {    \
-    rotary<T>(static_cast<T*>(out), static_cast<const T*>(x), static_cast<const T*>(cos),   \
-              static_cast<const T*>(sin), rows, heads, head_dim, x_stride, out_stride,        \
-              num_threads);                                                                   \
-  }                                                                                           \
-  extern "C" void argmax_##SUFFIX(int64_t* out, const void* x, int64_t rows, int64_t width,  \
-                                  int num_threads) {                                          \
-    argmax<T>(out, static_cast<const T*>(x), rows, width, num_threads);                      \
-  }
-
-CONVEYOR_FUSED_OPS(f32, float)
-CONVEYOR_FUSED_OPS(bf16, uint16_t)

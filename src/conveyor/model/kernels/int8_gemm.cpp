@@ -27,8 +27,8 @@
 // normed hidden state that QKV and gate/up read has such outlier channels: one of them in a
 // block of 32 sets the block's scale and leaves its other 31 values a few steps each. Those
 // channels are zeroed before rounding, and their bf16 values meet bf16 copies of their weight
-// columns (pairs of channels, vdpbf16ps) in the tile's epilogue: 16 channels add about 5% to a
-// tile's instructions.
+// columns (pairs of channels, vdpbf16ps) in the tile's epilogue, a small addition to a tile's
+// instructions.
 //
 // Built and loaded like paged_attention.cpp; only where the compiler targets AVX512-VNNI (and
 // AVX512-BF16, for the exact channels: every CPU that runs a bf16 model on panels has both).
@@ -212,23 +212,3 @@ void int8_matmul(T* y, const T* x, const Int8Weight& w, int64_t m, int64_t k, in
 #endif  // CONVEYOR_INT8_GEMM
 
 }  // namespace
-
-#ifdef CONVEYOR_INT8_GEMM
-// y [m, n] = x [m, k] @ W^T, W as above; x and y float32 or bf16 (uint16_t). A float32 x's
-// exact channels are rounded to bf16.
-#define CONVEYOR_INT8_GEMM_EXPORT(SUFFIX, T)                                                   \
-  extern "C" void int8_gemm_##SUFFIX(void* y, const void* x, const uint8_t* codes,            \
-                                     const float* scale, const float* minimum,                 \
-                                     const int32_t* exact, const uint16_t* exact_weights,      \
-                                     int64_t n_exact, int64_t m, int64_t n, int64_t k,         \
-                                     int64_t x_stride, int num_threads) {                      \
-    static thread_local QuantizedRows scratch;                                                \
-    const Int8Weight w{codes, scale, minimum, n, exact, exact_weights, n_exact};              \
-    int8_matmul(static_cast<T*>(y), static_cast<const T*>(x), w, m, k, x_stride, scratch,     \
-                num_threads);                                                                  \
-  }
-
-CONVEYOR_INT8_GEMM_EXPORT(f32, float)
-CONVEYOR_INT8_GEMM_EXPORT(bf16, uint16_t)
-
-#endif  // CONVEYOR_INT8_GEMM

@@ -25,8 +25,8 @@
 //   new_k/new_v:  [num_tokens, num_kv_heads, head_dim], row strides k_stride/v_stride, or null;
 //                 written to cache rows slot_mapping[t] ([num_tokens] int64) first
 //
-// Built by conveyor/model/kernels/build.py with the system C++ compiler and OpenMP; loaded
-// with ctypes. The OpenMP runtime is the one torch already loaded (same soname).
+// Compiled into ops.cpp's torch operators by conveyor/model/kernels/build.py with the system
+// C++ compiler and OpenMP. The OpenMP runtime is the one torch already loaded (same soname).
 
 #include <algorithm>
 #include <atomic>
@@ -298,26 +298,3 @@ void paged_attention(T* out, const T* q, C* k_cache, C* v_cache, NewKV<T> new_kv
 }
 
 }  // namespace
-
-// T: the queries' and output's type; C: the cache's (a float32 model may keep bf16 KV).
-#define CONVEYOR_PAGED_ATTENTION(NAME, T, C)                                                 \
-  extern "C" void NAME(void* out, const void* q, void* k_cache, void* v_cache,              \
-                       const void* new_k, int64_t k_stride, const void* new_v,             \
-                       int64_t v_stride, const int64_t* slot_mapping,                       \
-                       const int32_t* block_tables,                                         \
-                       const int32_t* token_seqs, const int32_t* context_lens,              \
-                       int64_t num_tokens, int64_t num_heads, int64_t num_kv_heads,         \
-                       int64_t head_dim, int64_t block_size, int64_t max_blocks,            \
-                       int64_t q_stride, float scale, int num_threads) {                    \
-    const NewKV<T> new_kv{static_cast<const T*>(new_k), static_cast<const T*>(new_v),       \
-                          k_stride, v_stride, slot_mapping};                                \
-    paged_attention<T, C>(static_cast<T*>(out), static_cast<const T*>(q),                   \
-                          static_cast<C*>(k_cache), static_cast<C*>(v_cache), new_kv,       \
-                          block_tables, token_seqs, context_lens, num_tokens, num_heads,    \
-                          num_kv_heads, head_dim, block_size, max_blocks, q_stride, scale,  \
-                          num_threads);                                                     \
-  }
-
-CONVEYOR_PAGED_ATTENTION(paged_attention_f32, float, float)
-CONVEYOR_PAGED_ATTENTION(paged_attention_bf16, uint16_t, uint16_t)
-CONVEYOR_PAGED_ATTENTION(paged_attention_f32_bf16_cache, float, uint16_t)

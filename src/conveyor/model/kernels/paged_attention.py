@@ -1,37 +1,29 @@
-"""Paged attention on the CPU, decodes and prefill chunks: the C++ kernel of
-``paged_attention.cpp`` via ctypes.
+"""Paged attention on the CPU, decodes and prefill chunks (``torch.ops.conveyor.paged_attention``,
+``paged_attention.cpp``).
 
-``attention_kernel_available()`` builds the kernel on first use (see ``build.py``) and says
-whether it can run here; ``CONVEYOR_KERNELS=off`` turns it off (``layers/attention.py`` then
-takes its ``scaled_dot_product_attention`` path).
+``attention_kernel_available()`` builds the kernels on first use (see ``build.py``) and says
+whether this one can run here; ``CONVEYOR_KERNELS=off`` turns them off (``layers/attention.py``
+then takes its ``scaled_dot_product_attention`` path).
 """
 
 from __future__ import annotations
 
-import ctypes
-
 import torch
 
-from conveyor.model.kernels.build import kernel_function
-from conveyor.model.kernels.fused_ops import packed_heads
+from conveyor.model.kernels.build import kernel_ops
 
-# (queries' dtype, cache's dtype) -> symbol
-_SYMBOLS = {(torch.float32, torch.float32): "paged_attention_f32",
-            (torch.bfloat16, torch.bfloat16): "paged_attention_bf16",
-            (torch.float32, torch.bfloat16): "paged_attention_f32_bf16_cache"}
-_P, _I = ctypes.c_void_p, ctypes.c_int64
-_ARGTYPES = [_P] * 4 + [_P, _I, _P, _I, _P] + [_P] * 3 + [_I] * 7 + [ctypes.c_float, ctypes.c_int]
-
-
-def _kernel(dtype: torch.dtype, cache_dtype: torch.dtype):
-    symbol = _SYMBOLS.get((dtype, cache_dtype))
-    return None if symbol is None else kernel_function("paged_attention.cpp", symbol, _ARGTYPES)
+# (queries' dtype, cache's dtype) the kernel takes
+_DTYPES = {(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
+           (torch.float32, torch.bfloat16)}
 
 
 def attention_kernel_available(device: torch.device, dtype: torch.dtype,
-                               cache_dtype: torch.dtype | None = None) -> bool:
-    """For queries of ``dtype`` over a cache of ``cache_dtype`` (default: the same)."""
-    return device.type == "cpu" and _kernel(dtype, cache_dtype or dtype) is not None
+                               cache_dtype: torch.dtype | None = None,
+                               head_dim: int = 64) -> bool:
+    """For queries of ``dtype`` over a cache of ``cache_dtype`` (default: the same), heads of
+    ``head_dim`` (16..256 by 16s)."""
+    return (device.type == "cpu" and (dtype, cache_dtype or dtype) in _DTYPES
+            and head_dim % 16 == 0 and head_dim <= 256 and kernel_ops() is not None)
 
 
 def kernel_attention(
@@ -51,49 +43,13 @@ def kernel_attention(
     ``new_kv = (k, v, slot_mapping)``: this step's keys and values ([T, kv_heads, head_dim] in q's
     dtype, heads packed, rows may be strided) are first written to the cache rows
     ``slot_mapping`` ([T] int64), rounded to the cache's dtype, in the same call."""
-    if k_cache.dtype != v_cache.dtype:
-        raise ValueError(f"k_cache is {k_cache.dtype} but v_cache is {v_cache.dtype}")
-    kernel = _kernel(q.dtype, k_cache.dtype)
-    if kernel is None:
-        raise RuntimeError(f"the paged attention kernel is not available for {q.dtype} "
-                           f"queries over a {k_cache.dtype} cache")
-    num_tokens, num_heads, head_dim = q.shape
-    _, block_size, num_kv_heads, _ = k_cache.shape
-    if not packed_heads(q):
-        q = q.contiguous()
-    tensors = {"k_cache": k_cache, "v_cache": v_cache, "block_tables": block_tables,
-               "context_lens": context_lens}
-    if token_seqs is not None:
-        tensors["token_seqs"] = token_seqs
-    for name, t in tensors.items():
-        if not t.is_contiguous():
-            raise ValueError(f"{name} must be contiguous")
-        if name not in ("k_cache", "v_cache") and t.dtype != torch.int32:
-            raise ValueError(f"{name} must be int32")
-    if token_seqs is None and block_tables.shape[0] < num_tokens:
-        raise ValueError("without token_seqs, block_tables needs a row per token")
-    if context_lens.shape != (num_tokens,) or (token_seqs is not None
-                                               and token_seqs.shape != (num_tokens,)):
-        raise ValueError("context_lens and token_seqs need one entry per token")
-    k = v = slots = None
-    if new_kv is not None:
-        k, v, slots = new_kv
-        for name, t in (("k", k), ("v", v)):
-            if (t.shape != (num_tokens, num_kv_heads, head_dim) or t.dtype != q.dtype
-                    or not packed_heads(t)):
-                raise ValueError(f"new {name} must be [{num_tokens}, {num_kv_heads}, {head_dim}] "
-                                 f"{q.dtype} with packed heads")
-        if slots.shape != (num_tokens,) or slots.dtype != torch.int64 or not slots.is_contiguous():
-            raise ValueError("slot_mapping must be a contiguous int64 entry per token")
-    shape = (num_tokens, num_heads * head_dim)
+    ops = kernel_ops()
+    if ops is None:
+        raise RuntimeError("the paged attention kernel is not available")
+    shape = (q.shape[0], q.shape[1] * q.shape[2])
     if out is None or out.shape != shape or out.dtype != q.dtype or not out.is_contiguous():
         out = torch.empty(shape, dtype=q.dtype)
-    kernel(
-        out.data_ptr(), q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
-        None if k is None else k.data_ptr(), 0 if k is None else k.stride(0),
-        None if v is None else v.data_ptr(), 0 if v is None else v.stride(0),
-        None if slots is None else slots.data_ptr(),
-        block_tables.data_ptr(), None if token_seqs is None else token_seqs.data_ptr(),
-        context_lens.data_ptr(), num_tokens, num_heads, num_kv_heads, head_dim, block_size,
-        block_tables.shape[1], q.stride(0), scale, torch.get_num_threads())
+    k, v, slots = new_kv if new_kv is not None else (None, None, None)
+    ops.paged_attention(q, k_cache, v_cache, block_tables, context_lens, token_seqs, scale, out,
+                        k, v, slots)
     return out

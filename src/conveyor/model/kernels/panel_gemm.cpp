@@ -16,14 +16,11 @@
 // accumulators (12 registers): per step of K (one k in float32, a pair in bf16), two vector
 // loads of W, kRows broadcasts of x and 2 * kRows multiply-adds. Threads split the panels, so
 // each thread streams its part of W once per block of kBlockRows rows; a block's rows of x (up
-// to 192 x K) stay in L2 while the panels pass. On the 2-core AVX2 machine the float32 kernel
-// ran at 163-187 GFLOP/s against 124-160 for oneDNN's packed GEMM, from 64 to 4,096 rows. On the
-// 2-core Zen 4 (AVX512-BF16) the bf16 kernel ran SmolLM2's 30 layers at 64 rows in 35-36 ms
-// against oneDNN's 41-46 (375-387 GFLOP/s, 90% of the 2048^3 bf16 peak), 1.5-1.7x faster at 1-8
-// rows, even from 512 on (docs/performance.md, changes 19 and 28; the next panel's prefetch,
-// change 35).
+// to 192 x K) stay in L2 while the panels pass. It outran oneDNN's packed GEMM in float32 on
+// AVX2 and in bf16 on AVX512-BF16 (without AMX) from one row to thousands (docs/performance.md,
+// changes 19 and 28; the next panel's prefetch, change 35).
 //
-// Built and loaded like paged_attention.cpp.
+// Built and loaded as ops.cpp's torch operators (build.py).
 
 #include <algorithm>
 #include <cstdint>
@@ -40,7 +37,7 @@ constexpr int kPanel = 2 * kLanes;
 constexpr int kRows = 6;  // bf16 on Zen 4: 4, 8 and 12 rows measured no better
 constexpr int64_t kBlockRows = 32 * kRows;
 // Below this many rows a matmul is bound by reading W, and prefetching the next panel on top of
-// the hardware's own prefetch measured slower (1 row: 30 layers 8 -> 10 ms).
+// the hardware's own prefetch only competes with it for bandwidth.
 constexpr int64_t kPanelPrefetchRows = 24;
 
 // A tile row's first `cols` outputs, in T (bf16 rounded to nearest even).
@@ -108,19 +105,3 @@ void gemm(typename F::T* y, const typename F::T* x, const typename F::T* packed,
 }
 
 }  // namespace
-
-extern "C" int panel_gemm_width() { return kPanel; }
-
-// y [m, n] = x [m, k] @ W^T, both contiguous; packed: W as above, ceil(n / kPanel) panels.
-extern "C" void panel_gemm_f32(float* y, const float* x, const float* packed, int64_t m,
-                               int64_t n, int64_t k, int num_threads) {
-  gemm<F32>(y, x, packed, m, n, k, num_threads);
-}
-
-#ifdef __AVX512BF16__
-// The same over bf16 (k even), accumulated in float32, y rounded to bf16 at the end.
-extern "C" void panel_gemm_bf16(uint16_t* y, const uint16_t* x, const uint16_t* packed,
-                                int64_t m, int64_t n, int64_t k, int num_threads) {
-  gemm<BF16>(y, x, packed, m, n, k, num_threads);
-}
-#endif

@@ -12,7 +12,8 @@ per call (up to ``max_tokens`` rows, the blocks).
 Both run in the file's own byte order through ``kernels/block_matmul.cpp``, with float32 or bf16
 activations, so their weights are exactly the file's (``d``, ``m`` held as float32).
 ``max_tokens`` depends on the activation dtype, as the dense GEMM it is weighed against does:
-bf16 on AVX512-BF16 is about 2x faster than float32 from a few rows on.
+bf16 panels on AVX512-BF16 overtake the blocks at fewer rows than float32 panels do
+(docs/performance.md has the measurements).
 
 ``Int8Blocks.rows`` also serves embedding lookups, so a model whose lm_head has its own packed
 copy need not keep a dense embedding table too.
@@ -55,11 +56,10 @@ class Int8Blocks:
     """A [N, K] weight as 8-bit codes with one scale per 32 inputs; runs as it is stored."""
     codes: torch.Tensor  # [N, K] int8
     scale: torch.Tensor  # [N, K / 32] float32
-    # Rows up to which it serves the lm_head. SmolLM2's 49152 x 576 on AVX2: 0.86 ms against the
-    # float32 panel GEMM's 2.33 at 1 row, 1.97 against 3.36 at 4, even at 8, behind from 12 on
-    # (5.9 vs 4.4); engine steps of 6-16 decodes measured the same with a limit of 4 or 16.
-    # bf16 on a Zen 4: 0.89 ms against the bf16 panels' 1.62 at 1 row, even at 4, 2.97 against
-    # 2.04 at 8 (pack_blocks sets BF16_MAX_TOKENS).
+    # Rows up to which it serves the lm_head: below it, reading the 8-bit blocks beats the
+    # panel GEMM's reading twice (bf16) or four times (float32) the bytes; above it the GEMM's
+    # arithmetic wins. bf16 panels catch up sooner (pack_blocks sets BF16_MAX_TOKENS);
+    # docs/performance.md has the measurements.
     max_tokens: int = 16
 
     @staticmethod
@@ -108,13 +108,10 @@ class NibbleInt4:
     codes: torch.Tensor  # [N, K / 2] uint8: per block, byte j = q[j] | q[j + 16] << 4
     scale: torch.Tensor  # [N, K / 32] float32
     min: torch.Tensor  # [N, K / 32] float32
-    # Rows up to which it serves the layers (and so the one-call decode path). SmolLM2-135M's
-    # 30 layers on AVX2, matmuls alone: 5.0 ms against the float32 panel GEMM's 11.7 at 1 row,
-    # 10.6 against 15.5 at 4, behind from 6 on (16.2 vs 13.3; 29.5 vs 19.5 at 12). Whole engine
-    # steps, where this path also saves the per-layer Python: 22.8-23.5 ms against 28.6-30.5 at
-    # 6 decodes, 27-28 against 34 at 8, about even at 10-12 (36-40 ms either way).
-    # bf16 on a Zen 4, matmuls alone: 3.5 ms against the bf16 panels' 5.0-7.1 at 1 row, 5.0
-    # against 5.1-6.9 at 2, 7.4 against 5.4-7.1 at 4, 14.0 against 8.7 at 8 (BF16_MAX_TOKENS).
+    # Rows up to which it serves the layers (and so the one-call decode path): where reading
+    # the weight dominates a matmul, fewer bytes win, and whole decode steps gain more than
+    # the matmuls alone as this path also saves the per-layer Python. bf16 panels catch up
+    # sooner (BF16_MAX_TOKENS); docs/performance.md has the measurements.
     max_tokens: int = 12
 
     @staticmethod
@@ -126,6 +123,10 @@ class NibbleInt4:
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         return block_matmul(x, self.codes, self.scale, self.min)
+
+    def decode_parts(self) -> list[torch.Tensor]:
+        """What ``kernels/decode_layer.cpp`` multiplies by up to ``max_tokens`` rows."""
+        return [self.codes, self.scale, self.min]
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.codes, self.scale, self.min))

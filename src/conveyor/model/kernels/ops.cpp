@@ -1,0 +1,630 @@
+// The kernels as typed torch operators: torch.ops.conveyor.<name> (the library's namespace is
+// CONVEYOR_OPS_NAMESPACE, so that builds for other targets load beside it in one process).
+//
+// Every entry point takes at::Tensor arguments and checks each one's dtype, shape, contiguity
+// (and, where a kernel indexes memory by them, the values of index tensors) before the raw
+// call, failing with a RuntimeError that names the argument: a mismatch never reaches the
+// kernels' pointer arithmetic. The kernel sources are included here so that the whole library
+// is one translation unit: torch's headers are slow to compile, and build.py builds this once
+// per CPU, target and compiler.
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <torch/custom_class.h>
+#include <torch/library.h>
+
+#include <cmath>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "decode_layer.cpp"  // includes every other kernel source
+
+#ifndef CONVEYOR_OPS_NAMESPACE
+#define CONVEYOR_OPS_NAMESPACE conveyor
+#endif
+#define CONVEYOR_STRING(x) #x
+#define CONVEYOR_NAME(x) CONVEYOR_STRING(x)
+
+namespace {
+
+using at::ScalarType;
+using at::Tensor;
+
+// torch's Python names, as error messages should read.
+const char* dtype_name(ScalarType t) {
+  switch (t) {
+    case at::kFloat: return "float32";
+    case at::kBFloat16: return "bfloat16";
+    case at::kHalf: return "float16";
+    case at::kDouble: return "float64";
+    case at::kByte: return "uint8";
+    case at::kChar: return "int8";
+    case at::kShort: return "int16";
+    case at::kInt: return "int32";
+    case at::kLong: return "int64";
+    default: return c10::toString(t);
+  }
+}
+
+void check_dtype(const Tensor& t, const char* name, ScalarType want) {
+  TORCH_CHECK(t.scalar_type() == want, name, " must be ", dtype_name(want), ", got ",
+              dtype_name(t.scalar_type()));
+}
+
+void check_cpu(const Tensor& t, const char* name) {
+  TORCH_CHECK(t.device().is_cpu(), name, " must be a CPU tensor, got one on ", t.device());
+}
+
+void check_contiguous(const Tensor& t, const char* name) {
+  TORCH_CHECK(t.is_contiguous(), name, " must be contiguous, got strides ", t.strides());
+}
+
+void check_shape(const Tensor& t, const char* name, at::IntArrayRef shape) {
+  TORCH_CHECK(t.sizes() == shape, name, " must have shape ", shape, ", got ", t.sizes());
+}
+
+// A CPU tensor of `want`, `shape` and contiguous: a weight or an index tensor.
+void check_tensor(const Tensor& t, const char* name, ScalarType want, at::IntArrayRef shape) {
+  check_cpu(t, name);
+  check_dtype(t, name, want);
+  check_shape(t, name, shape);
+  check_contiguous(t, name);
+}
+
+// Activations: float32, or bf16 (handed to the kernels as uint16_t).
+void check_activation_dtype(const Tensor& t, const char* name) {
+  check_cpu(t, name);
+  TORCH_CHECK(t.scalar_type() == at::kFloat || t.scalar_type() == at::kBFloat16, name,
+              " must be float32 or bfloat16, got ", dtype_name(t.scalar_type()));
+}
+
+void check_multiple(int64_t value, int64_t of, const char* what) {
+  TORCH_CHECK(value % of == 0, what, " must be a multiple of ", of, ", got ", value);
+}
+
+// Rows with unit stride: 2-D, the last dimension packed (a row stride is passed on).
+Tensor unit_stride_rows(const Tensor& x, const char* name) {
+  TORCH_CHECK(x.dim() == 2, name, " must be 2-D, got shape ", x.sizes());
+  return x.stride(1) == 1 ? x : x.contiguous();
+}
+
+bool is_bf16(const Tensor& t) { return t.scalar_type() == at::kBFloat16; }
+template <typename T>
+T* data(const Tensor& t) { return static_cast<T*>(t.data_ptr()); }
+int threads() { return at::get_num_threads(); }
+
+// Calls f with a null pointer of the activations' element type: float, or uint16_t for bf16.
+template <typename F>
+void with_type(const Tensor& t, F&& f) {
+  if (is_bf16(t))
+    f(static_cast<uint16_t*>(nullptr));
+  else
+    f(static_cast<float*>(nullptr));
+}
+
+std::vector<std::string> features_op() {
+  std::vector<std::string> out;
+#ifdef __AVX2__
+  out.push_back("avx2");
+#endif
+#ifdef __AVX512F__
+  out.push_back("avx512f");
+#endif
+#ifdef __AVX512BF16__
+  out.push_back("avx512bf16");
+#endif
+#ifdef CONVEYOR_INT8_GEMM
+  out.push_back("int8_gemm");
+#endif
+  return out;
+}
+
+int64_t panel_width_op() { return kPanel; }
+
+// ---- panel_gemm.cpp ----
+
+void check_panels(const Tensor& packed, const char* name, ScalarType dtype, int64_t n,
+                  int64_t k) {
+  const int64_t pair = dtype == at::kBFloat16 ? 2 : 1;
+#ifndef __AVX512BF16__
+  TORCH_CHECK(dtype != at::kBFloat16, name, ": bf16 panels need a build targeting AVX512-BF16");
+#endif
+  check_multiple(k, pair, "the input size of bf16 panels");
+  check_tensor(packed, name, dtype, {(n + kPanel - 1) / kPanel, k / pair, kPanel * pair});
+}
+
+Tensor panel_gemm_op(const Tensor& x_in, const Tensor& packed, int64_t n) {
+  check_activation_dtype(x_in, "x");
+  const Tensor x = unit_stride_rows(x_in, "x").contiguous();
+  TORCH_CHECK(packed.dim() == 3, "packed must be 3-D, got shape ", packed.sizes());
+  const int64_t k = packed.size(1) * (is_bf16(x) ? 2 : 1);
+  TORCH_CHECK(x.size(1) == k, "x must have ", k, " columns (packed's input size), got ",
+              x.size(1));
+  TORCH_CHECK(n > 0, "n must be positive, got ", n);
+  check_panels(packed, "packed", x.scalar_type(), n, k);
+  Tensor y = at::empty({x.size(0), n}, x.options());
+  if (is_bf16(x)) {
+#ifdef __AVX512BF16__
+    gemm<BF16>(data<uint16_t>(y), data<const uint16_t>(x), data<const uint16_t>(packed),
+               x.size(0), n, k, threads());
+#endif
+  } else {
+    gemm<F32>(data<float>(y), data<const float>(x), data<const float>(packed), x.size(0), n, k,
+              threads());
+  }
+  return y;
+}
+
+// ---- block_matmul.cpp ----
+
+// 4-bit blocks (minimum given; NibbleInt4) or 8-bit ones (Int8Blocks) of an [n, k] weight.
+void check_blocks(const Tensor& codes, const Tensor& scale, const std::optional<Tensor>& minimum,
+                  const char* prefix, int64_t k) {
+  const std::string p(prefix);
+  check_multiple(k, kInt8Block, "the input size of block weights");
+  TORCH_CHECK(codes.dim() == 2, p + "codes must be 2-D, got shape ", codes.sizes());
+  const int64_t n = codes.size(0);
+  if (minimum) {
+    check_tensor(codes, (p + "codes").c_str(), at::kByte, {n, k / 2});
+    check_tensor(*minimum, (p + "minimum").c_str(), at::kFloat, {n, k / kInt8Block});
+  } else {
+    check_tensor(codes, (p + "codes").c_str(), at::kChar, {n, k});
+  }
+  check_tensor(scale, (p + "scale").c_str(), at::kFloat, {n, k / kInt8Block});
+}
+
+Tensor block_matmul_op(const Tensor& x_in, const Tensor& codes, const Tensor& scale,
+                    const std::optional<Tensor>& minimum) {
+  check_activation_dtype(x_in, "x");
+  const Tensor x = unit_stride_rows(x_in, "x");
+  check_blocks(codes, scale, minimum, "", x.size(1));
+  const int64_t rows = x.size(0), n = codes.size(0), k = x.size(1);
+  Tensor y = at::empty({rows, n}, x.options());
+  const float* min = minimum ? data<const float>(*minimum) : nullptr;
+  with_type(x, [&](auto* type) {
+    using T = std::remove_pointer_t<decltype(type)>;
+    if (minimum)
+      multiply<Q4>(data<T>(y), data<const T>(x), data<const uint8_t>(codes),
+                   data<const float>(scale), min, rows, n, k, x.stride(0), threads());
+    else
+      multiply<Q8>(data<T>(y), data<const T>(x), data<const uint8_t>(codes),
+                   data<const float>(scale), min, rows, n, k, x.stride(0), threads());
+  });
+  return y;
+}
+
+// ---- int8_gemm.cpp ----
+
+// Int8Panels of an [n, k] weight; the tensors it points to must outlive its use.
+Int8Weight int8_weight(const Tensor& codes, const Tensor& scale, const Tensor& minimum,
+                       const std::optional<Tensor>& exact,
+                       const std::optional<Tensor>& exact_weights, int64_t n, int64_t k,
+                       const char* prefix) {
+#ifndef CONVEYOR_INT8_GEMM
+  TORCH_CHECK(false, prefix, "codes: Int8Panels need a build targeting AVX512-VNNI, "
+              "AVX512-BW and AVX512-BF16");
+#endif
+  const std::string p(prefix);
+  check_multiple(k, kInt8Block, "the input size of Int8Panels");
+  TORCH_CHECK(n > 0, "n must be positive, got ", n);
+  const int64_t panels = (n + kInt8Panel - 1) / kInt8Panel, blocks = k / kInt8Block;
+  check_tensor(codes, (p + "codes").c_str(), at::kByte, {panels, blocks, kGroups, kInt8Panel, 4});
+  check_tensor(scale, (p + "scale").c_str(), at::kFloat, {panels, blocks, kInt8Panel});
+  check_tensor(minimum, (p + "minimum").c_str(), at::kFloat, {panels, blocks, kInt8Panel});
+  Int8Weight w{data<const uint8_t>(codes), data<const float>(scale), data<const float>(minimum),
+               n, nullptr, nullptr, 0};
+  TORCH_CHECK(exact.has_value() == exact_weights.has_value(),
+              p + "exact and " + p + "exact_weights come together");
+  if (exact && exact->numel()) {
+    TORCH_CHECK(exact->dim() == 1, p + "exact must be 1-D, got shape ", exact->sizes());
+    const int64_t e = exact->size(0);
+    check_multiple(e, 2, (p + "exact's length").c_str());
+    check_tensor(*exact, (p + "exact").c_str(), at::kInt, {e});
+    check_tensor(*exact_weights, (p + "exact_weights").c_str(), at::kBFloat16,
+                 {panels, e / 2, kInt8Panel, 2});
+    const int32_t* channels = data<const int32_t>(*exact);
+    for (int64_t i = 0; i < e; ++i)
+      TORCH_CHECK(channels[i] >= 0 && channels[i] < k, p + "exact holds channel ", channels[i],
+                  ", outside 0..", k - 1);
+    w.exact = channels;
+    w.exact_weights = data<const uint16_t>(*exact_weights);
+    w.n_exact = e;
+  }
+  return w;
+}
+
+Tensor int8_gemm_op(const Tensor& x_in, const Tensor& codes, const Tensor& scale,
+                 const Tensor& minimum, int64_t n, const std::optional<Tensor>& exact,
+                 const std::optional<Tensor>& exact_weights) {
+  check_activation_dtype(x_in, "x");
+  const Tensor x = unit_stride_rows(x_in, "x");
+  const Int8Weight w = int8_weight(codes, scale, minimum, exact, exact_weights, n, x.size(1), "");
+  Tensor y = at::empty({x.size(0), n}, x.options());
+#ifdef CONVEYOR_INT8_GEMM
+  static thread_local QuantizedRows scratch;
+  with_type(x, [&](auto* type) {
+    using T = std::remove_pointer_t<decltype(type)>;
+    int8_matmul(data<T>(y), data<const T>(x), w, x.size(0), x.size(1), x.stride(0), scratch,
+                threads());
+  });
+#endif
+  return y;
+}
+
+// ---- fused_ops.cpp ----
+
+void check_like(const Tensor& t, const char* name, const Tensor& x, at::IntArrayRef shape) {
+  check_tensor(t, name, x.scalar_type(), shape);
+}
+
+void rms_norm_op(const Tensor& x, const Tensor& weight, double eps,
+              const std::optional<Tensor>& residual, const Tensor& out) {
+  check_activation_dtype(x, "x");
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "x must be 2-D with unit-stride rows, got shape ",
+              x.sizes(), " and strides ", x.strides());
+  const int64_t rows = x.size(0), dim = x.size(1);
+  check_multiple(dim, kLanes, "x's width");
+  check_like(weight, "weight", x, {dim});
+  if (residual) check_like(*residual, "residual", x, {rows, dim});
+  check_like(out, "out", x, {rows, dim});
+  with_type(x, [&](auto* type) {
+    using T = std::remove_pointer_t<decltype(type)>;
+    rms_norm<T>(data<T>(out), data<const T>(x), residual ? data<T>(*residual) : nullptr,
+                data<const T>(weight), rows, dim, x.stride(0), static_cast<float>(eps),
+                threads());
+  });
+}
+
+Tensor silu_mul_op(const Tensor& gate_up) {
+  check_activation_dtype(gate_up, "gate_up");
+  TORCH_CHECK(gate_up.dim() == 2, "gate_up must be 2-D, got shape ", gate_up.sizes());
+  check_contiguous(gate_up, "gate_up");
+  const int64_t rows = gate_up.size(0), inter = gate_up.size(1) / 2;
+  check_multiple(inter, kLanes, "half of gate_up's width");
+  TORCH_CHECK(gate_up.size(1) == 2 * inter, "gate_up's width must be even");
+  Tensor out = at::empty({rows, inter}, gate_up.options());
+  with_type(gate_up, [&](auto* type) {
+    using T = std::remove_pointer_t<decltype(type)>;
+    silu_mul<T>(data<T>(out), data<const T>(gate_up), rows, inter, threads());
+  });
+  return out;
+}
+
+// cos or sin: a contiguous [rows, head_dim] or [rows, 1, head_dim] in x's dtype.
+void check_angles(const Tensor& t, const char* name, const Tensor& x, int64_t rows,
+                  int64_t head_dim) {
+  check_cpu(t, name);
+  check_dtype(t, name, x.scalar_type());
+  TORCH_CHECK((t.dim() == 2 || (t.dim() == 3 && t.size(1) == 1)) && t.size(0) == rows &&
+                  t.size(-1) == head_dim,
+              name, " must have shape [", rows, ", 1, ", head_dim, "], got ", t.sizes());
+  check_contiguous(t, name);
+}
+
+// [T, H, D] whose heads are packed in each row (rows may be strided).
+void check_packed_heads(const Tensor& t, const char* name) {
+  TORCH_CHECK(t.dim() == 3, name, " must be 3-D [tokens, heads, head_dim], got shape ", t.sizes());
+  TORCH_CHECK(t.stride(2) == 1 && t.stride(1) == t.size(2), name,
+              " must have its heads packed in each row, got strides ", t.strides());
+}
+
+void rotary_op(const Tensor& x, const Tensor& cos, const Tensor& sin, const Tensor& out) {
+  check_activation_dtype(x, "x");
+  check_packed_heads(x, "x");
+  const int64_t rows = x.size(0), heads = x.size(1), head_dim = x.size(2);
+  check_multiple(head_dim, 2 * kLanes, "head_dim");
+  check_angles(cos, "cos", x, rows, head_dim);
+  check_angles(sin, "sin", x, rows, head_dim);
+  check_activation_dtype(out, "out");
+  check_dtype(out, "out", x.scalar_type());
+  check_packed_heads(out, "out");
+  check_shape(out, "out", x.sizes());
+  with_type(x, [&](auto* type) {
+    using T = std::remove_pointer_t<decltype(type)>;
+    rotary<T>(data<T>(out), data<const T>(x), data<const T>(cos), data<const T>(sin), rows,
+              heads, head_dim, x.stride(0), out.stride(0), threads());
+  });
+}
+
+Tensor argmax_op(const Tensor& x) {
+  check_activation_dtype(x, "x");
+  TORCH_CHECK(x.dim() == 2 && x.numel() > 0, "x must be a non-empty 2-D tensor, got shape ",
+              x.sizes());
+  check_contiguous(x, "x");
+  check_multiple(x.size(1), kLanes, "x's width");
+  Tensor out = at::empty({x.size(0)}, x.options().dtype(at::kLong));
+  with_type(x, [&](auto* type) {
+    using T = std::remove_pointer_t<decltype(type)>;
+    argmax<T>(data<int64_t>(out), data<const T>(x), x.size(0), x.size(1), threads());
+  });
+  return out;
+}
+
+// ---- paged_attention.cpp ----
+
+struct CacheShape {
+  int64_t num_blocks, block_size, num_kv_heads, head_dim;
+};
+
+CacheShape check_caches(const Tensor& k_cache, const Tensor& v_cache, const char* k_name,
+                        const char* v_name) {
+  check_activation_dtype(k_cache, k_name);
+  TORCH_CHECK(k_cache.dim() == 4, k_name,
+              " must be 4-D [num_blocks, block_size, num_kv_heads, head_dim], got shape ",
+              k_cache.sizes());
+  check_contiguous(k_cache, k_name);
+  check_like(v_cache, v_name, k_cache, k_cache.sizes());
+  const CacheShape c{k_cache.size(0), k_cache.size(1), k_cache.size(2), k_cache.size(3)};
+  TORCH_CHECK(c.head_dim % kLanes == 0 && c.head_dim <= 256, k_name,
+              "'s head_dim must be a multiple of ", kLanes, " up to 256, got ", c.head_dim);
+  return c;
+}
+
+// The index tensors of `tokens` query tokens over caches of `cache`'s shape, values included:
+// every block, slot and sequence they name must exist.
+void check_indices(const CacheShape& cache, int64_t tokens, const Tensor& block_tables,
+                   const Tensor& context_lens, const std::optional<Tensor>& token_seqs,
+                   const std::optional<Tensor>& slot_mapping) {
+  TORCH_CHECK(block_tables.dim() == 2, "block_tables must be 2-D, got shape ",
+              block_tables.sizes());
+  const int64_t seqs = block_tables.size(0), max_blocks = block_tables.size(1);
+  check_tensor(block_tables, "block_tables", at::kInt, {seqs, max_blocks});
+  check_tensor(context_lens, "context_lens", at::kInt, {tokens});
+  if (token_seqs)
+    check_tensor(*token_seqs, "token_seqs", at::kInt, {tokens});
+  else
+    TORCH_CHECK(seqs >= tokens, "block_tables needs a row per token without token_seqs, got ",
+                seqs, " rows for ", tokens, " tokens");
+  const int32_t* lens = data<const int32_t>(context_lens);
+  const int32_t* tables = data<const int32_t>(block_tables);
+  const int32_t* seq_of = token_seqs ? data<const int32_t>(*token_seqs) : nullptr;
+  for (int64_t t = 0; t < tokens; ++t) {
+    const int64_t seq = seq_of ? seq_of[t] : t;
+    TORCH_CHECK(seq >= 0 && seq < seqs, "token_seqs[", t, "] = ", seq, " is not a row of ",
+                "block_tables (", seqs, " rows)");
+    TORCH_CHECK(lens[t] >= 0 && lens[t] <= max_blocks * cache.block_size, "context_lens[", t,
+                "] = ", lens[t], " is outside 0..", max_blocks * cache.block_size);
+    const int32_t* row = tables + seq * max_blocks;
+    for (int64_t b = 0; b < (lens[t] + cache.block_size - 1) / cache.block_size; ++b)
+      TORCH_CHECK(row[b] >= 0 && row[b] < cache.num_blocks, "block_tables[", seq, ", ", b,
+                  "] = ", row[b], " is not a cache block (", cache.num_blocks, " blocks)");
+  }
+  if (slot_mapping) {
+    check_tensor(*slot_mapping, "slot_mapping", at::kLong, {tokens});
+    const int64_t* slots = data<const int64_t>(*slot_mapping);
+    for (int64_t t = 0; t < tokens; ++t)
+      TORCH_CHECK(slots[t] >= 0 && slots[t] < cache.num_blocks * cache.block_size,
+                  "slot_mapping[", t, "] = ", slots[t], " is not a cache row");
+  }
+}
+
+void paged_attention_op(const Tensor& q_in, const Tensor& k_cache, const Tensor& v_cache,
+                     const Tensor& block_tables, const Tensor& context_lens,
+                     const std::optional<Tensor>& token_seqs, double scale, const Tensor& out,
+                     const std::optional<Tensor>& new_k, const std::optional<Tensor>& new_v,
+                     const std::optional<Tensor>& slot_mapping) {
+  check_activation_dtype(q_in, "q");
+  TORCH_CHECK(q_in.dim() == 3, "q must be 3-D [tokens, heads, head_dim], got shape ",
+              q_in.sizes());
+  const Tensor q = q_in.stride(2) == 1 && q_in.stride(1) == q_in.size(2) ? q_in
+                                                                          : q_in.contiguous();
+  const CacheShape c = check_caches(k_cache, v_cache, "k_cache", "v_cache");
+  const int64_t tokens = q.size(0), heads = q.size(1);
+  TORCH_CHECK(q.size(2) == c.head_dim, "q's head_dim must be the cache's, ", c.head_dim,
+              ", got ", q.size(2));
+  TORCH_CHECK(heads % c.num_kv_heads == 0, "q's ", heads,
+              " heads must be a multiple of the cache's ", c.num_kv_heads, " KV heads");
+  const bool bf16_cache = is_bf16(k_cache);
+  TORCH_CHECK(!is_bf16(q) || bf16_cache, "k_cache must be bfloat16 for bfloat16 queries");
+  TORCH_CHECK(new_k.has_value() == new_v.has_value() && new_k.has_value() == slot_mapping.has_value(),
+              "new_k, new_v and slot_mapping come together");
+  check_indices(c, tokens, block_tables, context_lens, token_seqs, slot_mapping);
+  if (new_k) {
+    for (const auto& [t, name] : {std::pair{&*new_k, "new_k"}, std::pair{&*new_v, "new_v"}}) {
+      check_dtype(*t, name, q.scalar_type());
+      check_packed_heads(*t, name);
+      check_shape(*t, name, {tokens, c.num_kv_heads, c.head_dim});
+    }
+  }
+  check_like(out, "out", q, {tokens, heads * c.head_dim});
+  with_type(q, [&](auto* type) {
+    using T = std::remove_pointer_t<decltype(type)>;
+    const NewKV<T> kv = new_k ? NewKV<T>{data<const T>(*new_k), data<const T>(*new_v),
+                                         new_k->stride(0), new_v->stride(0),
+                                         data<const int64_t>(*slot_mapping)}
+                              : NewKV<T>{};
+    auto run = [&](auto* cache_type) {
+      using C = std::remove_pointer_t<decltype(cache_type)>;
+      paged_attention<T, C>(data<T>(out), data<const T>(q), data<C>(k_cache), data<C>(v_cache),
+                            kv, data<const int32_t>(block_tables),
+                            token_seqs ? data<const int32_t>(*token_seqs) : nullptr,
+                            data<const int32_t>(context_lens), tokens, heads, c.num_kv_heads,
+                            c.head_dim, c.block_size, block_tables.size(1), q.stride(0),
+                            static_cast<float>(scale), threads());
+    };
+    if (bf16_cache)
+      run(static_cast<uint16_t*>(nullptr));
+    else if constexpr (std::is_same_v<T, float>)  // bf16 queries over a float32 cache: none
+      run(static_cast<float*>(nullptr));
+  });
+}
+
+}  // namespace
+
+// A namespace named per build: torch keys custom classes by their C++ type, and clang gives a
+// type in an anonymous namespace one identity in every library that defines it, so two builds
+// (tests load several) would register the same class.
+namespace CONVEYOR_OPS_NAMESPACE {
+
+// ---- decode_layer.cpp ----
+
+// A model's decoder layers for decode_layers, built once at load time: each layer's weight
+// tensors, checked against each other when added and kept alive here, and the LayerWeights
+// pointing into them.
+struct DecodeLayers : torch::CustomClassHolder {
+  std::vector<LayerWeights> layers;
+  std::vector<Tensor> tensors;
+  ScalarType dtype = at::kFloat;
+  int64_t max_rows_ = -1;  // rows the layers serve: -1 for any number
+
+  // A projection [n_out, k]: its 4-bit blocks [codes, scale, minimum] serving up to
+  // max_block_rows rows, then what serves more, if anything: [panels] or Int8Panels' [codes,
+  // scale, minimum] and optionally [exact, exact_weights].
+  Weight projection(const std::vector<Tensor>& parts, int64_t max_block_rows, int64_t n_out,
+                    int64_t k, const std::string& name) {
+    const size_t count = parts.size();
+    TORCH_CHECK(count == 3 || count == 4 || count == 6 || count == 8, name,
+                " must hold 3 tensors (blocks), 4 (and panels) or 6 or 8 (and Int8Panels), got ",
+                count);
+    TORCH_CHECK(max_block_rows >= 0, name, "'s max_block_rows must be >= 0, got ", max_block_rows);
+    for (size_t i = 0; i < count; ++i) check_cpu(parts[i], (name + "[" + std::to_string(i) + "]").c_str());
+    TORCH_CHECK(parts[0].dim() == 2 && parts[0].size(0) == n_out, name,
+                "'s codes must have ", n_out, " rows, got shape ", parts[0].sizes());
+    check_blocks(parts[0], parts[1], parts[2], (name + " blocks' ").c_str(), k);
+    Weight w{data<const uint8_t>(parts[0]), data<const float>(parts[1]),
+             data<const float>(parts[2]), nullptr, Int8Weight{}, n_out, max_block_rows};
+    if (count == 4) {
+      check_panels(parts[3], (name + "'s panels").c_str(), dtype, n_out, k);
+      w.panels = parts[3].data_ptr();
+    } else if (count >= 6) {
+      const std::optional<Tensor> exact = count == 8 ? std::optional{parts[6]} : std::nullopt;
+      const std::optional<Tensor> exact_weights =
+          count == 8 ? std::optional{parts[7]} : std::nullopt;
+      w.int8 = int8_weight(parts[3], parts[4], parts[5], exact, exact_weights, n_out, k,
+                           (name + "'s Int8Panels' ").c_str());
+    } else if (max_rows_ < 0 || max_block_rows < max_rows_) {
+      max_rows_ = max_block_rows;
+    }
+    tensors.insert(tensors.end(), parts.begin(), parts.end());
+    return w;
+  }
+
+  void add_layer(const Tensor& input_norm, const Tensor& post_norm, const std::vector<Tensor>& qkv,
+                 const std::vector<Tensor>& o, const std::vector<Tensor>& gate_up,
+                 const std::vector<Tensor>& down, int64_t num_heads, int64_t num_kv_heads,
+                 int64_t head_dim, const std::vector<int64_t>& max_block_rows, double eps) {
+    check_activation_dtype(input_norm, "input_norm");
+    TORCH_CHECK(input_norm.dim() == 1, "input_norm must be 1-D, got shape ", input_norm.sizes());
+    const int64_t hidden = input_norm.size(0);
+    TORCH_CHECK(num_heads > 0 && num_kv_heads > 0 && num_heads % num_kv_heads == 0,
+                "num_heads must be a positive multiple of num_kv_heads, got ", num_heads, " and ",
+                num_kv_heads);
+    check_multiple(hidden, kLanes, "input_norm's size (hidden)");
+    check_multiple(head_dim, 2 * kLanes, "head_dim");
+    TORCH_CHECK(max_block_rows.size() == 4, "max_block_rows must hold 4 entries, got ",
+                max_block_rows.size());
+    TORCH_CHECK(!gate_up.empty() && gate_up[0].dim() == 2, "gate_up's codes must be 2-D");
+    const int64_t inter = gate_up[0].size(0) / 2;
+    check_multiple(inter, kLanes, "half of gate_up's outputs (intermediate)");
+    if (layers.empty())
+      dtype = input_norm.scalar_type();
+    else
+      TORCH_CHECK(input_norm.scalar_type() == dtype && hidden == layers[0].hidden &&
+                      num_heads == layers[0].num_heads && num_kv_heads == layers[0].num_kv_heads &&
+                      head_dim == layers[0].head_dim && inter == layers[0].intermediate,
+                  "every layer must have the first one's dtype and sizes");
+    check_tensor(input_norm, "input_norm", dtype, {hidden});
+    check_tensor(post_norm, "post_norm", dtype, {hidden});
+    tensors.push_back(input_norm);
+    tensors.push_back(post_norm);
+    const int64_t q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;
+    LayerWeights w{input_norm.data_ptr(),
+                   post_norm.data_ptr(),
+                   projection(qkv, max_block_rows[0], q_size + 2 * kv_size, hidden, "qkv"),
+                   projection(o, max_block_rows[1], hidden, q_size, "o"),
+                   projection(gate_up, max_block_rows[2], 2 * inter, hidden, "gate_up"),
+                   projection(down, max_block_rows[3], hidden, inter, "down"),
+                   hidden,
+                   num_heads,
+                   num_kv_heads,
+                   head_dim,
+                   inter,
+                   static_cast<float>(eps)};
+    layers.push_back(w);
+  }
+
+  int64_t max_rows() const { return max_rows_; }
+  int64_t num_layers() const { return static_cast<int64_t>(layers.size()); }
+};
+
+void decode_layers_op(const c10::intrusive_ptr<DecodeLayers>& weights, const Tensor& x,
+                   const Tensor& residual, const Tensor& cos, const Tensor& sin,
+                   const std::vector<Tensor>& k_caches, const std::vector<Tensor>& v_caches,
+                   const Tensor& slot_mapping, const Tensor& block_tables,
+                   const Tensor& context_lens) {
+  const auto& layers = weights->layers;
+  TORCH_CHECK(!layers.empty(), "weights holds no layers");
+  const LayerWeights& first = layers[0];
+  TORCH_CHECK(x.dim() == 2, "x must be 2-D [tokens, hidden], got shape ", x.sizes());
+  const int64_t rows = x.size(0);
+  check_tensor(x, "x", weights->dtype, {rows, first.hidden});
+  TORCH_CHECK(weights->max_rows_ < 0 || rows <= weights->max_rows_, "x has ", rows,
+              " rows, more than the weights serve (", weights->max_rows_, ")");
+  check_tensor(residual, "residual", weights->dtype, {rows, first.hidden});
+  check_angles(cos, "cos", x, rows, first.head_dim);
+  check_angles(sin, "sin", x, rows, first.head_dim);
+  TORCH_CHECK(static_cast<int64_t>(k_caches.size()) == weights->num_layers() &&
+                  v_caches.size() == k_caches.size(),
+              "k_caches and v_caches need one cache per layer (", weights->num_layers(),
+              "), got ", k_caches.size(), " and ", v_caches.size());
+  const CacheShape c = check_caches(k_caches[0], v_caches[0], "k_caches[0]", "v_caches[0]");
+  TORCH_CHECK(c.num_kv_heads == first.num_kv_heads && c.head_dim == first.head_dim,
+              "k_caches[0] must have ", first.num_kv_heads, " KV heads of ", first.head_dim,
+              ", got shape ", k_caches[0].sizes());
+  for (size_t i = 0; i < k_caches.size(); ++i) {
+    const std::string k_name = "k_caches[" + std::to_string(i) + "]";
+    const std::string v_name = "v_caches[" + std::to_string(i) + "]";
+    check_tensor(k_caches[i], k_name.c_str(), weights->dtype, k_caches[0].sizes());
+    check_tensor(v_caches[i], v_name.c_str(), weights->dtype, k_caches[0].sizes());
+  }
+  check_indices(c, rows, block_tables, context_lens, std::nullopt, slot_mapping);
+  // As Python's head_dim ** -0.5 (the same libm pow), rounded to float.
+  const float scale = static_cast<float>(std::pow(static_cast<double>(first.head_dim), -0.5));
+  with_type(x, [&](auto* type) {
+    using T = std::remove_pointer_t<decltype(type)>;
+    Activations<T> activations(first, rows);
+    // Layer i's output overwrites x, layer i + 1's input: each layer reads its input only in
+    // its first norm and writes its output only at its end.
+    for (size_t i = 0; i < layers.size(); ++i)
+      decode_layer<T>(&layers[i], data<T>(x), data<const T>(x), data<T>(residual), rows,
+                      data<const T>(cos), data<const T>(sin), data<T>(k_caches[i]),
+                      data<T>(v_caches[i]), c.block_size, data<const int64_t>(slot_mapping),
+                      data<const int32_t>(block_tables), data<const int32_t>(context_lens),
+                      block_tables.size(1), scale, activations, threads());
+  });
+}
+
+}  // namespace CONVEYOR_OPS_NAMESPACE
+
+TORCH_LIBRARY(CONVEYOR_OPS_NAMESPACE, m) {
+  using CONVEYOR_OPS_NAMESPACE::DecodeLayers;
+  m.class_<DecodeLayers>("DecodeLayers")
+      .def(torch::init<>())
+      .def("add_layer", &DecodeLayers::add_layer)
+      .def("max_rows", &DecodeLayers::max_rows)
+      .def("num_layers", &DecodeLayers::num_layers);
+  m.def("features() -> str[]", &features_op);
+  m.def("panel_width() -> int", &panel_width_op);
+  m.def("panel_gemm(Tensor x, Tensor packed, int n) -> Tensor", &panel_gemm_op);
+  m.def("block_matmul(Tensor x, Tensor codes, Tensor scale, Tensor? minimum) -> Tensor",
+        &block_matmul_op);
+  m.def("int8_gemm(Tensor x, Tensor codes, Tensor scale, Tensor minimum, int n, Tensor? exact, "
+        "Tensor? exact_weights) -> Tensor",
+        &int8_gemm_op);
+  m.def("rms_norm(Tensor x, Tensor weight, float eps, Tensor(a!)? residual, Tensor(b!) out) -> ()",
+        &rms_norm_op);
+  m.def("silu_mul(Tensor gate_up) -> Tensor", &silu_mul_op);
+  m.def("rotary(Tensor x, Tensor cos, Tensor sin, Tensor(a!) out) -> ()", &rotary_op);
+  m.def("argmax(Tensor x) -> Tensor", &argmax_op);
+  m.def("paged_attention(Tensor q, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor block_tables, "
+        "Tensor context_lens, Tensor? token_seqs, float scale, Tensor(c!) out, Tensor? new_k, "
+        "Tensor? new_v, Tensor? slot_mapping) -> ()",
+        &paged_attention_op);
+  m.def("decode_layers(__torch__.torch.classes." CONVEYOR_NAME(CONVEYOR_OPS_NAMESPACE)
+        ".DecodeLayers weights, Tensor(a!) x, Tensor(b!) residual, "
+        "Tensor cos, Tensor sin, Tensor(c!)[] k_caches, Tensor(d!)[] v_caches, "
+        "Tensor slot_mapping, Tensor block_tables, Tensor context_lens) -> ()",
+        &CONVEYOR_OPS_NAMESPACE::decode_layers_op);
+}

@@ -1,0 +1,194 @@
+"""Every kernel operator refuses a wrong dtype, a non-contiguous tensor and a wrong shape with a
+RuntimeError naming the argument, before any pointer is touched (never an abort, never a
+silent read or write out of bounds)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conveyor.model.kernels.build import kernel_features, kernel_ops
+from conveyor.model.kernels.panel_gemm import pack_panels
+from conveyor.model.layers.quantized import GROUP, Int4Blocks, Int8Panels, NibbleInt4
+
+ops = kernel_ops()
+pytestmark = pytest.mark.skipif(ops is None, reason="no C++ compiler: the torch path runs")
+
+
+def strided(t: torch.Tensor) -> torch.Tensor:
+    """t's values in a non-contiguous tensor of t's shape (every other element of a wider one)."""
+    wide = torch.zeros(*t.shape[:-1], 2 * t.shape[-1], dtype=t.dtype)
+    wide[..., ::2] = t
+    return wide[..., ::2]
+
+
+def refuses(fn, args: dict, name: str, bad: torch.Tensor, match: str) -> None:
+    with pytest.raises(RuntimeError, match=match):
+        fn(**{**args, name: bad})
+
+
+def blocks4(n: int = 32, k: int = 64) -> NibbleInt4:
+    g = torch.Generator().manual_seed(0)
+    scale = torch.rand(n, k // GROUP, generator=g) * 0.02
+    return NibbleInt4.pack(Int4Blocks(torch.randint(0, 16, (n, k), dtype=torch.uint8,
+                                                    generator=g), scale, -8 * scale))
+
+
+def test_panel_gemm() -> None:
+    packed = pack_panels(torch.randn(32, 64))
+    args = dict(x=torch.randn(3, 64), packed=packed, n=32)
+    ops.panel_gemm(**args)
+    refuses(ops.panel_gemm, args, "x", torch.randn(3, 64).double(), "x must be float32 or bfloat16")
+    refuses(ops.panel_gemm, args, "packed", packed.bfloat16(), "packed must be float32, got bfloat16")
+    refuses(ops.panel_gemm, args, "packed", strided(packed), "packed must be contiguous")
+    refuses(ops.panel_gemm, args, "packed", packed[:, :32], "x must have 32 columns")
+    refuses(ops.panel_gemm, args, "packed", packed[:, :, :16].contiguous(), "packed must have shape")
+    with pytest.raises(RuntimeError, match="packed must have shape"):
+        ops.panel_gemm(torch.randn(3, 64), packed, 64)  # more outputs than the panels hold
+
+
+def test_block_matmul() -> None:
+    w = blocks4()
+    args = dict(x=torch.randn(2, 64), codes=w.codes, scale=w.scale, minimum=w.min)
+    ops.block_matmul(**args)
+    refuses(ops.block_matmul, args, "x", torch.randn(2, 64).half(), "x must be float32 or bfloat16")
+    refuses(ops.block_matmul, args, "codes", w.codes.to(torch.int8), "codes must be uint8")
+    refuses(ops.block_matmul, args, "scale", strided(w.scale), "scale must be contiguous")
+    refuses(ops.block_matmul, args, "minimum", w.min[:8], r"minimum must have shape \[32, 2\]")
+    refuses(ops.block_matmul, args, "x", torch.randn(2, 96), r"codes must have shape \[32, 48\]")
+    with pytest.raises(RuntimeError, match="codes must be int8"):  # 8-bit blocks are signed
+        ops.block_matmul(torch.randn(2, 64), w.codes, w.scale, None)
+
+
+@pytest.mark.skipif("int8_gemm" not in kernel_features(), reason="needs AVX512-VNNI")
+def test_int8_gemm() -> None:
+    p = Int8Panels.pack(Int4Blocks(torch.randint(0, 16, (40, 64), dtype=torch.uint8),
+                                   torch.rand(40, 2), torch.zeros(40, 2)))
+    exact = torch.tensor([1, 5], dtype=torch.int32)
+    weights = torch.zeros(2, 1, 32, 2, dtype=torch.bfloat16)
+    args = dict(x=torch.randn(3, 64).bfloat16(), codes=p.codes, scale=p.scale, minimum=p.min,
+                n=40, exact=exact, exact_weights=weights)
+    ops.int8_gemm(**args)
+    refuses(ops.int8_gemm, args, "scale", p.scale.double(), "scale must be float32")
+    refuses(ops.int8_gemm, args, "codes", strided(p.codes), "codes must be contiguous")
+    refuses(ops.int8_gemm, args, "minimum", p.min[:1], "minimum must have shape")
+    refuses(ops.int8_gemm, args, "exact", exact.long(), "exact must be int32")
+    refuses(ops.int8_gemm, args, "exact", torch.tensor([1, 64], dtype=torch.int32),
+            "exact holds channel 64")
+    refuses(ops.int8_gemm, args, "exact_weights", weights[:1], "exact_weights must have shape")
+    with pytest.raises(RuntimeError, match="codes must have shape"):
+        ops.int8_gemm(**{**args, "n": 65})
+
+
+def test_fused_ops() -> None:
+    x, w = torch.randn(4, 64), torch.randn(64)
+    args = dict(x=x, weight=w, eps=1e-5, residual=torch.randn(4, 64), out=torch.empty(4, 64))
+    ops.rms_norm(**args)
+    refuses(ops.rms_norm, args, "weight", w.bfloat16(), "weight must be float32, got bfloat16")
+    refuses(ops.rms_norm, args, "residual", strided(torch.randn(4, 64)), "residual must be contiguous")
+    refuses(ops.rms_norm, args, "out", torch.empty(4, 32), r"out must have shape \[4, 64\]")
+    refuses(ops.rms_norm, args, "x", torch.randn(4, 60), "x's width must be a multiple")
+
+    gate_up = torch.randn(3, 64)
+    ops.silu_mul(gate_up)
+    for bad, match in ((gate_up.long(), "gate_up must be float32 or bfloat16"),
+                       (strided(gate_up), "gate_up must be contiguous"),
+                       (torch.randn(64), "gate_up must be 2-D")):
+        with pytest.raises(RuntimeError, match=match):
+            ops.silu_mul(bad)
+
+    q = torch.randn(3, 2, 32)
+    cos = torch.randn(3, 1, 32)
+    args = dict(x=q, cos=cos, sin=cos.clone(), out=torch.empty(3, 2, 32))
+    ops.rotary(**args)
+    refuses(ops.rotary, args, "cos", cos.bfloat16(), "cos must be float32, got bfloat16")
+    refuses(ops.rotary, args, "sin", strided(cos), "sin must be contiguous")
+    refuses(ops.rotary, args, "sin", torch.randn(2, 1, 32), "sin must have shape")
+    refuses(ops.rotary, args, "x", strided(q), "x must have its heads packed")
+    refuses(ops.rotary, args, "out", torch.empty(3, 2, 32).bfloat16(), "out must be float32")
+
+    logits = torch.randn(2, 64)
+    ops.argmax(logits)
+    for bad, match in ((logits.int(), "x must be float32 or bfloat16"),
+                       (strided(logits), "x must be contiguous"),
+                       (torch.randn(2, 2, 64), "x must be a non-empty 2-D tensor")):
+        with pytest.raises(RuntimeError, match=match):
+            ops.argmax(bad)
+
+
+def attention_args() -> dict:
+    cache = torch.randn(6, 4, 2, 32)
+    return dict(q=torch.randn(2, 4, 32), k_cache=cache, v_cache=cache.clone(),
+                block_tables=torch.tensor([[0, 1], [2, 3]], dtype=torch.int32),
+                context_lens=torch.tensor([5, 8], dtype=torch.int32), token_seqs=None,
+                scale=0.125, out=torch.empty(2, 128), new_k=torch.randn(2, 2, 32),
+                new_v=torch.randn(2, 2, 32), slot_mapping=torch.tensor([4, 15]))
+
+
+def test_paged_attention() -> None:
+    args = attention_args()
+    ops.paged_attention(**args)
+    fn = ops.paged_attention
+    refuses(fn, args, "q", args["q"].double(), "q must be float32 or bfloat16")
+    refuses(fn, args, "k_cache", strided(args["k_cache"]), "k_cache must be contiguous")
+    refuses(fn, args, "v_cache", args["v_cache"][:3], "v_cache must have shape")
+    refuses(fn, args, "block_tables", args["block_tables"].long(), "block_tables must be int32")
+    refuses(fn, args, "block_tables", args["block_tables"].T, "block_tables must be contiguous")
+    refuses(fn, args, "context_lens", args["context_lens"][:1], "context_lens must have shape")
+    refuses(fn, args, "token_seqs", torch.tensor([0, 2], dtype=torch.int32),
+            r"token_seqs\[1\] = 2 is not a row of block_tables")
+    refuses(fn, args, "out", torch.empty(2, 128).bfloat16(), "out must be float32")
+    refuses(fn, args, "new_k", args["new_k"].bfloat16(), "new_k must be float32")
+    refuses(fn, args, "new_v", torch.randn(2, 2, 64)[..., ::2], "new_v must have its heads packed")
+    refuses(fn, args, "slot_mapping", torch.tensor([4, 24]), r"slot_mapping\[1\] = 24 is not a cache row")
+    refuses(fn, args, "block_tables", torch.tensor([[0, 1], [2, 6]], dtype=torch.int32),
+            r"block_tables\[1, 1\] = 6 is not a cache block")
+
+
+def test_decode_layers() -> None:
+    hidden, heads, kv_heads, head_dim, inter = 64, 2, 1, 32, 64
+    w = lambda n, k: blocks4(n, k).decode_parts()  # noqa: E731
+    norm = torch.ones(hidden)
+    layers = torch.classes.conveyor.DecodeLayers()
+    projections = dict(qkv=w((heads + 2 * kv_heads) * head_dim, hidden),
+                       o=w(hidden, heads * head_dim), gate_up=w(2 * inter, hidden),
+                       down=w(hidden, inter))
+    args = dict(input_norm=norm, post_norm=norm, **projections, num_heads=heads,
+                num_kv_heads=kv_heads, head_dim=head_dim, max_block_rows=[4] * 4, eps=1e-5)
+    names = list(args)
+
+    def add(**kw):
+        merged = {**args, **kw}
+        layers.add_layer(*[merged[n] for n in names])
+
+    for name, bad, match in (
+            ("post_norm", norm.bfloat16(), "post_norm must be float32"),
+            ("post_norm", strided(norm), "post_norm must be contiguous"),
+            ("o", w(hidden, 2 * heads * head_dim), r"o's codes|o blocks' codes must have shape"),
+            ("down", projections["down"][:2], "down must hold 3 tensors"),
+            ("qkv", [projections["qkv"][0], projections["qkv"][1].double(), projections["qkv"][2]],
+             "qkv blocks' scale must be float32"),
+            ("gate_up", projections["gate_up"] + [torch.zeros(3)], "gate_up's panels must have shape")):
+        with pytest.raises(RuntimeError, match=match):
+            add(**{name: bad})
+    assert layers.num_layers() == 0
+    add()
+    assert layers.num_layers() == 1 and layers.max_rows() == 4
+
+    cache = torch.zeros(4, 4, kv_heads, head_dim)
+    run = dict(weights=layers, x=torch.randn(2, hidden), residual=torch.randn(2, hidden),
+               cos=torch.ones(2, 1, head_dim), sin=torch.zeros(2, 1, head_dim),
+               k_caches=[cache], v_caches=[cache.clone()], slot_mapping=torch.tensor([0, 5]),
+               block_tables=torch.tensor([[0], [1]], dtype=torch.int32),
+               context_lens=torch.tensor([1, 2], dtype=torch.int32))
+    ops.decode_layers(**run)
+    fn = ops.decode_layers
+    refuses(fn, run, "x", torch.randn(2, hidden).bfloat16(), "x must be float32")
+    refuses(fn, run, "residual", strided(torch.randn(2, hidden)), "residual must be contiguous")
+    refuses(fn, run, "cos", torch.ones(3, 1, head_dim), "cos must have shape")
+    refuses(fn, run, "x", torch.randn(5, hidden), "more than the weights serve")
+    with pytest.raises(RuntimeError, match=r"v_caches\[0\] must have shape"):
+        fn(**{**run, "v_caches": [cache[:2].clone()]})
+    with pytest.raises(RuntimeError, match="one cache per layer"):
+        fn(**{**run, "k_caches": [cache, cache]})
+    refuses(fn, run, "slot_mapping", torch.tensor([0, 16]), "slot_mapping.1. = 16 is not a cache row")
