@@ -19,10 +19,9 @@ from conveyor.executor.cuda_graphs import (  # noqa: E402
 )
 from conveyor.executor.gpu_memory import (  # noqa: E402
     activation_bytes,
-    contiguous_runs,
     gpu_kv_cache_blocks,
 )
-from conveyor.executor.kv_cache import KVCache  # noqa: E402
+from conveyor.executor.kv_cache import KVCache, contiguous_runs  # noqa: E402
 from conveyor.model.layers.triton_attention import flatten_entries  # noqa: E402
 
 GiB = 2**30

@@ -42,18 +42,6 @@ def gpu_kv_cache_blocks(free: int, total: int, utilization: float, bytes_per_blo
     return blocks
 
 
-def contiguous_runs(pairs: list[tuple[int, int]]) -> list[tuple[int, int, int]]:
-    """(src, dst) block pairs as (src start, dst start, length) runs where both sides advance
-    together: a swap of consecutive blocks becomes one copy per layer, not one per block."""
-    runs: list[tuple[int, int, int]] = []
-    for src, dst in sorted(pairs):
-        if runs and src == runs[-1][0] + runs[-1][2] and dst == runs[-1][1] + runs[-1][2]:
-            runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + 1)
-        else:
-            runs.append((src, dst, 1))
-    return runs
-
-
 def cuda_kv_cache_blocks(executor: ModelExecutor, block_size: int, utilization: float,
                          max_num_batched_tokens: int, max_num_seqs: int) -> int:
     """``gpu_kv_cache_blocks`` for a loaded executor, from the card's memory as torch sees it

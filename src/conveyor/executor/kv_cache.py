@@ -57,8 +57,6 @@ class KVCache:
         run of consecutive blocks (each a contiguous slab on both sides). The copies queue on the
         current stream, so the next step's kernels, and a later swap-in of these blocks, are
         ordered after them without a host sync."""
-        from conveyor.executor.gpu_memory import contiguous_runs
-
         runs = contiguous_runs(pairs)
         for layer in range(src.shape[0]):
             for kv in range(2):
@@ -71,3 +69,15 @@ class KVCache:
             src = torch.tensor([p[0] for p in pairs], device=self.device)
             dst = torch.tensor([p[1] for p in pairs], device=self.device)
             self.cache[:, :, dst] = self.cache[:, :, src]
+
+
+def contiguous_runs(pairs: list[tuple[int, int]]) -> list[tuple[int, int, int]]:
+    """(src, dst) block pairs as (src start, dst start, length) runs where both sides advance
+    together: a swap of consecutive blocks becomes one copy per layer, not one per block."""
+    runs: list[tuple[int, int, int]] = []
+    for src, dst in sorted(pairs):
+        if runs and src == runs[-1][0] + runs[-1][2] and dst == runs[-1][1] + runs[-1][2]:
+            runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + 1)
+        else:
+            runs.append((src, dst, 1))
+    return runs
