@@ -38,8 +38,8 @@ from pathlib import Path
 import numpy as np
 
 from conveyor.core.sampling_params import SamplingParams
-from conveyor.executor.simulated import batch_shape
 from conveyor.sim.cost_model import CostModel
+from conveyor.sim.executor import batch_shape
 from conveyor.sim.metrics import SLO
 from conveyor.sim.runner import SimConfig, simulate
 from conveyor.sim.specs import GB, load_hardware, load_model

@@ -84,7 +84,7 @@ def run_engine_steps(tp: int, dtype: str, requests: int, prompt: int, output: in
     from conveyor.core.sampling_params import SamplingParams
     from conveyor.engine.args import EngineArgs
     from conveyor.engine.llm_engine import LLMEngine
-    from conveyor.executor.simulated import batch_shape
+    from conveyor.sim.executor import batch_shape
 
     engine = LLMEngine(EngineArgs(dtype=dtype, tensor_parallel_size=tp, threads_per_rank=1,
                                   num_gpu_blocks=256, max_num_seqs=64))

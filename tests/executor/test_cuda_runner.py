@@ -21,7 +21,7 @@ from conveyor.executor.gpu_memory import (  # noqa: E402
     activation_bytes,
     gpu_kv_cache_blocks,
 )
-from conveyor.executor.kv_cache import KVCache, contiguous_runs  # noqa: E402
+from conveyor.model.kv_cache import KVCache, contiguous_runs  # noqa: E402
 from conveyor.model.layers.triton_attention import flatten_entries  # noqa: E402
 
 GiB = 2**30

@@ -152,7 +152,7 @@ def test_tiny_qwen3_greedy_equals_transformers(tmp_path):
 
 
 def test_swap_through_pinned_memory_round_trips():
-    from conveyor.executor.kv_cache import KVCache
+    from conveyor.model.kv_cache import KVCache
 
     cache = KVCache(2, 2, 64, 16, num_blocks=8, num_cpu_blocks=6, dtype=torch.bfloat16,
                     device=torch.device("cuda"))

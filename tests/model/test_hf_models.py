@@ -8,9 +8,9 @@ import os
 import pytest
 import torch
 
-from conveyor.executor.kv_cache import KVCache
 from conveyor.executor.model_executor import ModelExecutor
 from conveyor.model.device import select_kernels
+from conveyor.model.kv_cache import KVCache
 from conveyor.model.layers.attention import build_attention_metadata
 
 VOCAB = 96

@@ -9,9 +9,9 @@ import pytest
 from conveyor.core.config import CacheConfig, SchedulerConfig
 from conveyor.core.sampling_params import SamplingParams
 from conveyor.core.scheduler import Scheduler
-from conveyor.executor.simulated import SimulatedExecutor, batch_shape
 from conveyor.sim.clock import VirtualClock
 from conveyor.sim.cost_model import CostModel
+from conveyor.sim.executor import SimulatedExecutor, batch_shape
 from conveyor.sim.metrics import SLO
 from conveyor.sim.runner import SimConfig, simulate
 from conveyor.sim.specs import load_hardware, load_model

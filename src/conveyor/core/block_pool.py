@@ -24,15 +24,15 @@ ROOT_IDENTITY: Identity = (-1, 0)  # the parent of every first block
 
 
 class BlockPool:
-    __slots__ = ("num_blocks", "ref_counts", "_free", "_evictable", "_table", "_hash", "_tokens",
-                 "_parent", "_generation", "_alias")
+    __slots__ = ("num_blocks", "ref_counts", "_free", "_evictable", "_block_by_hash", "_hash",
+                 "_tokens", "_parent", "_generation", "_alias")
 
     def __init__(self, num_blocks: int) -> None:
         self.num_blocks = num_blocks
         self.ref_counts = [0] * num_blocks
         self._free = list(range(num_blocks - 1, -1, -1))  # pop() hands out block 0 first
         self._evictable: OrderedDict[int, None] = OrderedDict()
-        self._table: dict[int, int] = {}  # hash -> registered block
+        self._block_by_hash: dict[int, int] = {}  # hash -> registered block
         self._hash: list[int | None] = [None] * num_blocks
         self._tokens: list[list[int] | None] = [None] * num_blocks
         self._parent: list[Identity | None] = [None] * num_blocks
@@ -48,7 +48,7 @@ class BlockPool:
     @property
     def num_cached(self) -> int:
         """Registered blocks (in use or evictable)."""
-        return len(self._table)
+        return len(self._block_by_hash)
 
     # ------------------------------------------------------------------ allocate / free
 
@@ -92,14 +92,14 @@ class BlockPool:
         return self._alias[block]
 
     def lookup(self, block_hash: int, parent: Identity, token_ids: list[int]) -> int | None:
-        block = self._table.get(block_hash)
+        block = self._block_by_hash.get(block_hash)
         if block is None or self._parent[block] != parent or self._tokens[block] != token_ids:
             return None
         return block
 
     def register(self, block: int, block_hash: int, parent: Identity, token_ids: list[int]) -> None:
         """File a full, computed (or being computed this step) block under ``block_hash``."""
-        other = self._table.get(block_hash)
+        other = self._block_by_hash.get(block_hash)
         if other is not None:
             if other == block:
                 return
@@ -107,7 +107,7 @@ class BlockPool:
                 self._alias[block] = (other, self._generation[other])
                 return
             self._unregister(other)  # a collision or a stale chain: the newer content wins
-        self._table[block_hash] = block
+        self._block_by_hash[block_hash] = block
         self._hash[block] = block_hash
         self._tokens[block] = token_ids
         self._parent[block] = parent
@@ -122,8 +122,8 @@ class BlockPool:
     def _forget(self, block: int) -> None:
         h = self._hash[block]
         if h is not None:
-            if self._table.get(h) == block:
-                del self._table[h]
+            if self._block_by_hash.get(h) == block:
+                del self._block_by_hash[h]
             self._hash[block] = None
             self._tokens[block] = None
             self._parent[block] = None
@@ -141,7 +141,7 @@ class BlockPool:
                 raise AssertionError(f"block {b}: ref count {self.ref_counts[b]}, free={in_free}")
             if b in evictable and self._hash[b] is None:
                 raise AssertionError(f"block {b} is evictable but not registered")
-        for h, b in self._table.items():
+        for h, b in self._block_by_hash.items():
             if self._hash[b] != h:
                 raise AssertionError(f"prefix table entry {h} -> {b} disagrees with the block")
 

@@ -17,15 +17,11 @@ A sequence with a prefill chunk this step, or swapped in this step, is never a v
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
-from conveyor.core.prefill_first import decodes_without_preemption
+from conveyor.core.decode import resume_swapped, schedule_decodes
 from conveyor.core.request_queue import priority_key
+from conveyor.core.scheduler_interface import SchedulerInterface
 from conveyor.core.scheduler_output import SchedulerOutput
 from conveyor.core.sequence import Sequence, SequenceStatus
-
-if TYPE_CHECKING:
-    from conveyor.core.scheduler import Scheduler
 
 RUNNING = SequenceStatus.RUNNING
 
@@ -54,12 +50,10 @@ class _Step:
         self.budget += 1
 
 
-def schedule_chunked(sched: Scheduler) -> SchedulerOutput:
+def schedule_chunked(sched: SchedulerInterface) -> SchedulerOutput:
     cfg = sched.config
     step = _Step(cfg.max_num_batched_tokens)
     _schedule_decodes(sched, step)
-    if sched.swapped and not sched.preempted_this_step:
-        _resume_swapped(sched, step)
     _continue_prefills(sched, step)
     if not sched.swapped:
         _admit_new(sched, step)
@@ -69,13 +63,12 @@ def schedule_chunked(sched: Scheduler) -> SchedulerOutput:
                            num_decodes=step.num_decodes)
 
 
-# ---------------------------------------------------------------------- 1. decodes
+# ---------------------------------------------------------------------- 1. decodes, 2. swapped
 
-def _schedule_decodes(sched: Scheduler, step: _Step) -> None:
+def _schedule_decodes(sched: SchedulerInterface, step: _Step) -> None:
     limit = min(sched.config.max_num_seqs, step.budget)
-    decodes = decodes_without_preemption(sched, limit)
-    if decodes is None:
-        decodes = _decodes_with_preemption(sched, step, limit)
+    decodes = schedule_decodes(sched, limit)
+    step.protected.update(resume_swapped(sched, decodes, limit))
     n = len(decodes)
     step.seqs = decodes
     step.num_new = [1] * n
@@ -83,82 +76,9 @@ def _schedule_decodes(sched: Scheduler, step: _Step) -> None:
     step.budget -= n
 
 
-def _decodes_with_preemption(sched: Scheduler, step: _Step, limit: int) -> list[Sequence]:
-    bm = sched.block_manager
-    gpu = bm.gpu
-    running = sched.running
-    prefilling = sched.prefilling
-    priority = sched.priority_queue
-    scheduled: list[Sequence] = []
-    i = 0
-    end = len(running)
-    while i < end and len(scheduled) < limit:
-        seq = running[i]
-        i += 1
-        if seq.status is not RUNNING:
-            continue
-        if len(seq.token_ids) < seq.next_event:  # its slot is ready: no block needed
-            scheduled.append(seq)
-            continue
-        while gpu.num_free == 0 and bm.slot_needs_block(seq):
-            victim = None
-            if priority:
-                victim = sched.lowest_priority(scheduled + [seq] + running[i:end] + prefilling)
-                if victim is seq:
-                    victim = None
-                elif victim in scheduled:
-                    scheduled.remove(victim)
-            elif prefilling:
-                victim = prefilling[-1]
-            else:
-                while end > i:
-                    end -= 1
-                    if running[end].status is RUNNING:
-                        victim = running[end]
-                        break
-            if victim is None:
-                sched.preempt(seq)
-                break
-            if victim in prefilling:
-                prefilling.remove(victim)
-            sched.preempt(victim)
-        else:
-            bm.append_slot(seq)
-            sched.set_next_event(seq)
-            scheduled.append(seq)
-    rest = [s for s in running[i:] if s.status is RUNNING]
-    sched.running = scheduled + rest
-    sched.needs = [s for s in rest if len(s.token_ids) >= s.next_event]
-    return scheduled[:]
-
-
-# ---------------------------------------------------------------------- 2. swapped
-
-def _resume_swapped(sched: Scheduler, step: _Step) -> None:
-    gpu = sched.block_manager.gpu
-    max_seqs = sched.config.max_num_seqs
-    swapped = sched.swapped
-    while step.budget > 0 and len(step.seqs) < max_seqs:
-        seq = swapped.peek()
-        if seq is None or sched.blocks_to_swap_in(seq) > gpu.num_free:
-            break
-        swapped.pop()
-        decoding = sched.is_decoding(seq)
-        sched.swap_in(seq)
-        step.protected.add(seq)
-        if decoding:
-            sched.join_running(seq)
-            step.seqs.append(seq)
-            step.num_new.append(1)
-            step.num_decodes += 1
-            step.budget -= 1
-        else:
-            sched.prefilling.append(seq)
-
-
 # ---------------------------------------------------------------------- 3. partial prefills
 
-def _chunk_size(sched: Scheduler, remaining: int, budget: int) -> int:
+def _chunk_size(sched: SchedulerInterface, remaining: int, budget: int) -> int:
     chunk = remaining if remaining < budget else budget
     cap = sched.config.long_prefill_token_threshold
     if cap and chunk > cap:
@@ -166,7 +86,7 @@ def _chunk_size(sched: Scheduler, remaining: int, budget: int) -> int:
     return chunk
 
 
-def _continue_prefills(sched: Scheduler, step: _Step) -> None:
+def _continue_prefills(sched: SchedulerInterface, step: _Step) -> None:
     """Schedule chunks of mid-prefill sequences (``step.partial``: those left part-way)."""
     bm = sched.block_manager
     gpu = bm.gpu
@@ -202,7 +122,7 @@ def _continue_prefills(sched: Scheduler, step: _Step) -> None:
             step.partial.add(seq)
 
 
-def _prefill_victim(sched: Scheduler, seq: Sequence, step: _Step) -> Sequence | None:
+def _prefill_victim(sched: SchedulerInterface, seq: Sequence, step: _Step) -> Sequence | None:
     """Who makes room for a stuck prefill: a later mid-prefill sequence (fcfs), or under the
     priority queue any unchunked sequence ranking below ``seq``."""
     prefilling = sched.prefilling
@@ -216,7 +136,7 @@ def _prefill_victim(sched: Scheduler, seq: Sequence, step: _Step) -> Sequence | 
     return victim
 
 
-def _preempt(sched: Scheduler, step: _Step, victim: Sequence) -> None:
+def _preempt(sched: SchedulerInterface, step: _Step, victim: Sequence) -> None:
     step.partial.discard(victim)
     if victim in sched.prefilling:
         sched.prefilling.remove(victim)
@@ -229,7 +149,7 @@ def _preempt(sched: Scheduler, step: _Step, victim: Sequence) -> None:
 
 # ---------------------------------------------------------------------- 4. new requests
 
-def _admit_new(sched: Scheduler, step: _Step) -> None:
+def _admit_new(sched: SchedulerInterface, step: _Step) -> None:
     """Admit from the head of ``waiting``; under the priority queue a head may preempt
     strictly lower-priority sequences for a partial-prefill slot, a seat or blocks."""
     bm = sched.block_manager
@@ -280,7 +200,7 @@ def _admit_new(sched: Scheduler, step: _Step) -> None:
             step.partial.add(seq)
 
 
-def _preempt_lower_priority(sched: Scheduler, step: _Step, head: Sequence,
+def _preempt_lower_priority(sched: SchedulerInterface, step: _Step, head: Sequence,
                             among: set[Sequence] | list[Sequence]) -> bool:
     """Preempt the lowest-priority of ``among`` if it ranks strictly below ``head``."""
     candidates = [s for s in among if s not in step.protected]

@@ -14,9 +14,9 @@ Queues:
 
 The decode fast path: a sequence whose next token still fits its last block needs no
 block-manager call. ``update()`` compares ``len(token_ids)`` with one precomputed number per
-sequence (``next_event``: the length cap or the next block boundary) and checks stop ids in a
-frozenset; sequences crossing a block boundary go to ``needs`` and get their block in the
-next schedule().
+sequence (``next_check_len``: the length cap or the next block boundary) and checks stop ids in
+a frozenset; sequences crossing a block boundary go to ``seqs_needing_block`` and get their
+block in the next schedule().
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ from conveyor.core.config import CacheConfig, SchedulerConfig
 from conveyor.core.prefill_first import schedule_prefill_first
 from conveyor.core.request_queue import make_queue, priority_key
 from conveyor.core.sampling_params import SamplingParams
+from conveyor.core.scheduler_interface import Policy
 from conveyor.core.scheduler_output import SchedulerOutput
 from conveyor.core.sequence import Sequence, SequenceGroup, SequenceStatus
 from conveyor.core.stats import SchedulerStats
@@ -48,9 +49,9 @@ FINISHED_IGNORED = SequenceStatus.FINISHED_IGNORED
 _running_stamp = attrgetter("running_stamp")
 
 
-
-
 class Scheduler:
+    """Implements SchedulerInterface, the part the policies drive."""
+
     def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig,
                  eos_token_ids: tuple[int, ...] | list[int] = (),
                  clock: Callable[[], float] = time.monotonic) -> None:
@@ -68,9 +69,10 @@ class Scheduler:
         self.swapped = make_queue(scheduler_config.queue, SWAPPED)
         self.running: list[Sequence] = []
         self.prefilling: list[Sequence] = []
-        self.needs: list[Sequence] = []  # running sequences whose next slot needs a block
-        self.running_dirty = False  # running holds finished sequences to drop
-        self._left_running: list[Sequence] = []  # ... these (finished or aborted)
+        self.seqs_needing_block: list[Sequence] = []  # running ones whose next slot needs a block
+        # sequences that stopped running (finished or aborted) since the last schedule(); those
+        # still in `running` are dropped from it lazily
+        self._stopped_running: list[Sequence] = []
         self.swap_mode = scheduler_config.preemption_mode == "swap"
         self.priority_queue = scheduler_config.queue == "priority"
         self.chunked = scheduler_config.policy == "chunked"
@@ -81,7 +83,7 @@ class Scheduler:
         self._finished: list[SequenceGroup] = []  # reported by the next update()
         self._next_seq_id = 0
         self._running_stamp = 0
-        self._changed_in_flight = False  # abort/finish_sequence since the last schedule()
+        self._detached_since_schedule = False  # abort/finish_sequence since the last schedule()
         # per-step block operations, handed to the SchedulerOutput
         self.step_swap_out: list[tuple[int, int]] = []
         self.step_swap_in: list[tuple[int, int]] = []
@@ -89,7 +91,7 @@ class Scheduler:
         self.num_preemptions = 0
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
-        self._policy = schedule_chunked if self.chunked else schedule_prefill_first
+        self._policy: Policy = schedule_chunked if self.chunked else schedule_prefill_first
 
     # ------------------------------------------------------------------ requests
 
@@ -173,9 +175,9 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         """Decide this step's work (see the policy modules); call update() after it."""
-        if self.running_dirty:
-            self._drop_finished_running()
-        self._changed_in_flight = False
+        if self._stopped_running:
+            self._drop_stopped_running()
+        self._detached_since_schedule = False
         self.preempted_this_step = False
         out = self._policy(self)
         if not out.seqs and (self.running or self.prefilling or self.waiting or self.swapped):
@@ -195,18 +197,30 @@ class Scheduler:
             bm.end_step()
         return out
 
-    def _drop_finished_running(self) -> None:
+    def _stopped_positions(self) -> list[int] | None:
+        """Where the sequences of ``_stopped_running`` sit in ``running``, highest first (some
+        never joined it); None when there are too many to look up one by one."""
         running = self.running
-        gone = self._left_running
-        if len(gone) * 8 < len(running):  # a few: find each by its stamp (running is sorted)
-            for seq in gone:
-                k = bisect_left(running, seq.running_stamp, key=_running_stamp)
-                if k < len(running) and running[k] is seq and seq.status is not RUNNING:
-                    del running[k]
+        stopped = self._stopped_running
+        if len(stopped) * 8 >= len(running):
+            return None
+        positions = []
+        for seq in stopped:  # running is sorted by stamp: a bisection finds each
+            k = bisect_left(running, seq.running_stamp, key=_running_stamp)
+            if k < len(running) and running[k] is seq:
+                positions.append(k)
+        positions.sort(reverse=True)
+        return positions
+
+    def _drop_stopped_running(self) -> None:
+        positions = self._stopped_positions()
+        if positions is None:
+            self.running = [s for s in self.running if s.status is RUNNING]
         else:
-            self.running = [s for s in running if s.status is RUNNING]
-        gone.clear()
-        self.running_dirty = False
+            running = self.running
+            for k in positions:
+                del running[k]
+        self._stopped_running.clear()
 
     def join_running(self, seq: Sequence) -> None:
         """Append to ``running``, which stays sorted by join order (stamps)."""
@@ -214,15 +228,15 @@ class Scheduler:
         seq.running_stamp = self._running_stamp
         self.running.append(seq)
 
-    def set_next_event(self, seq: Sequence) -> None:
+    def set_next_check_len(self, seq: Sequence) -> None:
         cap = len(seq.block_table) * self.block_size + 1
-        seq.next_event = cap if cap < seq.max_len else seq.max_len
+        seq.next_check_len = cap if cap < seq.max_len else seq.max_len
 
     def admit(self, seq: Sequence, hits: list[int], num_tokens: int, now: float) -> None:
         """Waiting -> computed: blocks for ``num_tokens`` (with ``hits`` reused)."""
         self.block_manager.admit(seq, hits, num_tokens)
         seq.status = RUNNING
-        self.set_next_event(seq)
+        self.set_next_check_len(seq)
         cached = seq.num_computed_tokens
         if self.block_manager.enable_prefix_caching:
             self.prefix_cache_queries += len(seq.token_ids)
@@ -266,7 +280,7 @@ class Scheduler:
         """Swapped -> running: blocks back from the CPU pool; the caller checked free blocks."""
         self.step_swap_in.extend(self.block_manager.swap_in(seq, self._resume_tokens(seq)))
         seq.status = RUNNING
-        self.set_next_event(seq)
+        self.set_next_check_len(seq)
 
     def blocks_to_swap_in(self, seq: Sequence) -> int:
         return self.block_manager.num_blocks_to_swap_in(seq, self._resume_tokens(seq))
@@ -291,10 +305,10 @@ class Scheduler:
         if len(sampled_token_ids) != len(seqs):
             raise ValueError(f"sampled_token_ids has {len(sampled_token_ids)} entries for "
                              f"{len(seqs)} scheduled sequences")
-        num_decodes = 0 if self._changed_in_flight else scheduler_output.num_decodes
+        num_decodes = 0 if self._detached_since_schedule else scheduler_output.num_decodes
         if num_decodes:
-            needs = self.needs
-            on_event = self._on_event
+            needing_block = self.seqs_needing_block
+            check_decode = self._check_decode
             if num_decodes == len(seqs):
                 pairs = zip(seqs, sampled_token_ids, strict=True)
             else:
@@ -304,23 +318,24 @@ class Scheduler:
                 tok = toks[0]
                 tids.append(tok)
                 seq.num_computed_tokens += 1
-                if len(tids) >= seq.next_event or tok in seq.stop_ids:
-                    on_event(seq, tok, needs)
+                if len(tids) >= seq.next_check_len or tok in seq.stop_ids:
+                    check_decode(seq, tok, needing_block)
         if num_decodes < len(seqs):
             self._update_generic(scheduler_output, sampled_token_ids, num_decodes)
         finished = self._finished
         self._finished = []
         return finished
 
-    def _on_event(self, seq: Sequence, tok: int, needs: list[Sequence]) -> None:
+    def _check_decode(self, seq: Sequence, tok: int, needing_block: list[Sequence]) -> None:
+        """The fast path's slow case: ``tok`` may stop ``seq``, or its next slot needs a block."""
         if not self._check_stop(seq, tok) and len(seq.token_ids) > len(seq.block_table) * self.block_size:
-            needs.append(seq)  # next_event <= len(token_ids) already
+            needing_block.append(seq)  # next_check_len <= len(token_ids) already
 
     def mark_needs_block(self, seq: Sequence) -> None:
         """``seq``'s next slot needs a block (boundary or copy-on-write): queue it for the next
-        schedule(), and make ``len(token_ids) >= next_event`` flag it until then."""
-        seq.next_event = 0
-        self.needs.append(seq)
+        schedule(), and make ``len(token_ids) >= next_check_len`` flag it until then."""
+        seq.next_check_len = 0
+        self.seqs_needing_block.append(seq)
 
     def _check_stop(self, seq: Sequence, tok: int) -> bool:
         """Finish ``seq`` if ``tok`` (just appended) ends it; True when it did."""
@@ -362,7 +377,7 @@ class Scheduler:
                 s.token_ids.append(tok)
                 if self._check_stop(s, tok):
                     continue
-                self.set_next_event(s)
+                self.set_next_check_len(s)
                 if joins or s is not seq:
                     self.join_running(s)
                 if bm.slot_needs_block(s):
@@ -396,8 +411,7 @@ class Scheduler:
         seq.status = status
         seq.stop_reason = stop_reason
         self.block_manager.free(seq)
-        self.running_dirty = True
-        self._left_running.append(seq)
+        self._stopped_running.append(seq)
         group = seq.group
         if group.is_finished:
             group.metrics.finished_time = self.clock()
@@ -412,14 +426,13 @@ class Scheduler:
             if seq in self.prefilling:
                 self.prefilling.remove(seq)
             else:
-                self.running_dirty = True
-                self._left_running.append(seq)
+                self._stopped_running.append(seq)
         elif old is WAITING:
             self.waiting.remove(seq)
         elif old is SWAPPED:
             self.swapped.remove(seq)
         self.block_manager.free(seq)
-        self._changed_in_flight = True
+        self._detached_since_schedule = True
 
     def finish_sequence(self, seq: Sequence, status: SequenceStatus,
                         stop_reason: int | str | None = None) -> SequenceGroup | None:
@@ -456,13 +469,19 @@ class Scheduler:
 
     @property
     def stats(self) -> SchedulerStats:
-        if self.running_dirty:
-            self._drop_finished_running()
+        """A snapshot; reading it changes nothing."""
+        num_running = len(self.running)
+        if self._stopped_running:
+            positions = self._stopped_positions()
+            if positions is None:
+                num_running = sum(s.status is RUNNING for s in self.running)
+            else:
+                num_running -= len(positions)
         gpu = self.block_manager.gpu
         total = gpu.num_blocks
         free = gpu.num_free
         return SchedulerStats(
-            num_running=len(self.running) + len(self.prefilling),
+            num_running=num_running + len(self.prefilling),
             num_waiting=len(self.waiting),
             num_swapped=len(self.swapped),
             num_free_blocks=free,

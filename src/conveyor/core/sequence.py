@@ -69,7 +69,7 @@ class Sequence:
         "max_len",
         "min_len",
         "stop_ids",
-        "next_event",
+        "next_check_len",
         "block_hashes",
         "num_registered_blocks",
         "cpu_block_table",
@@ -93,7 +93,7 @@ class Sequence:
         self.stop_ids: frozenset[int] = frozenset()  # EOS (unless ignore_eos) + stop_token_ids
         # len(token_ids) at which update() must look closer: max_len, or the next decode
         # needing a new KV block (capacity of block_table + 1).
-        self.next_event = 0
+        self.next_check_len = 0
         self.block_hashes: list[int] = []  # chained prefix hash of each full block of token_ids
         self.num_registered_blocks = 0  # leading blocks of block_table known to the prefix cache
         self.cpu_block_table: list[int] = []  # while SWAPPED

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import torch
 
 from conveyor.distributed.group import LONG_WAIT_S, broadcast
-from conveyor.executor.kv_cache import KVCache
+from conveyor.model.kv_cache import KVCache
 from conveyor.model.layers.attention import build_attention_metadata
 
 STEP, INIT_CACHE, SHUTDOWN = 0, 1, 2

@@ -53,7 +53,6 @@ def run_worker(spec: WorkerSpec) -> int:
         init_group,
     )
     from conveyor.distributed.step import INIT_CACHE, SHUTDOWN, receive_message, run_step
-    from conveyor.executor.kv_cache import KVCache
     from conveyor.model.device import (
         TRIM_AFTER_TOKENS,
         configure_cpu_allocator,
@@ -61,6 +60,7 @@ def run_worker(spec: WorkerSpec) -> int:
         resolve_dtype,
         return_freed_memory,
     )
+    from conveyor.model.kv_cache import KVCache
     from conveyor.model.layers.parallel import TensorParallel
     from conveyor.model.loader import load_model
 

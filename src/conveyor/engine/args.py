@@ -63,8 +63,8 @@ _HELP = {
                       "model halves the cache's bytes (outputs then differ slightly)",
     "int8_activations": "where the CPU has AVX512-VNNI, a bf16 model's GGUF 4/8-bit matmuls "
                         "beyond a few rows round activations to 8 bits per block of 32 and "
-                        "multiply as integers, as llama.cpp does: about 1.1x faster, less "
-                        "accurate (docs/performance.md, change 32)",
+                        "multiply as integers, as llama.cpp does: faster, less accurate "
+                        "(docs/performance.md)",
     "device": "auto, cpu or cuda",
     "max_num_seqs": "most sequences in one batch",
     "max_num_batched_tokens": "most tokens computed in one step",

@@ -75,7 +75,7 @@ class AsyncEngine:
         self._inbox: list[_NewRequest] = []
         self._aborts: list[str] = []
         self._stopping = False
-        self._dead: BaseException | None = None
+        self._error: BaseException | None = None
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         # Event-loop side only: request id -> queue of deltas / exceptions.
@@ -102,7 +102,7 @@ class AsyncEngine:
     @property
     def error(self) -> BaseException | None:
         """Why the engine thread died (None while it lives)."""
-        return self._dead
+        return self._error
 
     def num_queued_requests(self) -> int:
         """Requests accepted but not yet scheduled (in the inbox or the engine's waiting queue)."""
@@ -144,8 +144,8 @@ class AsyncEngine:
             sampling_params = sampling_params.with_output_kind(RequestOutputKind.CUMULATIVE)
         queue: asyncio.Queue[Any] = asyncio.Queue()
         with self._lock:
-            if self._stopping or self._dead is not None:
-                raise EngineStoppedError("the engine is shutting down") from self._dead
+            if self._stopping or self._error is not None:
+                raise EngineStoppedError("the engine is shutting down") from self._error
             self._streams[request_id] = queue
             self._inbox.append(_NewRequest(request_id, prompt, sampling_params, priority,
                                            time.monotonic()))
@@ -205,7 +205,7 @@ class AsyncEngine:
         except BaseException as e:  # noqa: BLE001 - the thread must report, not vanish
             logger.exception("engine thread died")
             with self._lock:
-                self._dead = e
+                self._error = e
             self._fail_all(e)
             if self._on_dead is not None:
                 self._on_dead(e)

@@ -16,8 +16,8 @@ from conveyor.executor.cuda_graphs import (
     padded_batch_size,
     prepare_decode_inputs,
 )
-from conveyor.executor.kv_cache import KVCache
 from conveyor.model.config import ModelConfig
+from conveyor.model.kv_cache import KVCache
 from conveyor.model.layers.attention import AttentionMetadata
 from conveyor.model.layers.triton_attention import (
     TritonBatch,

@@ -17,7 +17,6 @@ import torch
 from conveyor.core.scheduler_output import ExecutorOutput, SchedulerOutput
 from conveyor.distributed.group import ParallelConfig
 from conveyor.distributed.step import INIT_CACHE, StepMessage, run_step
-from conveyor.executor.kv_cache import KVCache
 from conveyor.model.config import ModelConfig
 from conveyor.model.device import (
     TRIM_AFTER_TOKENS,
@@ -29,6 +28,7 @@ from conveyor.model.device import (
     return_freed_memory,
     use_triton_attention,
 )
+from conveyor.model.kv_cache import KVCache
 from conveyor.model.layers.parallel import TensorParallel, check_tensor_parallel
 from conveyor.model.loader import load_model, read_model_config
 from conveyor.model.sampler import Sampler, SampleRow

@@ -17,9 +17,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from conveyor.core.sampling_params import SamplingParams
-from conveyor.executor.simulated import SimulatedExecutor
 from conveyor.sim.clock import VirtualClock
 from conveyor.sim.cost_model import CostModel
+from conveyor.sim.executor import SimulatedExecutor
 from conveyor.sim.metrics import RunResult
 from conveyor.sim.specs import HardwareSpec, ModelSpec
 from conveyor.sim.workload import Workload
@@ -170,7 +170,7 @@ def simulate(config: SimConfig, workload: Workload, rate: float = math.nan) -> R
         if done:
             record(done)
         if out.seqs:
-            if executor.num_steps % KV_SAMPLE_EVERY == 0:  # a stats snapshot costs a few us
+            if executor.num_steps % KV_SAMPLE_EVERY == 0:  # a stats snapshot is not free
                 usage = scheduler.stats.kv_usage
                 kv_time += usage * (executor.busy_s - kv_sampled_s)
                 kv_sampled_s = executor.busy_s

@@ -1,13 +1,13 @@
-"""The FastAPI application: server state (engine loading in the background, draining on
-shutdown), routes, and the handlers that put every error in OpenAI's JSON shape."""
+"""The FastAPI application over a ServerState (``state``): its lifespan (load the engine in the
+background, drain on shutdown), middleware, routes, and the handlers that put every error in
+OpenAI's JSON shape."""
 
 from __future__ import annotations
 
 import asyncio
 import inspect
 import logging
-import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -17,129 +17,16 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from conveyor.engine.args import EngineArgs
-from conveyor.engine.async_engine import AsyncEngine, EngineStoppedError
 from conveyor.entrypoints.openai.access_log import AccessLogMiddleware, AccessLogSettings
 from conveyor.entrypoints.openai.chat import create_chat_completion
 from conveyor.entrypoints.openai.completions import create_completion
 from conveyor.entrypoints.openai.errors import APIError
 from conveyor.entrypoints.openai.limits import BodySizeLimitMiddleware, ServerLimits
-from conveyor.entrypoints.openai.metrics import ServerMetrics
 from conveyor.entrypoints.openai.playground import register_playground
 from conveyor.entrypoints.openai.security import ServerSecurity, add_security
+from conveyor.entrypoints.openai.state import ServerState
 
 logger = logging.getLogger("conveyor.serve")
-
-
-class ServerState:
-    """Everything the handlers share. ``engine`` is None until the model has loaded."""
-
-    def __init__(self, engine_args: EngineArgs, served_model_name: str | None = None,
-                 max_queued_requests: int | None = None,
-                 engine_factory: Callable[[EngineArgs], Any] | None = None) -> None:
-        self.engine_args = engine_args
-        self.engine_factory = engine_factory  # None: LLMEngine
-        self.served_model_name = served_model_name
-        self.max_queued_requests = max_queued_requests
-        self.engine: AsyncEngine | None = None
-        self.metrics: ServerMetrics | None = None
-        self.load_error: BaseException | None = None
-        self.draining = False
-        self.created = int(time.time())
-        self.on_fatal: Callable[[], None] = lambda: None
-
-    # ------------------------------------------------------------ lifecycle
-    async def load(self) -> None:
-        try:
-            engine = await asyncio.to_thread(self._build_engine)
-        except Exception as e:
-            if isinstance(e, ValueError):  # a bad flag or model path: the message says it all
-                logger.error("cannot start the engine: %s", e)
-            else:
-                logger.exception("failed to load the engine")
-            self.load_error = e
-            self.on_fatal()
-            return
-        metrics = ServerMetrics(self._model_name(engine))
-        async_engine = AsyncEngine(engine, observers=[metrics.observe],
-                                   on_dead=lambda _e: self.on_fatal())
-        metrics.attach(async_engine)
-        async_engine.start(asyncio.get_running_loop())
-        self.metrics, self.engine = metrics, async_engine
-        logger.info("model %s loaded; max_model_len=%d; serving", self.model_names[0],
-                    engine.max_model_len)
-
-    def _build_engine(self) -> Any:
-        if self.engine_factory is not None:
-            return self.engine_factory(self.engine_args)
-        from conveyor.engine.llm_engine import LLMEngine
-
-        return LLMEngine(self.engine_args)
-
-    async def close(self) -> None:
-        self.draining = True
-        if self.engine is not None:
-            await asyncio.to_thread(self.engine.stop)
-
-    def _model_name(self, engine: Any) -> str:
-        if self.served_model_name:
-            return self.served_model_name
-        return self.engine_args.model or engine.model_config.name
-
-    # ------------------------------------------------------------ helpers for handlers
-    def ready_engine(self) -> AsyncEngine:
-        if self.draining:
-            raise APIError(503, "The server is shutting down.", code="shutting_down")
-        if self.load_error is not None:
-            raise APIError(503, f"The model failed to load: {self.load_error}", code="load_failed")
-        if self.engine is None:
-            raise APIError(503, "The server is starting: the model is still loading.",
-                           code="starting")
-        if self.engine.error is not None:
-            raise APIError(503, f"The engine stopped: {self.engine.error}", code="engine_dead")
-        return self.engine
-
-    @property
-    def model_names(self) -> list[str]:
-        assert self.engine is not None
-        return [self._model_name(self.engine.engine)]
-
-    @property
-    def tokenizer(self) -> Any:
-        assert self.engine is not None
-        return self.engine.tokenizer
-
-    @property
-    def vocab_size(self) -> int:
-        assert self.engine is not None
-        return self.engine.model_config.vocab_size
-
-    def encode(self, text: str) -> list[int]:
-        return self.tokenizer.encode(text)  # as LLMEngine.add_request tokenizes a text prompt
-
-    def encode_chat(self, messages: list[dict[str, Any]],
-                    add_generation_prompt: bool) -> dict[str, Any]:
-        """``{"prompt", "prompt_token_ids"}`` through the model's chat template."""
-        from conveyor.engine.chat import chat_prompt
-
-        return chat_prompt(self.tokenizer, messages, add_generation_prompt)
-
-    async def health(self) -> dict[str, Any]:
-        """The /health body; raises APIError (503) when not ready."""
-        self.ready_engine()
-        return {"status": "ok"}
-
-    @staticmethod
-    def api_error(e: BaseException) -> APIError:
-        """An exception raised while generating -> the error the client sees."""
-        if isinstance(e, APIError):
-            return e
-        if isinstance(e, EngineStoppedError):
-            return APIError(503, str(e), code="shutting_down")
-        if isinstance(e, ValueError):
-            return APIError(400, str(e))
-        logger.error("request failed: %r", e)
-        return APIError(500, f"internal error: {e}")
 
 
 def build_app(state: ServerState, security: ServerSecurity | None = None,

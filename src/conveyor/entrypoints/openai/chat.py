@@ -38,7 +38,7 @@ from conveyor.entrypoints.openai.serving import (
 if TYPE_CHECKING:
     from conveyor.engine.async_engine import AsyncEngine
     from conveyor.engine.outputs import Logprob
-    from conveyor.entrypoints.openai.app import ServerState
+    from conveyor.entrypoints.openai.state import ServerState
 
 
 def _logprobs(tok: TokenText, token_ids: list[int], entries: list[dict[int, Logprob]],

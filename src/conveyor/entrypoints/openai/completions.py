@@ -39,7 +39,7 @@ from conveyor.entrypoints.openai.serving import (
 if TYPE_CHECKING:
     from conveyor.engine.async_engine import AsyncEngine
     from conveyor.engine.outputs import Logprob
-    from conveyor.entrypoints.openai.app import ServerState
+    from conveyor.entrypoints.openai.state import ServerState
 
 
 def _prompts(state: ServerState, prompt: Any) -> list[tuple[list[int], str | None]]:

@@ -16,9 +16,10 @@ import uvicorn
 
 from conveyor.engine.args import EngineArgs
 from conveyor.entrypoints.openai.access_log import AccessLogSettings
-from conveyor.entrypoints.openai.app import ServerState, build_app
+from conveyor.entrypoints.openai.app import build_app
 from conveyor.entrypoints.openai.limits import ServerLimits
 from conveyor.entrypoints.openai.security import ServerSecurity
+from conveyor.entrypoints.openai.state import ServerState
 
 logger = logging.getLogger("conveyor.serve")
 

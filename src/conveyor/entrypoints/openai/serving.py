@@ -25,7 +25,7 @@ from conveyor.entrypoints.openai.limits import ServerLimits, check_sizes, json_d
 if TYPE_CHECKING:
     from conveyor.engine.async_engine import AsyncEngine
     from conveyor.engine.outputs import Logprob, RequestOutput
-    from conveyor.entrypoints.openai.app import ServerState
+    from conveyor.entrypoints.openai.state import ServerState
 
 
 @dataclass

@@ -22,8 +22,8 @@ from prometheus_client.samples import Sample
 
 from conveyor.core.sampling_params import SamplingParams
 from conveyor.engine.args import EngineArgs
-from conveyor.entrypoints.openai.app import ServerState
 from conveyor.entrypoints.openai.errors import APIError
+from conveyor.entrypoints.openai.state import ServerState
 from conveyor.entrypoints.ray_serve.stats import RouterStats
 
 logger = logging.getLogger("conveyor.serve")

@@ -22,7 +22,7 @@ class KVCache:
         self.cache = torch.zeros(shape, dtype=dtype, device=device)
         cpu_shape = (num_layers, 2, num_cpu_blocks, block_size, num_kv_heads, head_dim)
         # Only blocks written by swap_out are ever read, so the pool needs no zeroing: left
-        # untouched, its pages cost no resident memory until swapping uses them (W1: 512 MB).
+        # untouched, its pages cost no resident memory until swapping uses them.
         self.cpu_pool = torch.empty(cpu_shape, dtype=dtype, device="cpu",
                                     pin_memory=self.device.type == "cuda")
         self.layers = [(self.cache[i, 0], self.cache[i, 1]) for i in range(num_layers)]

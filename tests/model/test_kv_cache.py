@@ -5,7 +5,7 @@ import sys
 import pytest
 import torch
 
-from conveyor.executor.kv_cache import KVCache
+from conveyor.model.kv_cache import KVCache
 
 
 def resident_mb() -> float:
