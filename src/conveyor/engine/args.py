@@ -36,6 +36,7 @@ class EngineArgs:
     long_prefill_token_threshold: int = 0  # 0: no per-request chunk cap (chunked policy)
     max_num_partial_prefills: int = 1
     seed: int = 0
+    deterministic: bool = True  # same bits whatever the batching (docs/determinism.md)
 
     def replace(self, **changes: object) -> EngineArgs:
         return dataclasses.replace(self, **changes)
@@ -65,6 +66,10 @@ _HELP = {
     "long_prefill_token_threshold": "cap on one request's prefill chunk per step (chunked; 0 = none)",
     "max_num_partial_prefills": "most requests partially prefilled at once (chunked)",
     "seed": "global random seed",
+    "deterministic": "a request's tokens and logprobs are bit-identical however it is batched, "
+                     "chunked, cached or preempted, and with any thread count; "
+                     "--no-deterministic takes the faster small-batch kernels "
+                     "(docs/determinism.md)",
 }
 
 _CHOICES = {

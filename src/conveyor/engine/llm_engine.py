@@ -35,7 +35,8 @@ class LLMEngine:
 
             executor = ModelExecutor(args.model, dtype=args.dtype, device=args.device,
                                      seed=args.seed, kv_cache_dtype=args.kv_cache_dtype,
-                                     int8_activations=args.int8_activations)
+                                     int8_activations=args.int8_activations,
+                                     deterministic=args.deterministic)
         self.executor = executor
         self.tokenizer = self.executor.tokenizer
         self.model_config = self.executor.model_config

@@ -28,14 +28,16 @@ from conveyor.model.sampler import Sampler, SampleRow
 
 class ModelExecutor:
     def __init__(self, model: str | None = None, dtype: str = "auto", device: str = "auto",
-                 seed: int = 0, kv_cache_dtype: str = "auto", int8_activations: bool = False) -> None:
+                 seed: int = 0, kv_cache_dtype: str = "auto", int8_activations: bool = False,
+                 deterministic: bool = True) -> None:
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype, self.device)
         self.kv_cache_dtype = resolve_kv_cache_dtype(kv_cache_dtype, self.dtype)
         # before torch's first allocation, see its docstring
         self.trim_after_long_steps = self.device.type == "cpu" and configure_cpu_allocator()
         torch.manual_seed(seed)
-        loaded = load_model(model, self.dtype, self.device, int8_activations)
+        self.deterministic = deterministic  # see docs/determinism.md
+        loaded = load_model(model, self.dtype, self.device, int8_activations, deterministic)
         self.model = loaded.model
         self.model_config: ModelConfig = loaded.config
         self.tokenizer = loaded.tokenizer
@@ -88,7 +90,7 @@ class ModelExecutor:
 
         meta = build_attention_metadata(tables, starts, counts, cache.block_size,
                                         self.model_config.num_queries_per_kv, self.device,
-                                        self.attention_kernel, self.dtype)
+                                        self.attention_kernel, self.dtype, self.deterministic)
         sampled: list[list[int]] = [[] for _ in range(n)]
         logprobs: list[list[dict[int, float]]] = [[] for _ in range(n)]
         logits = self.model(torch.tensor(input_ids, device=self.device), meta.positions,

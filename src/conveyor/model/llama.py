@@ -142,7 +142,8 @@ class LlamaForCausalLM(nn.Module):
         if (fused is not None and meta.decode_only and fused.serves(x.shape[0])
                 and kv_caches[0][0].dtype == x.dtype):  # a float32 model's cache may be bf16
             x = decode_layers(fused, x, residual, cos, sin, kv_caches, meta.slot_mapping,
-                              meta.kernel.block_tables, meta.kernel.context_lens)
+                              meta.kernel.block_tables, meta.kernel.context_lens,
+                              meta.kernel.deterministic)
         else:
             for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
                 x = layer(x, residual, cos, sin, k_cache, v_cache, meta)
@@ -228,12 +229,15 @@ class LlamaForCausalLM(nn.Module):
 
     def attach_blocks(self, blocks: dict[str, Int4Blocks | Int8Blocks],
                       int8_panels: bool = False,
-                      exact: dict[Linear, torch.Tensor] | None = None) -> int:
+                      exact: dict[Linear, torch.Tensor] | None = None,
+                      deterministic: bool = False) -> int:
         """Give each projection whose checkpoint weights were all blocks of one kind its quantized
         copy (a fused projection needs every part), and with ``int8_panels`` the decoder layers'
         projections also ``Int8Panels`` of them in place of their dense weights
         (``Linear.use_int8_panels``), with ``exact``'s channels for the projections it names
-        (``calibration.exact_channels``). Returns the bytes added.
+        (``calibration.exact_channels``). ``deterministic``: the copies serve no matmul
+        (``pack_blocks``), only the fused decode's layout and embedding lookups. Returns the bytes
+        added.
 
         The lm_head gets the embedding's 8-bit blocks when they are tied; once it holds its own
         packed copy (``prepack``), lookups read those blocks and the dense table is dropped."""
@@ -241,7 +245,7 @@ class LlamaForCausalLM(nn.Module):
         added = 0
 
         def attach(linear: Linear, weight: Int4Blocks | Int8Blocks, int8: bool) -> int:
-            linear.quantized = pack_blocks(weight, dtype)
+            linear.quantized = pack_blocks(weight, dtype, deterministic)
             extra = linear.use_int8_panels(weight, (exact or {}).get(linear)) if int8 else 0
             return linear.quantized.nbytes() + extra
 

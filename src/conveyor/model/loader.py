@@ -36,9 +36,11 @@ class LoadedModel:
 
 
 def load_model(model: str | None, dtype: torch.dtype, device: torch.device,
-               int8_activations: bool = False) -> LoadedModel:
+               int8_activations: bool = False, deterministic: bool = False) -> LoadedModel:
     """``int8_activations``: let a GGUF model's quantized matmuls round their activations to 8
-    bits where that is faster (``device.use_int8_panels``): off by default, for accuracy."""
+    bits where that is faster (``device.use_int8_panels``): off by default, for accuracy.
+    ``deterministic``: every matmul runs on one weight format at any number of rows (the
+    checkpoint's blocks serve none; docs/determinism.md)."""
     from conveyor.model.calibration import exact_channels
     from conveyor.model.device import (
         dtype_name,
@@ -85,7 +87,8 @@ def load_model(model: str | None, dtype: torch.dtype, device: torch.device,
         net.prepack(packing)
     int8_panels = bool(blocks) and int8_activations and use_int8_panels(device, dtype)
     exact = exact_channels(net, tokenizer) if int8_panels else None
-    config.quantized_bytes = net.attach_blocks(blocks, int8_panels, exact) if blocks else 0
+    config.quantized_bytes = (net.attach_blocks(blocks, int8_panels, exact, deterministic)
+                              if blocks else 0)
     if blocks:
         net.fuse_decode_layers()
     del blocks

@@ -106,7 +106,7 @@ void decode_layer(const LayerWeights* w, T* out, const T* x, T* residual, int64_
                   const T* cos, const T* sin, T* k_cache, T* v_cache, int64_t block_size,
                   const int64_t* slot_mapping, const int32_t* block_tables,
                   const int32_t* context_lens, int64_t max_blocks, float scale,
-                  Activations<T>& a, int num_threads) {
+                  Activations<T>& a, int num_threads, bool deterministic) {
   const int64_t hidden = w->hidden, hd = w->head_dim, inter = w->intermediate;
   const int64_t q_heads = w->num_heads, kv_heads = w->num_kv_heads;
   const int64_t qk_width = (q_heads + kv_heads) * hd;
@@ -124,7 +124,7 @@ void decode_layer(const LayerWeights* w, T* out, const T* x, T* residual, int64_
                         slot_mapping};  // rotated keys, values straight from the projection
   paged_attention<T>(attn, qk, k_cache, v_cache, new_kv, block_tables, nullptr,
                      context_lens, rows, q_heads, kv_heads, hd, block_size, max_blocks, qk_width,
-                     scale, num_threads);
+                     scale, num_threads, deterministic);
   matmul(proj, attn, w->o, rows, q_heads * hd, a.quantized, num_threads);
   rms_norm<T>(h, proj, residual, post_norm, rows, hidden, hidden, w->eps,
               num_threads);
@@ -138,8 +138,9 @@ void decode_layer(const LayerWeights* w, T* out, const T* x, T* residual, int64_
 // Every layer of a decode step, in order, in one call. Layer i's output overwrites x, which is
 // layer i + 1's input: each layer reads its input only in its first norm and writes its output
 // only at its end. k_caches[i], v_caches[i]: layer i's caches, laid out as above, in T.
-#define CONVEYOR_DECODE_LAYERS(SUFFIX, T)                                                       \
-  extern "C" void decode_layers_##SUFFIX(                                                     \
+// decode_layers_deterministic_*: attention as paged_attention_*_deterministic computes it.
+#define CONVEYOR_DECODE_LAYERS_SYMBOL(NAME, T, DETERMINISTIC)                                   \
+  extern "C" void NAME(                                                                       \
       const LayerWeights* const* layers, void* const* k_caches, void* const* v_caches,        \
       int64_t num_layers, void* x, void* residual, int64_t rows, const void* cos,             \
       const void* sin, int64_t block_size, const int64_t* slot_mapping,                       \
@@ -152,8 +153,11 @@ void decode_layer(const LayerWeights* w, T* out, const T* x, T* residual, int64_
                       static_cast<const T*>(cos), static_cast<const T*>(sin),                 \
                       static_cast<T*>(k_caches[i]), static_cast<T*>(v_caches[i]), block_size, \
                       slot_mapping, block_tables, context_lens, max_blocks, scale,            \
-                      activations, num_threads);                                              \
+                      activations, num_threads, DETERMINISTIC);                               \
   }
+#define CONVEYOR_DECODE_LAYERS(SUFFIX, T)                                \
+  CONVEYOR_DECODE_LAYERS_SYMBOL(decode_layers_##SUFFIX, T, false)        \
+  CONVEYOR_DECODE_LAYERS_SYMBOL(decode_layers_deterministic_##SUFFIX, T, true)
 
 CONVEYOR_DECODE_LAYERS(f32, float)
 CONVEYOR_DECODE_LAYERS(bf16, uint16_t)

@@ -39,8 +39,11 @@ _ARGTYPES = [_P] * 3 + [_I] + [_P] * 2 + [_I] + [_P] * 2 + [_I] + [_P] * 3 + [_I
 _SYMBOLS = {torch.float32: "decode_layers_f32", torch.bfloat16: "decode_layers_bf16"}
 
 
-def _kernel(dtype: torch.dtype = torch.float32):
-    return kernel_function("decode_layer.cpp", _SYMBOLS[dtype], _ARGTYPES)
+def _kernel(dtype: torch.dtype = torch.float32, deterministic: bool = False):
+    symbol = _SYMBOLS[dtype]
+    if deterministic:
+        symbol = symbol.replace("decode_layers_", "decode_layers_deterministic_")
+    return kernel_function("decode_layer.cpp", symbol, _ARGTYPES)
 
 
 def decode_layer_available() -> bool:
@@ -127,13 +130,14 @@ class DecodeLayers:
 def decode_layers(weights: DecodeLayers, x: torch.Tensor, residual: torch.Tensor,
                   cos: torch.Tensor, sin: torch.Tensor,
                   kv_caches: list[tuple[torch.Tensor, torch.Tensor]], slot_mapping: torch.Tensor,
-                  block_tables: torch.Tensor, context_lens: torch.Tensor) -> torch.Tensor:
+                  block_tables: torch.Tensor, context_lens: torch.Tensor,
+                  deterministic: bool = False) -> torch.Tensor:
     """Runs every layer on ``x`` [T, hidden] (one decode token per row) and returns the last
     layer's output, written over ``x``; ``residual`` is updated in place and each layer's K/V
     are written to their slots, as the Python path does. Every tensor but the index ones is in
-    the layers' dtype."""
+    the layers' dtype. ``deterministic``: attention as ``kernel_attention`` computes it so."""
     dtype = weights.dtype
-    kernel = _kernel(dtype)
+    kernel = _kernel(dtype, deterministic)
     if kernel is None:
         raise RuntimeError("the decode layer kernel is not available")
     if len(kv_caches) != len(weights.layers):

@@ -174,11 +174,14 @@ struct Task {
 // Runs of at least kMinTileRows query rows go in tiles of about kTileRows rows, last tile
 // first (the longest contexts: dynamic scheduling then balances the rest); the other tokens
 // go one by one, all KV heads per task when there are enough tokens to keep the threads busy.
+// `deterministic`: every run goes in tiles, a decode token in a tile of its own, so that every
+// query row is computed by attend_tile, whose result for a row does not depend on the other
+// rows of its tile (attention_tile.h); the one-by-one path's arithmetic differs.
 constexpr int64_t kMinTileRows = 24;
 
 std::vector<Task> plan_tasks(const int32_t* token_seqs, const int32_t* context_lens,
                              int64_t num_tokens, int64_t num_kv_heads, int64_t group,
-                             int num_threads) {
+                             int num_threads, bool deterministic) {
   const int64_t span = num_tokens >= 4 * num_threads ? num_kv_heads : 1;
   const int64_t per_tile = std::max<int64_t>(1, kTileRows / group);
   std::vector<Task> tasks;
@@ -187,7 +190,7 @@ std::vector<Task> plan_tasks(const int32_t* token_seqs, const int32_t* context_l
     while (token_seqs && end < num_tokens && token_seqs[end] == token_seqs[t] &&
            context_lens[end] == context_lens[end - 1] + 1)
       ++end;
-    if ((end - t) * group >= kMinTileRows) {
+    if (deterministic || (end - t) * group >= kMinTileRows) {
       for (int64_t s = t + (end - t - 1) / per_tile * per_tile; s >= t; s -= per_tile)
         for (int64_t h = 0; h < num_kv_heads; ++h)
           tasks.push_back({s, std::min(per_tile, end - s), h, h + 1, true});
@@ -206,11 +209,12 @@ void paged_attention(T* out, const T* q, C* k_cache, C* v_cache, NewKV<T> new_kv
                      const int32_t* block_tables, const int32_t* token_seqs,
                      const int32_t* context_lens, int64_t num_tokens, int64_t num_heads,
                      int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
-                     int64_t max_blocks, int64_t q_stride, float scale, int num_threads) {
+                     int64_t max_blocks, int64_t q_stride, float scale, int num_threads,
+                     bool deterministic) {
   const int64_t group = num_heads / num_kv_heads;
   const int64_t token_stride = num_kv_heads * head_dim;
-  const std::vector<Task> tasks =
-      plan_tasks(token_seqs, context_lens, num_tokens, num_kv_heads, group, num_threads);
+  const std::vector<Task> tasks = plan_tasks(token_seqs, context_lens, num_tokens, num_kv_heads,
+                                             group, num_threads, deterministic);
   const int64_t num_tasks = static_cast<int64_t>(tasks.size());
   auto table_of = [&](int64_t t) {  // token t's sequence's block table
     return block_tables + (token_seqs ? token_seqs[t] : t) * max_blocks;
@@ -300,7 +304,8 @@ void paged_attention(T* out, const T* q, C* k_cache, C* v_cache, NewKV<T> new_kv
 }  // namespace
 
 // T: the queries' and output's type; C: the cache's (a float32 model may keep bf16 KV).
-#define CONVEYOR_PAGED_ATTENTION(NAME, T, C)                                                 \
+// NAME_deterministic: every query row through the tiles (see plan_tasks).
+#define CONVEYOR_PAGED_ATTENTION_SYMBOL(NAME, T, C, DETERMINISTIC)                           \
   extern "C" void NAME(void* out, const void* q, void* k_cache, void* v_cache,              \
                        const void* new_k, int64_t k_stride, const void* new_v,             \
                        int64_t v_stride, const int64_t* slot_mapping,                       \
@@ -315,8 +320,11 @@ void paged_attention(T* out, const T* q, C* k_cache, C* v_cache, NewKV<T> new_kv
                           static_cast<C*>(k_cache), static_cast<C*>(v_cache), new_kv,       \
                           block_tables, token_seqs, context_lens, num_tokens, num_heads,    \
                           num_kv_heads, head_dim, block_size, max_blocks, q_stride, scale,  \
-                          num_threads);                                                     \
+                          num_threads, DETERMINISTIC);                                      \
   }
+#define CONVEYOR_PAGED_ATTENTION(NAME, T, C)                   \
+  CONVEYOR_PAGED_ATTENTION_SYMBOL(NAME, T, C, false)           \
+  CONVEYOR_PAGED_ATTENTION_SYMBOL(NAME##_deterministic, T, C, true)
 
 CONVEYOR_PAGED_ATTENTION(paged_attention_f32, float, float)
 CONVEYOR_PAGED_ATTENTION(paged_attention_bf16, uint16_t, uint16_t)

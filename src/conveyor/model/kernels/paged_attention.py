@@ -23,9 +23,13 @@ _P, _I = ctypes.c_void_p, ctypes.c_int64
 _ARGTYPES = [_P] * 4 + [_P, _I, _P, _I, _P] + [_P] * 3 + [_I] * 7 + [ctypes.c_float, ctypes.c_int]
 
 
-def _kernel(dtype: torch.dtype, cache_dtype: torch.dtype):
+def _kernel(dtype: torch.dtype, cache_dtype: torch.dtype, deterministic: bool = False):
     symbol = _SYMBOLS.get((dtype, cache_dtype))
-    return None if symbol is None else kernel_function("paged_attention.cpp", symbol, _ARGTYPES)
+    if symbol is None:
+        return None
+    if deterministic:
+        symbol += "_deterministic"
+    return kernel_function("paged_attention.cpp", symbol, _ARGTYPES)
 
 
 def attention_kernel_available(device: torch.device, dtype: torch.dtype,
@@ -44,16 +48,22 @@ def kernel_attention(
     token_seqs: torch.Tensor | None = None,  # [T] int32 row of block_tables; None: token t -> t
     out: torch.Tensor | None = None,
     new_kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    deterministic: bool = False,
 ) -> torch.Tensor:
     """Returns [T, num_heads * head_dim], written into ``out`` when it is a contiguous tensor
     of that shape and q's dtype.
 
     ``new_kv = (k, v, slot_mapping)``: this step's keys and values ([T, kv_heads, head_dim] in q's
     dtype, heads packed, rows may be strided) are first written to the cache rows
-    ``slot_mapping`` ([T] int64), rounded to the cache's dtype, in the same call."""
+    ``slot_mapping`` ([T] int64), rounded to the cache's dtype, in the same call.
+
+    ``deterministic``: every query row takes the prefill tiles' arithmetic, so that a token's
+    output does not depend on whether it is a decode or part of a chunk, nor on the chunk's
+    boundaries (docs/determinism.md); otherwise decodes and short chunks take the faster
+    one-token path."""
     if k_cache.dtype != v_cache.dtype:
         raise ValueError(f"k_cache is {k_cache.dtype} but v_cache is {v_cache.dtype}")
-    kernel = _kernel(q.dtype, k_cache.dtype)
+    kernel = _kernel(q.dtype, k_cache.dtype, deterministic)
     if kernel is None:
         raise RuntimeError(f"the paged attention kernel is not available for {q.dtype} "
                            f"queries over a {k_cache.dtype} cache")

@@ -92,13 +92,18 @@ def _check_input_size(k: int) -> None:
 BF16_MAX_TOKENS = 4
 
 
-def pack_blocks(blocks: Int4Blocks | Int8Blocks, dtype: torch.dtype) -> NibbleInt4 | Int8Blocks:
-    """The blocks laid out for ``block_matmul`` with activations of ``dtype``."""
+def pack_blocks(blocks: Int4Blocks | Int8Blocks, dtype: torch.dtype,
+                deterministic: bool = False) -> NibbleInt4 | Int8Blocks:
+    """The blocks laid out for ``block_matmul`` with activations of ``dtype``. ``deterministic``:
+    they serve no rows (``max_tokens`` 0), so that the dense weight serves every batch size with
+    one arithmetic: the blocks' weights (exact float32) and order of sums differ from it."""
     _check_input_size(blocks.codes.shape[1])
     if dtype not in (torch.float32, torch.bfloat16):
         raise ValueError(f"block weights run with float32 or bf16 activations, not {dtype}")
     packed = NibbleInt4.pack(blocks) if isinstance(blocks, Int4Blocks) else replace(blocks)
-    if dtype == torch.bfloat16:
+    if deterministic:
+        packed.max_tokens = 0
+    elif dtype == torch.bfloat16:
         packed.max_tokens = BF16_MAX_TOKENS
     return packed
 
