@@ -48,12 +48,13 @@ def test_panel_gemm_row_is_independent_of_batch_and_threads(dtype, n, k) -> None
 
 
 @pytest.mark.parametrize("dtype", _gemm_dtypes())
-def test_deterministic_blocks_serve_no_rows(dtype) -> None:
+def test_deterministic_blocks_serve_no_rows_without_block_panels(dtype) -> None:
     gen = torch.Generator().manual_seed(0)
     blocks = Int4Blocks(torch.randint(0, 16, (64, 128), generator=gen, dtype=torch.uint8),
                         torch.rand(64, 4, generator=gen), torch.rand(64, 4, generator=gen))
-    assert pack_blocks(blocks, dtype, deterministic=True).max_tokens == 0
-    assert pack_blocks(blocks, dtype).max_tokens > 0
+    odd = Int4Blocks(blocks.codes[:40], blocks.scale[:40], blocks.min[:40])  # not whole panels
+    assert pack_blocks(odd, dtype, deterministic=True).max_tokens == 0
+    assert pack_blocks(odd, dtype).max_tokens > 0
 
 
 def _attention_dtypes():
@@ -122,3 +123,37 @@ def test_attention_fast_path_differs(dtype, cache_dtype) -> None:
     tiled = kernel_attention(q, k_cache, v_cache, table, lens, 0.125, deterministic=True)
     assert not torch.equal(fast, tiled)
     torch.testing.assert_close(fast.float(), tiled.float(), rtol=2e-2, atol=2e-2)
+
+
+def _file_blocks(bits: int, n: int, k: int, gen: torch.Generator):
+    """Random blocks as a GGUF file holds them: fp16 scales and minima, widened to float32."""
+    from conveyor.model.layers.quantized import Int8Blocks
+
+    scale = (torch.rand(n, k // 32, generator=gen) * 0.02 + 1e-4).half().float()
+    if bits == 8:
+        return Int8Blocks(torch.randint(-128, 128, (n, k), generator=gen, dtype=torch.int8), scale)
+    low = (-torch.rand(n, k // 32, generator=gen) * 0.2).half().float()
+    return Int4Blocks(torch.randint(0, 16, (n, k), generator=gen, dtype=torch.uint8), scale, low)
+
+
+@pytest.mark.parametrize("dtype", _gemm_dtypes())
+@pytest.mark.parametrize("bits", [4, 8])
+def test_block_panels_equal_the_dense_panels(dtype, bits) -> None:
+    """Small batches on the file's blocks give the dense panels' bits, row for row."""
+    from conveyor.model.layers.quantized import BlockPanels
+
+    if not BlockPanels.fits(_file_blocks(bits, 32, 32, torch.Generator()), dtype):
+        pytest.skip("no block panel kernel for this dtype here")
+    gen = torch.Generator().manual_seed(bits)
+    n, k = 96, 576
+    blocks = _file_blocks(bits, n, k, gen)
+    packed = pack_blocks(blocks, dtype, deterministic=True)
+    assert isinstance(packed, BlockPanels) and packed.max_tokens > 0
+    panels = pack_panels(blocks.dequantize().to(dtype))
+    x = torch.randn(40, k, generator=gen).to(dtype)
+    with threads(2):
+        full = panel_gemm(x, panels, n)
+    for rows in (1, 2, 3, 4, 5, 7, 12, 40):
+        for t in (1, 2):
+            with threads(t):
+                assert torch.equal(packed.matmul(x[:rows]), full[:rows]), (rows, t)

@@ -23,10 +23,21 @@ from conveyor.model.layers.activation import silu_and_mul
 from conveyor.model.layers.attention import AttentionMetadata, paged_attention
 from conveyor.model.layers.linear import Linear
 from conveyor.model.layers.norm import RMSNorm
-from conveyor.model.layers.quantized import Int4Blocks, Int8Blocks, NibbleInt4, pack_blocks
+from conveyor.model.layers.quantized import (
+    BlockPanels,
+    Int4Blocks,
+    Int8Blocks,
+    NibbleInt4,
+    pack_blocks,
+)
 from conveyor.model.layers.rotary import RotaryEmbedding, apply_rotary, rope_inv_freq
 
 MLP_CHUNK_TOKENS = 1024
+
+
+def _four_bit(q: object) -> bool:
+    """4-bit blocks in a layout ``decode_layers`` reads."""
+    return isinstance(q, NibbleInt4) or (isinstance(q, BlockPanels) and q.min is not None)
 
 
 def _param(*shape: int) -> nn.Parameter:
@@ -66,7 +77,7 @@ class DecoderLayer(nn.Module):
                        "down": self.down_proj}
         if (self.q_norm is not None
                 or self.input_norm.weight.dtype not in (torch.float32, torch.bfloat16)
-                or any(p.bias is not None or not isinstance(p.quantized, NibbleInt4)
+                or any(p.bias is not None or not _four_bit(p.quantized)
                        for p in projections.values())
                 or self.input_norm.weight.shape[0] % 16 or self.head_dim % 32
                 or self.gate_up_proj.quantized.codes.shape[0] % 32  # 2 x intermediate

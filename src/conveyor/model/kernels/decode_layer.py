@@ -14,7 +14,7 @@ import torch
 
 from conveyor.model.kernels.build import kernel_function
 from conveyor.model.kernels.int8_gemm import int8_gemm_available
-from conveyor.model.layers.quantized import Int8Panels
+from conveyor.model.layers.quantized import BlockPanels, Int8Panels
 
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 
@@ -26,7 +26,8 @@ class _Int8Weight(ctypes.Structure):
 
 class _Weight(ctypes.Structure):
     _fields_ = [("codes", _P), ("scale", _P), ("minimum", _P), ("panels", _P),
-                ("int8", _Int8Weight), ("n_out", _I), ("max_block_rows", _I)]
+                ("int8", _Int8Weight), ("n_out", _I), ("max_block_rows", _I),
+                ("block_panels", _I)]
 
 
 class _LayerWeights(ctypes.Structure):
@@ -52,7 +53,8 @@ def decode_layer_available() -> bool:
 
 class DecodeLayerWeights:
     """A layer's norms (float32 or bf16: the activations' dtype) and projections, as pointers for
-    ``decode_layers``: each one's 4-bit blocks (NibbleInt4: ``codes``, ``scale``, ``min``), which
+    ``decode_layers``: each one's 4-bit blocks (NibbleInt4 or BlockPanels: ``codes``, ``scale``,
+    ``min``), which
     serve up to their ``max_tokens`` rows, and optionally what serves more: ``large``, per
     projection either its panels (``pack_panels`` in the activations' dtype) or its
     ``Int8Panels``. Without ``large`` the layer serves no more rows than the blocks."""
@@ -98,7 +100,7 @@ class DecodeLayerWeights:
             return _Weight(p.codes.data_ptr(), p.scale.data_ptr(), p.min.data_ptr(),
                            big.data_ptr() if isinstance(big, torch.Tensor) else None,
                            int8_weight(big if isinstance(big, Int8Panels) else None),
-                           p.codes.shape[0], p.max_tokens)
+                           p.codes.shape[0], p.max_tokens, isinstance(p, BlockPanels))
 
         self.struct = _LayerWeights(
             input_norm.data_ptr(), post_norm.data_ptr(),

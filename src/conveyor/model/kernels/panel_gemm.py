@@ -87,3 +87,36 @@ def panel_gemm(x: torch.Tensor, packed: torch.Tensor, n: int) -> torch.Tensor:
     kernel(y.data_ptr(), x.data_ptr(), packed.data_ptr(), x.shape[0], n, k,
            torch.get_num_threads())
     return y
+
+
+_BLOCK_SYMBOLS = {torch.float32: "block_panel_gemm_f32", torch.bfloat16: "block_panel_gemm_bf16"}
+_BLOCK_ARGTYPES = [_P] * 5 + [_I] * 3 + [ctypes.c_int]
+
+
+def _block_kernel(dtype: torch.dtype):
+    lib = kernel_library("panel_gemm.cpp")
+    if dtype not in _BLOCK_SYMBOLS or lib is None or not hasattr(lib, _BLOCK_SYMBOLS[dtype]):
+        return None  # AVX-512 only (bf16: AVX512-BF16)
+    return kernel_function("panel_gemm.cpp", _BLOCK_SYMBOLS[dtype], _BLOCK_ARGTYPES)
+
+
+def block_panel_gemm_available(dtype: torch.dtype) -> bool:
+    return _block_kernel(dtype) is not None
+
+
+def block_panel_gemm(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor,
+                     minimum: torch.Tensor | None) -> torch.Tensor:
+    """x [M, K] @ W^T -> [M, N] with W as ``layers/quantized.py``'s ``BlockPanels`` holds it
+    (``minimum`` None: 8-bit codes): the same bits as ``panel_gemm`` over W's panels."""
+    kernel = _block_kernel(x.dtype)
+    if kernel is None:
+        raise RuntimeError(f"the block panel GEMM kernel for {x.dtype} is not available")
+    n, k = scale.shape[0], scale.shape[1] * 32
+    if x.dim() != 2 or x.shape[1] != k:
+        raise ValueError(f"x must be [M, {k}], got {tuple(x.shape)}")
+    x = x.contiguous()
+    y = torch.empty(x.shape[0], n, dtype=x.dtype)
+    kernel(y.data_ptr(), x.data_ptr(), codes.data_ptr(), scale.data_ptr(),
+           None if minimum is None else minimum.data_ptr(), x.shape[0], n, k,
+           torch.get_num_threads())
+    return y
