@@ -111,7 +111,7 @@ def scenarios(draw):
 
 
 @pytest.mark.slow
-@settings(max_examples=24, deadline=None, derandomize=True,
+@settings(max_examples=40, deadline=None, derandomize=True,
           suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 @given(scenario=scenarios())
 def test_every_request_equals_itself_alone(executors, prompts, scenario) -> None:
