@@ -110,19 +110,24 @@ def test_attention_row_is_independent_of_chunking(dtype, cache_dtype, head_dim, 
 
 @pytest.mark.parametrize(("dtype", "cache_dtype"), _attention_dtypes())
 def test_attention_fast_path_differs(dtype, cache_dtype) -> None:
-    """What the deterministic symbol buys: the one-token path's bits differ from the tiles'
-    (were they always equal, the test above would prove nothing about the choice)."""
+    """What the deterministic symbol buys: without it a long prefill chunk goes in tiles, whose
+    bits differ from the same tokens' as decodes (were they always equal, the test above would
+    prove nothing); with it they are equal."""
     gen = torch.Generator().manual_seed(1)
     bs, length = 16, 300
     k_cache = torch.randn(24, bs, 3, 64, generator=gen).to(cache_dtype)
     v_cache = torch.randn(24, bs, 3, 64, generator=gen).to(cache_dtype)
-    table = torch.arange(19, dtype=torch.int32)[None].expand(length, -1).contiguous()
+    tables = torch.arange(19, dtype=torch.int32)[None].expand(length, -1).contiguous()
     q = torch.randn(length, 9, 64, generator=gen).to(dtype)
     lens = torch.arange(1, length + 1, dtype=torch.int32)
-    fast = kernel_attention(q, k_cache, v_cache, table, lens, 0.125)
-    tiled = kernel_attention(q, k_cache, v_cache, table, lens, 0.125, deterministic=True)
-    assert not torch.equal(fast, tiled)
-    torch.testing.assert_close(fast.float(), tiled.float(), rtol=2e-2, atol=2e-2)
+    seqs = torch.zeros(length, dtype=torch.int32)
+    decodes = kernel_attention(q, k_cache, v_cache, tables, lens, 0.125)
+    chunk = kernel_attention(q, k_cache, v_cache, tables[:1], lens, 0.125, seqs)
+    assert not torch.equal(chunk, decodes)
+    torch.testing.assert_close(chunk.float(), decodes.float(), rtol=2e-2, atol=2e-2)
+    same = kernel_attention(q, k_cache, v_cache, tables[:1], lens, 0.125, seqs,
+                            deterministic=True)
+    assert torch.equal(same, decodes)
 
 
 def _file_blocks(bits: int, n: int, k: int, gen: torch.Generator):
