@@ -57,10 +57,10 @@ def kernel_attention(
     dtype, heads packed, rows may be strided) are first written to the cache rows
     ``slot_mapping`` ([T] int64), rounded to the cache's dtype, in the same call.
 
-    ``deterministic``: every query row takes the prefill tiles' arithmetic, so that a token's
-    output does not depend on whether it is a decode or part of a chunk, nor on the chunk's
-    boundaries (docs/determinism.md); otherwise decodes and short chunks take the faster
-    one-token path."""
+    ``deterministic``: every query row takes one arithmetic (the one-token path; bf16 over an
+    odd block size, the tiles), so that a token's output does not depend on whether it is a
+    decode or part of a chunk, nor on the chunk's boundaries (docs/determinism.md); otherwise
+    chunks of 8 tokens or more go in the faster tiles."""
     if k_cache.dtype != v_cache.dtype:
         raise ValueError(f"k_cache is {k_cache.dtype} but v_cache is {v_cache.dtype}")
     kernel = _kernel(q.dtype, k_cache.dtype, deterministic)
