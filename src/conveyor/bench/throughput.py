@@ -192,14 +192,22 @@ def run_conveyor(job: dict[str, Any]) -> SystemResult:
     name, seed, n = job["workload"], job["seed"], job["num_requests"]
     _conveyor_generate(llm, warmup_workload(make_workload(name, vocab, seed + WARMUP_SEED_OFFSET, n)))
     repeats = []
+    tp = llm.llm_engine.executor.tp
+    if tp is not None:
+        tp.timer.reset()
+    steps_before, wall = llm.llm_engine.get_stats().num_steps, 0.0
     for k in range(job["repeats"]):
         workload = make_workload(name, vocab, seed + k, n)
         t0 = time.perf_counter()
         outputs = _conveyor_generate(llm, workload)
         repeats.append(_measure(workload, outputs, time.perf_counter() - t0))
+        wall += repeats[-1].wall_s
+    steps = llm.llm_engine.get_stats().num_steps - steps_before
     dtype = str(llm.llm_engine.executor.dtype).removeprefix("torch.")
     kv_dtype = str(llm.llm_engine.executor.kv_cache_dtype).removeprefix("torch.")
     label = f"{dtype}, {engine_args.policy}, max_num_seqs {engine_args.max_num_seqs}"
+    if engine_args.tensor_parallel_size > 1:
+        label += f", TP {engine_args.tensor_parallel_size}"
     if kv_dtype != dtype:
         label += f", {kv_dtype} KV cache"
     if name == "W2":
@@ -214,6 +222,12 @@ def run_conveyor(job: dict[str, Any]) -> SystemResult:
         "memory": _memory_budget(llm),
         "step_weight_bytes": _step_weight_bytes(llm),
         "stats": dataclasses.asdict(llm.llm_engine.get_stats()),
+        "tensor_parallel": {
+            "size": engine_args.tensor_parallel_size, "steps": steps,
+            "step_ms": 1e3 * wall / max(steps, 1),
+            "all_reduce_ms_per_step": 1e3 * tp.timer.all_reduce_s / max(steps, 1) if tp else 0.0,
+            "all_reduces_per_step": tp.timer.num_all_reduces / max(steps, 1) if tp else 0.0,
+        },
     }
     rss = peak_rss_mb()  # before profiling, which adds nothing but keep it clean
     if job.get("profile"):
@@ -311,7 +325,8 @@ def run_all(args: argparse.Namespace) -> dict[str, Any]:
     from conveyor.engine.args import from_cli_args
     from conveyor.model.loader import default_model_path
 
-    engine_args = from_cli_args(args)
+    tp_sizes = args.tensor_parallel_size
+    engine_args = dataclasses.replace(from_cli_args(args), tensor_parallel_size=tp_sizes[0])
     model_path = engine_args.model or default_model_path()
     for name in [c.strip() for c in (args.compare or "").split(",") if c.strip()]:
         skip_reason(name)  # unknown names fail before anything runs
@@ -322,6 +337,8 @@ def run_all(args: argparse.Namespace) -> dict[str, Any]:
                          "prefix caching off", ""))
     variants += [(engine_variant(engine_args, changes), f"with {changes}", f" (with {changes})")
                  for changes in args.also_with or []]
+    variants += [(dataclasses.replace(engine_args, tensor_parallel_size=size),
+                  f"tensor_parallel_size {size}", "") for size in tp_sizes[1:]]
 
     rates = None
     if not args.no_roofline:
@@ -430,6 +447,14 @@ def print_report(payload: dict[str, Any], workload: str) -> None:
             print(f"conveyor ({r.config}): prefix cache hits {stats['prefix_cache_hits']:,} of "
                   f"{stats['prefix_cache_queries']:,} prompt tokens queried, "
                   f"{stats.get('num_preemptions', 0)} preemptions")
+    for r in ran.values():
+        tp = r.extra.get("tensor_parallel") or {}
+        if tp.get("size", 1) > 1:
+            print(f"conveyor ({r.config}): all-reduce {tp['all_reduce_ms_per_step']:.2f} ms of "
+                  f"a {tp['step_ms']:.1f} ms step on rank 0 ({tp['all_reduces_per_step']:.0f} "
+                  f"all-reduces a step, waits for the slowest rank included)")
+        elif len(ran) > 1 and tp:
+            print(f"conveyor ({r.config}): {tp['step_ms']:.1f} ms a step, no all-reduce")
     conveyor = results[0]
     mem = conveyor.extra.get("memory")
     if mem and conveyor.peak_rss_mb:
@@ -487,7 +512,19 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--json", help="write all results here")
     p.add_argument("--plot", help="bar chart PNG of the table")
     add_cli_args(p)
+    for action in p._actions:  # a sweep here: one Conveyor row per size
+        if action.dest == "tensor_parallel_size":
+            action.type, action.default = _sizes, [1]
+            action.help = ("tensor-parallel sizes, comma-separated: one Conveyor row each, with "
+                           "the all-reduce time per step (default: 1)")
     p.set_defaults(func=main)
+
+
+def _sizes(text: str) -> list[int]:
+    sizes = _ints(text)
+    if not sizes or any(s < 1 for s in sizes):
+        raise argparse.ArgumentTypeError(f"tensor-parallel sizes must be >= 1, got {text!r}")
+    return sizes
 
 
 if __name__ == "__main__":

@@ -36,7 +36,20 @@ class EngineArgs:
     long_prefill_token_threshold: int = 0  # 0: no per-request chunk cap (chunked policy)
     max_num_partial_prefills: int = 1
     seed: int = 0
+    tensor_parallel_size: int = 1  # ranks (processes) the model is split across
+    nnodes: int = 1  # machines those ranks run on; the others start `conveyor worker`
+    master_addr: str | None = None  # rendezvous host (rank 0's); None: this machine
+    master_port: int | None = None  # rendezvous port; None: a free one (one machine)
+    threads_per_rank: int | None = None  # None: this machine's cores / its ranks
+    distributed_timeout: float = 120.0  # seconds a collective may wait on a rank
     deterministic: bool = True  # same bits whatever the batching (docs/determinism.md)
+
+    def parallel_config(self):
+        """The ``ParallelConfig`` of these args (ValueError naming a bad field)."""
+        from conveyor.distributed.group import ParallelConfig
+
+        return ParallelConfig(self.tensor_parallel_size, self.nnodes, self.master_addr,
+                              self.master_port, self.threads_per_rank, self.distributed_timeout)
 
     def replace(self, **changes: object) -> EngineArgs:
         return dataclasses.replace(self, **changes)
@@ -56,9 +69,11 @@ _HELP = {
     "max_num_batched_tokens": "most tokens computed in one step",
     "max_model_len": "context length (prompt + output)",
     "block_size": "tokens per KV-cache block",
-    "kv_cache_memory": "KV cache size: bytes, or a fraction (<=1) of available memory",
+    "kv_cache_memory": "KV cache size: bytes, or a fraction (<=1) of available memory; on the "
+                       "CPU, shared by this machine's tensor-parallel ranks",
     "num_gpu_blocks": "exact number of KV-cache blocks (overrides --kv-cache-memory)",
-    "swap_space": "GiB of CPU memory for swapped-out KV blocks",
+    "swap_space": "GiB of CPU memory for swapped-out KV blocks (shared by this machine's "
+                  "tensor-parallel ranks)",
     "policy": "scheduling policy: prefill_first or chunked",
     "queue": "queue order: fcfs or priority",
     "preemption_mode": "recompute or swap",
@@ -66,9 +81,15 @@ _HELP = {
     "long_prefill_token_threshold": "cap on one request's prefill chunk per step (chunked; 0 = none)",
     "max_num_partial_prefills": "most requests partially prefilled at once (chunked)",
     "seed": "global random seed",
+    "tensor_parallel_size": "split the model across this many processes (tensor parallelism)",
+    "nnodes": "machines the tensor-parallel ranks run on (the others run `conveyor worker`)",
+    "master_addr": "tensor-parallel rendezvous address: this machine's, reachable by the others",
+    "master_port": "tensor-parallel rendezvous port",
+    "threads_per_rank": "torch threads per tensor-parallel rank (default: cores / local ranks)",
+    "distributed_timeout": "seconds a tensor-parallel collective waits for a rank before failing",
     "deterministic": "a request's tokens and logprobs are bit-identical however it is batched, "
                      "chunked, cached or preempted, and with any thread count; "
-                     "--no-deterministic takes the faster small-batch kernels "
+                     "--no-deterministic takes the mixed kernels (prefill attention in tiles) "
                      "(docs/determinism.md)",
 }
 
@@ -93,7 +114,7 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
                                help=_HELP[f.name])
             continue
         kind = {"int": int, "float": float}.get(type(default).__name__, str)
-        if f.name in ("max_model_len", "num_gpu_blocks"):
+        if f.name in ("max_model_len", "num_gpu_blocks", "master_port", "threads_per_rank"):
             kind = int
         group.add_argument(flag, type=kind, default=default, choices=_CHOICES.get(f.name),
                            help=f"{_HELP[f.name]} (default: {default})")

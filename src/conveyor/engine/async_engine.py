@@ -59,8 +59,11 @@ class _Sent:
 
 class AsyncEngine:
     def __init__(self, engine: LLMEngine, observers: list[OutputObserver] | None = None,
-                 idle_wait_s: float = 0.5) -> None:
+                 idle_wait_s: float = 0.5,
+                 on_dead: Callable[[BaseException], None] | None = None) -> None:
+        """``on_dead``: called (from the engine thread) when the engine cannot go on."""
         self.engine = engine
+        self._on_dead = on_dead
         self._observers = list(observers or [])
         self._idle_wait_s = idle_wait_s
         self._lock = threading.Lock()
@@ -198,6 +201,8 @@ class AsyncEngine:
             with self._lock:
                 self._dead = e
             self._fail_all(e)
+            if self._on_dead is not None:
+                self._on_dead(e)
 
     def _admit(self, inbox: list[_NewRequest]) -> None:
         for req in inbox:
@@ -221,6 +226,8 @@ class AsyncEngine:
         try:
             return self.engine.step()
         except Exception as e:
+            if getattr(e, "engine_fatal", False):  # e.g. a lost tensor-parallel rank
+                raise
             # A failing step poisons every request in it; fail them all, keep serving new ones.
             logger.exception("engine step failed; aborting all running requests")
             for rid in list(self._sent):

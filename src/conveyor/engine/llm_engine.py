@@ -36,6 +36,7 @@ class LLMEngine:
             executor = ModelExecutor(args.model, dtype=args.dtype, device=args.device,
                                      seed=args.seed, kv_cache_dtype=args.kv_cache_dtype,
                                      int8_activations=args.int8_activations,
+                                     parallel=args.parallel_config(),
                                      deterministic=args.deterministic)
         self.executor = executor
         self.tokenizer = self.executor.tokenizer
@@ -68,6 +69,13 @@ class LLMEngine:
         self._num_steps = 0
         self._prompt_tokens_total = 0
         self._generation_tokens_total = 0
+
+    def shutdown(self) -> None:
+        """Stop the executor's tensor-parallel workers, if any (also done at garbage collection
+        and interpreter exit)."""
+        shutdown = getattr(self.executor, "shutdown", None)
+        if shutdown is not None:
+            shutdown()
 
     # ------------------------------------------------------------------ requests
 
@@ -187,8 +195,10 @@ def _max_model_len(args: EngineArgs, max_positions: int) -> int:
 
 
 def _num_blocks(args: EngineArgs, executor: Any) -> tuple[int, int]:
-    """(GPU-pool blocks, CPU swap-pool blocks) from the memory budgets in ``args``."""
+    """(GPU-pool blocks, CPU swap-pool blocks) from the memory budgets in ``args``
+    (``bytes_per_block``: on one rank, for its share of the KV heads)."""
     bytes_per_block = executor.kv_cache_bytes_per_block(args.block_size)
+    local_ranks = getattr(getattr(executor, "parallel", None), "local_ranks", 1)
     if args.num_gpu_blocks is not None:
         if args.num_gpu_blocks < 1:
             raise ValueError(f"num_gpu_blocks must be >= 1, got {args.num_gpu_blocks}")
@@ -199,6 +209,8 @@ def _num_blocks(args: EngineArgs, executor: Any) -> tuple[int, int]:
         budget = args.kv_cache_memory
         if budget <= 1:
             budget *= _available_memory(getattr(executor, "device", "cpu"))
+        if not str(getattr(executor, "device", "cpu")).startswith("cuda"):
+            budget /= local_ranks  # one machine's memory, shared by its ranks
         num_gpu = int(budget // bytes_per_block)
         if num_gpu < 1:
             raise ValueError(f"kv_cache_memory ({args.kv_cache_memory}) holds no KV block of "
@@ -207,7 +219,7 @@ def _num_blocks(args: EngineArgs, executor: Any) -> tuple[int, int]:
     if args.preemption_mode == "swap":
         if args.swap_space < 0:
             raise ValueError(f"swap_space must be >= 0, got {args.swap_space}")
-        num_cpu = int(args.swap_space * 2**30 // bytes_per_block)
+        num_cpu = int(args.swap_space * 2**30 / local_ranks // bytes_per_block)
     return num_gpu, num_cpu
 
 

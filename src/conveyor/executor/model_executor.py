@@ -3,6 +3,11 @@
 ``execute`` does the scheduler's block operations (swap out, swap in, copy), lays the step's
 tokens out flat (single-token entries first, then prefill chunks), runs the model once for the
 whole batch with logits only at sampling positions, and samples.
+
+With ``tensor_parallel_size`` N > 1 this process is rank 0 of N: it holds one shard of the model
+and its KV heads' cache, starts or meets the other ranks (``conveyor.distributed``), broadcasts
+each step's message to them, runs its own shard of the same forward, and samples from the
+logits gathered onto it.
 """
 
 from __future__ import annotations
@@ -10,51 +15,96 @@ from __future__ import annotations
 import torch
 
 from conveyor.core.scheduler_output import ExecutorOutput, SchedulerOutput
+from conveyor.distributed.group import ParallelConfig
+from conveyor.distributed.step import INIT_CACHE, StepMessage, run_step
 from conveyor.executor.kv_cache import KVCache
 from conveyor.model.config import ModelConfig
 from conveyor.model.device import (
     TRIM_AFTER_TOKENS,
     configure_cpu_allocator,
+    dtype_name,
     resolve_device,
     resolve_dtype,
     resolve_kv_cache_dtype,
     return_freed_memory,
     use_attention_kernel,
 )
-from conveyor.model.layers.attention import build_attention_metadata
-from conveyor.model.loader import load_model
+from conveyor.model.layers.parallel import TensorParallel, check_tensor_parallel
+from conveyor.model.loader import load_model, read_model_config
 from conveyor.model.sampler import Sampler, SampleRow
 
 
 class ModelExecutor:
     def __init__(self, model: str | None = None, dtype: str = "auto", device: str = "auto",
                  seed: int = 0, kv_cache_dtype: str = "auto", int8_activations: bool = False,
-                 deterministic: bool = True) -> None:
+                 parallel: ParallelConfig | None = None, deterministic: bool = True) -> None:
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype, self.device)
         self.kv_cache_dtype = resolve_kv_cache_dtype(kv_cache_dtype, self.dtype)
-        # before torch's first allocation, see its docstring
+        # before torch's first allocation (and before workers inherit the environment)
         self.trim_after_long_steps = self.device.type == "cpu" and configure_cpu_allocator()
-        torch.manual_seed(seed)
+        self.parallel = parallel or ParallelConfig()
         self.deterministic = deterministic  # see docs/determinism.md
-        loaded = load_model(model, self.dtype, self.device, int8_activations, deterministic)
+        self.workers = None
+        self.tp: TensorParallel | None = None
+        if self.parallel.tensor_parallel_size > 1:
+            self._start_workers(model, int8_activations)
+        torch.manual_seed(seed)
+        try:
+            loaded = load_model(model, self.dtype, self.device, int8_activations, deterministic,
+                                tp=self.tp)
+        except Exception as e:
+            if self.workers is None:
+                raise
+            self.workers.check_loaded(f"{type(e).__name__}: {e}")
+        if self.workers is not None:
+            self.workers.check_loaded(None)
         self.model = loaded.model
         self.model_config: ModelConfig = loaded.config
         self.tokenizer = loaded.tokenizer
         self.sampler = Sampler(seed, self.model_config.eos_token_ids)
-        c = self.model_config
-        self.attention_kernel = use_attention_kernel(self.device, self.dtype, c.head_dim,
+        layer = self.model.layers[0]  # this rank's shapes
+        self.num_kv_heads, self.num_queries_per_kv = layer.num_kv_heads, layer.num_heads // layer.num_kv_heads
+        self.attention_kernel = use_attention_kernel(self.device, self.dtype, layer.head_dim,
                                                      self.kv_cache_dtype)
         self.kv_cache: KVCache | None = None
 
+    def _start_workers(self, model: str | None, int8_activations: bool) -> None:
+        """Check the split before any process starts, then start or meet the other ranks."""
+        from conveyor.distributed.workers import TensorParallelWorkers, threads_per_rank
+
+        size = self.parallel.tensor_parallel_size
+        if int8_activations:
+            raise ValueError("int8_activations is not supported with tensor_parallel_size > 1")
+        check_tensor_parallel(read_model_config(model), size)
+        self._threads_before = torch.get_num_threads()
+        torch.set_num_threads(threads_per_rank(self.parallel))
+        self.workers = TensorParallelWorkers(self.parallel, {
+            "model": model, "device": self.device.type, "dtype": dtype_name(self.dtype),
+            "kv_cache_dtype": dtype_name(self.kv_cache_dtype),
+            "deterministic": self.deterministic})
+        self.tp = TensorParallel(0, size)
+
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel workers (nothing to do in a single process)."""
+        if self.workers is not None:
+            self.workers.shutdown()
+            self.workers = None
+            torch.set_num_threads(self._threads_before)
+
     def kv_cache_bytes_per_block(self, block_size: int) -> int:
+        """Bytes of one block on this rank (its KV heads)."""
         c = self.model_config
-        return KVCache.bytes_per_block(c.num_layers, c.num_kv_heads, c.head_dim, block_size,
+        return KVCache.bytes_per_block(c.num_layers, self.num_kv_heads, c.head_dim, block_size,
                                        self.kv_cache_dtype)
 
     def initialize_cache(self, block_size: int, num_gpu_blocks: int, num_cpu_blocks: int = 0) -> None:
         c = self.model_config
-        self.kv_cache = KVCache(c.num_layers, c.num_kv_heads, c.head_dim, block_size,
+        self.kv_cache = None  # the old one's memory goes first
+        if self.workers is not None:
+            self.workers.send(StepMessage(kind=INIT_CACHE,
+                                          extra=[block_size, num_gpu_blocks, num_cpu_blocks]))
+        self.kv_cache = KVCache(c.num_layers, self.num_kv_heads, c.head_dim, block_size,
                                 num_gpu_blocks, num_cpu_blocks, self.kv_cache_dtype, self.device)
 
     @torch.inference_mode()
@@ -63,10 +113,10 @@ class ModelExecutor:
         cache = self.kv_cache
         if cache is None:
             raise RuntimeError("ModelExecutor.initialize_cache() must be called before execute()")
-        cache.swap_out(so.blocks_to_swap_out)
-        cache.swap_in(so.blocks_to_swap_in)
-        cache.copy(so.blocks_to_copy)
+        msg = StepMessage(swap_out=so.blocks_to_swap_out, swap_in=so.blocks_to_swap_in,
+                          copy=so.blocks_to_copy)
         if so.is_empty:
+            self._run(msg)
             return ExecutorOutput(sampled_token_ids=[])
 
         n = len(so.seqs)
@@ -88,14 +138,11 @@ class ModelExecutor:
                 sample_entries.append(i)
                 logits_indices.append(len(input_ids) - 1)
 
-        meta = build_attention_metadata(tables, starts, counts, cache.block_size,
-                                        self.model_config.num_queries_per_kv, self.device,
-                                        self.attention_kernel, self.dtype, self.deterministic)
+        msg.input_ids, msg.starts, msg.counts, msg.block_tables = input_ids, starts, counts, tables
+        msg.logits_indices = logits_indices or [len(input_ids) - 1]
         sampled: list[list[int]] = [[] for _ in range(n)]
         logprobs: list[list[dict[int, float]]] = [[] for _ in range(n)]
-        logits = self.model(torch.tensor(input_ids, device=self.device), meta.positions,
-                            cache.layers, meta,
-                            torch.tensor(logits_indices or [len(input_ids) - 1], device=self.device))
+        logits = self._run(msg)
         if self.trim_after_long_steps and len(input_ids) > TRIM_AFTER_TOKENS:
             return_freed_memory()  # the step's activations are freed by now
         if not sample_entries:
@@ -125,3 +172,14 @@ class ModelExecutor:
             row += k
         return ExecutorOutput(sampled_token_ids=sampled,
                               logprobs=logprobs if out.logprobs is not None else None)
+
+    def _run(self, msg: StepMessage) -> torch.Tensor | None:
+        if self.workers is None:
+            return run_step(self.model, self.kv_cache, msg, self.num_queries_per_kv,
+                            self.attention_kernel, self.dtype, self.device, self.deterministic)
+        self.workers.send(msg)
+        try:
+            return run_step(self.model, self.kv_cache, msg, self.num_queries_per_kv,
+                            self.attention_kernel, self.dtype, self.device, self.deterministic)
+        except RuntimeError as e:
+            raise self.workers.failure(e) from e

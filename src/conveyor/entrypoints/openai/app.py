@@ -56,7 +56,8 @@ class ServerState:
             self.on_fatal()
             return
         metrics = ServerMetrics(self._model_name(engine))
-        async_engine = AsyncEngine(engine, observers=[metrics.observe])
+        async_engine = AsyncEngine(engine, observers=[metrics.observe],
+                                   on_dead=lambda _e: self.on_fatal())
         metrics.attach(async_engine)
         async_engine.start(asyncio.get_running_loop())
         self.metrics, self.engine = metrics, async_engine

@@ -82,11 +82,11 @@ def run_server(engine_args: EngineArgs, host: str = "127.0.0.1", port: int = 800
                             lifespan="on")
     server = _Server(config, state)
 
-    def fatal() -> None:
+    def fatal() -> None:  # called from the engine thread too: only sets a flag
         server.should_exit = True
 
     state.on_fatal = fatal
     server.run()
-    if state.load_error is not None:
+    if state.load_error is not None or (state.engine is not None and state.engine.error):
         return 1
     return 0

@@ -1,0 +1,107 @@
+"""The per-step message rank 0 sends every rank, and what each rank does with it.
+
+A step is plain integers: the tokens to compute (ids, each entry's start position and count,
+its block table), which flat tokens' logits are wanted, and the scheduler's block operations
+(swap out, swap in, copy). They travel as two int64 broadcasts, a fixed header of counts and
+one flat payload, so a worker never sees a Python object of the scheduler's.
+``run_step`` is the same on every rank (and in a single process): apply the block operations,
+build the attention metadata, run the model.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from conveyor.distributed.group import LONG_WAIT_S, broadcast
+from conveyor.executor.kv_cache import KVCache
+from conveyor.model.layers.attention import build_attention_metadata
+
+STEP, INIT_CACHE, SHUTDOWN = 0, 1, 2
+_HEADER = 9  # kind, tokens, entries, table width, logits rows, swap-out, swap-in, copy, extra
+
+
+@dataclass
+class StepMessage:
+    kind: int = STEP
+    input_ids: list[int] = field(default_factory=list)
+    starts: list[int] = field(default_factory=list)  # per entry: first position computed
+    counts: list[int] = field(default_factory=list)  # per entry: tokens computed
+    block_tables: list[list[int]] = field(default_factory=list)
+    logits_indices: list[int] = field(default_factory=list)
+    swap_out: list[tuple[int, int]] = field(default_factory=list)
+    swap_in: list[tuple[int, int]] = field(default_factory=list)
+    copy: list[tuple[int, int]] = field(default_factory=list)
+    extra: list[int] = field(default_factory=list)  # INIT_CACHE: block size, device, CPU blocks
+
+    def pack(self) -> tuple[torch.Tensor, torch.Tensor]:
+        width = max((len(t) for t in self.block_tables), default=0)
+        header = [self.kind, len(self.input_ids), len(self.starts), width,
+                  len(self.logits_indices), len(self.swap_out), len(self.swap_in),
+                  len(self.copy), len(self.extra)]
+        flat = list(self.input_ids) + list(self.starts) + list(self.counts)
+        for t in self.block_tables:
+            flat += list(t) + [0] * (width - len(t))
+        flat += list(self.logits_indices)
+        for pairs in (self.swap_out, self.swap_in, self.copy):
+            flat += [x for pair in pairs for x in pair]
+        flat += list(self.extra)
+        return torch.tensor(header, dtype=torch.int64), torch.tensor(flat, dtype=torch.int64)
+
+    @staticmethod
+    def unpack(header: torch.Tensor, payload: torch.Tensor) -> StepMessage:
+        kind, n_tok, n_ent, width, n_log, n_out, n_in, n_copy, n_extra = header.tolist()
+        flat = payload.tolist()
+        pos = 0
+
+        def take(n: int) -> list[int]:
+            nonlocal pos
+            pos += n
+            return flat[pos - n:pos]
+
+        def pairs(n: int) -> list[tuple[int, int]]:
+            v = take(2 * n)
+            return list(zip(v[0::2], v[1::2], strict=True))
+
+        ids, starts, counts = take(n_tok), take(n_ent), take(n_ent)
+        tables = [take(width) for _ in range(n_ent)]
+        return StepMessage(kind, ids, starts, counts, tables, take(n_log), pairs(n_out),
+                           pairs(n_in), pairs(n_copy), take(n_extra))
+
+
+def send_message(msg: StepMessage) -> None:
+    """Rank 0: broadcast ``msg`` to every rank."""
+    header, payload = msg.pack()
+    broadcast(header, 0)
+    broadcast(payload, 0)
+
+
+def receive_message() -> StepMessage:
+    """Other ranks: wait (as long as it takes: an idle server sends nothing) for rank 0's next
+    message."""
+    header = broadcast(torch.zeros(_HEADER, dtype=torch.int64), 0, LONG_WAIT_S)
+    payload = broadcast(torch.zeros(sum(_payload_sizes(header.tolist())), dtype=torch.int64), 0)
+    return StepMessage.unpack(header, payload)
+
+
+def _payload_sizes(h: list[int]) -> list[int]:
+    _kind, n_tok, n_ent, width, n_log, n_out, n_in, n_copy, n_extra = h
+    return [n_tok, 2 * n_ent, n_ent * width, n_log, 2 * (n_out + n_in + n_copy), n_extra]
+
+
+def run_step(model: torch.nn.Module, cache: KVCache, msg: StepMessage,
+             num_queries_per_kv: int, attention_kernel: bool, dtype: torch.dtype,
+             device: torch.device, deterministic: bool = True) -> torch.Tensor | None:
+    """Apply the block operations and run the model: the logits of ``msg.logits_indices``
+    (None when nothing was computed, or off rank 0 under tensor parallelism)."""
+    cache.swap_out(msg.swap_out)
+    cache.swap_in(msg.swap_in)
+    cache.copy(msg.copy)
+    if not msg.input_ids:
+        return None
+    meta = build_attention_metadata(msg.block_tables, msg.starts, msg.counts, cache.block_size,
+                                    num_queries_per_kv, device, attention_kernel, dtype,
+                                    deterministic)
+    return model(torch.tensor(msg.input_ids, device=device), meta.positions, cache.layers, meta,
+                 torch.tensor(msg.logits_indices, device=device))
