@@ -4,7 +4,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: run test bench lint clean
+.PHONY: run test test-gpu bench lint clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -18,6 +18,12 @@ run: $(STAMP)
 
 test: $(STAMP)
 	$(VENV)/bin/pytest $(PYTEST_ARGS)
+
+# On a machine whose torch sees a CUDA GPU: the end-to-end GPU tests, the Triton kernels compiled
+# for it (not interpreted), and the CUDA runner's Python. Elsewhere they skip or interpret.
+test-gpu: $(STAMP)
+	$(VENV)/bin/pytest tests/gpu tests/model/triton tests/executor/test_cuda_runner.py \
+		tests/bench/test_gpu_bench_cli.py $(PYTEST_ARGS)
 
 bench: $(STAMP)
 	$(VENV)/bin/conveyor bench scheduler

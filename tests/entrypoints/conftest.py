@@ -7,10 +7,11 @@ import contextlib
 import os
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import httpx
@@ -37,11 +38,15 @@ def free_port() -> int:
 
 
 class ServerProcess:
-    def __init__(self, args: list[str], log_path: Path) -> None:
+    def __init__(self, args: list[str], log_path: Path, https_cert: Path | None = None,
+                 env: dict[str, str] | None = None) -> None:
         self.args = args
         self.startup_responses: list[httpx.Response] = []  # /health while waiting for ready
         self.port = free_port()
-        self.base_url = f"http://127.0.0.1:{self.port}"
+        scheme = "http" if https_cert is None else "https"
+        self.base_url = f"{scheme}://127.0.0.1:{self.port}"
+        self.verify: ssl.SSLContext | bool = (True if https_cert is None else
+                                              ssl.create_default_context(cafile=str(https_cert)))
         self.log_path = log_path
         self._log = open(log_path, "wb")  # noqa: SIM115 - closed in stop()
         cmd = [sys.executable, "-m", "conveyor.entrypoints.cli", "serve", "--host", "127.0.0.1",
@@ -50,7 +55,7 @@ class ServerProcess:
         # process make every step many times slower; the in-process LLM uses one too.
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT,
                                      env={**os.environ, "TQDM_DISABLE": "1",
-                                          "OMP_NUM_THREADS": "1"})
+                                          "OMP_NUM_THREADS": "1", **(env or {})})
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")[-4000:]
@@ -61,7 +66,7 @@ class ServerProcess:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log()}")
             try:
-                resp = httpx.get(self.base_url + "/health", timeout=2)
+                resp = httpx.get(self.base_url + "/health", timeout=2, verify=self.verify)
                 self.startup_responses.append(resp)
                 if resp.status_code == 200:
                     return
@@ -82,9 +87,10 @@ class ServerProcess:
         self._log.close()
         return self.proc.returncode
 
-    def metrics(self) -> dict[str, float]:
+    def metrics(self, headers: dict[str, str] | None = None) -> dict[str, float]:
         """``{'name{label=value,...}': value}`` from /metrics (labels sorted, model_name left out)."""
-        text = httpx.get(self.base_url + "/metrics", timeout=10).text
+        text = httpx.get(self.base_url + "/metrics", timeout=10, verify=self.verify,
+                         headers=headers).text
         out = {}
         for family in text_string_to_metric_families(text):
             for s in family.samples:
@@ -113,6 +119,27 @@ def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Serv
         yield started
     finally:
         for s in started.values():
+            s.stop()
+
+
+@pytest.fixture(scope="module")
+def start_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[..., ServerProcess]]:
+    """``start_server(flags, https_cert=None, env=None)``: one more server on ENGINE_KWARGS, ready
+    when returned, stopped after the test module."""
+    started: list[ServerProcess] = []
+
+    def start(flags: list[str], https_cert: Path | None = None,
+              env: dict[str, str] | None = None) -> ServerProcess:
+        s = ServerProcess(engine_flags() + flags, tmp_path_factory.mktemp("server") / "log",
+                          https_cert, env)
+        started.append(s)
+        s.wait_ready()
+        return s
+
+    try:
+        yield start
+    finally:
+        for s in started:
             s.stop()
 
 

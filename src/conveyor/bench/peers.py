@@ -30,6 +30,7 @@ class PeerJob:
     dtype: str  # torch dtype name Conveyor ran in (transformers peers)
     setting: int | None = None  # static batch size (transformers) / parallel sequences (llamacpp)
     threads: int = 2
+    device: str = "cpu"  # the transformers peers run where Conveyor did
 
 
 # name -> (module holding run(), Python package it needs, what it is)

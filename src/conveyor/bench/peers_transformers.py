@@ -47,6 +47,7 @@ def _generate_static(model, prompts: list[list[int]], max_new_tokens: int) -> in
     for i, p in enumerate(prompts):
         ids[i, width - len(p):] = torch.tensor(p)
         mask[i, width - len(p):] = 1
+    ids, mask = ids.to(model.device), mask.to(model.device)
     with torch.inference_mode():
         out = model.generate(input_ids=ids, attention_mask=mask, do_sample=False,
                              max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens,
@@ -97,7 +98,8 @@ def run_single_stream(model, workload: Workload) -> Measurement:
     clock = Clock()
     t0 = time.perf_counter()
     with torch.inference_mode():
-        out = model.generate(input_ids=torch.tensor([req.prompt_token_ids]), do_sample=False,
+        out = model.generate(input_ids=torch.tensor([req.prompt_token_ids], device=model.device),
+                             do_sample=False,
                              max_new_tokens=req.max_tokens, min_new_tokens=req.max_tokens,
                              pad_token_id=PAD_ID, streamer=clock)
     wall = time.perf_counter() - t0
@@ -112,22 +114,23 @@ def run(job: PeerJob) -> SystemResult:
 
     torch.set_num_threads(job.threads)
     t0 = time.perf_counter()
-    model = load_model(job.model_path, job.dtype)
+    model = load_model(job.model_path, job.dtype).to(job.device)
     load_s = time.perf_counter() - t0
 
     def build(k: int) -> Workload:
         return make_workload(job.workload, model.config.vocab_size, job.seed + k, job.num_requests)
 
     warmup = warmup_workload(build(WARMUP_SEED_OFFSET))
+    label = job.dtype if job.device == "cpu" else f"{job.dtype} on {job.device}"
     if job.workload == "S1":
-        config = f"{job.dtype}, generate() streaming"
+        config = f"{label}, generate() streaming"
         run_once = lambda w: run_single_stream(model, w)  # noqa: E731
     elif job.system == "transformers-cb":
-        config = f"{job.dtype}, generate_batch()"
+        config = f"{label}, generate_batch()"
         run_once = lambda w: run_continuous(model, w)  # noqa: E731
     else:
         batch = job.setting or len(warmup.requests)
-        config = f"{job.dtype}, static batch {batch}"
+        config = f"{label}, static batch {batch}"
         run_once = lambda w: run_static(model, w, batch)  # noqa: E731
     run_once(warmup)
     repeats = timed_repeats(build, job.repeats, run_once)

@@ -25,8 +25,9 @@ DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 class MachineRates:
     gemm_flops: float  # measured matmul FLOP/s in the model's dtype (best of a few square GEMMs)
     mem_bandwidth: float  # measured read bandwidth, bytes/s
-    num_threads: int
+    num_threads: int  # CPU threads; on a GPU its streaming multiprocessors
     dtype: str = "bfloat16"  # of the GEMM
+    device: str = "cpu"  # where they were measured: "cpu" or the GPU's name
 
 
 @dataclass(frozen=True)
@@ -147,31 +148,40 @@ def workload_roofline(shape: ModelShape, workload: Workload, rates: MachineRates
 
 
 def measure_machine(dtype: str = "bfloat16", gemm_size: int = 2048, bandwidth_mib: int = 256,
-                    repeats: int = 5) -> MachineRates:
+                    repeats: int = 5, device: str = "cpu") -> MachineRates:
     """Short torch micro-benchmarks: best-of-``repeats`` GEMM in ``dtype`` (the engine's: a CPU
-    without native bf16 runs float32) and streaming reads."""
+    without native bf16 runs float32) and streaming reads. On ``device="cuda"`` the GPU's
+    (cuBLAS and HBM), with sizes raised to keep it busy: GEMMs of 8192, reads of 2 GiB."""
     import torch
 
-    a = torch.randn(gemm_size, gemm_size).to(getattr(torch, dtype))
-    b = torch.randn(gemm_size, gemm_size).to(getattr(torch, dtype))
-    torch.matmul(a, b)  # warm up oneDNN's kernel selection
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        torch.matmul(a, b)
-        best = min(best, time.perf_counter() - t0)
-    gemm = 2.0 * gemm_size**3 / best
+    on_gpu = device.startswith("cuda")
+    if on_gpu:
+        gemm_size, bandwidth_mib = max(gemm_size, 8192), max(bandwidth_mib, 2048)
+    sync = torch.cuda.synchronize if on_gpu else (lambda: None)
+
+    def timed(kernel) -> float:
+        kernel()  # warm up the library's kernel selection
+        best = float("inf")
+        for _ in range(repeats):
+            sync()
+            t0 = time.perf_counter()
+            kernel()
+            sync()
+            best = min(best, time.perf_counter() - t0)
+        return best
+
+    a = torch.randn(gemm_size, gemm_size, device=device).to(getattr(torch, dtype))
+    b = torch.randn(gemm_size, gemm_size, device=device).to(getattr(torch, dtype))
+    gemm = 2.0 * gemm_size**3 / timed(lambda: torch.matmul(a, b))
 
     # Read bandwidth: the better of two streaming kernels over bandwidth_mib of float32
     # (a reduction and a matrix-vector product, which is what decode does with the weights).
-    x = torch.ones(bandwidth_mib * 2**20 // 4, dtype=torch.float32)
+    x = torch.ones(bandwidth_mib * 2**20 // 4, dtype=torch.float32, device=device)
     matrix = x.view(-1, 1024)
-    vector = torch.ones(matrix.shape[0], dtype=torch.float32)
-    best = float("inf")
-    for kernel in (x.sum, lambda: torch.mv(matrix.T, vector)):
-        kernel()
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            kernel()
-            best = min(best, time.perf_counter() - t0)
+    vector = torch.ones(matrix.shape[0], dtype=torch.float32, device=device)
+    best = min(timed(x.sum), timed(lambda: torch.mv(matrix.T, vector)))
+    if on_gpu:
+        props = torch.cuda.get_device_properties(device)
+        return MachineRates(gemm, x.numel() * 4 / best, props.multi_processor_count, dtype,
+                            props.name)
     return MachineRates(gemm, x.numel() * 4 / best, torch.get_num_threads(), dtype)

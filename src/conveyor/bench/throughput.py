@@ -308,6 +308,8 @@ def _ints(text: str) -> list[int]:
 
 
 def peer_jobs(args: argparse.Namespace, model_path: str, dtype: str) -> list[PeerJob]:
+    from conveyor.model.device import resolve_device
+
     jobs = []
     for name in [c.strip() for c in (args.compare or "").split(",") if c.strip()]:
         settings: list[int | None] = [None]
@@ -317,16 +319,19 @@ def peer_jobs(args: argparse.Namespace, model_path: str, dtype: str) -> list[Pee
             settings = _ints(args.llamacpp_parallel)
         for s in settings:
             jobs.append(PeerJob(name, model_path, args.workload, args.seed, args.num_requests,
-                                args.peer_repeats or args.repeats, dtype, s, args.threads))
+                                args.peer_repeats or args.repeats, dtype, s, args.threads,
+                                resolve_device(args.device).type))
     return jobs
 
 
 def run_all(args: argparse.Namespace) -> dict[str, Any]:
     from conveyor.engine.args import from_cli_args
+    from conveyor.model.device import dtype_name, resolve_device, resolve_dtype
     from conveyor.model.loader import default_model_path
 
     tp_sizes = args.tensor_parallel_size
     engine_args = dataclasses.replace(from_cli_args(args), tensor_parallel_size=tp_sizes[0])
+    device = resolve_device(engine_args.device)  # --device cuda without a GPU stops here
     model_path = engine_args.model or default_model_path()
     for name in [c.strip() for c in (args.compare or "").split(",") if c.strip()]:
         skip_reason(name)  # unknown names fail before anything runs
@@ -343,12 +348,11 @@ def run_all(args: argparse.Namespace) -> dict[str, Any]:
     rates = None
     if not args.no_roofline:
         from conveyor.bench.roofline import measure_machine
-        from conveyor.model.device import dtype_name, resolve_device, resolve_dtype
 
-        dtype = dtype_name(resolve_dtype(engine_args.dtype, resolve_device(engine_args.device)))
-        print(f"[bench] measuring this machine's {dtype} GEMM rate and memory bandwidth ...",
-              file=sys.stderr, flush=True)
-        rates = measure_machine(dtype)
+        dtype = dtype_name(resolve_dtype(engine_args.dtype, device))
+        print(f"[bench] measuring this machine's {dtype} GEMM rate and memory bandwidth "
+              f"({device.type}) ...", file=sys.stderr, flush=True)
+        rates = measure_machine(dtype, device=str(device))
 
     base = {"system": "conveyor", "workload": args.workload, "seed": args.seed,
             "num_requests": args.num_requests, "repeats": args.repeats, "profile": args.profile}
@@ -409,7 +413,9 @@ def format_roofline(r: dict[str, Any]) -> str:
     return "\n".join([
         f"roofline: {m.get('dtype', 'bfloat16')} GEMM {m['gemm_flops'] / 1e9:,.0f} GFLOP/s, "
         f"memory read "
-        f"{m['mem_bandwidth'] / 1e9:.1f} GB/s ({m['num_threads']} threads, measured now)",
+        f"{m['mem_bandwidth'] / 1e9:.1f} GB/s ("
+        + (f"{m['device']}, {m['num_threads']} SMs" if m.get("device", "cpu") != "cpu"
+           else f"{m['num_threads']} threads") + ", measured now)",
         f"  workload: {r['flops'] / 1e12:.2f} TFLOP, {r['bytes'] / 1e9:.1f} GB moved (weights as "
         f"the engine holds them, quantized copies at small batches); ideal time "
         f"{r['time_s']:.2f}s (prefill {r['prefill_s']:.2f}s + decode {r['decode_s']:.2f}s)",

@@ -28,6 +28,8 @@ class EngineArgs:
     block_size: int = 16
     kv_cache_memory: float = 0.25  # bytes, or a fraction (<= 1) of available memory
     num_gpu_blocks: int | None = None  # overrides kv_cache_memory
+    gpu_memory_utilization: float = 0.9  # CUDA: fraction of the card the engine may fill
+    enforce_eager: bool = False  # CUDA: no CUDA graphs for decode steps
     swap_space: float = 0.5  # GiB of CPU swap pool for preemption_mode="swap"
     policy: str = "prefill_first"  # prefill_first | chunked
     queue: str = "fcfs"  # fcfs | priority
@@ -70,8 +72,13 @@ _HELP = {
     "max_model_len": "context length (prompt + output)",
     "block_size": "tokens per KV-cache block",
     "kv_cache_memory": "KV cache size: bytes, or a fraction (<=1) of available memory; on the "
-                       "CPU, shared by this machine's tensor-parallel ranks",
+                       "CPU, shared by this machine's tensor-parallel ranks (on CUDA only "
+                       "bytes; see --gpu-memory-utilization)",
     "num_gpu_blocks": "exact number of KV-cache blocks (overrides --kv-cache-memory)",
+    "gpu_memory_utilization": "on CUDA, the fraction of the GPU's memory the engine may use "
+                              "(weights, activations and KV cache; unless --kv-cache-memory "
+                              "gives bytes)",
+    "enforce_eager": "on CUDA, run decode steps eagerly instead of replaying CUDA graphs",
     "swap_space": "GiB of CPU memory for swapped-out KV blocks (shared by this machine's "
                   "tensor-parallel ranks)",
     "policy": "scheduling policy: prefill_first or chunked",

@@ -37,6 +37,8 @@ class LLMEngine:
                                      seed=args.seed, kv_cache_dtype=args.kv_cache_dtype,
                                      int8_activations=args.int8_activations,
                                      parallel=args.parallel_config(),
+                                     max_num_seqs=args.max_num_seqs,
+                                     enforce_eager=args.enforce_eager,
                                      deterministic=args.deterministic)
         self.executor = executor
         self.tokenizer = self.executor.tokenizer
@@ -207,6 +209,13 @@ def _num_blocks(args: EngineArgs, executor: Any) -> tuple[int, int]:
         if args.kv_cache_memory <= 0:
             raise ValueError(f"kv_cache_memory must be > 0, got {args.kv_cache_memory}")
         budget = args.kv_cache_memory
+        on_cuda = str(getattr(executor, "device", "cpu")).startswith("cuda")
+        if budget <= 1 and on_cuda:
+            from conveyor.executor.gpu_memory import cuda_kv_cache_blocks
+
+            num_gpu = cuda_kv_cache_blocks(executor, args.block_size, args.gpu_memory_utilization,
+                                           args.max_num_batched_tokens, args.max_num_seqs)
+            return num_gpu, _num_cpu_blocks(args, bytes_per_block, local_ranks)
         if budget <= 1:
             budget *= _available_memory(getattr(executor, "device", "cpu"))
         if not str(getattr(executor, "device", "cpu")).startswith("cuda"):
@@ -215,12 +224,15 @@ def _num_blocks(args: EngineArgs, executor: Any) -> tuple[int, int]:
         if num_gpu < 1:
             raise ValueError(f"kv_cache_memory ({args.kv_cache_memory}) holds no KV block of "
                              f"{bytes_per_block} bytes")
-    num_cpu = 0
-    if args.preemption_mode == "swap":
-        if args.swap_space < 0:
-            raise ValueError(f"swap_space must be >= 0, got {args.swap_space}")
-        num_cpu = int(args.swap_space * 2**30 / local_ranks // bytes_per_block)
-    return num_gpu, num_cpu
+    return num_gpu, _num_cpu_blocks(args, bytes_per_block, local_ranks)
+
+
+def _num_cpu_blocks(args: EngineArgs, bytes_per_block: int, local_ranks: int = 1) -> int:
+    if args.preemption_mode != "swap":
+        return 0
+    if args.swap_space < 0:
+        raise ValueError(f"swap_space must be >= 0, got {args.swap_space}")
+    return int(args.swap_space * 2**30 / local_ranks // bytes_per_block)
 
 
 def _available_memory(device: Any) -> int:

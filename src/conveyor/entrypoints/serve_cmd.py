@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -22,20 +23,70 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                    "they are aborted (default: 30)")
     p.add_argument("--log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug"])
-    p.add_argument("--access-log", action=argparse.BooleanOptionalAction, default=False,
-                   help="log every HTTP request (default: off)")
+    p.add_argument("--access-log", action=argparse.BooleanOptionalAction, default=True,
+                   help="log one line per HTTP request: id, status, tokens, latency "
+                   "(default: on)")
+    p.add_argument("--log-prompts", action="store_true",
+                   help="add each request's prompt text to its access-log line")
+
+    sec = p.add_argument_group("security")
+    sec.add_argument("--api-key", action="append", default=[], metavar="KEY",
+                     help="require 'Authorization: Bearer KEY' on /v1/* (repeatable; also "
+                     "$CONVEYOR_API_KEY)")
+    sec.add_argument("--api-key-file", default=None, metavar="PATH",
+                     help="a file of accepted API keys, one a line ('#' starts a comment)")
+    sec.add_argument("--metrics-require-key", action="store_true",
+                     help="require the API key on /metrics too (default: /metrics is open)")
+    sec.add_argument("--allowed-origins", action="append", default=[], metavar="ORIGINS",
+                     help="origins a browser may call from, comma-separated or repeated, '*' "
+                     "for any (default: none, no CORS headers)")
+    sec.add_argument("--allowed-methods", action="append", default=[], metavar="METHODS",
+                     help="CORS methods, comma-separated (default: *)")
+    sec.add_argument("--allowed-headers", action="append", default=[], metavar="HEADERS",
+                     help="CORS request headers, comma-separated (default: *)")
+    sec.add_argument("--ssl-keyfile", default=None, help="serve HTTPS with this private key")
+    sec.add_argument("--ssl-certfile", default=None, help="serve HTTPS with this certificate")
+    sec.add_argument("--max-request-bytes", type=int, default=None,
+                     help="answer 413 to a larger request body (default: 8 MiB)")
     add_cli_args(p)
     p.set_defaults(func=_run)
 
 
+def _split(values: list[str], default: tuple[str, ...] = ()) -> tuple[str, ...]:
+    items = [v.strip() for value in values for v in value.split(",") if v.strip()]
+    return tuple(items) or default
+
+
 def _run(args: argparse.Namespace) -> int:
     from conveyor.engine.args import from_cli_args
+    from conveyor.entrypoints.openai.access_log import AccessLogSettings
+    from conveyor.entrypoints.openai.limits import DEFAULT_MAX_REQUEST_BYTES, ServerLimits
+    from conveyor.entrypoints.openai.security import ServerSecurity, load_api_keys
     from conveyor.entrypoints.openai.server import run_server
 
     if args.max_queued_requests is not None and args.max_queued_requests < 1:
         raise SystemExit("--max-queued-requests must be >= 1")
+    if args.max_request_bytes is not None and args.max_request_bytes < 1:
+        raise SystemExit("--max-request-bytes must be >= 1")
+    if (args.ssl_keyfile is None) != (args.ssl_certfile is None):
+        raise SystemExit("--ssl-keyfile and --ssl-certfile go together")
+    for path in (args.ssl_keyfile, args.ssl_certfile):
+        if path is not None and not os.path.isfile(path):
+            raise SystemExit(f"no such file: {path}")
+    try:
+        api_keys = load_api_keys(args.api_key, args.api_key_file)
+    except ValueError as e:
+        raise SystemExit(str(e)) from e
+    security = ServerSecurity(api_keys=api_keys, metrics_require_key=args.metrics_require_key,
+                              allowed_origins=_split(args.allowed_origins),
+                              allowed_methods=_split(args.allowed_methods, ("*",)),
+                              allowed_headers=_split(args.allowed_headers, ("*",)))
     return run_server(from_cli_args(args), host=args.host, port=args.port,
                       served_model_name=args.served_model_name,
                       max_queued_requests=args.max_queued_requests,
                       shutdown_timeout=args.shutdown_timeout, log_level=args.log_level,
-                      access_log=args.access_log)
+                      security=security,
+                      limits=ServerLimits(max_request_bytes=args.max_request_bytes
+                                          or DEFAULT_MAX_REQUEST_BYTES),
+                      access_log=AccessLogSettings(args.access_log, args.log_prompts),
+                      ssl_keyfile=args.ssl_keyfile, ssl_certfile=args.ssl_certfile)

@@ -35,17 +35,35 @@ class KVCache:
 
     def swap_out(self, pairs: list[tuple[int, int]]) -> None:
         """(device block, cpu block) pairs: device -> CPU pool."""
-        if pairs:
+        if pairs and self.device.type == "cuda":
+            self._copy_runs(pairs, self.cache, self.cpu_pool)
+        elif pairs:
             src = torch.tensor([p[0] for p in pairs], device=self.device)
             dst = torch.tensor([p[1] for p in pairs])
             self.cpu_pool[:, :, dst] = self.cache[:, :, src].to("cpu")
 
     def swap_in(self, pairs: list[tuple[int, int]]) -> None:
         """(cpu block, device block) pairs: CPU pool -> device."""
-        if pairs:
+        if pairs and self.device.type == "cuda":
+            self._copy_runs(pairs, self.cpu_pool, self.cache)
+        elif pairs:
             src = torch.tensor([p[0] for p in pairs])
             dst = torch.tensor([p[1] for p in pairs], device=self.device)
             self.cache[:, :, dst] = self.cpu_pool[:, :, src].to(self.device)
+
+    @staticmethod
+    def _copy_runs(pairs: list[tuple[int, int]], src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Between the GPU cache and the pinned pool: per layer and K/V, one asynchronous copy per
+        run of consecutive blocks (each a contiguous slab on both sides). The copies queue on the
+        current stream, so the next step's kernels, and a later swap-in of these blocks, are
+        ordered after them without a host sync."""
+        from conveyor.executor.gpu_memory import contiguous_runs
+
+        runs = contiguous_runs(pairs)
+        for layer in range(src.shape[0]):
+            for kv in range(2):
+                for s, d, n in runs:
+                    dst[layer, kv, d:d + n].copy_(src[layer, kv, s:s + n], non_blocking=True)
 
     def copy(self, pairs: list[tuple[int, int]]) -> None:
         """(src block, dst block) pairs within the device cache (copy-on-write)."""

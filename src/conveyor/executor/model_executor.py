@@ -28,6 +28,7 @@ from conveyor.model.device import (
     resolve_kv_cache_dtype,
     return_freed_memory,
     use_attention_kernel,
+    use_triton_attention,
 )
 from conveyor.model.layers.parallel import TensorParallel, check_tensor_parallel
 from conveyor.model.loader import load_model, read_model_config
@@ -37,7 +38,8 @@ from conveyor.model.sampler import Sampler, SampleRow
 class ModelExecutor:
     def __init__(self, model: str | None = None, dtype: str = "auto", device: str = "auto",
                  seed: int = 0, kv_cache_dtype: str = "auto", int8_activations: bool = False,
-                 parallel: ParallelConfig | None = None, deterministic: bool = True) -> None:
+                 parallel: ParallelConfig | None = None, max_num_seqs: int = 64,
+                 enforce_eager: bool = False, deterministic: bool = True) -> None:
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype, self.device)
         self.kv_cache_dtype = resolve_kv_cache_dtype(kv_cache_dtype, self.dtype)
@@ -68,6 +70,12 @@ class ModelExecutor:
         self.attention_kernel = use_attention_kernel(self.device, self.dtype, layer.head_dim,
                                                      self.kv_cache_dtype)
         self.kv_cache: KVCache | None = None
+        # The CUDA path (executor/cuda_runner.py) runs the single-process forward once the
+        # cache exists.
+        self.triton_attention = (use_triton_attention(self.device, layer.head_dim)
+                                 and self.workers is None)
+        self.max_num_seqs, self.enforce_eager = max_num_seqs, enforce_eager
+        self.cuda_runner = None
 
     def _start_workers(self, model: str | None, int8_activations: bool) -> None:
         """Check the split before any process starts, then start or meet the other ranks."""
@@ -106,6 +114,11 @@ class ModelExecutor:
                                           extra=[block_size, num_gpu_blocks, num_cpu_blocks]))
         self.kv_cache = KVCache(c.num_layers, self.num_kv_heads, c.head_dim, block_size,
                                 num_gpu_blocks, num_cpu_blocks, self.kv_cache_dtype, self.device)
+        if self.triton_attention:
+            from conveyor.executor.cuda_runner import CudaModelRunner
+
+            self.cuda_runner = CudaModelRunner(self.model, c, self.kv_cache, self.max_num_seqs,
+                                               self.enforce_eager, self.device)
 
     @torch.inference_mode()
     def execute(self, scheduler_output: SchedulerOutput) -> ExecutorOutput:
@@ -162,7 +175,9 @@ class ModelExecutor:
                 ))
             repeats.append(k)
         if any(r > 1 for r in repeats):
-            logits = logits.repeat_interleave(torch.tensor(repeats, device=logits.device), dim=0)
+            # output_size: without it a GPU waits for the sum of the repeats
+            logits = logits.repeat_interleave(torch.tensor(repeats, device=logits.device), dim=0,
+                                              output_size=sum(repeats))
         out = self.sampler(logits, rows)
         row = 0
         for i, k in zip(sample_entries, repeats, strict=True):
@@ -174,6 +189,15 @@ class ModelExecutor:
                               logprobs=logprobs if out.logprobs is not None else None)
 
     def _run(self, msg: StepMessage) -> torch.Tensor | None:
+        if self.cuda_runner is not None:
+            cache = self.kv_cache
+            cache.swap_out(msg.swap_out)
+            cache.swap_in(msg.swap_in)
+            cache.copy(msg.copy)
+            if not msg.input_ids:
+                return None
+            return self.cuda_runner.forward(msg.input_ids, msg.block_tables, msg.starts,
+                                            msg.counts, msg.logits_indices)
         if self.workers is None:
             return run_step(self.model, self.kv_cache, msg, self.num_queries_per_kv,
                             self.attention_kernel, self.dtype, self.device, self.deterministic)

@@ -119,6 +119,15 @@ def use_attention_kernel(device: torch.device, dtype: torch.dtype, head_dim: int
             and attention_kernel_available(device, dtype, cache_dtype))
 
 
+def use_triton_attention(device: torch.device, head_dim: int) -> bool:
+    """The Triton paged attention kernels (kernels/triton/, layers/triton_attention.py): the
+    attention of the CUDA path, for head sizes that are powers of two from 16 to 256."""
+    from conveyor.model.kernels.triton.common import triton_available
+
+    return (device.type == "cuda" and 16 <= head_dim <= 256 and head_dim & (head_dim - 1) == 0
+            and triton_available())
+
+
 TRIM_AFTER_TOKENS = 256  # steps longer than this hand their freed activations back
 
 

@@ -18,10 +18,13 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from conveyor.engine.args import EngineArgs
 from conveyor.engine.async_engine import AsyncEngine, EngineStoppedError
+from conveyor.entrypoints.openai.access_log import AccessLogMiddleware, AccessLogSettings
 from conveyor.entrypoints.openai.chat import create_chat_completion
 from conveyor.entrypoints.openai.completions import create_completion
 from conveyor.entrypoints.openai.errors import APIError
+from conveyor.entrypoints.openai.limits import BodySizeLimitMiddleware, ServerLimits
 from conveyor.entrypoints.openai.metrics import ServerMetrics
+from conveyor.entrypoints.openai.security import ServerSecurity, add_security
 
 logger = logging.getLogger("conveyor.serve")
 
@@ -132,7 +135,13 @@ class ServerState:
         return APIError(500, f"internal error: {e}")
 
 
-def build_app(state: ServerState) -> FastAPI:
+def build_app(state: ServerState, security: ServerSecurity | None = None,
+              limits: ServerLimits | None = None,
+              access_log: AccessLogSettings | None = None) -> FastAPI:
+    security = security or ServerSecurity()
+    limits = limits or ServerLimits()
+    access_log = access_log or AccessLogSettings()
+
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         loading = asyncio.create_task(state.load())
@@ -145,6 +154,12 @@ def build_app(state: ServerState) -> FastAPI:
     app = FastAPI(title="Conveyor", lifespan=lifespan, docs_url=None, redoc_url=None,
                   openapi_url=None)
     app.state.conveyor = state
+    # Added innermost first: the access log sees every answer, CORS answers preflights before
+    # the key check, and no unauthorized body is read.
+    app.add_middleware(BodySizeLimitMiddleware, max_bytes=limits.max_request_bytes)
+    add_security(app, security)
+    if access_log.enabled:
+        app.add_middleware(AccessLogMiddleware, log_prompts=access_log.log_prompts)
 
     @app.exception_handler(APIError)
     async def on_api_error(request: Request, exc: APIError) -> JSONResponse:
@@ -165,11 +180,11 @@ def build_app(state: ServerState) -> FastAPI:
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
-        return await create_completion(state, request)
+        return await create_completion(state, request, limits)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
-        return await create_chat_completion(state, request)
+        return await create_chat_completion(state, request, limits)
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:

@@ -9,7 +9,9 @@ from typing import TYPE_CHECKING, Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
+from conveyor.entrypoints.openai.access_log import AccessRecord, access_record
 from conveyor.entrypoints.openai.errors import APIError, bad_request
+from conveyor.entrypoints.openai.limits import ServerLimits
 from conveyor.entrypoints.openai.protocol import ChatCompletionRequest
 from conveyor.entrypoints.openai.serving import (
     Choice,
@@ -19,6 +21,7 @@ from conveyor.entrypoints.openai.serving import (
     check_admission,
     check_model,
     check_priority,
+    check_prompt_chars,
     engine_error,
     make_params,
     merged_deltas,
@@ -52,8 +55,9 @@ def _logprobs(tok: TokenText, token_ids: list[int], entries: list[dict[int, Logp
     return {"content": content}
 
 
-async def create_chat_completion(state: ServerState, request: Request) -> Response:
-    req: ChatCompletionRequest = parse_body(await request.body(), ChatCompletionRequest)
+async def create_chat_completion(state: ServerState, request: Request,
+                                 limits: ServerLimits | None = None) -> Response:
+    req: ChatCompletionRequest = parse_body(await request.body(), ChatCompletionRequest, limits)
     state.ready_engine()
     check_model(state, req.model)
     check_priority(state, req.priority)
@@ -65,6 +69,7 @@ async def create_chat_completion(state: ServerState, request: Request) -> Respon
         raise bad_request("'top_logprobs' requires 'logprobs': true", param="top_logprobs")
     messages = [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})}
                 for m in req.messages]
+    check_prompt_chars(state, sum(len(m["content"]) for m in messages), "messages")
     try:
         prompt = state.encode_chat(messages, req.add_generation_prompt)
     except Exception as e:  # a template that rejects the conversation (e.g. role order)
@@ -78,16 +83,21 @@ async def create_chat_completion(state: ServerState, request: Request) -> Respon
     job = Job(request_id, prompt_ids, make_params(req.sampling_params, max_tokens), req.priority,
               prompt["prompt"])
     engine = check_admission(state, 1)
+    record = access_record(request)
+    record.request_id = request_id
+    record.prompt_tokens = len(prompt_ids)
+    record.output_tokens = 0
+    record.prompt = prompt["prompt"]
     head = {"id": request_id, "object": "chat.completion", "created": now_s(),
             "model": req.model or state.model_names[0]}
     tok = TokenText(state.tokenizer)
     if req.stream:
-        return sse_response(_stream(state, engine, req, job, head, tok))
-    return await cancel_on_disconnect(request, _whole(state, engine, req, job, head, tok))
+        return sse_response(_stream(state, engine, req, job, head, tok, record))
+    return await cancel_on_disconnect(request, _whole(state, engine, req, job, head, tok, record))
 
 
-async def _whole(state: ServerState, engine: AsyncEngine, req: ChatCompletionRequest, job: Job, head: dict[str, Any],
-                 tok: TokenText) -> Response:
+async def _whole(state: ServerState, engine: AsyncEngine, req: ChatCompletionRequest, job: Job,
+                 head: dict[str, Any], tok: TokenText, record: AccessRecord) -> Response:
     choices = [Choice() for _ in range(req.n)]
     try:
         async with aclosing(merged_deltas(engine, [job])) as deltas:
@@ -109,13 +119,14 @@ async def _whole(state: ServerState, engine: AsyncEngine, req: ChatCompletionReq
             "logprobs": _logprobs(tok, ch.token_ids, ch.logprobs, top_n) if req.logprobs else None,
             "finish_reason": ch.finish_reason} for j, ch in enumerate(choices)]
     completion_tokens = sum(len(ch.token_ids) for ch in choices)
+    record.output_tokens = completion_tokens
     return JSONResponse({**head, "choices": out,
                          "usage": usage(len(job.prompt_token_ids), completion_tokens),
                          "system_fingerprint": None})
 
 
-async def _stream(state: ServerState, engine: AsyncEngine, req: ChatCompletionRequest, job: Job, head: dict[str, Any],
-                  tok: TokenText) -> AsyncIterator[str]:
+async def _stream(state: ServerState, engine: AsyncEngine, req: ChatCompletionRequest, job: Job,
+                  head: dict[str, Any], tok: TokenText, record: AccessRecord) -> AsyncIterator[str]:
     head = {**head, "object": "chat.completion.chunk"}
     extra = {"usage": None} if req.include_usage else {}
     top_n = req.top_logprobs or 0
@@ -137,6 +148,7 @@ async def _stream(state: ServerState, engine: AsyncEngine, req: ChatCompletionRe
                     break
                 for c in d.outputs:
                     completion_tokens += len(c.token_ids)
+                    record.output_tokens = completion_tokens
                     if not c.text and c.finish_reason is None and not c.token_ids:
                         continue
                     lp = _logprobs(tok, c.token_ids, c.logprobs or [], top_n) if req.logprobs \

@@ -9,7 +9,9 @@ from typing import TYPE_CHECKING, Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
+from conveyor.entrypoints.openai.access_log import AccessRecord, access_record
 from conveyor.entrypoints.openai.errors import APIError, bad_request
+from conveyor.entrypoints.openai.limits import ServerLimits
 from conveyor.entrypoints.openai.protocol import CompletionRequest
 from conveyor.entrypoints.openai.serving import (
     Choice,
@@ -19,6 +21,7 @@ from conveyor.entrypoints.openai.serving import (
     check_admission,
     check_model,
     check_priority,
+    check_prompt_chars,
     engine_error,
     make_params,
     merged_deltas,
@@ -50,6 +53,8 @@ def _prompts(state: ServerState, prompt: Any) -> list[tuple[list[int], str | Non
     vocab = state.vocab_size
     out = []
     for p in prompt:
+        if isinstance(p, str):
+            check_prompt_chars(state, len(p), "prompt")
         ids = state.encode(p) if isinstance(p, str) else list(p)
         if not ids:
             raise bad_request("'prompt' must not be empty", param="prompt")
@@ -75,8 +80,9 @@ def _logprobs(tok: TokenText, token_ids: list[int], entries: list[dict[int, Logp
             "text_offset": offsets}
 
 
-async def create_completion(state: ServerState, request: Request) -> Response:
-    req: CompletionRequest = parse_body(await request.body(), CompletionRequest)
+async def create_completion(state: ServerState, request: Request,
+                            limits: ServerLimits | None = None) -> Response:
+    req: CompletionRequest = parse_body(await request.body(), CompletionRequest, limits)
     state.ready_engine()
     check_model(state, req.model)
     check_priority(state, req.priority)
@@ -96,18 +102,25 @@ async def create_completion(state: ServerState, request: Request) -> Response:
         jobs.append(Job(f"{base_id}-{i}", ids, make_params(req.sampling_params, max_tokens),
                         req.priority, text))
     engine = check_admission(state, len(jobs))
+    record = access_record(request)
+    record.request_id = base_id
+    record.prompt_tokens = sum(len(job.prompt_token_ids) for job in jobs)
+    record.output_tokens = 0
+    record.prompt = "\n".join(text if text is not None else str(ids) for ids, text in prompts)
     echo_text = [(text if text is not None else state.tokenizer.decode(ids)) if req.echo else ""
                  for ids, text in prompts]
     head = {"id": base_id, "object": "text_completion", "created": now_s(),
             "model": req.model or state.model_names[0]}
     tok = TokenText(state.tokenizer)
     if req.stream:
-        return sse_response(_stream(state, engine, req, jobs, head, echo_text, tok))
-    return await cancel_on_disconnect(request, _whole(state, engine, req, jobs, head, echo_text, tok))
+        return sse_response(_stream(state, engine, req, jobs, head, echo_text, tok, record))
+    return await cancel_on_disconnect(request, _whole(state, engine, req, jobs, head, echo_text,
+                                                      tok, record))
 
 
 async def _whole(state: ServerState, engine: AsyncEngine, req: CompletionRequest, jobs: list[Job],
-                 head: dict[str, Any], echo_text: list[str], tok: TokenText) -> Response:
+                 head: dict[str, Any], echo_text: list[str], tok: TokenText,
+                 record: AccessRecord) -> Response:
     choices = {(i, j): Choice() for i in range(len(jobs)) for j in range(req.n)}
     try:
         async with aclosing(merged_deltas(engine, jobs)) as deltas:
@@ -133,12 +146,14 @@ async def _whole(state: ServerState, engine: AsyncEngine, req: CompletionRequest
                     "finish_reason": ch.finish_reason})
     prompt_tokens = sum(len(job.prompt_token_ids) for job in jobs)
     completion_tokens = sum(len(ch.token_ids) for ch in choices.values())
+    record.output_tokens = completion_tokens
     return JSONResponse({**head, "choices": out, "usage": usage(prompt_tokens, completion_tokens),
                          "system_fingerprint": None})
 
 
 async def _stream(state: ServerState, engine: AsyncEngine, req: CompletionRequest, jobs: list[Job],
-                  head: dict[str, Any], echo_text: list[str], tok: TokenText) -> AsyncIterator[str]:
+                  head: dict[str, Any], echo_text: list[str], tok: TokenText,
+                  record: AccessRecord) -> AsyncIterator[str]:
     extra = {"usage": None} if req.include_usage else {}
     started: set[tuple[int, int]] = set()
     offsets: dict[tuple[int, int], int] = {}
@@ -152,6 +167,7 @@ async def _stream(state: ServerState, engine: AsyncEngine, req: CompletionReques
                 for c in d.outputs:
                     key = (i, c.index)
                     completion_tokens += len(c.token_ids)
+                    record.output_tokens = completion_tokens
                     text = c.text
                     if key not in started:
                         started.add(key)

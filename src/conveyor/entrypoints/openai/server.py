@@ -15,7 +15,10 @@ from types import FrameType
 import uvicorn
 
 from conveyor.engine.args import EngineArgs
+from conveyor.entrypoints.openai.access_log import AccessLogSettings
 from conveyor.entrypoints.openai.app import ServerState, build_app
+from conveyor.entrypoints.openai.limits import ServerLimits
+from conveyor.entrypoints.openai.security import ServerSecurity
 
 logger = logging.getLogger("conveyor.serve")
 
@@ -73,13 +76,21 @@ class _Server(uvicorn.Server):
 def run_server(engine_args: EngineArgs, host: str = "127.0.0.1", port: int = 8000,
                served_model_name: str | None = None, max_queued_requests: int | None = None,
                shutdown_timeout: float = 30.0, log_level: str = "info",
-               access_log: bool = False) -> int:
-    """Serve until a signal; returns the process exit status."""
+               security: ServerSecurity | None = None, limits: ServerLimits | None = None,
+               access_log: AccessLogSettings | None = None, ssl_keyfile: str | None = None,
+               ssl_certfile: str | None = None) -> int:
+    """Serve until a signal; returns the process exit status. HTTPS when both ssl files are
+    given."""
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if not (security and security.api_keys) and host not in ("127.0.0.1", "localhost", "::1"):
+        logger.warning("serving on %s without an API key: anyone who can reach it may use it "
+                       "(--api-key)", host)
     state = ServerState(engine_args, served_model_name, max_queued_requests)
-    config = uvicorn.Config(build_app(state), host=host, port=port, log_level=log_level,
-                            access_log=access_log, timeout_graceful_shutdown=shutdown_timeout,
-                            lifespan="on")
+    app = build_app(state, security, limits, access_log)
+    # uvicorn's own access log is off: Conveyor's (access_log.py) has the token counts.
+    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=False,
+                            timeout_graceful_shutdown=shutdown_timeout, lifespan="on",
+                            ssl_keyfile=ssl_keyfile, ssl_certfile=ssl_certfile)
     server = _Server(config, state)
 
     def fatal() -> None:  # called from the engine thread too: only sets a flag

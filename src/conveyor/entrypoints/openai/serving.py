@@ -20,6 +20,7 @@ from pydantic import ValidationError
 
 from conveyor.core.sampling_params import SamplingParams
 from conveyor.entrypoints.openai.errors import APIError, bad_request, from_validation_error
+from conveyor.entrypoints.openai.limits import ServerLimits, check_sizes, json_depth_exceeds
 
 if TYPE_CHECKING:
     from conveyor.engine.async_engine import AsyncEngine
@@ -60,25 +61,60 @@ def now_s() -> int:
     return int(time.time())
 
 
-def parse_body(raw: bytes, model_cls: type[Any]) -> Any:
+def parse_body(raw: bytes, model_cls: type[Any], limits: ServerLimits | None = None) -> Any:
     """Bytes -> validated request model, each failure a 400 that says what is wrong."""
+    limits = limits or ServerLimits()
     if not raw.strip():
         raise bad_request("the request body is empty; expected a JSON object")
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as e:
         raise bad_request(f"the request body is not valid UTF-8 ({e.reason} at byte {e.start})") from e
+    too_deep = bad_request(f"the request body nests JSON arrays/objects deeper than "
+                           f"{limits.max_json_depth} levels")
     try:
         obj = json.loads(text)
     except json.JSONDecodeError as e:
         raise bad_request(f"the request body is not valid JSON: {e.msg} (line {e.lineno}, "
                           f"column {e.colno})") from e
+    except RecursionError as e:
+        raise too_deep from e
+    except ValueError as e:  # e.g. an integer literal of more digits than Python converts
+        raise bad_request(f"the request body is not valid JSON: {e}") from e
     if not isinstance(obj, dict):
         raise bad_request(f"the request body must be a JSON object, got {type(obj).__name__}")
+    if json_depth_exceeds(obj, limits.max_json_depth):
+        raise too_deep
     try:
-        return model_cls.model_validate_json(text)
+        req = model_cls.model_validate_json(text)
     except ValidationError as e:
         raise from_validation_error(e) from e
+    check_sizes(req, limits)
+    return req
+
+
+_max_token_chars: dict[int, int] = {}  # id(tokenizer) -> bound, computed once per tokenizer
+
+
+def check_prompt_chars(state: ServerState, chars: int, param: str) -> None:
+    """Reject, before tokenizing it, a text that cannot fit the context whatever its tokens:
+    tokenizing runs on the event loop, and megabytes of text would stall every stream for
+    seconds. No token decodes to more characters than its vocabulary entry has (a normalizer
+    may first merge characters, hence the margin when there is one)."""
+    tok = state.tokenizer
+    per_token = _max_token_chars.get(id(tok))
+    if per_token is None:
+        per_token = max((len(t) for t in tok.get_vocab()), default=1)
+        backend = getattr(tok, "backend_tokenizer", None)
+        if backend is None or backend.normalizer is not None:
+            per_token *= 4
+        _max_token_chars[id(tok)] = per_token
+    limit = state.engine.max_model_len
+    if chars > limit * per_token:
+        raise bad_request(f"This model's maximum context length is {limit} tokens, and the "
+                          f"prompt's {chars} characters are more than that many tokens can "
+                          "hold. Please reduce the length of the prompt.", param=param,
+                          code="context_length_exceeded")
 
 
 def check_model(state: ServerState, model: str | None) -> None:

@@ -20,12 +20,16 @@ entries computing a chunk of >1 tokens (prefill, possibly after a cached prefix)
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
 from conveyor.model.kernels.fused_ops import packed_heads
 from conveyor.model.kernels.paged_attention import kernel_attention
+
+if TYPE_CHECKING:
+    from conveyor.model.layers.triton_attention import TritonBatch
 
 DECODE_GROUP_SIZE = 16
 PREFILL_PADDING_LIMIT = 2.0  # a prefill group's padded work may be at most this x its real work
@@ -84,6 +88,7 @@ class AttentionMetadata:
     positions: torch.Tensor  # [T] position of each new token in its sequence
     kernel: KernelBatch | None  # set when the C++ kernel attends every token
     groups: list[AttentionGroup]  # scaled_dot_product_attention groups, without the kernel
+    triton: TritonBatch | None = None  # set on the CUDA path (layers/triton_attention.py)
 
     @property
     def decode_only(self) -> bool:
@@ -213,6 +218,11 @@ def paged_attention(
     num_tokens, num_heads, head_dim = q.shape
     kv_heads = k.shape[1]
     g = num_heads // kv_heads
+    if meta.triton is not None:
+        from conveyor.model.layers.triton_attention import triton_paged_attention
+
+        return triton_paged_attention(q, k, v, k_cache, v_cache, meta.slot_mapping, meta.triton,
+                                      out=out)
     if meta.kernel is not None:  # it writes k and v into the cache too
         kb = meta.kernel
         return kernel_attention(q, k_cache, v_cache, kb.block_tables, kb.context_lens,

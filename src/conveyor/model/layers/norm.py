@@ -1,7 +1,8 @@
 """RMSNorm computed in float32 and cast back, like transformers' LlamaRMSNorm, optionally
 fused with the residual add before it (``residual += x`` in place, then the norm of the sum).
 
-On the CPU both are one pass in ``kernels/fused_ops.cpp``; elsewhere the torch ops below.
+On the CPU both are one pass in ``kernels/fused_ops.cpp``, on CUDA in
+``kernels/triton/rms_norm.py``; elsewhere the torch ops below.
 """
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from conveyor.model.kernels import fused_ops
+from conveyor.model.kernels.triton.common import triton_available
 
 
 class RMSNorm(torch.nn.Module):
@@ -23,6 +25,10 @@ class RMSNorm(torch.nn.Module):
 
         ``out`` is a buffer the fused kernel may write the result into (x itself, when the
         caller no longer needs it: a long prefill then allocates one activation less)."""
+        if x.dim() == 2 and x.is_cuda and triton_available():
+            from conveyor.model.kernels.triton.rms_norm import rms_norm
+
+            return rms_norm(x, self.weight, self.eps, residual, out)
         if x.dim() == 2:
             fused = fused_ops.rms_norm(x, self.weight, self.eps, residual, out)
             if fused is not None:

@@ -8,6 +8,7 @@ from typing import Any
 import torch
 
 from conveyor.model.kernels import fused_ops
+from conveyor.model.kernels.triton.common import triton_available
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None,
@@ -54,7 +55,12 @@ class RotaryEmbedding:
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                  out: torch.Tensor | None = None) -> torch.Tensor:
     """x: [T, heads, head_dim] -> the rotated tensor: one pass in ``kernels/fused_ops.cpp`` on the
-    CPU, which writes it into ``out`` when given (x itself, to rotate in place); else a new one."""
+    CPU, or in ``kernels/triton/elementwise.py`` on CUDA, which write it into ``out`` when given
+    (x itself, to rotate in place); else a new one."""
+    if x.is_cuda and triton_available():
+        from conveyor.model.kernels.triton.elementwise import rotary
+
+        return rotary(x, cos, sin, out)
     fused = fused_ops.rotary(x, cos, sin, out)
     if fused is not None:
         return fused

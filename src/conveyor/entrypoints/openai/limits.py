@@ -1,0 +1,130 @@
+"""How much one request may ask of the server: the body size (enforced before anything reads
+the body), the JSON nesting depth, the number and length of stop strings, the length of short
+string fields and the number of prompts. Each violation is a 4xx in OpenAI's error shape, never
+a 500."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from conveyor.entrypoints.openai.errors import APIError, bad_request
+
+DEFAULT_MAX_REQUEST_BYTES = 8 * 1024 * 1024
+
+
+@dataclass(frozen=True)
+class ServerLimits:
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
+    max_json_depth: int = 32
+    max_stop_sequences: int = 16
+    max_stop_chars: int = 1024
+    max_name_chars: int = 1024  # model, user, a message's name
+    max_prompts: int = 1024  # prompts in one /v1/completions request (each an engine request)
+
+
+class _BodyTooLarge(Exception):
+    pass
+
+
+class BodySizeLimitMiddleware:
+    """413 for a body over ``max_bytes``: at once when Content-Length says so, otherwise as soon
+    as the chunks received so far add up to more (a chunked upload has no Content-Length)."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    def _too_large(self) -> APIError:
+        return APIError(413, f"The request body is larger than the server's limit of "
+                        f"{self.max_bytes} bytes (--max-request-bytes).",
+                        code="request_too_large")
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        declared = _content_length(scope)
+        if declared is not None and declared > self.max_bytes:
+            await self._too_large().response()(scope, receive, send)
+            return
+        received = 0
+        response_started = False
+
+        async def counting_receive() -> Message:
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > self.max_bytes:
+                    raise _BodyTooLarge
+            return message
+
+        async def tracking_send(message: Message) -> None:
+            nonlocal response_started
+            if message["type"] == "http.response.start":
+                response_started = True
+            await send(message)
+
+        try:
+            await self.app(scope, counting_receive, tracking_send)
+        except _BodyTooLarge:
+            if response_started:
+                raise
+            await self._too_large().response()(scope, receive, send)
+
+
+def _content_length(scope: Scope) -> int | None:
+    for name, value in scope["headers"]:
+        if name == b"content-length":
+            try:
+                return int(value)
+            except ValueError:
+                return None  # the HTTP server itself rejects a malformed Content-Length
+    return None
+
+
+def json_depth_exceeds(obj: Any, limit: int) -> bool:
+    """Whether ``obj`` (parsed JSON) nests lists/objects deeper than ``limit``; iterative, and it
+    stops at the first container too deep."""
+    stack = [(obj, 1)]
+    while stack:
+        value, depth = stack.pop()
+        if isinstance(value, dict):
+            children = value.values()
+        elif isinstance(value, list):
+            children = value
+        else:
+            continue
+        if depth > limit:
+            return True
+        stack.extend((child, depth + 1) for child in children
+                     if isinstance(child, (dict, list)))
+    return False
+
+
+def check_sizes(req: Any, limits: ServerLimits) -> None:
+    """Stop strings, short string fields and the number of prompts of a validated request
+    within ``limits``."""
+    prompt = getattr(req, "prompt", None)
+    if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
+        if len(prompt) > limits.max_prompts:
+            raise bad_request(f"'prompt' has {len(prompt)} prompts; at most "
+                              f"{limits.max_prompts} are allowed in one request", param="prompt")
+    stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+    if len(stop) > limits.max_stop_sequences:
+        raise bad_request(f"'stop' has {len(stop)} sequences; at most "
+                          f"{limits.max_stop_sequences} are allowed", param="stop")
+    for s in stop:
+        if len(s) > limits.max_stop_chars:
+            raise bad_request(f"a 'stop' sequence has {len(s)} characters; at most "
+                              f"{limits.max_stop_chars} are allowed", param="stop")
+    named = [("model", req.model), ("user", req.user)]
+    named += [("messages", m.name) for m in getattr(req, "messages", [])]
+    for field, value in named:
+        if value is not None and len(value) > limits.max_name_chars:
+            what = "a message's 'name'" if field == "messages" else f"'{field}'"
+            raise bad_request(f"{what} has {len(value)} characters; at most "
+                              f"{limits.max_name_chars} are allowed", param=field)

@@ -1,0 +1,71 @@
+"""Bodies the server refuses by size or shape before they cost anything: deep JSON nesting,
+integer literals Python will not convert, too many or too long stop strings, oversized short
+fields, too many prompts. Each is a 400 in OpenAI's shape, naming the field where there is one."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+
+pytestmark = pytest.mark.timeout(300)
+
+DEEP = 20_000
+CHAT = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
+
+# (path, raw body, a fragment the message must contain, param)
+CASES = [
+    ("/v1/completions", b"[" * DEEP + b"]" * DEEP, "deeper than 32", None),
+    ("/v1/chat/completions", b"[" * DEEP + b"]" * DEEP, "deeper than 32", None),
+    ("/v1/completions", b'{"prompt": "hi", "extra": ' + b"[" * DEEP + b"]" * DEEP + b"}",
+     "deeper than 32", None),
+    ("/v1/completions", b'{"prompt": "hi", "extra": ' + b"[" * 40 + b"]" * 40 + b"}",
+     "deeper than 32", None),
+    ("/v1/chat/completions", b'{"messages": ' + b'[{"a": ' * 5000 + b"1" + b"}]" * 5000 + b"}",
+     "deeper than 32", None),
+    ("/v1/completions", json.dumps({"prompt": "x" * 8_000_000}).encode(), "8000000 characters",
+     "prompt"),
+    ("/v1/completions", json.dumps({"prompt": ["hi", "y " * 100_000]}).encode(),
+     "200000 characters", "prompt"),
+    ("/v1/chat/completions", json.dumps({"messages": [{"role": "user", "content": "z" * 50_000},
+                                                      {"role": "user", "content": "z" * 50_000}]}
+                                        ).encode(), "100000 characters", "messages"),
+    ("/v1/completions", b'{"prompt": "hi", "seed": ' + b"9" * 5000 + b"}", "digits", None),
+    ("/v1/completions", json.dumps({"prompt": [[1]] * 1025}).encode(), "at most 1024",
+     "prompt"),
+    ("/v1/completions", json.dumps({"prompt": ["a"] * 2000}).encode(), "2000 prompts",
+     "prompt"),
+    ("/v1/completions", json.dumps({"prompt": "hi", "stop": ["x"] * 17}).encode(),
+     "at most 16", "stop"),
+    ("/v1/completions", json.dumps({"prompt": "hi", "stop": "s" * 1025}).encode(),
+     "at most 1024", "stop"),
+    ("/v1/chat/completions", json.dumps({**CHAT, "stop": ["ok", "x" * 5000]}).encode(),
+     "at most 1024", "stop"),
+    ("/v1/completions", json.dumps({"prompt": "hi", "user": "u" * 1025}).encode(),
+     "'user' has 1025 characters", "user"),
+    ("/v1/completions", json.dumps({"prompt": "hi", "model": "m" * 2000}).encode(),
+     "'model' has 2000 characters", "model"),
+    ("/v1/chat/completions", json.dumps(
+        {"messages": [{"role": "user", "content": "Hi", "name": "n" * 1500}]}).encode(),
+     "message's 'name'", "messages"),
+]
+
+
+@pytest.mark.parametrize(("path", "body", "fragment", "param"), CASES,
+                         ids=[f"{i}-{c[0].removeprefix('/v1/')}" for i, c in enumerate(CASES)])
+def test_refused_with_400(server, path, body, fragment, param) -> None:
+    resp = httpx.post(server.base_url + path, content=body, timeout=60,
+                      headers={"content-type": "application/json"})
+    assert resp.status_code == 400, resp.text[:500]
+    err = resp.json()["error"]
+    assert fragment in err["message"], err
+    assert err["param"] == param and err["type"] == "invalid_request_error"
+
+
+def test_limits_leave_room_for_real_requests(server) -> None:
+    body = {**CHAT, "stop": ["x" * 1024] * 16, "user": "u" * 1024,
+            "extra": [[[[[[[[[[1]]]]]]]]]]}
+    resp = httpx.post(server.base_url + "/v1/chat/completions", json=body, timeout=60)
+    assert resp.status_code == 200, resp.text
+    assert resp.json()["usage"]["completion_tokens"] >= 1
