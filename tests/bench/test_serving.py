@@ -1,5 +1,6 @@
 """The serving benchmark: arrivals, SLO/metrics parsing, and the client against a real server."""
 
+import argparse
 import json
 import math
 import statistics
@@ -8,10 +9,13 @@ import pytest
 
 from conveyor.bench.serving import (
     RequestResult,
+    add_parser,
     arrival_offsets,
     parse_rates,
     parse_slo,
     preemptions_from_metrics,
+    prefix_cache_from_metrics,
+    spawn_variants,
     summarize,
 )
 from conveyor.entrypoints.cli import main as cli_main
@@ -62,6 +66,32 @@ def test_preemptions_are_read_from_conveyor_counters():
     ])
     assert preemptions_from_metrics(page) == 7.0
     assert preemptions_from_metrics("conveyor:num_requests_running 3.0") is None
+
+
+def test_prefix_cache_is_summed_over_replicas():
+    page = "\n".join([
+        'conveyor:prefix_cache_hits_total{model_name="m",replica="a"} 30.0',
+        'conveyor:prefix_cache_hits_total{model_name="m",replica="b"} 10.0',
+        'conveyor:prefix_cache_queries_total{model_name="m",replica="a"} 50.0',
+        'conveyor:prefix_cache_queries_total{model_name="m",replica="b"} 50.0',
+        'conveyor:prefix_cache_hits_created{model_name="m",replica="a"} 1.7e9',
+    ])
+    assert prefix_cache_from_metrics(page) == (40.0, 100.0)
+    assert prefix_cache_from_metrics("conveyor:num_requests_running 3.0") is None
+
+
+def test_one_spawned_fleet_per_router():
+    parser = argparse.ArgumentParser()
+    add_parser(parser.add_subparsers())
+    args = parser.parse_args(["serve", "--spawn", "--data-parallel-size", "2", "--router",
+                              "prefix_affinity,round_robin", "--ray-num-cpus", "2"])
+    variants = spawn_variants(args)
+    assert [label for label, _ in variants] == ["conveyor dp2 prefix_affinity",
+                                                "conveyor dp2 round_robin"]
+    assert variants[1][1] == ["--data-parallel-size", "2", "--threads-per-replica", "1",
+                              "--ray-num-cpus", "2", "--router", "round_robin"]
+    single = parser.parse_args(["serve", "--spawn"])
+    assert spawn_variants(single) == [("conveyor", [])]
 
 
 def test_summary_goodput_counts_requests_within_every_slo():

@@ -200,6 +200,9 @@ def format_serving_table(runs: list[dict[str, Any]]) -> str:
               "preemptions"]
     for name in SERVING_LATENCIES:
         header.append(f"{name.upper()} ms mean / p50 / p90 / p99")
+    hit_rates = any("prefix_hit_rate" in run for run in runs)
+    if hit_rates:
+        header.append("prefix hit rate")
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for run in runs:
         rate = run["request_rate"]
@@ -210,6 +213,9 @@ def format_serving_table(runs: list[dict[str, Any]]) -> str:
         for name in SERVING_LATENCIES:
             p = run[name]
             cells.append(" / ".join(_fmt(p[k], 1000.0) for k in ("mean", "p50", "p90", "p99")))
+        if hit_rates:
+            hit = run.get("prefix_hit_rate")
+            cells.append("-" if hit is None else f"{hit:.1%}")
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 

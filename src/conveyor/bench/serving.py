@@ -106,6 +106,23 @@ def preemptions_from_metrics(text: str) -> float | None:
     return total if seen else None
 
 
+def prefix_cache_from_metrics(text: str) -> tuple[float, float] | None:
+    """(hits, queries) of the prefix cache, summed over every replica of a Prometheus page."""
+    hits = queries = 0.0
+    seen = False
+    for line in text.splitlines():
+        if line.startswith("#"):
+            continue
+        name, _, value = line.rpartition(" ")
+        metric = name.split("{", 1)[0]
+        if metric == "conveyor:prefix_cache_hits_total":
+            hits += float(value)
+            seen = True
+        elif metric == "conveyor:prefix_cache_queries_total":
+            queries += float(value)
+    return (hits, queries) if seen else None
+
+
 def summarize(results: list[RequestResult], duration: float, slo: dict[str, float]) -> dict:
     done = [r for r in results if r.ok]
     out_tokens = sum(r.output_tokens for r in done)
@@ -154,12 +171,16 @@ class ServeClient:
             self.model = r.json()["data"][0]["id"]
         return self.model
 
-    async def metrics_preemptions(self) -> float | None:
+    async def metrics_text(self) -> str | None:
         try:
             r = await self.client.get("/metrics")
         except Exception:
             return None
-        return preemptions_from_metrics(r.text) if r.status_code == 200 else None
+        return r.text if r.status_code == 200 else None
+
+    async def metrics_preemptions(self) -> float | None:
+        text = await self.metrics_text()
+        return None if text is None else preemptions_from_metrics(text)
 
     async def complete(self, prompt: list[int], max_tokens: int) -> RequestResult:
         body = {"model": await self.model_name(), "prompt": prompt, "max_tokens": max_tokens,
@@ -210,7 +231,7 @@ async def run_rate(client: ServeClient, requests: list, rate: float, burstiness:
                    slo: dict[str, float]) -> dict[str, Any]:
     """Send ``requests`` at ``rate`` and summarize; stops sending after ``duration_limit``."""
     await client.model_name()
-    before = await client.metrics_preemptions()
+    before_text = await client.metrics_text()
     offsets = arrival_offsets(len(requests), rate, burstiness, seed)
     gate = asyncio.Semaphore(max_concurrency) if max_concurrency else None
     start = time.perf_counter()
@@ -229,8 +250,15 @@ async def run_rate(client: ServeClient, requests: list, rate: float, burstiness:
     results = await asyncio.gather(*(one(r, o) for r, o in zip(requests, offsets, strict=True)))
     sent = [r for r in results if r is not None]
     duration = time.perf_counter() - start
-    after = await client.metrics_preemptions()
+    after_text = await client.metrics_text()
     summary = summarize(sent, duration, slo)
+    before = after = None
+    if before_text is not None and after_text is not None:
+        before, after = preemptions_from_metrics(before_text), preemptions_from_metrics(after_text)
+        cache0, cache1 = (prefix_cache_from_metrics(before_text),
+                          prefix_cache_from_metrics(after_text))
+        if cache0 is not None and cache1 is not None and cache1[1] > cache0[1]:
+            summary["prefix_hit_rate"] = (cache1[0] - cache0[0]) / (cache1[1] - cache0[1])
     summary["request_rate"] = rate
     summary["burstiness"] = burstiness
     summary["max_concurrency"] = max_concurrency
@@ -322,6 +350,24 @@ async def run_sweep(base_url: str, args: argparse.Namespace) -> list[dict[str, A
     return runs
 
 
+def spawn_variants(args: argparse.Namespace) -> list[tuple[str, list[str]]]:
+    """(label, extra `conveyor serve` flags) per server to spawn: one, or one per --router of a
+    --data-parallel-size fleet, measured one after the other in this run."""
+    if args.data_parallel_size <= 1 and not args.router:
+        return [(args.label, [])]
+    fleet = ["--data-parallel-size", str(args.data_parallel_size),
+             "--threads-per-replica", str(args.threads_per_replica)]
+    if args.ray_num_cpus is not None:
+        fleet += ["--ray-num-cpus", str(args.ray_num_cpus)]
+    routers = [r.strip() for r in (args.router or "prefix_affinity").split(",") if r.strip()]
+    return [(f"{args.label} dp{args.data_parallel_size} {r}", fleet + ["--router", r])
+            for r in routers]
+
+
+def _with_label(args: argparse.Namespace, label: str) -> argparse.Namespace:
+    return argparse.Namespace(**{**vars(args), "label": label})
+
+
 def main(args: argparse.Namespace) -> int:
     if args.from_json:
         runs = []
@@ -331,8 +377,10 @@ def main(args: argparse.Namespace) -> int:
         if bool(args.spawn) == bool(args.base_url):
             raise SystemExit("bench serve: give exactly one of --base-url URL or --spawn")
         if args.spawn:
-            with spawned_server(engine_flags(args), log_path=args.server_log) as base:
-                runs = asyncio.run(run_sweep(base, args))
+            runs = []
+            for label, flags in spawn_variants(args):
+                with spawned_server(engine_flags(args) + flags, log_path=args.server_log) as base:
+                    runs += asyncio.run(run_sweep(base, _with_label(args, label)))
         else:
             runs = asyncio.run(run_sweep(args.base_url, args))
     print(format_serving_table(runs))
@@ -375,5 +423,14 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--from-json", nargs="+",
                    help="plot/print these saved runs together instead of running")
     p.add_argument("--server-log", default=None, help="with --spawn: write the server's output here")
+    d = p.add_argument_group("data-parallel replicas (with --spawn)")
+    d.add_argument("--data-parallel-size", type=int, default=1,
+                   help="spawn a fleet of this many replicas on Ray Serve (default: 1)")
+    d.add_argument("--router", default=None,
+                   help="routers, comma-separated: one fleet each, one after the other "
+                   "(default: prefix_affinity)")
+    d.add_argument("--threads-per-replica", type=int, default=1)
+    d.add_argument("--ray-num-cpus", type=int, default=None,
+                   help="CPUs of the spawned fleet's local Ray instance (default: every core)")
     add_cli_args(p)
     p.set_defaults(func=main)

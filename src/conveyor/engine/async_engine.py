@@ -9,6 +9,9 @@ blocks the event loop, and the engine never sees two threads at once.
 and logprobs that are new since the previous one (samples that did not change are left out).
 Leaving the iterator early (client gone, task cancelled) aborts the request, which frees its
 KV blocks at the engine thread's next turn, i.e. within one step.
+
+After every step the thread replaces ``stats`` (read by /metrics) and hands the same snapshot to
+``stats_publisher``, which streams it to any number of watchers (the playground's stats stream).
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from conveyor.core.sampling_params import RequestOutputKind, SamplingParams
+from conveyor.engine.stats_stream import StatsPublisher
 
 if TYPE_CHECKING:
     from conveyor.engine.llm_engine import LLMEngine
@@ -79,6 +83,8 @@ class AsyncEngine:
         # Engine-thread side only: request id -> {sample index -> what was sent}.
         self._sent: dict[str, dict[int, _Sent]] = {}
         self.stats = engine.get_stats()  # latest snapshot, replaced (never mutated) by the thread
+        self.stats_publisher = StatsPublisher()  # the same snapshots, for streaming watchers
+        self.stats_publisher.publish(self.stats)
 
     # ---------------------------------------------------------------- properties
     @property
@@ -284,6 +290,7 @@ class AsyncEngine:
         stats = self.engine.get_stats()
         with self._lock:
             self.stats = stats
+        self.stats_publisher.publish(stats, self.engine.scheduler.unfinished_groups)
 
     def _post(self, request_id: str, item: Any) -> None:
         self._call_in_loop(self._dispatch_one, request_id, item)

@@ -69,6 +69,8 @@ class LLMEngine:
         )
         self._outputs = OutputProcessor(self.tokenizer, self.scheduler.finish_sequence, self._clock)
         self._num_steps = 0
+        self._scheduled_seqs_total = 0
+        self._scheduled_tokens_total = 0
         self._prompt_tokens_total = 0
         self._generation_tokens_total = 0
 
@@ -147,6 +149,8 @@ class LLMEngine:
             result = self.executor.execute(scheduled)
             sampled, logprobs = result.sampled_token_ids, result.logprobs
             self._num_steps += 1
+            self._scheduled_seqs_total += len(scheduled.seqs)
+            self._scheduled_tokens_total += scheduled.num_batched_tokens
         self._generation_tokens_total += sum(len(tokens) for tokens in sampled)
         parents = list(scheduled.seqs)
         finished = self.scheduler.update(scheduled, sampled)
@@ -181,6 +185,8 @@ class LLMEngine:
         s = self.scheduler.stats
         stats = EngineStats(**{name: getattr(s, name) for name in EngineStats.SCHEDULER_FIELDS})
         stats.num_steps = self._num_steps
+        stats.scheduled_seqs_total = self._scheduled_seqs_total
+        stats.scheduled_tokens_total = self._scheduled_tokens_total
         stats.prompt_tokens_total = self._prompt_tokens_total
         stats.generation_tokens_total = self._generation_tokens_total
         stats.finished_by_reason = dict(self._outputs.finished_by_reason)

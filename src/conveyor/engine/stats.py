@@ -19,6 +19,8 @@ class EngineStats:
     prefix_cache_hits: int = 0  # tokens
     # engine counters
     num_steps: int = 0
+    scheduled_seqs_total: int = 0  # sum over steps of the batch size (sequences in the step)
+    scheduled_tokens_total: int = 0  # sum over steps of the tokens computed in the step
     prompt_tokens_total: int = 0  # prompt (and recomputed) tokens run through the model
     generation_tokens_total: int = 0  # tokens sampled
     finished_by_reason: dict[str, int] = field(default_factory=dict)  # per finished sequence

@@ -48,6 +48,20 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     sec.add_argument("--ssl-certfile", default=None, help="serve HTTPS with this certificate")
     sec.add_argument("--max-request-bytes", type=int, default=None,
                      help="answer 413 to a larger request body (default: 8 MiB)")
+    d = p.add_argument_group("data-parallel replicas (Ray Serve; docs/parallelism.md)")
+    d.add_argument("--data-parallel-size", type=int, default=1,
+                   help="engine replicas behind this endpoint; > 1 deploys them with Ray Serve "
+                   "(default: 1, no Ray)")
+    d.add_argument("--ray-address", default=None,
+                   help="join this Ray cluster (e.g. auto, or HEAD_IP:6379) instead of starting "
+                   "a local one")
+    d.add_argument("--router", default="prefix_affinity",
+                   choices=["prefix_affinity", "round_robin", "least_loaded"],
+                   help="how requests are spread over replicas (default: prefix_affinity)")
+    d.add_argument("--threads-per-replica", type=int, default=1,
+                   help="torch threads (and Ray CPUs) per replica (default: 1)")
+    d.add_argument("--ray-num-cpus", type=int, default=None,
+                   help="CPUs of the local Ray instance (default: every core)")
     add_cli_args(p)
     p.set_defaults(func=_run)
 
@@ -81,12 +95,17 @@ def _run(args: argparse.Namespace) -> int:
                               allowed_origins=_split(args.allowed_origins),
                               allowed_methods=_split(args.allowed_methods, ("*",)),
                               allowed_headers=_split(args.allowed_headers, ("*",)))
-    return run_server(from_cli_args(args), host=args.host, port=args.port,
-                      served_model_name=args.served_model_name,
-                      max_queued_requests=args.max_queued_requests,
-                      shutdown_timeout=args.shutdown_timeout, log_level=args.log_level,
-                      security=security,
-                      limits=ServerLimits(max_request_bytes=args.max_request_bytes
-                                          or DEFAULT_MAX_REQUEST_BYTES),
-                      access_log=AccessLogSettings(args.access_log, args.log_prompts),
-                      ssl_keyfile=args.ssl_keyfile, ssl_certfile=args.ssl_certfile)
+    server_kwargs = dict(
+        host=args.host, port=args.port, served_model_name=args.served_model_name,
+        max_queued_requests=args.max_queued_requests, shutdown_timeout=args.shutdown_timeout,
+        log_level=args.log_level, security=security,
+        limits=ServerLimits(max_request_bytes=args.max_request_bytes or DEFAULT_MAX_REQUEST_BYTES),
+        access_log=AccessLogSettings(args.access_log, args.log_prompts),
+        ssl_keyfile=args.ssl_keyfile, ssl_certfile=args.ssl_certfile)
+    if args.data_parallel_size > 1 or args.ray_address is not None:
+        from conveyor.entrypoints.ray_serve.launcher import FleetConfig, run_fleet
+
+        fleet = FleetConfig(args.data_parallel_size, args.router, args.threads_per_replica,
+                            args.ray_address, args.ray_num_cpus)
+        return run_fleet(from_cli_args(args), fleet, **server_kwargs)
+    return run_server(from_cli_args(args), **server_kwargs)

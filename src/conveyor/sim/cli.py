@@ -73,6 +73,14 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                         "hits when a preempted sequence is recomputed; off halves the run time")
     e.add_argument("--long-prefill-token-threshold", type=int, default=0)
     e.add_argument("--max-num-partial-prefills", type=int, default=1)
+    f = p.add_argument_group("fleet (data-parallel replicas behind a router)")
+    f.add_argument("--replicas", type=int, default=1,
+                   help="replicas of the engine, each its own scheduler and GPU(s) (default: 1)")
+    f.add_argument("--router", type=_csv(str), default=["prefix_affinity"],
+                   help="routers, comma-separated: prefix_affinity,round_robin,least_loaded")
+    f.add_argument("--shared-prefix", default=None, metavar="G:L",
+                   help="prompts start with one of G shared L-token prefixes (default: all "
+                        "prompts distinct)")
     o = p.add_argument_group("output")
     o.add_argument("--slo", default="ttft=1s,tpot=50ms", help="goodput SLO (default: ttft=1s,tpot=50ms)")
     o.add_argument("--json", help="write every run's summary to this JSON file")
@@ -131,6 +139,8 @@ def _run(args: argparse.Namespace) -> int:
         if args.save_trace:
             workloads[0][1].save_jsonl(args.save_trace)
 
+    if args.replicas > 1 or args.shared_prefix:
+        return _run_fleet(args, configs, workloads, slo, num_gpu_blocks)
     print(f"{model.name} on {args.tp} x {hardware.name}: {num_gpu_blocks:,} KV blocks x "
           f"{args.block_size} tokens, weights {model.weight_bytes_total / 1e9:.1f} GB; SLO {slo}")
     results, summaries = [], []
@@ -169,6 +179,54 @@ def _run(args: argparse.Namespace) -> int:
     if args.report:
         report.write_markdown(args.report, header, summaries, plots)
         print(f"report: {args.report}")
+    return 0
+
+
+def _shared_prefix(text: str | None) -> tuple[int, int] | None:
+    if not text:
+        return None
+    groups, _, length = text.partition(":")
+    try:
+        return int(groups), int(length)
+    except ValueError:
+        raise ValueError(f"bad --shared-prefix {text!r}: use GROUPS:TOKENS, e.g. 16:512") from None
+
+
+def _run_fleet(args: argparse.Namespace, configs, workloads, slo, num_gpu_blocks: int) -> int:
+    from conveyor.routing import make_router
+    from conveyor.sim import report
+    from conveyor.sim.fleet import simulate_fleet
+
+    if args.replicas < 1:
+        raise ValueError(f"--replicas must be >= 1, got {args.replicas}")
+    for router in args.router:
+        make_router(router)
+    shared = _shared_prefix(args.shared_prefix)
+    print(f"{args.replicas} replicas of {configs[0].model.name} on {args.tp} x "
+          f"{configs[0].hardware.name} (each {num_gpu_blocks:,} KV blocks x {args.block_size} "
+          f"tokens); SLO {slo}; shared prefix {args.shared_prefix or 'none'}")
+    summaries = []
+    for rate, workload in workloads:
+        for config in configs:
+            for router in args.router:
+                fleet = simulate_fleet(config, workload, args.replicas, router, rate=rate,
+                                       shared_prefix=shared, seed=args.seed)
+                summary = fleet.summary(slo)
+                summaries.append(summary)
+                print(f"  {config.label} x{args.replicas} {router} @ {rate:g} req/s: "
+                      f"{summary['output_tok_s']:.0f} out tok/s, TTFT p50 "
+                      f"{summary['ttft_p50_ms']:.0f} ms, prefix hit rate "
+                      f"{summary['prefix_hit_rate']:.1%} ({fleet.result.wall_s:.1f} s)",
+                      flush=True)
+                print(report.format_replica_table(summary["per_replica"]))
+    print()
+    print(report.format_table(summaries))
+    if args.json:
+        header = {"model": configs[0].model.name, "hardware": configs[0].hardware.name,
+                  "tp": args.tp, "replicas": args.replicas, "slo": str(slo),
+                  "shared_prefix": args.shared_prefix}
+        report.write_json(args.json, header, summaries)
+        print(f"json: {args.json}")
     return 0
 
 

@@ -50,6 +50,23 @@ def format_table(summaries: list[dict]) -> str:
     return "\n".join(lines)
 
 
+REPLICA_COLUMNS = [  # (header, key, format) of a fleet run's per-replica rows
+    ("replica", "replica", "{}"), ("requests", "requests", "{}"),
+    ("affinity hits", "affinity_hits", "{}"), ("out tokens", "output_tokens", "{}"),
+    ("busy", "busy", "{:.0%}"), ("steps", "steps", "{}"), ("preempt", "preemptions", "{}"),
+    ("prefix hit", "prefix_hit_rate", "{:.1%}"), ("KV mean", "kv_usage_mean", "{:.0%}"),
+]
+
+
+def format_replica_table(per_replica: list[dict]) -> str:
+    """Per-replica load of one fleet run, indented under its summary line."""
+    header = [h for h, _, _ in REPLICA_COLUMNS]
+    body = [[_cell(r, k, f) for _, k, f in REPLICA_COLUMNS] for r in per_replica]
+    widths = [max(len(r[i]) for r in [header, *body]) for i in range(len(header))]
+    return "\n".join("    " + "  ".join(c.rjust(w) for c, w in zip(r, widths, strict=False))
+                     for r in [header, *body])
+
+
 def format_markdown_table(summaries: list[dict]) -> str:
     header, body = rows(summaries)
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]

@@ -4,6 +4,7 @@ shutdown), routes, and the handlers that put every error in OpenAI's JSON shape.
 from __future__ import annotations
 
 import asyncio
+import inspect
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
@@ -24,6 +25,7 @@ from conveyor.entrypoints.openai.completions import create_completion
 from conveyor.entrypoints.openai.errors import APIError
 from conveyor.entrypoints.openai.limits import BodySizeLimitMiddleware, ServerLimits
 from conveyor.entrypoints.openai.metrics import ServerMetrics
+from conveyor.entrypoints.openai.playground import register_playground
 from conveyor.entrypoints.openai.security import ServerSecurity, add_security
 
 logger = logging.getLogger("conveyor.serve")
@@ -122,6 +124,11 @@ class ServerState:
 
         return chat_prompt(self.tokenizer, messages, add_generation_prompt)
 
+    async def health(self) -> dict[str, Any]:
+        """The /health body; raises APIError (503) when not ready."""
+        self.ready_engine()
+        return {"status": "ok"}
+
     @staticmethod
     def api_error(e: BaseException) -> APIError:
         """An exception raised while generating -> the error the client sees."""
@@ -194,15 +201,18 @@ def build_app(state: ServerState, security: ServerSecurity | None = None,
              "max_model_len": engine.max_model_len} for name in state.model_names]}
 
     @app.get("/health")
-    async def health() -> dict[str, str]:
-        state.ready_engine()
-        return {"status": "ok"}
+    async def health() -> dict[str, Any]:
+        return await state.health()
 
     @app.get("/metrics")
     async def metrics() -> Response:
         if state.metrics is None:  # still loading: ready_engine() says why
             state.ready_engine()
             raise APIError(503, "metrics are not available yet")
-        return Response(state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+        body = state.metrics.render()
+        if inspect.isawaitable(body):  # a fleet's metrics are gathered from its replicas
+            body = await body
+        return Response(body, media_type=CONTENT_TYPE_LATEST)
 
+    register_playground(app, state)
     return app

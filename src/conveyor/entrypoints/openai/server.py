@@ -78,14 +78,15 @@ def run_server(engine_args: EngineArgs, host: str = "127.0.0.1", port: int = 800
                shutdown_timeout: float = 30.0, log_level: str = "info",
                security: ServerSecurity | None = None, limits: ServerLimits | None = None,
                access_log: AccessLogSettings | None = None, ssl_keyfile: str | None = None,
-               ssl_certfile: str | None = None) -> int:
+               ssl_certfile: str | None = None, state: ServerState | None = None) -> int:
     """Serve until a signal; returns the process exit status. HTTPS when both ssl files are
-    given."""
+    given. ``state``: serve over another engine (a fleet of replicas) instead of one built
+    from ``engine_args``."""
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if not (security and security.api_keys) and host not in ("127.0.0.1", "localhost", "::1"):
         logger.warning("serving on %s without an API key: anyone who can reach it may use it "
                        "(--api-key)", host)
-    state = ServerState(engine_args, served_model_name, max_queued_requests)
+    state = state or ServerState(engine_args, served_model_name, max_queued_requests)
     app = build_app(state, security, limits, access_log)
     # uvicorn's own access log is off: Conveyor's (access_log.py) has the token counts.
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=False,

@@ -1,0 +1,161 @@
+"""`conveyor serve --data-parallel-size N`: start (or join) a Ray cluster, deploy N replicas with
+Ray Serve, and serve the OpenAI app over them from this process (see docs/parallelism.md)."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+from conveyor.engine.args import EngineArgs
+
+logger = logging.getLogger("conveyor.serve")
+
+APP_NAME = "conveyor"
+DEPLOYMENT_NAME = "ConveyorReplica"
+MAX_ONGOING_REQUESTS = 1024  # Serve's per-replica cap; the engine's own queue does the waiting
+
+
+@dataclass
+class FleetConfig:
+    data_parallel_size: int = 2
+    router: str = "prefix_affinity"
+    threads_per_replica: int = 1
+    ray_address: str | None = None  # None: start a local Ray instance for this server
+    num_cpus: int | None = None  # for a local instance (None: Ray's default, every core)
+
+
+def deploy(engine_args: EngineArgs, fleet: FleetConfig,
+           served_model_name: str | None = None) -> tuple[Any, Any]:
+    """Bring the replicas up (blocks until they have loaded the model); returns the deployment
+    handle and the router's stats. ``disconnect_ray`` takes them down again."""
+    import ray
+    from ray import serve
+    from ray.serve.config import ProxyLocation, RequestRouterConfig
+
+    from conveyor.entrypoints.ray_serve.replica import ConveyorReplica
+    from conveyor.entrypoints.ray_serve.router import ConveyorRequestRouter
+    from conveyor.entrypoints.ray_serve.stats import stats_for
+
+    if not ray.is_initialized():  # run_fleet connected already; this is for other callers
+        connect_ray(fleet)
+    serve.start(proxy_location=ProxyLocation.Disabled)  # HTTP is served by this process
+    threads = fleet.threads_per_replica
+    env = {"OMP_NUM_THREADS": str(threads), "TQDM_DISABLE": "1"}
+    deployment = serve.deployment(
+        ConveyorReplica, name=DEPLOYMENT_NAME, num_replicas=fleet.data_parallel_size,
+        max_ongoing_requests=MAX_ONGOING_REQUESTS, health_check_period_s=2.0,
+        health_check_timeout_s=30.0, graceful_shutdown_timeout_s=5.0,
+        ray_actor_options={"num_cpus": threads, "num_gpus": _gpus_per_replica(engine_args),
+                           "runtime_env": {"env_vars": env}},
+        request_router_config=RequestRouterConfig(
+            request_router_class=ConveyorRequestRouter,
+            request_router_kwargs={"policy": fleet.router, "block_size": engine_args.block_size}),
+    )
+    logger.info("deploying %d replica(s) (%d thread(s) each, router %s) on Ray %s",
+                fleet.data_parallel_size, threads, fleet.router,
+                fleet.ray_address or "local")
+    handle = serve.run(deployment.bind(engine_args, threads, served_model_name), name=APP_NAME,
+                       route_prefix=None)
+    return handle, stats_for(DEPLOYMENT_NAME)
+
+
+def connect_ray(fleet: FleetConfig) -> None:
+    """Join ``fleet.ray_address``, or start a local instance that ``disconnect_ray`` stops.
+    Both run in the main thread: Ray's core worker aborts the process when the thread that
+    initialised it ends first (a to_thread worker does, when the event loop closes)."""
+    import ray
+
+    ray.init(address=fleet.ray_address,
+             num_cpus=fleet.num_cpus if fleet.ray_address is None else None,
+             include_dashboard=False, namespace="conveyor")
+
+
+def ray_is_connected() -> bool:
+    import ray
+
+    return ray.is_initialized()
+
+
+def disconnect_ray(fleet: FleetConfig) -> None:
+    import ray
+    from ray import serve
+
+    ours = _local_ray_pids() if fleet.ray_address is None else []
+    try:
+        if fleet.ray_address is None:  # ours: take Serve's controller down with the instance
+            serve.shutdown()
+        else:
+            serve.delete(APP_NAME)
+    except Exception:
+        logger.exception("taking the replicas down failed")
+    logger.info("stopping Ray")
+    ray.shutdown()
+    _kill_survivors(ours)
+    logger.info("Ray stopped")
+
+
+def _local_ray_pids() -> list[int]:
+    """The processes of the Ray instance this server started (its raylet's agents included)."""
+    import psutil  # Ray ships it
+    import ray
+
+    pids: set[int] = set()
+    node = ray._private.worker._global_node
+    for infos in (node.all_processes.values() if node is not None else []):
+        for info in infos:
+            try:
+                proc = psutil.Process(info.process.pid)
+                pids.add(proc.pid)
+                pids.update(child.pid for child in proc.children(recursive=True))
+            except psutil.Error:
+                pass
+    return sorted(pids)
+
+
+def _kill_survivors(pids: list[int], grace_s: float = 5.0) -> None:
+    """Ray's dashboard and runtime-env agents can outlive ray.shutdown(); end them."""
+    import psutil
+
+    procs = []
+    for pid in pids:
+        try:
+            procs.append(psutil.Process(pid))
+        except psutil.Error:
+            pass
+    _, alive = psutil.wait_procs(procs, timeout=grace_s)
+    for proc in alive:
+        try:
+            proc.kill()
+        except psutil.Error:
+            pass
+
+
+def _gpus_per_replica(engine_args: EngineArgs) -> float:
+    """Ray hides GPUs from an actor that reserved none: --device cuda reserves one per
+    tensor-parallel rank."""
+    if engine_args.device != "cuda":
+        return 0.0
+    return float(engine_args.tensor_parallel_size)
+
+
+def run_fleet(engine_args: EngineArgs, fleet: FleetConfig,
+              served_model_name: str | None = None, max_queued_requests: int | None = None,
+              **server_kwargs: Any) -> int:
+    """``conveyor serve`` over a fleet; ``server_kwargs`` are run_server's (host, port, ...)."""
+    from conveyor.entrypoints.openai.server import run_server
+    from conveyor.entrypoints.ray_serve.fleet import FleetState
+    from conveyor.routing import make_router
+
+    make_router(fleet.router)  # a bad name fails here, before Ray starts
+    if fleet.data_parallel_size < 1 or fleet.threads_per_replica < 1:
+        raise ValueError("--data-parallel-size and --threads-per-replica must be >= 1")
+    state = FleetState(engine_args, lambda: deploy(engine_args, fleet, served_model_name),
+                       served_model_name, max_queued_requests)
+    connect_ray(fleet)
+    try:
+        return run_server(engine_args, served_model_name=served_model_name,
+                          max_queued_requests=max_queued_requests, state=state, **server_kwargs)
+    finally:
+        if ray_is_connected():
+            disconnect_ray(fleet)

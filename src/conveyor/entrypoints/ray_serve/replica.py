@@ -1,0 +1,77 @@
+"""One data-parallel replica: an LLMEngine driven by an AsyncEngine inside a Ray Serve replica.
+
+The ingress calls ``generate`` (streamed: one RequestOutput delta per item) through the
+ConveyorRequestRouter; ``info`` and ``metrics_text`` name the replica they want. Cancelling a
+``generate`` call (the client left) closes the stream, which aborts the engine request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from collections.abc import AsyncIterator
+from contextlib import aclosing
+from typing import Any
+
+from conveyor.core.sampling_params import SamplingParams
+from conveyor.engine.args import EngineArgs
+
+
+class ConveyorReplica:
+    def __init__(self, engine_args: EngineArgs, threads: int = 1,
+                 served_model_name: str | None = None) -> None:
+        os.environ.setdefault("TQDM_DISABLE", "1")
+        import torch
+
+        from conveyor.engine.llm_engine import LLMEngine
+        from conveyor.entrypoints.openai.metrics import ServerMetrics
+
+        torch.set_num_threads(threads)
+        if engine_args.tensor_parallel_size > 1 and engine_args.threads_per_rank is None:
+            # The replica's Ray CPUs are shared by its ranks, not the machine's cores.
+            engine_args = engine_args.replace(
+                threads_per_rank=max(1, threads // engine_args.tensor_parallel_size))
+        self.engine = LLMEngine(engine_args)
+        self.engine_args = engine_args
+        self.model_name = served_model_name or engine_args.model or self.engine.model_config.name
+        self.metrics = ServerMetrics(self.model_name)
+        self._async_engine: Any = None
+
+    def _started(self) -> Any:
+        """The AsyncEngine, started on the replica's event loop at the first call."""
+        if self._async_engine is None:
+            from conveyor.engine.async_engine import AsyncEngine
+
+            engine = AsyncEngine(self.engine, observers=[self.metrics.observe])
+            self.metrics.attach(engine)
+            engine.start(asyncio.get_running_loop())
+            self._async_engine = engine
+        return self._async_engine
+
+    async def generate(self, request_id: str, prompt: dict[str, Any], params: SamplingParams,
+                       priority: int = 0) -> AsyncIterator[Any]:
+        async with aclosing(self._started().generate(prompt, params, request_id,
+                                                     priority)) as deltas:
+            async for delta in deltas:
+                yield delta
+
+    async def info(self, replica: str | None = None) -> dict[str, Any]:
+        engine = self._started()
+        return {"model_name": self.model_name, "max_model_len": engine.max_model_len,
+                "model_config": engine.model_config, "tokenizer": engine.tokenizer,
+                "num_total_blocks": engine.stats.num_total_blocks, "pid": os.getpid()}
+
+    async def metrics_text(self, replica: str | None = None) -> str:
+        self._started()
+        return self.metrics.render().decode()
+
+    async def health(self, replica: str | None = None) -> dict[str, Any]:
+        s = self._started().stats
+        return {"pid": os.getpid(), "node": os.uname().nodename, "running": s.num_running,
+                "waiting": s.num_waiting, "kv_usage": round(s.kv_usage, 4)}
+
+    def check_health(self) -> None:
+        """Ray Serve calls this periodically; an exception marks the replica unhealthy and
+        gets it replaced."""
+        if self._async_engine is not None and self._async_engine.error is not None:
+            raise RuntimeError(f"the engine thread died: {self._async_engine.error}")

@@ -1,0 +1,146 @@
+"""round_robin, least_loaded and prefix_affinity over replicas named by any hashable key.
+
+``route(replicas, prompt_token_ids, loads)`` picks one of ``replicas``; ``loads[r]`` is how many
+requests replica ``r`` holds (queued + running). Policies keep their own memory (a cursor, a
+prefix table) and are told about replicas that went away with ``remove``.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Hashable, Mapping, Sequence
+from dataclasses import dataclass
+
+from conveyor.core.prefix_hash import extend_block_hashes
+
+
+@dataclass(frozen=True)
+class RoutingDecision:
+    replica: Hashable
+    matched_blocks: int = 0  # prompt blocks the chosen replica is believed to hold
+    affinity_hit: bool = False  # chosen because it holds the prefix, not for its load
+
+
+class Router:
+    name = ""
+
+    def route(self, replicas: Sequence[Hashable], prompt_token_ids: Sequence[int],
+              loads: Mapping[Hashable, int]) -> RoutingDecision:
+        raise NotImplementedError
+
+    def remove(self, replica: Hashable) -> None:
+        """Forget a replica that left (died, scaled down)."""
+
+
+def _least_loaded(replicas: Sequence[Hashable], loads: Mapping[Hashable, int]) -> Hashable:
+    return min(replicas, key=lambda r: loads.get(r, 0))  # first of equals: stable
+
+
+class RoundRobin(Router):
+    name = "round_robin"
+
+    def __init__(self) -> None:
+        self._next = 0
+
+    def route(self, replicas, prompt_token_ids, loads) -> RoutingDecision:
+        replica = replicas[self._next % len(replicas)]
+        self._next += 1
+        return RoutingDecision(replica)
+
+
+class LeastLoaded(Router):
+    name = "least_loaded"
+
+    def __init__(self) -> None:
+        self._next = 0  # rotates the start so that ties spread instead of piling on replica 0
+
+    def route(self, replicas, prompt_token_ids, loads) -> RoutingDecision:
+        start = self._next % len(replicas)
+        self._next += 1
+        return RoutingDecision(_least_loaded(list(replicas[start:]) + list(replicas[:start]),
+                                             loads))
+
+
+class PrefixAffinity(Router):
+    """Send a prompt where its first blocks were sent before (SGLang's cache-aware router,
+    Ray Serve LLM's prefix-aware router), unless that replica is much busier than the others.
+
+    Each replica has an LRU table of the chained block hashes (core/prefix_hash.py, as the block
+    manager's prefix cache computes them) of prompts routed to it, ``table_blocks`` entries at
+    most, standing in for the replica's KV cache. A request goes to the replica with the longest
+    matched prefix (ties: least loaded) unless its load exceeds both ``balance_abs`` plus the least
+    loaded replica's load and ``balance_rel`` times it; then, or with no match, to the least
+    loaded replica.
+    """
+
+    name = "prefix_affinity"
+
+    def __init__(self, block_size: int = 16, max_prefix_blocks: int = 64,
+                 table_blocks: int = 1 << 16, balance_abs: int = 8,
+                 balance_rel: float = 1.5) -> None:
+        if block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {block_size}")
+        self.block_size = block_size
+        self.max_prefix_blocks = max_prefix_blocks
+        self.table_blocks = table_blocks
+        self.balance_abs = balance_abs
+        self.balance_rel = balance_rel
+        self._tables: dict[Hashable, OrderedDict[int, None]] = {}
+        self._fallback = LeastLoaded()
+
+    def block_hashes(self, prompt_token_ids: Sequence[int]) -> list[int]:
+        num_blocks = min(len(prompt_token_ids) // self.block_size, self.max_prefix_blocks)
+        return extend_block_hashes([], prompt_token_ids, self.block_size, num_blocks)
+
+    def _matched(self, replica: Hashable, hashes: list[int]) -> int:
+        table = self._tables.get(replica)
+        if not table:
+            return 0
+        n = 0
+        for h in hashes:  # chained hashes: the first miss ends the shared prefix
+            if h not in table:
+                break
+            n += 1
+        return n
+
+    def route(self, replicas, prompt_token_ids, loads) -> RoutingDecision:
+        hashes = self.block_hashes(prompt_token_ids)
+        best, best_matched = None, 0
+        for r in replicas:
+            m = self._matched(r, hashes) if hashes else 0
+            if m > best_matched or (m == best_matched and m and
+                                    loads.get(r, 0) < loads.get(best, 0)):
+                best, best_matched = r, m
+        least = self._fallback.route(replicas, prompt_token_ids, loads).replica
+        if best is not None:
+            best_load, least_load = loads.get(best, 0), loads.get(least, 0)
+            if best_load <= least_load + self.balance_abs or best_load <= self.balance_rel * least_load:
+                self._remember(best, hashes)
+                return RoutingDecision(best, best_matched, affinity_hit=True)
+        matched = self._matched(least, hashes) if hashes else 0
+        self._remember(least, hashes)
+        return RoutingDecision(least, matched)
+
+    def _remember(self, replica: Hashable, hashes: list[int]) -> None:
+        table = self._tables.setdefault(replica, OrderedDict())
+        for h in hashes:
+            table[h] = None
+            table.move_to_end(h)
+        while len(table) > self.table_blocks:
+            table.popitem(last=False)
+
+    def remove(self, replica: Hashable) -> None:
+        self._tables.pop(replica, None)
+
+
+ROUTERS = ("prefix_affinity", "round_robin", "least_loaded")
+
+
+def make_router(name: str, block_size: int = 16, **kwargs: object) -> Router:
+    if name == "round_robin":
+        return RoundRobin()
+    if name == "least_loaded":
+        return LeastLoaded()
+    if name == "prefix_affinity":
+        return PrefixAffinity(block_size=block_size, **kwargs)
+    raise ValueError(f"unknown router {name!r}; choose from {', '.join(ROUTERS)}")

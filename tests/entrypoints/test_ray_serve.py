@@ -1,0 +1,208 @@
+"""`conveyor serve --data-parallel-size 2`: two replicas on a local Ray instance (2 CPUs, one torch
+thread each) behind one OpenAI endpoint, exercised over real HTTP.
+
+One fleet serves the whole module (starting Ray and loading two replicas is the slow part); the
+router comparison starts a second, round_robin fleet; the replica-kill test runs last.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+from conftest import ServerProcess, engine_flags
+from test_server_errors import CASES, _check
+
+pytest.importorskip("ray.serve")
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+
+FLEET_FLAGS = ["--data-parallel-size", "2", "--ray-num-cpus", "2", "--threads-per-replica", "1"]
+GROUPS, ROUNDS, PREFIX_BLOCKS = 5, 3, 8
+
+
+def _start(tmp_path_factory, router: str) -> ServerProcess:
+    s = ServerProcess(FLEET_FLAGS + ["--router", router] + engine_flags(),
+                      tmp_path_factory.mktemp("fleet") / "log")
+    s.wait_ready(timeout=400)
+    return s
+
+
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory):
+    s = _start(tmp_path_factory, "prefix_affinity")
+    try:
+        yield s
+    finally:
+        assert s.stop() == 0, s.log()
+
+
+def _client(server: ServerProcess) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.base_url + "/v1", api_key="none", timeout=120,
+                         max_retries=0)
+
+
+def test_openai_client_completions_and_streams(fleet, llm, one_thread) -> None:
+    from conveyor.core.sampling_params import SamplingParams
+
+    client = _client(fleet)
+    model = client.models.list().data[0].id
+    prompt = "The three primary colors are"
+    whole = client.completions.create(model=model, prompt=prompt, max_tokens=12, temperature=0,
+                                      n=2)
+    with one_thread():
+        expected = llm.generate([prompt], SamplingParams(max_tokens=12, temperature=0))[0]
+    assert [c.text for c in whole.choices] == [expected.outputs[0].text] * 2
+    assert whole.usage.completion_tokens == 24
+    chunks = list(client.completions.create(prompt=prompt, max_tokens=12, temperature=0,
+                                            stream=True, model=model))
+    assert "".join(c.choices[0].text for c in chunks) == expected.outputs[0].text
+    assert chunks[-1].choices[0].finish_reason == "length"
+    chat = client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": "Say hi"}], max_tokens=8,
+        temperature=0)
+    streamed = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": "Say hi"}], max_tokens=8,
+        temperature=0, stream=True))
+    assert chat.choices[0].message.content == streamed and streamed
+    routed = fleet.metrics()
+    per_replica = [v for k, v in routed.items() if k.startswith("conveyor:router_requests_total")]
+    assert len(per_replica) == 2 and sum(per_replica) >= 4  # n=2 is one request
+
+
+@pytest.mark.parametrize(("path", "body", "status", "fragment", "param"), CASES,
+                         ids=[f"{i}-{c[2]}" for i, c in enumerate(CASES)])
+def test_bad_requests_get_the_single_process_errors(fleet, path, body, status, fragment,
+                                                    param) -> None:
+    resp = httpx.post(fleet.base_url + path, content=body, timeout=60,
+                      headers={"content-type": "application/json"})
+    _check(resp, status, fragment, param)
+
+
+def test_health_and_metrics_cover_every_replica(fleet) -> None:
+    health = httpx.get(fleet.base_url + "/health", timeout=30).json()
+    assert health["status"] == "ok" and health["healthy_replicas"] == 2
+    assert all(r["status"] == "ok" and r["pid"] > 0 for r in health["replicas"].values())
+    m = fleet.metrics()
+    for replica in health["replicas"]:
+        assert f"conveyor:num_requests_running{{replica={replica}}}" in m
+        assert f"conveyor:router_requests_total{{replica={replica}}}" in m
+    assert m["conveyor:replicas_live"] == 2
+
+
+def test_client_disconnect_aborts_on_the_replica(fleet) -> None:
+    def aborted() -> float:
+        return sum(v for k, v in fleet.metrics().items()
+                   if k.startswith("conveyor:request_success_total{finished_reason=abort"))
+
+    before = aborted()
+    with httpx.stream("POST", fleet.base_url + "/v1/completions", timeout=60,
+                      json={"prompt": "Count to one thousand:", "max_tokens": 400,
+                            "stream": True, "ignore_eos": True}) as resp:
+        for line in resp.iter_lines():
+            if line.startswith("data: {"):
+                break  # leave after the first chunk
+    deadline = time.monotonic() + 30
+    while aborted() < before + 1:
+        assert time.monotonic() < deadline, "the replica never aborted the request"
+        time.sleep(0.5)
+
+
+def _shared_prefix_hit_rate(server: ServerProcess) -> float:
+    """GROUPS prompts sharing PREFIX_BLOCKS blocks each, ROUNDS requests per group, one request
+    at a time (round_robin's order is then fixed: with an odd GROUPS a group alternates between
+    the two replicas): the prefix-cache hit rate over the fleet."""
+
+    def totals() -> tuple[float, float]:
+        m = server.metrics()
+        hits = sum(v for k, v in m.items() if k.startswith("conveyor:prefix_cache_hits_total"))
+        queries = sum(v for k, v in m.items()
+                      if k.startswith("conveyor:prefix_cache_queries_total"))
+        return hits, queries
+
+    hits0, queries0 = totals()
+    salt = int(time.time()) % 1000  # prefixes no earlier request used
+    with httpx.Client(base_url=server.base_url, timeout=120) as client:
+        for r in range(ROUNDS):
+            for g in range(GROUPS):
+                prefix = [(1000 + 37 * g + 11 * salt + i) % 40000
+                          for i in range(16 * PREFIX_BLOCKS)]
+                suffix = [(20000 + 101 * r + 7 * g + i) % 40000 for i in range(16)]
+                resp = client.post("/v1/completions", json={"prompt": prefix + suffix,
+                                                            "max_tokens": 2})
+                assert resp.status_code == 200, resp.text
+    hits1, queries1 = totals()
+    return (hits1 - hits0) / (queries1 - queries0)
+
+
+def test_prefix_affinity_hit_rate_beats_round_robin(fleet, tmp_path_factory) -> None:
+    affinity = _shared_prefix_hit_rate(fleet)
+    rr_fleet = _start(tmp_path_factory, "round_robin")
+    try:
+        round_robin = _shared_prefix_hit_rate(rr_fleet)
+    finally:
+        assert rr_fleet.stop() == 0, rr_fleet.log()
+    print(f"prefix-cache hit rate: prefix_affinity {affinity:.3f}, round_robin {round_robin:.3f}")
+    assert affinity > 0.5
+    assert affinity >= 1.8 * round_robin
+
+
+def test_killing_a_replica_loses_no_request_silently(fleet) -> None:
+    health = httpx.get(fleet.base_url + "/health", timeout=30).json()
+    victim = next(iter(health["replicas"].values()))["pid"]
+    results: list[str] = []
+    started = threading.Barrier(7)
+
+    def stream(i: int) -> None:
+        text, outcome = "", "truncated"
+        try:
+            with httpx.stream("POST", fleet.base_url + "/v1/completions", timeout=120,
+                              json={"prompt": f"Story number {i}:", "max_tokens": 96,
+                                    "ignore_eos": True, "stream": True}) as resp:
+                first = True
+                for line in resp.iter_lines():
+                    if first and line.startswith("data: "):
+                        first = False
+                        started.wait(timeout=60)
+                    if not line.startswith("data: ") or line == "data: [DONE]":
+                        continue
+                    chunk = json.loads(line[6:])
+                    if "error" in chunk:
+                        assert chunk["error"]["code"] == "replica_died", chunk
+                        outcome = "error"
+                    elif chunk["choices"][0]["finish_reason"] == "length":
+                        outcome = "finished"
+                    else:
+                        text += chunk["choices"][0]["text"]
+        except Exception as e:  # noqa: BLE001 - recorded, checked below
+            outcome = f"exception {e!r}"
+        results.append(outcome)
+
+    threads = [threading.Thread(target=stream, args=(i,)) for i in range(6)]
+    for t in threads:
+        t.start()
+    started.wait(timeout=60)  # every stream has its first chunk: the kill is mid-stream
+    os.kill(victim, signal.SIGKILL)
+    for t in threads:
+        t.join(timeout=180)
+    assert sorted(results) == sorted(r for r in results if r in ("finished", "error")), results
+    assert "error" in results  # the victim's streams say so instead of ending short
+    # The endpoint keeps serving: new requests go to the live replica (or the replacement).
+    client = _client(fleet)
+    model = client.models.list().data[0].id
+    for _ in range(3):
+        out = client.completions.create(model=model, prompt="Hello", max_tokens=4)
+        assert out.choices[0].finish_reason == "length"
+    deadline = time.monotonic() + 300
+    while True:  # Ray Serve replaces the dead replica
+        health = httpx.get(fleet.base_url + "/health", timeout=30).json()
+        pids = [r.get("pid") for r in health["replicas"].values()]
+        if health["healthy_replicas"] == 2 and victim not in pids:
+            break
+        assert time.monotonic() < deadline, health
+        time.sleep(2)
