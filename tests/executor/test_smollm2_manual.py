@@ -14,7 +14,7 @@ from conveyor.core.sampling_params import SamplingParams
 from conveyor.core.scheduler_output import SchedulerOutput
 from conveyor.core.sequence import Sequence, SequenceGroup
 from conveyor.model.kernels.block_matmul import block_matmul_available
-from conveyor.model.layers.quantized import Int8Blocks, NibbleInt4
+from conveyor.model.layers.quantized import BlockPanels, Int8Blocks, NibbleInt4
 
 pytestmark = pytest.mark.slow  # SmolLM2 in float32 against transformers
 
@@ -63,9 +63,11 @@ def test_gguf_weights_equal_transformers_loader(executor, hf_model) -> None:
     torch.testing.assert_close(ours.embed(every_token), sd["model.embed_tokens.weight"],
                                rtol=0, atol=0)
     if block_matmul_available():  # float32: the file's Q8_0 embedding is the lookup table and the
-        # lm_head's small-batch copy, the layers' Q4_1 blocks their small-batch copies
-        assert isinstance(ours.lm_head.quantized, Int8Blocks) and ours.embed_tokens is None
-        assert isinstance(layer.qkv_proj.quantized, NibbleInt4)
+        # lm_head's small-batch copy, the layers' Q4_1 blocks their small-batch copies (as
+        # BlockPanels where they run: deterministic inference, the default)
+        assert isinstance(ours.lm_head.quantized, (Int8Blocks, BlockPanels))
+        assert ours.embed_tokens is None
+        assert isinstance(layer.qkv_proj.quantized, (NibbleInt4, BlockPanels))
     cfg = executor.model_config
     assert (cfg.architecture, cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads) == \
         ("llama", 30, 576, 9, 3)

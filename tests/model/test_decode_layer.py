@@ -31,9 +31,10 @@ BLOCK = 16
 
 
 def quantized_layer(seed: int = 0, dtype: torch.dtype = torch.float32,
-                    large: str | None = None) -> DecoderLayer:
+                    large: str | None = None, deterministic: bool = False) -> DecoderLayer:
     """A layer whose dense weights are its random 4-bit blocks, dequantized; ``large`` says what
-    serves more rows than the blocks: nothing (None), "panels" or "int8" (Int8Panels)."""
+    serves more rows than the blocks: nothing (None), "panels" or "int8" (Int8Panels);
+    ``deterministic``: the blocks packed as for deterministic inference (``pack_blocks``)."""
     g = torch.Generator().manual_seed(seed)
     layer = DecoderLayer(CFG)
     for norm in (layer.input_norm, layer.post_norm):
@@ -44,7 +45,7 @@ def quantized_layer(seed: int = 0, dtype: torch.dtype = torch.float32,
         blocks = Int4Blocks(torch.randint(0, 16, (n, k), dtype=torch.uint8, generator=g), scale,
                             -8 * scale + 0.01 * torch.randn(n, k // GROUP, generator=g))
         linear.weight.data = blocks.dequantize().to(dtype)
-        linear.quantized = pack_blocks(blocks, dtype)
+        linear.quantized = pack_blocks(blocks, dtype, deterministic)
         if large == "panels":
             linear.prepack(PanelMethod)
         elif large == "int8":  # exact channels where the model has them (calibration.py)
@@ -54,7 +55,8 @@ def quantized_layer(seed: int = 0, dtype: torch.dtype = torch.float32,
     return layer
 
 
-def decode_step(num_seqs: int, seed: int = 1, dtype: torch.dtype = torch.float32):
+def decode_step(num_seqs: int, seed: int = 1, dtype: torch.dtype = torch.float32,
+                deterministic: bool = False):
     """Inputs of one decode step of ``num_seqs`` sequences with random cached contexts."""
     g = torch.Generator().manual_seed(seed)
     contexts = [int(c) for c in torch.randint(1, 60, (num_seqs,), generator=g)]
@@ -66,7 +68,8 @@ def decode_step(num_seqs: int, seed: int = 1, dtype: torch.dtype = torch.float32
     shape = (nxt, BLOCK, CFG.num_kv_heads, CFG.head_dim)
     caches = (torch.randn(shape, generator=g).to(dtype), torch.randn(shape, generator=g).to(dtype))
     meta = build_attention_metadata(tables, contexts, [1] * num_seqs, BLOCK,
-                                    CFG.num_queries_per_kv, torch.device("cpu"), True)
+                                    CFG.num_queries_per_kv, torch.device("cpu"), True,
+                                    deterministic=deterministic)
     rotary = RotaryEmbedding(rope_inv_freq(CFG.head_dim, 10000.0, None))
     cos, sin = rotary.cos_sin(meta.positions, dtype)
     x = torch.randn(num_seqs, CFG.hidden_size, generator=g).to(dtype)
@@ -93,13 +96,16 @@ def larges(dtype: torch.dtype) -> list[str | None]:
                          + [(torch.bfloat16, n, None) for n in (1, 3, 4)]
                          + [(torch.bfloat16, n, large) for n in (5, 40)
                             for large in ("panels", "int8")])
-def test_fused_layers_equal_python_path(dtype, num_seqs, large):
+@pytest.mark.parametrize("deterministic", [False, True], ids=["fast", "deterministic"])
+def test_fused_layers_equal_python_path(dtype, num_seqs, large, deterministic):
     if large not in larges(dtype):
         pytest.skip(f"no {large} GEMM for {dtype} here")
-    layers = [quantized_layer(0, dtype, large), quantized_layer(1, dtype, large)]
+    layers = [quantized_layer(0, dtype, large, deterministic),
+              quantized_layer(1, dtype, large, deterministic)]
     fused = DecodeLayers([layer.decode_weights() for layer in layers])
     assert fused.serves(num_seqs) and fused.serves(1000) == (large is not None)
-    x, residual, cos, sin, (k, v), meta = decode_step(num_seqs, dtype=dtype)
+    x, residual, cos, sin, (k, v), meta = decode_step(num_seqs, dtype=dtype,
+                                                      deterministic=deterministic)
     assert meta.decode_only
     caches = [(k.clone(), v.clone()), (k.clone() + 1, v.clone() - 1)]
 
@@ -108,7 +114,7 @@ def test_fused_layers_equal_python_path(dtype, num_seqs, large):
         h = layer(h.clone(), expected_res, cos, sin, kc, vc, meta)
     res, got_caches = residual.clone(), [(a.clone(), b.clone()) for a, b in caches]
     out = decode_layers(fused, x.clone(), res, cos, sin, got_caches, meta.slot_mapping,
-                        meta.kernel.block_tables, meta.kernel.context_lens)
+                        meta.kernel.block_tables, meta.kernel.context_lens, deterministic)
     assert torch.equal(out, h) and torch.equal(res, expected_res)
     for got, expected in zip(got_caches, expected_caches, strict=True):
         assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1])

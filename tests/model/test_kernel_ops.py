@@ -9,7 +9,14 @@ import torch
 
 from conveyor.model.kernels.build import kernel_features, kernel_ops
 from conveyor.model.kernels.panel_gemm import pack_panels
-from conveyor.model.layers.quantized import GROUP, Int4Blocks, Int8Panels, NibbleInt4
+from conveyor.model.layers.quantized import (
+    GROUP,
+    BlockPanels,
+    Int4Blocks,
+    Int8Blocks,
+    Int8Panels,
+    NibbleInt4,
+)
 
 ops = kernel_ops()
 pytestmark = pytest.mark.skipif(ops is None, reason="no C++ compiler: the torch path runs")
@@ -32,6 +39,13 @@ def blocks4(n: int = 32, k: int = 64) -> NibbleInt4:
     scale = torch.rand(n, k // GROUP, generator=g) * 0.02
     return NibbleInt4.pack(Int4Blocks(torch.randint(0, 16, (n, k), dtype=torch.uint8,
                                                     generator=g), scale, -8 * scale))
+
+
+def block_panels4(n: int = 32, k: int = 64, dtype: torch.dtype = torch.float32) -> BlockPanels:
+    g = torch.Generator().manual_seed(0)
+    scale = torch.rand(n, k // GROUP, generator=g) * 0.02
+    return BlockPanels.pack(Int4Blocks(torch.randint(0, 16, (n, k), dtype=torch.uint8,
+                                                     generator=g), scale, -8 * scale), dtype)
 
 
 def test_panel_gemm() -> None:
@@ -58,6 +72,35 @@ def test_block_matmul() -> None:
     refuses(ops.block_matmul, args, "x", torch.randn(2, 96), r"codes must have shape \[32, 48\]")
     with pytest.raises(RuntimeError, match="codes must be int8"):  # 8-bit blocks are signed
         ops.block_matmul(torch.randn(2, 64), w.codes, w.scale, None)
+
+
+@pytest.mark.skipif("avx512f" not in kernel_features(), reason="needs AVX-512")
+def test_block_panel_gemm() -> None:
+    w = block_panels4()
+    args = dict(x=torch.randn(2, 64), codes=w.codes, scale=w.scale, minimum=w.min)
+    ops.block_panel_gemm(**args)
+    fn = ops.block_panel_gemm
+    refuses(fn, args, "x", torch.randn(2, 64).half(), "x must be float32 or bfloat16")
+    refuses(fn, args, "x", torch.randn(2, 96), "x must have 64 columns")
+    refuses(fn, args, "codes", w.codes.to(torch.int8), "codes must be uint8")
+    refuses(fn, args, "codes", w.codes[:, :16].contiguous(), r"codes must have shape \[32, 32\]")
+    refuses(fn, args, "codes", strided(w.codes), "codes must be contiguous")
+    refuses(fn, args, "scale", strided(w.scale), "scale must be contiguous")
+    refuses(fn, args, "scale", w.scale.double(), "scale must be float32")
+    refuses(fn, args, "scale", torch.rand(16, 2), "output size of BlockPanels must be a multiple")
+    refuses(fn, args, "minimum", w.min[:8], r"minimum must have shape \[32, 2\]")
+    with pytest.raises(RuntimeError, match="codes must be int8"):  # 8-bit codes are signed
+        fn(torch.randn(2, 64), w.codes, w.scale, None)
+    g = torch.Generator().manual_seed(1)
+    w8 = BlockPanels.pack(Int8Blocks(torch.randint(-128, 128, (32, 64), dtype=torch.int8,
+                                                   generator=g), torch.rand(32, 2, generator=g)),
+                          torch.float32)
+    fn(torch.randn(2, 64), w8.codes, w8.scale, None)
+    with pytest.raises(RuntimeError, match=r"minimum must have shape|codes must be uint8"):
+        fn(torch.randn(2, 64), w8.codes, w8.scale, w.min)
+    if "avx512bf16" in kernel_features():
+        wb = block_panels4(dtype=torch.bfloat16)
+        fn(torch.randn(2, 64).bfloat16(), wb.codes, wb.scale, wb.min)
 
 
 @pytest.mark.skipif("int8_gemm" not in kernel_features(), reason="needs AVX512-VNNI")
@@ -125,8 +168,9 @@ def attention_args() -> dict:
                 new_v=torch.randn(2, 2, 32), slot_mapping=torch.tensor([4, 15]))
 
 
-def test_paged_attention() -> None:
-    args = attention_args()
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_paged_attention(deterministic) -> None:
+    args = {**attention_args(), "deterministic": deterministic}
     ops.paged_attention(**args)
     fn = ops.paged_attention
     refuses(fn, args, "q", args["q"].double(), "q must be float32 or bfloat16")
@@ -154,7 +198,8 @@ def test_decode_layers() -> None:
                        o=w(hidden, heads * head_dim), gate_up=w(2 * inter, hidden),
                        down=w(hidden, inter))
     args = dict(input_norm=norm, post_norm=norm, **projections, num_heads=heads,
-                num_kv_heads=kv_heads, head_dim=head_dim, max_block_rows=[4] * 4, eps=1e-5)
+                num_kv_heads=kv_heads, head_dim=head_dim, max_block_rows=[4] * 4, eps=1e-5,
+                block_panels=[0] * 4)
     names = list(args)
 
     def add(**kw):
@@ -168,7 +213,8 @@ def test_decode_layers() -> None:
             ("down", projections["down"][:2], "down must hold 3 tensors"),
             ("qkv", [projections["qkv"][0], projections["qkv"][1].double(), projections["qkv"][2]],
              "qkv blocks' scale must be float32"),
-            ("gate_up", projections["gate_up"] + [torch.zeros(3)], "gate_up's panels must have shape")):
+            ("gate_up", projections["gate_up"] + [torch.zeros(3)], "gate_up's panels must have shape"),
+            ("block_panels", [0] * 3, "block_panels must hold 4 entries")):
         with pytest.raises(RuntimeError, match=match):
             add(**{name: bad})
     assert layers.num_layers() == 0
@@ -182,6 +228,7 @@ def test_decode_layers() -> None:
                block_tables=torch.tensor([[0], [1]], dtype=torch.int32),
                context_lens=torch.tensor([1, 2], dtype=torch.int32))
     ops.decode_layers(**run)
+    ops.decode_layers(**run, deterministic=True)
     fn = ops.decode_layers
     refuses(fn, run, "x", torch.randn(2, hidden).bfloat16(), "x must be float32")
     refuses(fn, run, "residual", strided(torch.randn(2, hidden)), "residual must be contiguous")
@@ -192,3 +239,31 @@ def test_decode_layers() -> None:
     with pytest.raises(RuntimeError, match="one cache per layer"):
         fn(**{**run, "k_caches": [cache, cache]})
     refuses(fn, run, "slot_mapping", torch.tensor([0, 16]), "slot_mapping.1. = 16 is not a cache row")
+
+
+@pytest.mark.skipif("avx512f" not in kernel_features(), reason="needs AVX-512")
+def test_decode_layers_block_panels() -> None:
+    """BlockPanels in a DecodeLayers object are checked as BlockPanels (outputs in whole panels),
+    and the deterministic decode runs over them."""
+    hidden, heads, kv_heads, head_dim, inter = 64, 2, 1, 32, 64
+    w = lambda n, k: block_panels4(n, k).decode_parts()  # noqa: E731
+    norm = torch.ones(hidden)
+    layers = torch.classes.conveyor.DecodeLayers()
+    projections = [w((heads + 2 * kv_heads) * head_dim, hidden), w(hidden, heads * head_dim),
+                   w(2 * inter, hidden), w(hidden, inter)]
+    bad = block_panels4(hidden, heads * head_dim)
+    with pytest.raises(RuntimeError, match="o block panels' minimum must have shape"):
+        layers.add_layer(norm, norm, projections[0], [bad.codes, bad.scale, bad.min[:, :1]],
+                         *projections[2:], heads, kv_heads, head_dim, [4] * 4, 1e-5, [1] * 4)
+    with pytest.raises(RuntimeError, match="down block panels' codes must have shape"):
+        layers.add_layer(norm, norm, *projections[:3],
+                         [projections[3][0][:, :8].contiguous(), *projections[3][1:]],
+                         heads, kv_heads, head_dim, [4] * 4, 1e-5, [1] * 4)
+    assert layers.num_layers() == 0
+    layers.add_layer(norm, norm, *projections, heads, kv_heads, head_dim, [4] * 4, 1e-5, [1] * 4)
+    cache = torch.zeros(4, 4, kv_heads, head_dim)
+    ops.decode_layers(layers, torch.randn(2, hidden), torch.randn(2, hidden),
+                      torch.ones(2, 1, head_dim), torch.zeros(2, 1, head_dim), [cache],
+                      [cache.clone()], torch.tensor([0, 5]),
+                      torch.tensor([[0], [1]], dtype=torch.int32),
+                      torch.tensor([1, 2], dtype=torch.int32), True)

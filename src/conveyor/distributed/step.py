@@ -92,7 +92,7 @@ def _payload_sizes(h: list[int]) -> list[int]:
 
 def run_step(model: torch.nn.Module, cache: KVCache, msg: StepMessage,
              num_queries_per_kv: int, attention_kernel: bool, dtype: torch.dtype,
-             device: torch.device) -> torch.Tensor | None:
+             device: torch.device, deterministic: bool = True) -> torch.Tensor | None:
     """Apply the block operations and run the model: the logits of ``msg.logits_indices``
     (None when nothing was computed, or off rank 0 under tensor parallelism)."""
     cache.swap_out(msg.swap_out)
@@ -101,6 +101,7 @@ def run_step(model: torch.nn.Module, cache: KVCache, msg: StepMessage,
     if not msg.input_ids:
         return None
     meta = build_attention_metadata(msg.block_tables, msg.starts, msg.counts, cache.block_size,
-                                    num_queries_per_kv, device, attention_kernel, dtype)
+                                    num_queries_per_kv, device, attention_kernel, dtype,
+                                    deterministic)
     return model(torch.tensor(msg.input_ids, device=device), meta.positions, cache.layers, meta,
                  torch.tensor(msg.logits_indices, device=device))

@@ -81,11 +81,13 @@ def run_worker(spec: WorkerSpec) -> int:
             dtype = resolve_dtype(settings["dtype"], device)
             kv_dtype = resolve_dtype(settings["kv_cache_dtype"], device)
             loaded = load_model(settings["model"], dtype, device, kv_cache_dtype=kv_dtype,
+                                deterministic=settings["deterministic"],
                                 tp=TensorParallel(spec.rank, spec.world_size),
                                 with_tokenizer=False)
             model = loaded.model
             layer = model.layers[0]
             attention_kernel = loaded.kernels.attention
+            deterministic = loaded.kernels.deterministic
         except Exception as e:  # noqa: BLE001 - reported to rank 0, which raises it
             logger.exception("rank %d failed to load", spec.rank)
             error = f"{type(e).__name__}: {e}"
@@ -104,7 +106,7 @@ def run_worker(spec: WorkerSpec) -> int:
                                     block_size, num_blocks, num_cpu_blocks, kv_dtype, device)
                     continue
                 run_step(model, cache, msg, layer.num_heads // layer.num_kv_heads,
-                         attention_kernel, dtype, device)
+                         attention_kernel, dtype, device, deterministic)
                 if trim and len(msg.input_ids) > TRIM_AFTER_TOKENS:
                     return_freed_memory()
     finally:

@@ -44,6 +44,7 @@ class EngineArgs:
     master_port: int | None = None  # rendezvous port; None: a free one (one machine)
     threads_per_rank: int | None = None  # None: this machine's cores / its ranks
     distributed_timeout: float = 120.0  # seconds a collective may wait on a rank
+    deterministic: bool = True  # same bits whatever the batching (docs/determinism.md)
 
     def parallel_config(self):
         """The ``ParallelConfig`` of these args (ValueError naming a bad field)."""
@@ -93,6 +94,10 @@ _HELP = {
     "master_port": "tensor-parallel rendezvous port",
     "threads_per_rank": "torch threads per tensor-parallel rank (default: cores / local ranks)",
     "distributed_timeout": "seconds a tensor-parallel collective waits for a rank before failing",
+    "deterministic": "a request's tokens and logprobs are bit-identical however it is batched, "
+                     "chunked, cached or preempted, and with any thread count; "
+                     "--no-deterministic takes the mixed kernels (prefill attention in tiles) "
+                     "(docs/determinism.md)",
 }
 
 _CHOICES = {

@@ -38,7 +38,8 @@ class LLMEngine:
                                      int8_activations=args.int8_activations,
                                      parallel=args.parallel_config(),
                                      max_num_seqs=args.max_num_seqs,
-                                     enforce_eager=args.enforce_eager)
+                                     enforce_eager=args.enforce_eager,
+                                     deterministic=args.deterministic)
         self.executor = executor
         self.tokenizer = self.executor.tokenizer
         self.model_config = self.executor.model_config

@@ -38,13 +38,14 @@ class ModelExecutor:
     def __init__(self, model: str | None = None, dtype: str = "auto", device: str = "auto",
                  seed: int = 0, kv_cache_dtype: str = "auto", int8_activations: bool = False,
                  parallel: ParallelConfig | None = None, max_num_seqs: int = 64,
-                 enforce_eager: bool = False) -> None:
+                 enforce_eager: bool = False, deterministic: bool = True) -> None:
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype, self.device)
         self.kv_cache_dtype = resolve_kv_cache_dtype(kv_cache_dtype, self.dtype)
         # before torch's first allocation (and before workers inherit the environment)
         self.trim_after_long_steps = self.device.type == "cpu" and configure_cpu_allocator()
         self.parallel = parallel or ParallelConfig()
+        self.deterministic = deterministic  # see docs/determinism.md
         self.workers = None
         self.tp: TensorParallel | None = None
         if self.parallel.tensor_parallel_size > 1:
@@ -52,7 +53,7 @@ class ModelExecutor:
         torch.manual_seed(seed)
         try:
             loaded = load_model(model, self.dtype, self.device, int8_activations,
-                                self.kv_cache_dtype, tp=self.tp)
+                                self.kv_cache_dtype, deterministic=deterministic, tp=self.tp)
         except Exception as e:
             if self.workers is None:
                 raise
@@ -66,6 +67,7 @@ class ModelExecutor:
         layer = self.model.layers[0]  # this rank's shapes
         self.num_kv_heads, self.num_queries_per_kv = layer.num_kv_heads, layer.num_heads // layer.num_kv_heads
         self.attention_kernel = loaded.kernels.attention
+        self.deterministic = loaded.kernels.deterministic
         self.kv_cache: KVCache | None = None
         # The CUDA path (executor/cuda_runner.py) runs the single-process forward once the
         # cache exists.
@@ -86,7 +88,8 @@ class ModelExecutor:
         torch.set_num_threads(threads_per_rank(self.parallel))
         self.workers = TensorParallelWorkers(self.parallel, {
             "model": model, "device": self.device.type, "dtype": dtype_name(self.dtype),
-            "kv_cache_dtype": dtype_name(self.kv_cache_dtype)})
+            "kv_cache_dtype": dtype_name(self.kv_cache_dtype),
+            "deterministic": self.deterministic})
         self.tp = TensorParallel(0, size)
 
     def shutdown(self) -> None:
@@ -196,10 +199,10 @@ class ModelExecutor:
                                             msg.counts, msg.logits_indices)
         if self.workers is None:
             return run_step(self.model, self.kv_cache, msg, self.num_queries_per_kv,
-                            self.attention_kernel, self.dtype, self.device)
+                            self.attention_kernel, self.dtype, self.device, self.deterministic)
         self.workers.send(msg)
         try:
             return run_step(self.model, self.kv_cache, msg, self.num_queries_per_kv,
-                            self.attention_kernel, self.dtype, self.device)
+                            self.attention_kernel, self.dtype, self.device, self.deterministic)
         except RuntimeError as e:
             raise self.workers.failure(e) from e

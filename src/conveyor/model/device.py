@@ -77,11 +77,14 @@ class KernelPlan:
     block_weights: bool  # keep a GGUF file's quantized blocks for small batches
     int8_panels: bool  # a bf16 model's GGUF matmuls above the blocks on 8-bit activations
     attention: bool  # the C++ paged attention kernel
+    # same bits however a request is batched (docs/determinism.md): GGUF blocks as BlockPanels
+    # (or serving no rows), every attention query row through the one-token path
+    deterministic: bool = False
 
 
 def select_kernels(device: torch.device, dtype: torch.dtype, head_dim: int,
                    cache_dtype: torch.dtype | None = None,
-                   int8_activations: bool = False) -> KernelPlan:
+                   int8_activations: bool = False, deterministic: bool = False) -> KernelPlan:
     """The one place a model's kernels are chosen.
 
     * ``linear``: on the CPU, ``PanelMethod`` for float32, and for bf16 where the build targets
@@ -95,6 +98,8 @@ def select_kernels(device: torch.device, dtype: torch.dtype, head_dim: int,
       asking for float32 is asking for its accuracy.
     * ``attention``: CPU, float32/bf16 queries (a float32 model's cache may be bf16), head_dim
       in 16..256 by 16s.
+    * ``deterministic``: as asked; the kernels above then run their deterministic variants
+      (``BlockPanels`` for the blocks, the attention's one-token path for every row).
     """
     from conveyor.model.kernels.block_matmul import block_matmul_available
     from conveyor.model.kernels.int8_gemm import int8_gemm_available
@@ -116,7 +121,8 @@ def select_kernels(device: torch.device, dtype: torch.dtype, head_dim: int,
         block_weights=packed and block_matmul_available(),
         int8_panels=(int8_activations and dtype == torch.bfloat16 and linear is PanelMethod
                      and int8_gemm_available()),
-        attention=attention_kernel_available(device, dtype, cache_dtype, head_dim))
+        attention=attention_kernel_available(device, dtype, cache_dtype, head_dim),
+        deterministic=deterministic)
 
 
 def use_triton_attention(device: torch.device, head_dim: int) -> bool:

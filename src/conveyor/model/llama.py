@@ -32,12 +32,23 @@ from conveyor.model.layers.parallel import (
     shard_plan,
     vocab_parallel_rows,
 )
-from conveyor.model.layers.quantized import Int4Blocks, Int8Blocks, NibbleInt4, pack_blocks
+from conveyor.model.layers.quantized import (
+    BlockPanels,
+    Int4Blocks,
+    Int8Blocks,
+    NibbleInt4,
+    pack_blocks,
+)
 from conveyor.model.layers.rotary import RotaryEmbedding, apply_rotary, rope_inv_freq
 
 logger = logging.getLogger(__name__)
 
 MLP_CHUNK_TOKENS = 1024
+
+
+def _four_bit(q: object) -> bool:
+    """4-bit blocks in a layout ``decode_layers`` reads."""
+    return isinstance(q, NibbleInt4) or (isinstance(q, BlockPanels) and q.min is not None)
 
 
 def _param(*shape: int) -> nn.Parameter:
@@ -75,12 +86,13 @@ class DecoderLayer(nn.Module):
         """This layer's weights for ``kernels/decode_layer.cpp``, which runs decode steps with
         the same kernels as the steps below without the Python around each layer's calls, as
         each projection's blocks and method give them (``decode_parts``); None unless it is a
-        Llama layer (no q/k norms, no biases) whose projections all have 4-bit blocks. The
+        Llama layer (no q/k norms, no biases) whose projections all have 4-bit blocks
+        (``NibbleInt4``, or ``BlockPanels`` in deterministic inference). The
         kernel checks the rest as the layer is added. With every method's parts too it serves
         any batch, else up to the blocks' ``max_tokens``."""
         projections = (self.qkv_proj, self.o_proj, self.gate_up_proj, self.down_proj)
         if (self.q_norm is not None or not decode_layer_available()
-                or any(p.bias is not None or not isinstance(p.quantized, NibbleInt4)
+                or any(p.bias is not None or not _four_bit(p.quantized)
                        for p in projections)):
             return None
         large = [p.method.decode_parts() for p in projections]
@@ -90,7 +102,8 @@ class DecoderLayer(nn.Module):
             self.input_norm.weight, self.post_norm.weight,
             [p.quantized.decode_parts() + parts for p, parts in zip(projections, large, strict=True)],
             [p.quantized.max_tokens for p in projections], self.num_heads, self.num_kv_heads,
-            self.head_dim, self.input_norm.eps)
+            self.head_dim, self.input_norm.eps,
+            [isinstance(p.quantized, BlockPanels) for p in projections])
 
     def _attention(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                    k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -161,7 +174,8 @@ class LlamaForCausalLM(nn.Module):
         if (fused is not None and meta.decode_only and fused.serves(x.shape[0])
                 and kv_caches[0][0].dtype == x.dtype):  # a float32 model's cache may be bf16
             x = decode_layers(fused, x, residual, cos, sin, kv_caches, meta.slot_mapping,
-                              meta.kernel.block_tables, meta.kernel.context_lens)
+                              meta.kernel.block_tables, meta.kernel.context_lens,
+                              meta.kernel.deterministic)
         else:
             for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
                 x = layer(x, residual, cos, sin, k_cache, v_cache, meta)
@@ -256,12 +270,15 @@ class LlamaForCausalLM(nn.Module):
 
     def attach_blocks(self, blocks: dict[str, Int4Blocks | Int8Blocks],
                       int8_panels: bool = False,
-                      exact: dict[Linear, torch.Tensor] | None = None) -> int:
+                      exact: dict[Linear, torch.Tensor] | None = None,
+                      deterministic: bool = False) -> int:
         """Give each projection whose checkpoint weights were all blocks of one kind its quantized
         copy (a fused projection needs every part), and with ``int8_panels`` the decoder layers'
         projections also ``Int8Panels`` of them in place of their dense weights
         (``Linear.use_int8_panels``), with ``exact``'s channels for the projections it names
-        (``calibration.exact_channels``). Returns the bytes added.
+        (``calibration.exact_channels``). ``deterministic``: the copies serve no matmul
+        (``pack_blocks``), only the fused decode's layout and embedding lookups. Returns the bytes
+        added.
 
         The lm_head gets the embedding's 8-bit blocks when they are tied; once it holds its own
         packed copy (``prepack``), lookups read those blocks and the dense table is dropped."""
@@ -269,7 +286,7 @@ class LlamaForCausalLM(nn.Module):
         added = 0
 
         def attach(linear: Linear, weight: Int4Blocks | Int8Blocks, int8: bool) -> int:
-            linear.quantized = pack_blocks(weight, dtype)
+            linear.quantized = pack_blocks(weight, dtype, deterministic)
             extra = linear.use_int8_panels(weight, (exact or {}).get(linear)) if int8 else 0
             return linear.quantized.nbytes() + extra
 

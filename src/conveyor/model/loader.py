@@ -56,12 +56,14 @@ class LoadedModel:
 
 def load_model(model: str | None, dtype: torch.dtype, device: torch.device,
                int8_activations: bool = False,
-               kv_cache_dtype: torch.dtype | None = None, tp: TensorParallel | None = None,
-               with_tokenizer: bool = True) -> LoadedModel:
+               kv_cache_dtype: torch.dtype | None = None, deterministic: bool = False,
+               tp: TensorParallel | None = None, with_tokenizer: bool = True) -> LoadedModel:
     """``int8_activations``: let a GGUF model's quantized matmuls round their activations to 8
     bits where that is faster (``KernelPlan.int8_panels``): off by default, for accuracy.
     ``kv_cache_dtype`` (default: ``dtype``) is what the attention kernel's choice depends on.
-    ``tp``: load only this rank's shard (``layers/parallel.py``)."""
+    ``deterministic``: small batches' matmuls give the large ones' bits and every attention
+    query row takes one arithmetic (``KernelPlan.deterministic``, ``pack_blocks``;
+    docs/determinism.md). ``tp``: load only this rank's shard (``layers/parallel.py``)."""
     from conveyor.model.calibration import exact_channels
     from conveyor.model.device import dtype_name, return_freed_memory, select_kernels
     from conveyor.model.tokenizer import load_tokenizer
@@ -74,7 +76,8 @@ def load_model(model: str | None, dtype: torch.dtype, device: torch.device,
         from conveyor.model.hf_loader import read_hf_config, read_hf_weights
 
         config = read_hf_config(path)
-        kernels = select_kernels(device, dtype, config.head_dim, kv_cache_dtype, int8_activations)
+        kernels = select_kernels(device, dtype, config.head_dim, kv_cache_dtype, int8_activations,
+                                 deterministic)
         plan = _plan(config, tp)
         weights = read_hf_weights(path, plan, config.head_dim)
     elif path.endswith(".gguf"):
@@ -84,7 +87,8 @@ def load_model(model: str | None, dtype: torch.dtype, device: torch.device,
 
         reader = gguf.GGUFReader(path)
         config = read_gguf_config(reader, os.path.basename(path))
-        kernels = select_kernels(device, dtype, config.head_dim, kv_cache_dtype, int8_activations)
+        kernels = select_kernels(device, dtype, config.head_dim, kv_cache_dtype, int8_activations,
+                                 deterministic)
         plan = _plan(config, tp)
         weights = read_gguf_weights(reader, config, plan)
         if kernels.block_weights:
@@ -106,7 +110,8 @@ def load_model(model: str | None, dtype: torch.dtype, device: torch.device,
     # Calibration runs a prefill of its own: one process only (the executor refuses it under TP).
     int8_panels = bool(blocks) and kernels.int8_panels and plan is None
     exact = exact_channels(net, tokenizer) if int8_panels else None
-    config.quantized_bytes = net.attach_blocks(blocks, int8_panels, exact) if blocks else 0
+    config.quantized_bytes = (net.attach_blocks(blocks, int8_panels, exact, kernels.deterministic)
+                              if blocks else 0)
     if blocks:
         net.fuse_decode_layers()
     del blocks

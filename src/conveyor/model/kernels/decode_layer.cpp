@@ -27,7 +27,7 @@
 
 namespace {
 
-struct Weight {  // a projection [n_out, k]: 4-bit as NibbleInt4 holds it, and its panels
+struct Weight {  // a projection [n_out, k]: 4-bit as NibbleInt4 or BlockPanels holds it, and its panels
   const uint8_t* codes;
   const float* scale;
   const float* minimum;
@@ -35,6 +35,7 @@ struct Weight {  // a projection [n_out, k]: 4-bit as NibbleInt4 holds it, and i
   Int8Weight int8;  // Int8Panels; codes null: none
   int64_t n_out;
   int64_t max_block_rows;  // rows up to which the blocks serve (NibbleInt4.max_tokens)
+  int64_t block_panels;  // nonzero: codes, scale and minimum are BlockPanels (panel_gemm.cpp)
 };
 
 struct LayerWeights {
@@ -59,6 +60,26 @@ void panel_matmul(uint16_t* y, const uint16_t* x, const void* panels, int64_t ro
 #endif
 }
 
+void block_panel_matmul(float* y, const float* x, const Weight& w, int64_t rows, int64_t k,
+                        int num_threads) {
+#ifdef __AVX512F__
+  block_panel_gemm<F32>(y, x, BlockPanel{w.codes, w.scale, w.minimum, k / 32}, rows, w.n_out, k,
+                        num_threads);
+#else
+  std::abort();  // BlockPanels exist only with AVX-512 (the Python side checks)
+#endif
+}
+
+void block_panel_matmul(uint16_t* y, const uint16_t* x, const Weight& w, int64_t rows, int64_t k,
+                        int num_threads) {
+#ifdef __AVX512BF16__
+  block_panel_gemm<BF16>(y, x, BlockPanel{w.codes, w.scale, w.minimum, k / 32}, rows, w.n_out, k,
+                         num_threads);
+#else
+  std::abort();  // bf16 BlockPanels exist only with AVX512-BF16 (the Python side checks)
+#endif
+}
+
 template <typename T>
 void int8_panel_matmul(T* y, const T* x, const Int8Weight& w, int64_t rows, int64_t k,
                        QuantizedRows& scratch, int num_threads) {
@@ -72,7 +93,9 @@ void int8_panel_matmul(T* y, const T* x, const Int8Weight& w, int64_t rows, int6
 template <typename T>
 void matmul(T* y, const T* x, const Weight& w, int64_t rows, int64_t k, QuantizedRows& scratch,
             int num_threads) {
-  if (rows <= w.max_block_rows)
+  if (rows <= w.max_block_rows && w.block_panels)
+    block_panel_matmul(y, x, w, rows, k, num_threads);
+  else if (rows <= w.max_block_rows)
     multiply<Q4>(y, x, w.codes, w.scale, w.minimum, rows, w.n_out, k, k, num_threads);
   else if (w.int8.codes)
     int8_panel_matmul(y, x, w.int8, rows, k, scratch, num_threads);
@@ -105,7 +128,7 @@ void decode_layer(const LayerWeights* w, T* out, const T* x, T* residual, int64_
                   const T* cos, const T* sin, T* k_cache, T* v_cache, int64_t block_size,
                   const int64_t* slot_mapping, const int32_t* block_tables,
                   const int32_t* context_lens, int64_t max_blocks, float scale,
-                  Activations<T>& a, int num_threads) {
+                  Activations<T>& a, int num_threads, bool deterministic) {
   const int64_t hidden = w->hidden, hd = w->head_dim, inter = w->intermediate;
   const int64_t q_heads = w->num_heads, kv_heads = w->num_kv_heads;
   const int64_t qk_width = (q_heads + kv_heads) * hd;
@@ -123,7 +146,7 @@ void decode_layer(const LayerWeights* w, T* out, const T* x, T* residual, int64_
                         slot_mapping};  // rotated keys, values straight from the projection
   paged_attention<T>(attn, qk, k_cache, v_cache, new_kv, block_tables, nullptr,
                      context_lens, rows, q_heads, kv_heads, hd, block_size, max_blocks, qk_width,
-                     scale, num_threads);
+                     scale, num_threads, deterministic);
   matmul(proj, attn, w->o, rows, q_heads * hd, a.quantized, num_threads);
   rms_norm<T>(h, proj, residual, post_norm, rows, hidden, hidden, w->eps,
               num_threads);

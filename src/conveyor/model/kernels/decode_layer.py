@@ -28,7 +28,8 @@ class DecodeLayerWeights:
     """A layer's norms (float32 or bf16: the activations' dtype) and, per projection (in
     ``PROJECTIONS`` order), its 4-bit blocks' tensors (``NibbleInt4.decode_parts``), which
     serve up to ``max_block_rows`` rows, followed by what serves more, if anything: panels or
-    ``Int8Panels`` (``LinearMethod.decode_parts``)."""
+    ``Int8Panels`` (``LinearMethod.decode_parts``). ``block_panels``: per projection, whether
+    its blocks are ``BlockPanels`` (deterministic inference) rather than ``NibbleInt4``."""
     input_norm: torch.Tensor
     post_norm: torch.Tensor
     projections: list[list[torch.Tensor]]
@@ -37,6 +38,7 @@ class DecodeLayerWeights:
     num_kv_heads: int
     head_dim: int
     eps: float
+    block_panels: list[bool] | None = None  # None: none are
 
 
 class DecodeLayers:
@@ -50,7 +52,8 @@ class DecodeLayers:
         self.weights = torch.classes.conveyor.DecodeLayers()
         for w in layers:
             self.weights.add_layer(w.input_norm, w.post_norm, *w.projections, w.num_heads,
-                                   w.num_kv_heads, w.head_dim, w.max_block_rows, w.eps)
+                                   w.num_kv_heads, w.head_dim, w.max_block_rows, w.eps,
+                                   [int(b) for b in (w.block_panels or [False] * 4)])
         self.num_layers = len(layers)
         self.dtype = layers[0].input_norm.dtype
         max_rows = self.weights.max_rows()
@@ -64,11 +67,12 @@ class DecodeLayers:
 def decode_layers(layers: DecodeLayers, x: torch.Tensor, residual: torch.Tensor,
                   cos: torch.Tensor, sin: torch.Tensor,
                   kv_caches: list[tuple[torch.Tensor, torch.Tensor]], slot_mapping: torch.Tensor,
-                  block_tables: torch.Tensor, context_lens: torch.Tensor) -> torch.Tensor:
+                  block_tables: torch.Tensor, context_lens: torch.Tensor,
+                  deterministic: bool = False) -> torch.Tensor:
     """Runs every layer on ``x`` [T, hidden] (one decode token per row) and returns the last
     layer's output, written over ``x``; ``residual`` is updated in place and each layer's K/V
     are written to their slots, as the Python path does. Every tensor but the index ones is in
-    the layers' dtype."""
+    the layers' dtype. ``deterministic``: attention as ``kernel_attention`` computes it so."""
     layers.run(layers.weights, x, residual, cos, sin, [k for k, _ in kv_caches],
-               [v for _, v in kv_caches], slot_mapping, block_tables, context_lens)
+               [v for _, v in kv_caches], slot_mapping, block_tables, context_lens, deterministic)
     return x

@@ -157,6 +157,55 @@ Tensor panel_gemm_op(const Tensor& x_in, const Tensor& packed, int64_t n) {
   return y;
 }
 
+// BlockPanels (layers/quantized.py) of an [n, k] weight: 4-bit codes [n, k / 2] uint8 with
+// minimum given, 8-bit codes [n, k] int8 without; scale (and minimum) [n, k / 32] float32.
+void check_block_panels(const Tensor& codes, const Tensor& scale,
+                        const std::optional<Tensor>& minimum, const char* prefix, ScalarType dtype,
+                        int64_t n, int64_t k) {
+  const std::string p(prefix);
+#ifndef __AVX512F__
+  TORCH_CHECK(false, p + "codes: BlockPanels need a build targeting AVX-512");
+#endif
+#ifndef __AVX512BF16__
+  TORCH_CHECK(dtype != at::kBFloat16, p + "codes: bf16 BlockPanels need a build targeting "
+              "AVX512-BF16");
+#endif
+  check_multiple(k, 32, "the input size of BlockPanels");
+  check_multiple(n, kPanel, "the output size of BlockPanels");
+  if (minimum) {
+    check_tensor(codes, (p + "codes").c_str(), at::kByte, {n, k / 2});
+    check_tensor(*minimum, (p + "minimum").c_str(), at::kFloat, {n, k / 32});
+  } else {
+    check_tensor(codes, (p + "codes").c_str(), at::kChar, {n, k});
+  }
+  check_tensor(scale, (p + "scale").c_str(), at::kFloat, {n, k / 32});
+}
+
+Tensor block_panel_gemm_op(const Tensor& x_in, const Tensor& codes, const Tensor& scale,
+                           const std::optional<Tensor>& minimum) {
+  check_activation_dtype(x_in, "x");
+  const Tensor x = unit_stride_rows(x_in, "x").contiguous();
+  TORCH_CHECK(scale.dim() == 2, "scale must be 2-D, got shape ", scale.sizes());
+  const int64_t n = scale.size(0), k = scale.size(1) * 32;
+  TORCH_CHECK(x.size(1) == k, "x must have ", k, " columns (32 per scale column), got ",
+              x.size(1));
+  check_block_panels(codes, scale, minimum, "", x.scalar_type(), n, k);
+  Tensor y = at::empty({x.size(0), n}, x.options());
+#ifdef __AVX512F__
+  const BlockPanel w{data<const uint8_t>(codes), data<const float>(scale),
+                     minimum ? data<const float>(*minimum) : nullptr, k / 32};
+  if (is_bf16(x)) {
+#ifdef __AVX512BF16__
+    block_panel_gemm<BF16>(data<uint16_t>(y), data<const uint16_t>(x), w, x.size(0), n, k,
+                           threads());
+#endif
+  } else {
+    block_panel_gemm<F32>(data<float>(y), data<const float>(x), w, x.size(0), n, k, threads());
+  }
+#endif
+  return y;
+}
+
 // ---- block_matmul.cpp ----
 
 // 4-bit blocks (minimum given; NibbleInt4) or 8-bit ones (Int8Blocks) of an [n, k] weight.
@@ -404,7 +453,7 @@ void paged_attention_op(const Tensor& q_in, const Tensor& k_cache, const Tensor&
                      const Tensor& block_tables, const Tensor& context_lens,
                      const std::optional<Tensor>& token_seqs, double scale, const Tensor& out,
                      const std::optional<Tensor>& new_k, const std::optional<Tensor>& new_v,
-                     const std::optional<Tensor>& slot_mapping) {
+                     const std::optional<Tensor>& slot_mapping, bool deterministic) {
   check_activation_dtype(q_in, "q");
   TORCH_CHECK(q_in.dim() == 3, "q must be 3-D [tokens, heads, head_dim], got shape ",
               q_in.sizes());
@@ -442,7 +491,7 @@ void paged_attention_op(const Tensor& q_in, const Tensor& k_cache, const Tensor&
                             token_seqs ? data<const int32_t>(*token_seqs) : nullptr,
                             data<const int32_t>(context_lens), tokens, heads, c.num_kv_heads,
                             c.head_dim, c.block_size, block_tables.size(1), q.stride(0),
-                            static_cast<float>(scale), threads());
+                            static_cast<float>(scale), threads(), deterministic);
     };
     if (bf16_cache)
       run(static_cast<uint16_t*>(nullptr));
@@ -472,8 +521,9 @@ struct DecodeLayers : torch::CustomClassHolder {
   // A projection [n_out, k]: its 4-bit blocks [codes, scale, minimum] serving up to
   // max_block_rows rows, then what serves more, if anything: [panels] or Int8Panels' [codes,
   // scale, minimum] and optionally [exact, exact_weights].
+  // block_panels: the blocks are BlockPanels (panel_gemm.cpp's layout) rather than NibbleInt4.
   Weight projection(const std::vector<Tensor>& parts, int64_t max_block_rows, int64_t n_out,
-                    int64_t k, const std::string& name) {
+                    int64_t k, bool block_panels, const std::string& name) {
     const size_t count = parts.size();
     TORCH_CHECK(count == 3 || count == 4 || count == 6 || count == 8, name,
                 " must hold 3 tensors (blocks), 4 (and panels) or 6 or 8 (and Int8Panels), got ",
@@ -482,9 +532,14 @@ struct DecodeLayers : torch::CustomClassHolder {
     for (size_t i = 0; i < count; ++i) check_cpu(parts[i], (name + "[" + std::to_string(i) + "]").c_str());
     TORCH_CHECK(parts[0].dim() == 2 && parts[0].size(0) == n_out, name,
                 "'s codes must have ", n_out, " rows, got shape ", parts[0].sizes());
-    check_blocks(parts[0], parts[1], parts[2], (name + " blocks' ").c_str(), k);
+    if (block_panels)
+      check_block_panels(parts[0], parts[1], parts[2], (name + " block panels' ").c_str(), dtype,
+                         n_out, k);
+    else
+      check_blocks(parts[0], parts[1], parts[2], (name + " blocks' ").c_str(), k);
     Weight w{data<const uint8_t>(parts[0]), data<const float>(parts[1]),
-             data<const float>(parts[2]), nullptr, Int8Weight{}, n_out, max_block_rows};
+             data<const float>(parts[2]), nullptr, Int8Weight{}, n_out, max_block_rows,
+             block_panels ? 1 : 0};
     if (count == 4) {
       check_panels(parts[3], (name + "'s panels").c_str(), dtype, n_out, k);
       w.panels = parts[3].data_ptr();
@@ -504,7 +559,8 @@ struct DecodeLayers : torch::CustomClassHolder {
   void add_layer(const Tensor& input_norm, const Tensor& post_norm, const std::vector<Tensor>& qkv,
                  const std::vector<Tensor>& o, const std::vector<Tensor>& gate_up,
                  const std::vector<Tensor>& down, int64_t num_heads, int64_t num_kv_heads,
-                 int64_t head_dim, const std::vector<int64_t>& max_block_rows, double eps) {
+                 int64_t head_dim, const std::vector<int64_t>& max_block_rows, double eps,
+                 const std::vector<int64_t>& block_panels) {
     check_activation_dtype(input_norm, "input_norm");
     TORCH_CHECK(input_norm.dim() == 1, "input_norm must be 1-D, got shape ", input_norm.sizes());
     const int64_t hidden = input_norm.size(0);
@@ -515,6 +571,8 @@ struct DecodeLayers : torch::CustomClassHolder {
     check_multiple(head_dim, 2 * kLanes, "head_dim");
     TORCH_CHECK(max_block_rows.size() == 4, "max_block_rows must hold 4 entries, got ",
                 max_block_rows.size());
+    TORCH_CHECK(block_panels.size() == 4, "block_panels must hold 4 entries, got ",
+                block_panels.size());
     TORCH_CHECK(!gate_up.empty() && gate_up[0].dim() == 2, "gate_up's codes must be 2-D");
     const int64_t inter = gate_up[0].size(0) / 2;
     check_multiple(inter, kLanes, "half of gate_up's outputs (intermediate)");
@@ -532,10 +590,12 @@ struct DecodeLayers : torch::CustomClassHolder {
     const int64_t q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;
     LayerWeights w{input_norm.data_ptr(),
                    post_norm.data_ptr(),
-                   projection(qkv, max_block_rows[0], q_size + 2 * kv_size, hidden, "qkv"),
-                   projection(o, max_block_rows[1], hidden, q_size, "o"),
-                   projection(gate_up, max_block_rows[2], 2 * inter, hidden, "gate_up"),
-                   projection(down, max_block_rows[3], hidden, inter, "down"),
+                   projection(qkv, max_block_rows[0], q_size + 2 * kv_size, hidden, block_panels[0] != 0,
+                              "qkv"),
+                   projection(o, max_block_rows[1], hidden, q_size, block_panels[1] != 0, "o"),
+                   projection(gate_up, max_block_rows[2], 2 * inter, hidden, block_panels[2] != 0,
+                              "gate_up"),
+                   projection(down, max_block_rows[3], hidden, inter, block_panels[3] != 0, "down"),
                    hidden,
                    num_heads,
                    num_kv_heads,
@@ -553,7 +613,7 @@ void decode_layers_op(const c10::intrusive_ptr<DecodeLayers>& weights, const Ten
                    const Tensor& residual, const Tensor& cos, const Tensor& sin,
                    const std::vector<Tensor>& k_caches, const std::vector<Tensor>& v_caches,
                    const Tensor& slot_mapping, const Tensor& block_tables,
-                   const Tensor& context_lens) {
+                   const Tensor& context_lens, bool deterministic) {
   const auto& layers = weights->layers;
   TORCH_CHECK(!layers.empty(), "weights holds no layers");
   const LayerWeights& first = layers[0];
@@ -592,7 +652,7 @@ void decode_layers_op(const c10::intrusive_ptr<DecodeLayers>& weights, const Ten
                       data<const T>(cos), data<const T>(sin), data<T>(k_caches[i]),
                       data<T>(v_caches[i]), c.block_size, data<const int64_t>(slot_mapping),
                       data<const int32_t>(block_tables), data<const int32_t>(context_lens),
-                      block_tables.size(1), scale, activations, threads());
+                      block_tables.size(1), scale, activations, threads(), deterministic);
   });
 }
 
@@ -608,6 +668,8 @@ TORCH_LIBRARY(CONVEYOR_OPS_NAMESPACE, m) {
   m.def("features() -> str[]", &features_op);
   m.def("panel_width() -> int", &panel_width_op);
   m.def("panel_gemm(Tensor x, Tensor packed, int n) -> Tensor", &panel_gemm_op);
+  m.def("block_panel_gemm(Tensor x, Tensor codes, Tensor scale, Tensor? minimum) -> Tensor",
+        &block_panel_gemm_op);
   m.def("block_matmul(Tensor x, Tensor codes, Tensor scale, Tensor? minimum) -> Tensor",
         &block_matmul_op);
   m.def("int8_gemm(Tensor x, Tensor codes, Tensor scale, Tensor minimum, int n, Tensor? exact, "
@@ -620,11 +682,12 @@ TORCH_LIBRARY(CONVEYOR_OPS_NAMESPACE, m) {
   m.def("argmax(Tensor x) -> Tensor", &argmax_op);
   m.def("paged_attention(Tensor q, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor block_tables, "
         "Tensor context_lens, Tensor? token_seqs, float scale, Tensor(c!) out, Tensor? new_k, "
-        "Tensor? new_v, Tensor? slot_mapping) -> ()",
+        "Tensor? new_v, Tensor? slot_mapping, bool deterministic=False) -> ()",
         &paged_attention_op);
   m.def("decode_layers(__torch__.torch.classes." CONVEYOR_NAME(CONVEYOR_OPS_NAMESPACE)
         ".DecodeLayers weights, Tensor(a!) x, Tensor(b!) residual, "
         "Tensor cos, Tensor sin, Tensor(c!)[] k_caches, Tensor(d!)[] v_caches, "
-        "Tensor slot_mapping, Tensor block_tables, Tensor context_lens) -> ()",
+        "Tensor slot_mapping, Tensor block_tables, Tensor context_lens, "
+        "bool deterministic=False) -> ()",
         &CONVEYOR_OPS_NAMESPACE::decode_layers_op);
 }

@@ -174,11 +174,18 @@ struct Task {
 // Runs of at least kMinTileRows query rows go in tiles of about kTileRows rows, last tile
 // first (the longest contexts: dynamic scheduling then balances the rest); the other tokens
 // go one by one, all KV heads per task when there are enough tokens to keep the threads busy.
+// Deterministic inference needs one arithmetic for every query row, whether it is a decode or
+// sits anywhere in a prefill chunk (docs/determinism.md): kOneByOne sends every token the
+// decode's way (attend, attend_bf16: a row's scores, softmax and value sums depend only on its
+// own query, context and cache, hsum and transposed_hsum being the same tree); kTiles sends every
+// run to attend_tile (a decode as a tile of its own), for bf16 over an odd block size, where
+// attend_bf16's pairs of value rows would start at odd positions.
+enum class Plan { kMixed, kOneByOne, kTiles };
 constexpr int64_t kMinTileRows = 24;
 
 std::vector<Task> plan_tasks(const int32_t* token_seqs, const int32_t* context_lens,
                              int64_t num_tokens, int64_t num_kv_heads, int64_t group,
-                             int num_threads) {
+                             int num_threads, Plan plan) {
   const int64_t span = num_tokens >= 4 * num_threads ? num_kv_heads : 1;
   const int64_t per_tile = std::max<int64_t>(1, kTileRows / group);
   std::vector<Task> tasks;
@@ -187,7 +194,7 @@ std::vector<Task> plan_tasks(const int32_t* token_seqs, const int32_t* context_l
     while (token_seqs && end < num_tokens && token_seqs[end] == token_seqs[t] &&
            context_lens[end] == context_lens[end - 1] + 1)
       ++end;
-    if ((end - t) * group >= kMinTileRows) {
+    if (plan == Plan::kTiles || (plan == Plan::kMixed && (end - t) * group >= kMinTileRows)) {
       for (int64_t s = t + (end - t - 1) / per_tile * per_tile; s >= t; s -= per_tile)
         for (int64_t h = 0; h < num_kv_heads; ++h)
           tasks.push_back({s, std::min(per_tile, end - s), h, h + 1, true});
@@ -206,11 +213,17 @@ void paged_attention(T* out, const T* q, C* k_cache, C* v_cache, NewKV<T> new_kv
                      const int32_t* block_tables, const int32_t* token_seqs,
                      const int32_t* context_lens, int64_t num_tokens, int64_t num_heads,
                      int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
-                     int64_t max_blocks, int64_t q_stride, float scale, int num_threads) {
+                     int64_t max_blocks, int64_t q_stride, float scale, int num_threads,
+                     bool deterministic) {
   const int64_t group = num_heads / num_kv_heads;
   const int64_t token_stride = num_kv_heads * head_dim;
-  const std::vector<Task> tasks =
-      plan_tasks(token_seqs, context_lens, num_tokens, num_kv_heads, group, num_threads);
+  const bool pairs = std::is_same_v<T, uint16_t> && std::is_same_v<C, uint16_t> &&
+                     (head_dim == 64 || head_dim == 128);  // attend_bf16 serves single tokens
+  const Plan plan = !deterministic                ? Plan::kMixed
+                    : pairs && block_size % 2 == 1 ? Plan::kTiles
+                                                   : Plan::kOneByOne;
+  const std::vector<Task> tasks = plan_tasks(token_seqs, context_lens, num_tokens, num_kv_heads,
+                                             group, num_threads, plan);
   const int64_t num_tasks = static_cast<int64_t>(tasks.size());
   auto table_of = [&](int64_t t) {  // token t's sequence's block table
     return block_tables + (token_seqs ? token_seqs[t] : t) * max_blocks;

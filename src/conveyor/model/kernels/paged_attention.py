@@ -36,13 +36,19 @@ def kernel_attention(
     token_seqs: torch.Tensor | None = None,  # [T] int32 row of block_tables; None: token t -> t
     out: torch.Tensor | None = None,
     new_kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    deterministic: bool = False,
 ) -> torch.Tensor:
     """Returns [T, num_heads * head_dim], written into ``out`` when it is a contiguous tensor
     of that shape and q's dtype.
 
     ``new_kv = (k, v, slot_mapping)``: this step's keys and values ([T, kv_heads, head_dim] in q's
     dtype, heads packed, rows may be strided) are first written to the cache rows
-    ``slot_mapping`` ([T] int64), rounded to the cache's dtype, in the same call."""
+    ``slot_mapping`` ([T] int64), rounded to the cache's dtype, in the same call.
+
+    ``deterministic``: every query row takes one arithmetic (the one-token path; bf16 over an
+    odd block size, the tiles), so that a token's output does not depend on whether it is a
+    decode or part of a chunk, nor on the chunk's boundaries (docs/determinism.md); otherwise
+    runs of enough rows go in the faster tiles."""
     ops = kernel_ops()
     if ops is None:
         raise RuntimeError("the paged attention kernel is not available")
@@ -51,5 +57,5 @@ def kernel_attention(
         out = torch.empty(shape, dtype=q.dtype)
     k, v, slots = new_kv if new_kv is not None else (None, None, None)
     ops.paged_attention(q, k_cache, v_cache, block_tables, context_lens, token_seqs, scale, out,
-                        k, v, slots)
+                        k, v, slots, deterministic)
     return out

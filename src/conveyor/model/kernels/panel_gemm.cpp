@@ -26,6 +26,10 @@
 #include <cstdint>
 #include <cstring>
 
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
+
 #include "dispatch.h"
 #include "madd_step.h"
 #include "vec.h"
@@ -103,5 +107,153 @@ void gemm(typename F::T* y, const typename F::T* x, const typename F::T* packed,
     }
   }
 }
+
+#ifdef __AVX512F__
+// The same products over a weight kept as a GGUF file's blocks of 32 along K (4-bit: w = d q + m;
+// 8-bit: w = d q), laid out by panels (layers/quantized.py's BlockPanels): each step of K
+// converts the codes of its 32 outputs to exactly the values pack_panels holds (the file's
+// float32 dequantization, q d being exact, then rounded to bf16 for bf16 panels) and feeds them to
+// the very loop of `tile`, so that every output is the same chain of multiply-adds as on the
+// panels, bit for bit, at a quarter (4-bit) or half (8-bit) of bf16's bytes. Per panel and block:
+// d (and m) for its 32 outputs, then the codes of each step of K:
+//
+// * bf16, a step = a pair of k: 64 codes in the order of the panel's two vectors (word 2j + e:
+//   output j, k = 2i + e); 4-bit: byte t holds word t (low nibble) and word 32 + t (high);
+// * float32, a step = one k: 32 codes, output j; 4-bit: byte t holds outputs t and 16 + t.
+struct BlockPanel {
+  const uint8_t* codes;
+  const float* scale;
+  const float* minimum;  // null: 8-bit
+  int64_t blocks;  // K / 32
+};
+
+inline __m512 codes_to_float(__m128i bytes, bool is_signed) {
+  return _mm512_cvtepi32_ps(is_signed ? _mm512_cvtepi8_epi32(bytes) : _mm512_cvtepu8_epi32(bytes));
+}
+inline __m128i load16(const uint8_t* p) { return _mm_loadu_si128((const __m128i*)p); }
+
+// One block's steps: STEP() returns the two vectors of W a step of K multiplies.
+template <class F, bool kFour>
+struct BlockSteps;
+
+template <bool kFour>
+struct BlockSteps<F32, kFour> {
+  static constexpr int64_t kStepBytes = kFour ? 16 : 32, kSteps = 32;
+  __m512 d[2], m[2];
+  const uint8_t* c;
+  BlockSteps(const BlockPanel& w, int64_t panel, int64_t b) {
+    const int64_t at = (panel * w.blocks + b) * kPanel;
+    c = w.codes + (panel * w.blocks + b) * kSteps * kStepBytes;
+    for (int h = 0; h < 2; ++h) {
+      d[h] = _mm512_loadu_ps(w.scale + at + 16 * h);
+      if constexpr (kFour) m[h] = _mm512_loadu_ps(w.minimum + at + 16 * h);
+    }
+  }
+  void step(int64_t s, vfloat& w0, vfloat& w1) const {
+    const uint8_t* p = c + s * kStepBytes;
+    if constexpr (kFour) {
+      const __m512i q = _mm512_cvtepu8_epi32(load16(p));
+      const __m512i nibble = _mm512_set1_epi32(0xF);
+      w0 = (vfloat)_mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(q, nibble)), d[0], m[0]);
+      w1 = (vfloat)_mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(q, 4)), d[1], m[1]);
+    } else {
+      w0 = (vfloat)_mm512_mul_ps(codes_to_float(load16(p), true), d[0]);
+      w1 = (vfloat)_mm512_mul_ps(codes_to_float(load16(p + 16), true), d[1]);
+    }
+  }
+};
+
+#ifdef __AVX512BF16__
+template <bool kFour>
+struct BlockSteps<BF16, kFour> {
+  static constexpr int64_t kStepBytes = kFour ? 32 : 64, kSteps = 16;
+  __m512 d[4], m[4];  // per word of a step's four float vectors: outputs 8v .. 8v + 7, twice
+  const uint8_t* c;
+  BlockSteps(const BlockPanel& w, int64_t panel, int64_t b) {
+    const int64_t at = (panel * w.blocks + b) * kPanel;
+    c = w.codes + (panel * w.blocks + b) * kSteps * kStepBytes;
+    const __m512i lo = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
+    const __m512i hi = _mm512_add_epi32(lo, _mm512_set1_epi32(8));
+    for (int h = 0; h < 2; ++h) {
+      const __m512 dh = _mm512_loadu_ps(w.scale + at + 16 * h);
+      d[2 * h] = _mm512_permutexvar_ps(lo, dh);
+      d[2 * h + 1] = _mm512_permutexvar_ps(hi, dh);
+      if constexpr (kFour) {
+        const __m512 mh = _mm512_loadu_ps(w.minimum + at + 16 * h);
+        m[2 * h] = _mm512_permutexvar_ps(lo, mh);
+        m[2 * h + 1] = _mm512_permutexvar_ps(hi, mh);
+      }
+    }
+  }
+  void step(int64_t s, __m512bh& w0, __m512bh& w1) const {
+    const uint8_t* p = c + s * kStepBytes;
+    __m512 f[4];  // words 16v .. 16v + 15
+    if constexpr (kFour) {
+      const __m512i first = _mm512_cvtepu8_epi32(load16(p)), second = _mm512_cvtepu8_epi32(load16(p + 16));
+      const __m512i nibble = _mm512_set1_epi32(0xF);
+      f[0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(first, nibble)), d[0], m[0]);
+      f[1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(second, nibble)), d[1], m[1]);
+      f[2] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(first, 4)), d[2], m[2]);
+      f[3] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(second, 4)), d[3], m[3]);
+    } else {
+      for (int v = 0; v < 4; ++v) f[v] = _mm512_mul_ps(codes_to_float(load16(p + 16 * v), true), d[v]);
+    }
+    w0 = _mm512_cvtne2ps_pbh(f[1], f[0]);  // round to nearest even, as torch's .to(bfloat16)
+    w1 = _mm512_cvtne2ps_pbh(f[3], f[2]);
+  }
+};
+#endif
+
+// `tile`'s loop, W's vectors converted from a BlockPanel's codes.
+template <class F, bool kFour, int R>
+void block_tile(typename F::T* y, int64_t ldy, const typename F::T* x, const BlockPanel& w,
+                int64_t panel, int64_t k, int64_t cols) {
+  using Steps = BlockSteps<F, kFour>;
+  vfloat acc[R][2] = {};
+  for (int64_t b = 0; b < w.blocks; ++b) {
+    const Steps steps(w, panel, b);
+    for (int64_t s = 0; s < Steps::kSteps; ++s) {
+      const int64_t i = b * 32 + s * F::kStep;
+      decltype(F::vector(x)) w0, w1;
+      steps.step(s, w0, w1);
+      for (int r = 0; r < R; ++r) {
+        const auto xr = F::broadcast(x + r * k + i);
+        F::madd(acc[r][0], xr, w0);
+        F::madd(acc[r][1], xr, w1);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r) store_row(acc[r], y + r * ldy, cols);
+}
+
+template <class F, bool kFour>
+void block_gemm(typename F::T* y, const typename F::T* x, const BlockPanel& w, int64_t m,
+                int64_t n, int64_t k, int num_threads) {
+  const int64_t panels = (n + kPanel - 1) / kPanel;
+  for (int64_t r0 = 0; r0 < m; r0 += kBlockRows) {
+    const int64_t r1 = std::min(m, r0 + kBlockRows);
+#pragma omp parallel for num_threads(num_threads) schedule(static)
+    for (int64_t p = 0; p < panels; ++p) {
+      const int64_t cols = std::min<int64_t>(kPanel, n - p * kPanel);
+      typename F::T* yp = y + p * kPanel;
+      int64_t r = r0;
+      for (; r + kRows <= r1; r += kRows)
+        block_tile<F, kFour, kRows>(yp + r * n, n, x + r * k, w, p, k, cols);
+      with_constant<kRows - 1>(r1 - r, [&](auto rows) {
+        block_tile<F, kFour, decltype(rows)::value>(yp + r * n, n, x + r * k, w, p, k, cols);
+      });
+    }
+  }
+}
+
+template <class F>
+void block_panel_gemm(typename F::T* y, const typename F::T* x, const BlockPanel& w, int64_t m,
+                      int64_t n, int64_t k, int num_threads) {
+  if (w.minimum)
+    block_gemm<F, true>(y, x, w, m, n, k, num_threads);
+  else
+    block_gemm<F, false>(y, x, w, m, n, k, num_threads);
+}
+#endif  // __AVX512F__
 
 }  // namespace

@@ -68,3 +68,22 @@ def panel_gemm(x: torch.Tensor, packed: torch.Tensor, n: int) -> torch.Tensor:
     if ops is None:
         raise RuntimeError("the panel GEMM kernel is not available")
     return ops.panel_gemm(x, packed, n)
+
+
+def block_panel_gemm_available(dtype: torch.dtype) -> bool:
+    """AVX-512 builds only (bf16: AVX512-BF16)."""
+    if kernel_ops() is None:
+        return False
+    want = {torch.float32: "avx512f", torch.bfloat16: "avx512bf16"}.get(dtype)
+    return want is not None and want in kernel_features()
+
+
+def block_panel_gemm(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor,
+                     minimum: torch.Tensor | None) -> torch.Tensor:
+    """x [M, K] @ W^T -> [M, N] with W as ``layers/quantized.py``'s ``BlockPanels`` holds it
+    (``minimum`` None: 8-bit codes): the same bits as ``panel_gemm`` over W's panels
+    (``torch.ops.conveyor.block_panel_gemm``)."""
+    ops = kernel_ops()
+    if ops is None:
+        raise RuntimeError("the block panel GEMM kernel is not available")
+    return ops.block_panel_gemm(x, codes, scale, minimum)

@@ -79,6 +79,7 @@ class KernelBatch:
     block_tables: torch.Tensor  # [S, max_blocks] int32 (padding: 0)
     context_lens: torch.Tensor  # [T] int32, the token itself included
     token_seqs: torch.Tensor | None  # [T] int32; None in a decode-only step (token t -> row t)
+    deterministic: bool = True  # one arithmetic for every query row (kernel_attention)
 
 
 @dataclass
@@ -104,6 +105,7 @@ def build_attention_metadata(
     device: torch.device,
     attention_kernel: bool = False,
     dtype: torch.dtype = torch.float32,
+    deterministic: bool = True,
 ) -> AttentionMetadata:
     """With ``attention_kernel``, one ``KernelBatch`` covers every token, in any entry order.
 
@@ -115,7 +117,7 @@ def build_attention_metadata(
     while num_decode < len(num_new) and num_new[num_decode] == 1:
         num_decode += 1
     if attention_kernel and num_decode == len(num_new):
-        return _decode_only_metadata(block_tables, starts, block_size, device)
+        return _decode_only_metadata(block_tables, starts, block_size, device, deterministic)
     if not attention_kernel and any(n == 1 for n in num_new[num_decode:]):
         raise ValueError("entries must be ordered with single-token entries first")
     width = max(len(t) for t in block_tables)
@@ -131,7 +133,7 @@ def build_attention_metadata(
     slot_mapping = table[entry_of_token, pos // block_size] * block_size + pos % block_size
     if attention_kernel:
         kernel = KernelBatch(table.to(torch.int32).to(device), (pos + 1).to(torch.int32).to(device),
-                             entry_of_token.to(torch.int32).to(device))
+                             entry_of_token.to(torch.int32).to(device), deterministic)
         return AttentionMetadata(slot_mapping.to(device), pos.to(device), kernel, [])
 
     groups = []
@@ -165,7 +167,7 @@ def build_attention_metadata(
 
 
 def _decode_only_metadata(block_tables: list[list[int]], starts: list[int], block_size: int,
-                          device: torch.device) -> AttentionMetadata:
+                          device: torch.device, deterministic: bool) -> AttentionMetadata:
     """The same metadata for a step of decodes only, computed in plain Python: the general
     path's dozen small torch ops are a visible part of a single-stream step."""
     slots = [table[p // block_size] * block_size + p % block_size
@@ -173,7 +175,7 @@ def _decode_only_metadata(block_tables: list[list[int]], starts: list[int], bloc
     width = max(len(t) for t in block_tables)
     table = torch.tensor([t + [0] * (width - len(t)) for t in block_tables], dtype=torch.int32)
     context_lens = torch.tensor([p + 1 for p in starts], dtype=torch.int32)
-    kernel = KernelBatch(table.to(device), context_lens.to(device), None)
+    kernel = KernelBatch(table.to(device), context_lens.to(device), None, deterministic)
     return AttentionMetadata(torch.tensor(slots, device=device),
                              torch.tensor(starts, device=device), kernel, [])
 
@@ -225,7 +227,8 @@ def paged_attention(
         kb = meta.kernel
         return kernel_attention(q, k_cache, v_cache, kb.block_tables, kb.context_lens,
                                 head_dim ** -0.5, kb.token_seqs, out=out,
-                                new_kv=(k, v, meta.slot_mapping))
+                                new_kv=(k, v, meta.slot_mapping),
+                                deterministic=kb.deterministic)
     flat_k = k_cache.view(-1, kv_heads, head_dim)
     flat_v = v_cache.view(-1, kv_heads, head_dim)
     flat_k.index_copy_(0, meta.slot_mapping, k.to(k_cache.dtype))  # .to: no-op unless a bf16

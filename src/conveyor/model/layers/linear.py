@@ -30,7 +30,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from conveyor.model.kernels.panel_gemm import pack_panels, panel_gemm, unpack_panels
-from conveyor.model.layers.quantized import Int4Blocks, Int8Blocks, Int8Panels, NibbleInt4
+from conveyor.model.layers.quantized import (
+    BlockPanels,
+    Int4Blocks,
+    Int8Blocks,
+    Int8Panels,
+    NibbleInt4,
+)
 
 
 def _bytes(*tensors: torch.Tensor) -> int:
@@ -168,7 +174,8 @@ class Linear(nn.Module):
                      else None)
         self.out_features = out_features
         self.method: LinearMethod = DenseMethod(self.weight)
-        self.quantized: NibbleInt4 | Int8Blocks | None = None  # serves up to its max_tokens rows
+        # serves up to its max_tokens rows (BlockPanels: deterministic inference)
+        self.quantized: NibbleInt4 | Int8Blocks | BlockPanels | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.quantized is not None and x.shape[0] <= self.quantized.max_tokens:

@@ -28,6 +28,7 @@ import torch.nn.functional as F
 
 from conveyor.model.kernels.block_matmul import block_matmul
 from conveyor.model.kernels.int8_gemm import PANEL, int8_gemm
+from conveyor.model.kernels.panel_gemm import block_panel_gemm, block_panel_gemm_available
 
 GROUP = 32
 
@@ -92,15 +93,80 @@ def _check_input_size(k: int) -> None:
 BF16_MAX_TOKENS = 4
 
 
-def pack_blocks(blocks: Int4Blocks | Int8Blocks, dtype: torch.dtype) -> NibbleInt4 | Int8Blocks:
-    """The blocks laid out for ``block_matmul`` with activations of ``dtype``."""
+def pack_blocks(blocks: Int4Blocks | Int8Blocks, dtype: torch.dtype,
+                deterministic: bool = False) -> NibbleInt4 | Int8Blocks | BlockPanels:
+    """The blocks laid out for ``block_matmul`` with activations of ``dtype``. ``deterministic``:
+    as ``BlockPanels``, whose products equal the dense panels' bit for bit; where those cannot
+    run, blocks that serve no rows (``max_tokens`` 0), so that the dense weight serves every
+    batch size (the blocks' weights, exact float32, and order of sums differ from the panels')."""
     _check_input_size(blocks.codes.shape[1])
     if dtype not in (torch.float32, torch.bfloat16):
         raise ValueError(f"block weights run with float32 or bf16 activations, not {dtype}")
+    if deterministic and BlockPanels.fits(blocks, dtype):
+        return BlockPanels.pack(blocks, dtype)
     packed = NibbleInt4.pack(blocks) if isinstance(blocks, Int4Blocks) else replace(blocks)
-    if dtype == torch.bfloat16:
+    if deterministic:
+        packed.max_tokens = 0
+    elif dtype == torch.bfloat16:
         packed.max_tokens = BF16_MAX_TOKENS
     return packed
+
+
+@dataclass
+class BlockPanels:
+    """4-bit or 8-bit blocks in column panels of 32 outputs for ``block_panel_gemm``
+    (``kernels/panel_gemm.cpp``): each output computed as the panel GEMM computes it over the
+    dense weight (the file's float32 dequantization, rounded to bf16 for bf16 activations), so
+    small batches read the file's bytes and still give the large ones' bits. Per panel and block
+    of 32 inputs, the codes of each step of K in the order of the panel's vectors (see the
+    kernel); ``scale`` and ``min`` hold that block's 32 outputs' values side by side."""
+    codes: torch.Tensor  # [N, K / 2] uint8 (4-bit) or [N, K] int8 (8-bit), in panel order
+    scale: torch.Tensor  # [N, K / 32] float32, in panel order
+    min: torch.Tensor | None  # as scale; None for 8-bit
+    # Rows up to which it serves, as the blocks it replaces.
+    max_tokens: int = 12
+
+    @staticmethod
+    def fits(blocks: Int4Blocks | Int8Blocks, dtype: torch.dtype) -> bool:
+        return blocks.codes.shape[0] % PANEL == 0 and block_panel_gemm_available(dtype)
+
+    @staticmethod
+    def pack(blocks: Int4Blocks | Int8Blocks, dtype: torch.dtype) -> BlockPanels:
+        n, k = blocks.codes.shape
+        panels, steps = n // PANEL, k // GROUP
+        if n % PANEL:
+            raise ValueError(f"block panels need outputs in multiples of {PANEL}, got {n}")
+        codes = blocks.codes.view(panels, PANEL, steps, GROUP)
+        if dtype == torch.bfloat16:  # a step: pairs of k, word 2j + e = output j, k = 2i + e
+            words = codes.view(panels, PANEL, steps, GROUP // 2, 2).permute(0, 2, 3, 1, 4)
+            words = words.reshape(panels, steps, GROUP // 2, 2 * PANEL)
+        else:  # a step: one k, output j
+            words = codes.permute(0, 2, 3, 1)
+        if isinstance(blocks, Int4Blocks):
+            half = words.shape[-1] // 2
+            words = words[..., :half] | (words[..., half:] << 4)
+
+        def per_panel(t: torch.Tensor) -> torch.Tensor:
+            return t.float().view(panels, PANEL, steps).transpose(1, 2).reshape(n, steps)
+
+        packed = BlockPanels(words.reshape(n, -1).contiguous(), per_panel(blocks.scale),
+                             per_panel(blocks.min) if isinstance(blocks, Int4Blocks) else None)
+        if dtype == torch.bfloat16:
+            packed.max_tokens = BF16_MAX_TOKENS
+        return packed
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        return block_panel_gemm(x, self.codes, self.scale, self.min)
+
+    def decode_parts(self) -> list[torch.Tensor]:
+        """What ``kernels/decode_layer.cpp`` multiplies by up to ``max_tokens`` rows (4-bit
+        only: ``min`` is not None)."""
+        assert self.min is not None, "decode layers take 4-bit block panels only"
+        return [self.codes, self.scale, self.min]
+
+    def nbytes(self) -> int:
+        parts = [self.codes, self.scale] + ([] if self.min is None else [self.min])
+        return sum(t.numel() * t.element_size() for t in parts)
 
 
 @dataclass
