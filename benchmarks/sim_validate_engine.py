@@ -23,7 +23,7 @@ stable step times; calibration and validation must use the same setting.
 ``--clock`` (default ``cpu``): the engine's scheduler and output processor are given a clock
 that counts this process's CPU time, with the idle gaps between arrivals skipped instead of
 slept. With one thread that is the time the engine's work takes on a core of its own; wall time
-on a machine shared by several busy sessions swings 2x within minutes. ``--clock wall`` uses
+on a machine shared by several busy processes swings 2x within minutes. ``--clock wall`` uses
 real time (on a quiet machine the two agree).
 """
 

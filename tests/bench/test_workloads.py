@@ -1,4 +1,4 @@
-"""The named workloads are deterministic and match their specifications (issue 6)."""
+"""The named workloads are deterministic and match their specifications."""
 
 import pytest
 

@@ -56,7 +56,7 @@ def test_int8_activations_stay_close_to_float32(executor, prompt_ids, reference_
     # Measured on a Zen 4: bf16 KL 0.0013, top-1 agreement 97.9%; int8 0.0042, 96.3% (with an
     # int8 lm_head 0.0037, 95.9%; without calibration.py's exact channels too 0.0053, 96.4%;
     # llama.cpp 0.0034, 98.1%). Over 4,096 positions of docs/ text, the int8 lm_head's rounding
-    # was most of the difference from bf16: docs/performance.md, change 37.
+    # was most of the difference from bf16 (docs/performance.md).
     assert measured[False][0] < 0.004 and measured[False][1] > 0.97
     assert measured[True][0] < 0.006 and measured[True][1] > 0.94
     assert measured[True][0] > measured[False][0]  # the rounding is not free

@@ -158,10 +158,15 @@ def _measure(workload: Workload, outputs: list, wall: float) -> Measurement:
 
 
 def _memory_budget(llm) -> dict[str, float]:
+    from conveyor.model.layers.linear import DenseMethod, Linear
+
     engine = llm.llm_engine
     model = engine.executor.model
     weights = sum(t.numel() * t.element_size()
                   for t in list(model.parameters()) + list(model.buffers()))
+    # a packed weight lives in its Linear's method, not in a Parameter
+    weights += sum(m.method.nbytes() for m in model.modules()
+                   if isinstance(m, Linear) and not isinstance(m.method, DenseMethod))
     weights += engine.executor.model_config.quantized_bytes  # block copies for small batches
     kv = engine.num_gpu_blocks * engine.executor.kv_cache_bytes_per_block(
         engine.engine_args.block_size)

@@ -7,7 +7,7 @@ Rounded to 8 bits with the other 31 values of its block of 32, such a channel se
 scale and leaves the others a few steps each. Calibration runs one prefill of a fixed text
 through the model as loaded and takes, per projection, the channels whose |activation| was
 largest. Rankings from this text, from random token ids and from chat prompts shared 10-14 of
-their top 16 channels (docs/performance.md, change 34).
+their top 16 channels (docs/performance.md).
 """
 
 from __future__ import annotations

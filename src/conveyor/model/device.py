@@ -169,8 +169,8 @@ def configure_cpu_allocator() -> bool:
     a step, the 30 layers' same-sized activations reuse the same heap pages; between steps the
     holes go back. Large tensors also get transparent huge pages (torch's
     ``THP_MEM_ALLOC_ENABLE``), one fault per 2 MB instead of 512 when a step maps them afresh.
-    See docs/performance.md, changes 15 and 20 (a fixed 2 MB mmap threshold instead would
-    have every layer fault its activations in again).
+    A fixed 2 MB mmap threshold instead would have every layer fault its activations in
+    again (docs/performance.md).
 
     Process-wide, so it is done once, when a CPU model is loaded; ``CONVEYOR_MALLOC_TUNING=off``
     leaves glibc and torch alone and turns the trimming off. torch reads its setting at its

@@ -305,7 +305,7 @@ class LlamaForCausalLM(nn.Module):
         if head is not None:
             # The lm_head stays on its bf16 panels: rounding the final hidden state to 8 bits
             # cost more agreement with float32's top-1 than all the layers' rounding together
-            # (docs/performance.md, change 37), for a small part of a decode step.
+            # (docs/performance.md), for a small part of a decode step.
             added += attach(self.lm_head, head, False)
         if isinstance(embed, Int8Blocks) and self.lm_head.weight is not self.embed_tokens:
             self.embed_blocks, self.embed_tokens = embed, None

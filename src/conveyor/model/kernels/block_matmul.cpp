@@ -131,7 +131,7 @@ struct Q8 {
 };
 
 // Output n's codes, scales and minima into the cache ahead of their use: the hardware
-// prefetcher follows three streams less far (docs/performance.md, change 26).
+// prefetcher follows three streams less far.
 template <class Format>
 void prefetch_row(const uint8_t* codes, const float* scale, const float* minimum, int64_t n,
                   int64_t blocks) {

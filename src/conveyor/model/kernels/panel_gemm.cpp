@@ -17,8 +17,7 @@
 // loads of W, kRows broadcasts of x and 2 * kRows multiply-adds. Threads split the panels, so
 // each thread streams its part of W once per block of kBlockRows rows; a block's rows of x (up
 // to 192 x K) stay in L2 while the panels pass. It outran oneDNN's packed GEMM in float32 on
-// AVX2 and in bf16 on AVX512-BF16 (without AMX) from one row to thousands (docs/performance.md,
-// changes 19 and 28; the next panel's prefetch, change 35).
+// AVX2 and in bf16 on AVX512-BF16 (without AMX) from one row to thousands (docs/performance.md).
 //
 // Built and loaded as ops.cpp's torch operators (build.py).
 

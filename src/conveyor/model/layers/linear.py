@@ -7,12 +7,12 @@ The methods, one per weight format and CPU capability (vLLM's ``quant_method`` i
 * ``DenseMethod``: the [out, in] weight and ``F.linear`` (GPUs, CPUs without a better path).
 * ``PanelMethod``: column panels for the C++ GEMM of ``kernels/panel_gemm.cpp``, float32, and
   bf16 where the CPU has AVX512-BF16; faster than oneDNN's packed GEMM there
-  (docs/performance.md, changes 19 and 28).
+  (docs/performance.md).
 * ``OneDnnMethod``: bf16 on CPUs with AMX (oneDNN's AMX GEMM beats the panels) or native bf16
   without AVX512-BF16, and float32 without a C++ compiler: oneDNN's packed layout, made once.
 * ``Int8PanelMethod``: a bf16 model's GGUF 4-bit or 8-bit blocks as ``Int8Panels``
   (``kernels/int8_gemm.cpp``, AVX512-VNNI), activations rounded to 8 bits per block of 32
-  (docs/performance.md, change 32).
+  (docs/performance.md).
 
 Each replaces the dense weight, so memory is not doubled; ``dense_weight()`` gives the
 [out, in] matrix back. ``decode_parts()`` is what the one-call decode path
