@@ -197,12 +197,12 @@ class ModelExecutor:
                 return None
             return self.cuda_runner.forward(msg.input_ids, msg.block_tables, msg.starts,
                                             msg.counts, msg.logits_indices)
-        if self.workers is None:
-            return run_step(self.model, self.kv_cache, msg, self.num_queries_per_kv,
-                            self.attention_kernel, self.dtype, self.device, self.deterministic)
-        self.workers.send(msg)
+        if self.workers is not None:
+            self.workers.send(msg)
         try:
             return run_step(self.model, self.kv_cache, msg, self.num_queries_per_kv,
                             self.attention_kernel, self.dtype, self.device, self.deterministic)
         except RuntimeError as e:
+            if self.workers is None:
+                raise
             raise self.workers.failure(e) from e
