@@ -6,6 +6,8 @@ import dataclasses
 from dataclasses import dataclass, field
 from enum import IntEnum
 
+from conveyor.core.structured_outputs_params import StructuredOutputsParams
+
 
 class RequestOutputKind(IntEnum):
     """Which outputs a request yields from ``LLMEngine.step`` (vLLM's names)."""
@@ -41,6 +43,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     skip_special_tokens: bool = True
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    structured_outputs: StructuredOutputsParams | None = None  # docs/structured_outputs.md
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -93,6 +96,9 @@ class SamplingParams:
             fail("repetition_penalty", "must be a number in (0, 2]")
         if not isinstance(self.output_kind, RequestOutputKind):
             fail("output_kind", "must be a RequestOutputKind (CUMULATIVE, DELTA or FINAL_ONLY)")
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs,
+                                                                   StructuredOutputsParams):
+            fail("structured_outputs", "must be a StructuredOutputsParams or None")
         for name in ("include_stop_str_in_output", "ignore_eos", "skip_special_tokens"):
             if not isinstance(getattr(self, name), bool):
                 fail(name, "must be a bool")

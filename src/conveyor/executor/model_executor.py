@@ -161,9 +161,13 @@ class ModelExecutor:
             return ExecutorOutput(sampled_token_ids=sampled)
 
         rows, repeats = [], []
+        grammar = so.grammar_bitmask  # conveyor.structured_outputs.GrammarBitmask or None
+        mask_rows: list[int] = []
         for i in sample_entries:
             seq, k = so.seqs[i], so.num_samples(i)
             group = seq.group
+            if grammar is not None:
+                mask_rows += [grammar.row_of.get(seq.seq_id, -1)] * k
             for s in range(k):
                 rows.append(SampleRow(
                     params=group.sampling_params,
@@ -177,7 +181,8 @@ class ModelExecutor:
             # output_size: without it a GPU waits for the sum of the repeats
             logits = logits.repeat_interleave(torch.tensor(repeats, device=logits.device), dim=0,
                                               output_size=sum(repeats))
-        out = self.sampler(logits, rows)
+        out = self.sampler(logits, rows,
+                           (grammar.bitmask, mask_rows) if grammar is not None else None)
         row = 0
         for i, k in zip(sample_entries, repeats, strict=True):
             sampled[i] = out.token_ids[row:row + k]
