@@ -61,28 +61,22 @@ class GrammarCompileCache:
 
     def submit(self, params: StructuredOutputsParams) -> Future[xgr.CompiledGrammar]:
         """The compiled grammar of ``params``, now or later. A failed compile's future raises
-        ValueError with the compiler's message (and is not kept, so a retry compiles again)."""
+        ValueError with the compiler's message (a later submit compiles again)."""
         key = params.key()
         with self._lock:
             future = self._futures.get(key)
-            if future is not None:
+            if future is not None and not (future.done() and future.exception() is not None):
                 self._futures.move_to_end(key)
                 return future
             future = self._pool.submit(self._compile_or_explain, params)
             self._futures[key] = future
             while len(self._futures) > self.max_entries:
                 self._futures.popitem(last=False)
-        future.add_done_callback(lambda f: f.exception() is not None and self._forget(key, f))
         return future
 
     def compile(self, params: StructuredOutputsParams) -> xgr.CompiledGrammar:
         """Compile (or fetch) and wait; ValueError with the compiler's message on failure."""
         return self.submit(params).result()
-
-    def _forget(self, key: tuple[str, str], future: Future[Any]) -> None:
-        with self._lock:
-            if self._futures.get(key) is future:
-                del self._futures[key]
 
     def _compile_or_explain(self, params: StructuredOutputsParams) -> xgr.CompiledGrammar:
         try:
