@@ -35,6 +35,7 @@ from conveyor.entrypoints.openai.serving import (
     top_entries,
     usage,
 )
+from conveyor.entrypoints.openai.structured import compile_constraint, constraint_param
 
 if TYPE_CHECKING:
     from conveyor.engine.async_engine import AsyncEngine
@@ -101,6 +102,7 @@ async def create_completion(state: ServerState, request: Request,
         max_tokens = resolve_max_tokens(state, len(ids), req.max_tokens, "max_tokens")
         jobs.append(Job(f"{base_id}-{i}", ids, make_params(req.sampling_params, max_tokens),
                         req.priority, text))
+    await compile_constraint(state.ready_engine(), jobs[0].params, constraint_param(req))
     engine = check_admission(state, len(jobs))
     record = access_record(request)
     record.request_id = base_id
