@@ -7,7 +7,7 @@ import torch
 
 from conveyor.core.sampling_params import SamplingParams
 from conveyor.model.sampler import Sampler, SampleRow
-from conveyor.model.token_bitmask import apply_token_bitmask, unpack_bitmask
+from conveyor.model.token_bitmask import apply_token_bitmask
 
 VOCAB = 100
 
@@ -22,11 +22,19 @@ def pack(allowed: list[set[int]]) -> torch.Tensor:
     return out
 
 
-def test_unpack_round_trips_every_bit_including_the_sign_bit() -> None:
+def test_every_bit_including_the_sign_bit() -> None:
     allowed = [{0, 31, 32, 63, 99}, set(range(0, VOCAB, 3))]
-    got = unpack_bitmask(pack(allowed), VOCAB)
+    logits = torch.zeros(2, VOCAB)
+    apply_token_bitmask(logits, pack(allowed), [0, 1])
     for r, tokens in enumerate(allowed):
-        assert set(got[r].nonzero().flatten().tolist()) == tokens
+        assert set(torch.isfinite(logits[r]).nonzero().flatten().tolist()) == tokens
+
+
+def test_bfloat16_logits_and_repeated_rows() -> None:
+    logits = torch.zeros(3, VOCAB, dtype=torch.bfloat16)
+    apply_token_bitmask(logits, pack([{7}, {8, 9}]), [1, 1, 0])  # an n > 1 fork's repeats
+    assert [set(torch.isfinite(r).nonzero().flatten().tolist()) for r in logits] == [
+        {8, 9}, {8, 9}, {7}]
 
 
 def test_only_constrained_rows_are_masked() -> None:

@@ -11,7 +11,6 @@ from conveyor.core.scheduler_output import SchedulerOutput
 from conveyor.core.sequence import Sequence, SequenceGroup
 from conveyor.core.structured_outputs_params import StructuredOutputsParams as S
 from conveyor.model.loader import default_model_path
-from conveyor.model.token_bitmask import unpack_bitmask
 from conveyor.structured_outputs import (
     GrammarCompileCache,
     StructuredOutputManager,
@@ -64,8 +63,8 @@ def _allowed(manager, seq) -> set[int]:
     out = SchedulerOutput(seqs=[seq], num_new_tokens=[1])
     seq.num_computed_tokens = len(seq.token_ids) - 1
     mask = manager.bitmask(out)
-    return set(unpack_bitmask(mask.bitmask, VOCAB)[mask.row_of[seq.seq_id]].nonzero()
-               .flatten().tolist())
+    words = mask.bitmask[mask.row_of[seq.seq_id]].tolist()
+    return {32 * w + b for w, word in enumerate(words) for b in range(32) if word >> b & 1}
 
 
 def test_the_matcher_replays_and_rolls_back_with_its_sequence(tokenizer, cache) -> None:

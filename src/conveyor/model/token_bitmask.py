@@ -1,16 +1,11 @@
-"""Structured-output masks on a batch of logits: xgrammar's packed token bitmasks, applied to
-the constrained rows in one indexed write (unconstrained rows are not touched)."""
+"""Structured-output masks on a batch of logits: xgrammar's packed token bitmasks (bit ``t % 32``
+of word ``t // 32`` set when token ``t`` is allowed), applied in place to the constrained rows by
+xgrammar's kernel for the logits' device (C++ on the CPU, Triton/CUDA on a GPU) in one call;
+unconstrained rows are not touched."""
 
 from __future__ import annotations
 
 import torch
-
-
-def unpack_bitmask(bitmask: torch.Tensor, vocab: int) -> torch.Tensor:
-    """int32 [R, W] packed (bit ``t % 32`` of word ``t // 32``) -> bool [R, vocab] allowed."""
-    shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
-    bits = (bitmask.unsqueeze(-1) >> shifts) & 1
-    return bits.view(bitmask.shape[0], -1)[:, :vocab].bool()
 
 
 def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor,
@@ -20,9 +15,11 @@ def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor,
     rows = [i for i, m in enumerate(mask_rows) if m >= 0]
     if not rows:
         return rows
-    device = logits.device
-    index = torch.tensor(rows, device=device)
-    packed = bitmask[torch.tensor([mask_rows[i] for i in rows])].to(device, non_blocking=True)
-    allowed = unpack_bitmask(packed, logits.shape[1])
-    logits[index] = logits[index].masked_fill(~allowed, float("-inf"))
+    import xgrammar as xgr
+
+    # one bitmask row per logits row (an n > 1 fork repeats its row), on the logits' device
+    aligned = bitmask[torch.tensor([max(m, 0) for m in mask_rows])].to(logits.device,
+                                                                       non_blocking=True)
+    xgr.apply_token_bitmask_inplace(logits, aligned, vocab_size=logits.shape[1],
+                                    indices=rows if len(rows) < len(mask_rows) else None)
     return rows

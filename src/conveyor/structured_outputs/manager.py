@@ -55,6 +55,7 @@ class StructuredOutputManager:
         self._grammars: dict[str, xgr.CompiledGrammar] = {}  # compiled, by request id
         self._seqs: dict[int, _SeqGrammar] = {}  # by Sequence.seq_id
         self._seq_ids: dict[str, list[int]] = {}  # request id -> its matchers' seq ids
+        self._batch = xgr.BatchGrammarMatcher()
         self.mask_seconds = 0.0  # time spent filling bitmasks (``--profile``)
         self.num_masked_rows = 0
 
@@ -111,15 +112,18 @@ class StructuredOutputManager:
         if not seqs:
             return None
         start = time.perf_counter()
-        bitmask = xgr.allocate_token_bitmask(len(seqs), self.vocab_size)
-        row_of = {}
+        bitmask = xgr.allocate_token_bitmask(len(seqs), self.vocab_size)  # all allowed
+        row_of, matchers, rows = {}, [], []
         for row, seq in enumerate(seqs):
             state = self._sync(seq)
-            if state.matcher.is_terminated() or state.rejected:
-                bitmask[row].fill_(-1)  # nothing left to constrain: it is finishing
-            else:
-                state.matcher.fill_next_token_bitmask(bitmask, row)
             row_of[seq.seq_id] = row
+            if not (state.matcher.is_terminated() or state.rejected):  # else: it is finishing
+                matchers.append(state.matcher)
+                rows.append(row)
+        if len(matchers) > 1:  # xgrammar's threads fill the rows in parallel
+            self._batch.batch_fill_next_token_bitmask(matchers, bitmask, rows)
+        elif matchers:
+            matchers[0].fill_next_token_bitmask(bitmask, rows[0])
         self.mask_seconds += time.perf_counter() - start
         self.num_masked_rows += len(seqs)
         return GrammarBitmask(bitmask, row_of)
