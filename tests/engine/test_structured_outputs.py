@@ -134,12 +134,17 @@ def test_grammar_end_finishes_even_under_ignore_eos(executor, chat_prompts) -> N
     assert len(c.token_ids) <= 3  # the choice, then the grammar's end
 
 
-@pytest.mark.parametrize("mode", ["recompute", "swap"])
-def test_preempted_constrained_requests_equal_themselves_alone(executor, chat_prompts,
-                                                               mode) -> None:
+@pytest.fixture(scope="module")
+def six_requests_alone(executor, chat_prompts):
     requests = [(p, constrained(json=s, max_tokens=40))
                 for p, s in zip(chat_prompts[:6], SCHEMAS[:6], strict=True)]
-    alone = [run(executor, [r])[0][0].outputs[0] for r in requests]
+    return requests, [run(executor, [r])[0][0].outputs[0] for r in requests]
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_preempted_constrained_requests_equal_themselves_alone(executor, six_requests_alone,
+                                                               mode) -> None:
+    requests, alone = six_requests_alone
     # room for two or three requests: the others' growth preempts
     outs, engine = run(executor, requests, num_gpu_blocks=8, preemption_mode=mode,
                        swap_space=0.05)

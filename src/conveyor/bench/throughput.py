@@ -140,6 +140,7 @@ def _profile_summary(steps: list[dict[str, float]]) -> dict[str, Any]:
         "overhead_pct": 100 * (step - total["forward"]) / step,
         "breakdown_pct": {k: 100 * v / step for k, v in parts.items()},
         "mask_ms_per_step": 1000 * mask / len(steps),
+        "mask_fill_ms_per_step": 1000 * total["mask_fill"] / len(steps),
     }
 
 
@@ -456,7 +457,8 @@ def format_profile(p: dict[str, Any]) -> str:
         if not s:
             continue
         parts = ", ".join(f"{k} {v:.1f}%" for k, v in s["breakdown_pct"].items())
-        mask = (f"; grammar mask {s['mask_ms_per_step']:.2f} ms/step"
+        mask = (f"; grammar mask {s['mask_ms_per_step']:.2f} ms/step (filling the bitmask "
+                f"{s['mask_fill_ms_per_step']:.2f}, applying it the rest)"
                 if s.get("mask_ms_per_step") else "")
         lines.append(f"  {key} ({s['steps']} steps, batch {s['batch']}): overhead "
                      f"{s['overhead_pct']:.1f}% of {s['mean_step_ms']:.1f} ms/step — {parts}{mask}")
