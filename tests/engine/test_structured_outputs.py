@@ -141,13 +141,16 @@ def six_requests_alone(executor, chat_prompts):
     return requests, [run(executor, [r])[0][0].outputs[0] for r in requests]
 
 
-@pytest.mark.parametrize("mode", ["recompute", "swap"])
+@pytest.mark.parametrize(("mode", "policy"), [("recompute", "prefill_first"),
+                                              ("swap", "prefill_first"),
+                                              ("recompute", "chunked")])
 def test_preempted_constrained_requests_equal_themselves_alone(executor, six_requests_alone,
-                                                               mode) -> None:
+                                                               mode, policy) -> None:
     requests, alone = six_requests_alone
-    # room for two or three requests: the others' growth preempts
+    # room for two or three requests: the others' growth preempts; chunked: prompts in pieces
     outs, engine = run(executor, requests, num_gpu_blocks=8, preemption_mode=mode,
-                       swap_space=0.05)
+                       swap_space=0.05, policy=policy, max_num_batched_tokens=32 if policy ==
+                       "chunked" else 2048)
     assert engine.get_stats().num_preemptions > 0
     for a, out in zip(alone, outs, strict=True):
         assert list(out.outputs[0].token_ids) == list(a.token_ids)
