@@ -4,6 +4,7 @@ abort frees it) until grammar_ready() queues it."""
 
 from __future__ import annotations
 
+import subprocess
 import sys
 
 import pytest
@@ -15,9 +16,15 @@ from conveyor.core.sequence import SequenceStatus
 from conveyor.core.structured_outputs_params import StructuredOutputsParams as S
 
 
-def test_core_stays_torch_free() -> None:
-    S(json={"type": "object"})
-    assert "xgrammar" not in sys.modules or "torch" in sys.modules  # nothing new pulled in here
+def test_checking_a_constraint_stays_torch_free() -> None:
+    code = ("import sys\n"
+            "from conveyor.core.sampling_params import SamplingParams\n"
+            "from conveyor.core.structured_outputs_params import StructuredOutputsParams as S\n"
+            "SamplingParams(structured_outputs=S(json={'type': 'object'}))\n"
+            "SamplingParams(structured_outputs=S(regex='[0-9]+'))\n"
+            "print(sorted({'torch', 'xgrammar'} & set(sys.modules)))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
 
 
 @pytest.mark.parametrize(("kwargs", "message"), [
