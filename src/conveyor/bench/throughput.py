@@ -322,10 +322,12 @@ def peer_jobs(args: argparse.Namespace, model_path: str, dtype: str) -> list[Pee
             settings = _ints(args.transformers_batch_sizes)
         elif name == "llamacpp" and args.workload != "S1":
             settings = _ints(args.llamacpp_parallel)
+        elif name == "vllm":
+            settings = [args.max_num_seqs]
         for s in settings:
             jobs.append(PeerJob(name, model_path, args.workload, args.seed, args.num_requests,
                                 args.peer_repeats or args.repeats, dtype, s, args.threads,
-                                resolve_device(args.device).type))
+                                resolve_device(args.device).type, args.enable_prefix_caching))
     return jobs
 
 
