@@ -3,7 +3,7 @@
 A peer such as vLLM pins its own torch and transformers, so it lives in its own environment
 under ``.venv-peers/`` (``CONVEYOR_PEER_ENVS`` moves it), built on first use with ``python -m
 venv`` and pip, the packages installed in the order given (torch first: pip then finds the
-wheel already there). A stamp file marks a finished, import-checked build; a build that fails
+wheel already there), then any it must not keep removed. A stamp file marks a finished, import-checked build; a build that fails
 leaves no stamp, and its reason is what the bench prints in the peer's row.
 """
 
@@ -27,6 +27,7 @@ class PeerEnv:
     name: str  # the folder under peer_envs_dir()
     installs: list[list[str]]  # pip install argument lists, run in order
     check_import: str  # a module that must import once built
+    uninstalls: list[str] = field(default_factory=list)  # packages removed after installing
     root: Path = field(default_factory=peer_envs_dir)
 
     @property
@@ -51,13 +52,15 @@ class PeerEnv:
         self.root.mkdir(parents=True, exist_ok=True)
         steps = [[sys.executable, "-m", "venv", str(self.path)]] if not self.python.exists() else []
         steps += [[str(self.python), "-m", "pip", "install", *args] for args in self.installs]
+        if self.uninstalls:
+            steps.append([str(self.python), "-m", "pip", "uninstall", "-y", *self.uninstalls])
         steps.append([str(self.python), "-c", f"import {self.check_import}"])
         print(f"[bench] building the {self.name} peer's environment in {self.path} "
               f"(once; several minutes; log {self.log_path}) ...", file=sys.stderr, flush=True)
         with open(self.log_path, "a") as log:
             for cmd in steps:
-                print(f"[bench]   {' '.join(cmd[1:] if cmd[0] == str(self.python) else cmd)}",
-                      file=sys.stderr, flush=True)
+                shown = ["python", *cmd[1:]] if cmd[0] == str(self.python) else cmd
+                print(f"[bench]   {' '.join(shown)}", file=sys.stderr, flush=True)
                 log.write(f"$ {' '.join(cmd)}\n")
                 log.flush()
                 try:

