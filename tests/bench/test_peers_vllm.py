@@ -309,7 +309,8 @@ def test_gguf_converts_to_a_bf16_directory_with_the_same_weights(tmp_path, monke
 
     monkeypatch.setenv("CONVEYOR_PEER_ENVS", str(tmp_path))
     gguf = default_model_path()
-    out = peers_vllm.converted_model(gguf)
+    python = Path(sys.executable)  # the converter needs only torch, transformers and accelerate
+    out = peers_vllm.converted_model(gguf, python)
     assert out.parent == tmp_path / "models"
     assert {"config.json", "model.safetensors", "tokenizer.json"} <= {p.name for p in
                                                                       out.iterdir()}
@@ -322,5 +323,22 @@ def test_gguf_converts_to_a_bf16_directory_with_the_same_weights(tmp_path, monke
         AutoTokenizer.from_pretrained(str(Path(gguf).parent),
                                       gguf_file=Path(gguf).name).encode("Hello world")
     mtime = (out / "model.safetensors").stat().st_mtime_ns
-    assert peers_vllm.converted_model(gguf) == out  # cached: not written again
+    assert peers_vllm.converted_model(gguf, python) == out  # cached: not written again
     assert (out / "model.safetensors").stat().st_mtime_ns == mtime
+
+
+def test_driver_counts_the_rss_of_its_child_processes():
+    import subprocess
+
+    from conveyor.bench import vllm_driver
+
+    alone = vllm_driver.tree_rss_kib(os.getpid())
+    child = subprocess.Popen([sys.executable, "-c",
+                              "import sys, time; b = bytearray(64 << 20); sys.stdout.write('x');"
+                              " sys.stdout.flush(); time.sleep(30)"], stdout=subprocess.PIPE)
+    try:
+        child.stdout.read(1)
+        assert vllm_driver.tree_rss_kib(os.getpid()) > alone + 60 * 1024
+    finally:
+        child.kill()
+        child.wait()

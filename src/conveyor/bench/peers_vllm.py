@@ -164,12 +164,10 @@ def run(job: PeerJob) -> SystemResult:
         if m.output_tokens != workload.num_output_tokens:
             raise RuntimeError(f"vLLM generated {m.output_tokens} tokens, the workload asks "
                                f"for {workload.num_output_tokens}")
-    rss = result["peak_rss_mb"]
     extra = {"vllm_version": result["vllm_version"], "settings": result["settings"],
-             "model_dir": str(model_dir), "conversion_s": convert_s,
-             "peak_rss_mb_by_process": rss}
+             "model_dir": str(model_dir), "conversion_s": convert_s}
     return SystemResult(job.system, f"{config}, vLLM {result['vllm_version']}", repeats,
-                        load_s=result["load_s"], peak_rss_mb=sum(rss.values()), extra=extra)
+                        load_s=result["load_s"], peak_rss_mb=result["peak_rss_mb"], extra=extra)
 
 
 # ----------------------------------------------------------------------------- serving

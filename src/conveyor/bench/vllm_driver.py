@@ -6,15 +6,15 @@ vLLM, never Conveyor. The request names the model directory, dtype, ``max_num_se
 caching, and the exact token-id requests of the warm-up and of every timed repeat; the result
 holds each repeat's wall time and token counts (single stream: time to first token and decode
 rate, from a timestamp per engine step), vLLM's version, the settings it ran with, its load
-time and peak RSS.
+time and the peak RSS of its processes together.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import resource
 import sys
+import threading
 import time
 
 ENV_VARS_RECORDED = ("VLLM_CPU_KVCACHE_SPACE", "VLLM_CPU_OMP_THREADS_BIND",
@@ -22,11 +22,52 @@ ENV_VARS_RECORDED = ("VLLM_CPU_KVCACHE_SPACE", "VLLM_CPU_OMP_THREADS_BIND",
                      "OMP_NUM_THREADS")
 
 
-def peak_rss_mb() -> dict[str, float]:
-    """Peak RSS of this process and of its largest finished child (vLLM's engine core)."""
-    own = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
-    child = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024.0
-    return {"driver": own, "engine_core": child}
+class TreeRss:
+    """Samples the summed RSS of this process and all its descendants (vLLM's engine core and
+    its worker are processes of their own) every ``interval`` seconds; keeps the peak."""
+
+    def __init__(self, interval: float = 0.25) -> None:
+        self.peak_kib = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(interval,), daemon=True)
+        self._thread.start()
+
+    def _sample(self) -> None:
+        self.peak_kib = max(self.peak_kib, tree_rss_kib(os.getpid()))
+
+    def _run(self, interval: float) -> None:
+        while not self._stop.wait(interval):
+            self._sample()
+
+    def stop(self) -> float:
+        """The peak in MB, the processes still running counted once more now."""
+        self._stop.set()
+        self._thread.join()
+        self._sample()
+        return self.peak_kib / 1024.0
+
+
+def tree_rss_kib(root: int) -> int:
+    """RSS of ``root`` and its descendants, from /proc."""
+    parents: dict[int, int] = {}
+    rss: dict[int, int] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/status") as f:
+                fields = dict(line.split(":", 1) for line in f if ":" in line)
+        except OSError:
+            continue  # gone meanwhile
+        parents[int(entry)] = int(fields["PPid"])
+        rss[int(entry)] = int(fields.get("VmRSS", "0 kB").split()[0])
+    tree, frontier = {root}, [root]
+    while frontier:
+        pid = frontier.pop()
+        children = [c for c, p in parents.items() if p == pid and c not in tree]
+        tree.update(children)
+        frontier += children
+    return sum(rss.get(pid, 0) for pid in tree)
 
 
 def measurement(wall_s: float, requests: list[dict], outputs: list[list[int]],
@@ -96,6 +137,7 @@ def main(request_path: str, result_path: str) -> int:
 
     settings = {"dtype": job["dtype"], "max_num_seqs": job["max_num_seqs"],
                 "enable_prefix_caching": job["enable_prefix_caching"]}
+    rss = TreeRss()
     t0 = time.perf_counter()
     llm = LLM(model=job["model"], seed=job.get("seed", 0), **settings)
     load_s = time.perf_counter() - t0
@@ -105,9 +147,8 @@ def main(request_path: str, result_path: str) -> int:
                  "block_size": config.cache_config.block_size,
                  "env": {k: os.environ[k] for k in ENV_VARS_RECORDED if k in os.environ}}
     repeats = timed_repeats(llm, job)
-    del llm  # shuts the engine core down, so its peak RSS is counted as a finished child
     result = {"vllm_version": vllm.__version__, "load_s": load_s, "settings": settings,
-              "repeats": repeats, "peak_rss_mb": peak_rss_mb()}
+              "repeats": repeats, "peak_rss_mb": rss.stop()}
     with open(result_path, "w") as f:
         json.dump(result, f, indent=2)
     return 0
