@@ -291,6 +291,8 @@ def test_metrics_of_vllms_server_are_read():
     page = "\n".join([
         "# HELP vllm:num_preemptions_total Cumulative number of preemption from the engine.",
         'vllm:num_preemptions_total{engine="0",model_name="m"} 3.0',
+        'vllm:request_num_preemptions_bucket{engine="0",le="+Inf",model_name="m"} 9.0',
+        'vllm:request_num_preemptions_count{engine="0",model_name="m"} 9.0',
         'vllm:prefix_cache_queries_total{engine="0",model_name="m"} 200.0',
         'vllm:prefix_cache_hits_total{engine="0",model_name="m"} 150.0',
         'vllm:prefix_cache_hits_created{engine="0",model_name="m"} 1.7e9',

@@ -108,7 +108,7 @@ def preemptions_from_metrics(text: str) -> float | None:
             continue
         name, _, value = line.rpartition(" ")
         metric = name.split("{", 1)[0]
-        if "preempt" in metric and not metric.endswith("_created"):
+        if "preempt" in metric and metric.endswith("_total"):  # counters, not histograms
             total += float(value)
             seen = True
     return total if seen else None
