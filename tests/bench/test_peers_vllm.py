@@ -344,3 +344,22 @@ def test_driver_counts_the_rss_of_its_child_processes():
     finally:
         child.kill()
         child.wait()
+
+
+def test_report_prints_vllms_load_time_and_settings(capsys):
+    from conveyor.bench.report import Measurement, SystemResult
+
+    settings = {"max_num_batched_tokens": 4096, "block_size": 128,
+                "env": {"VLLM_CPU_KVCACHE_SPACE": "4", "VLLM_CPU_OMP_THREADS_BIND": "0,1"}}
+    rows = [SystemResult("conveyor", "bfloat16", [Measurement(10.0, 100, 1000)]),
+            SystemResult("vllm", "bfloat16, vLLM 0.32.0", [Measurement(20.0, 100, 1000)],
+                         load_s=88.0, extra={"vllm_version": "0.32.0", "settings": settings}),
+            SystemResult("vllm", "bfloat16", skipped="skipped (vLLM environment: x)")]
+    throughput.print_report({"results": [r.to_dict() for r in rows]}, "W1")
+    out = capsys.readouterr().out
+    assert "| vllm | bfloat16, vLLM 0.32.0 | 50.0 / 50.0 |" in out
+    assert "| 0.50x |" in out
+    assert "| vllm | bfloat16 | skipped (vLLM environment: x) |" in out
+    assert ("vllm 0.32.0: loaded in 88s (its torch.compile warm-up included); "
+            "max_num_batched_tokens 4096, block size 128, KV cache 4 GiB, OpenMP threads on "
+            "cores 0,1") in out

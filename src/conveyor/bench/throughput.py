@@ -468,6 +468,15 @@ def print_report(payload: dict[str, Any], workload: str) -> None:
                   f"all-reduces a step, waits for the slowest rank included)")
         elif len(ran) > 1 and tp:
             print(f"conveyor ({r.config}): {tp['step_ms']:.1f} ms a step, no all-reduce")
+    for r in results:
+        settings = r.extra.get("settings") if r.system == "vllm" else None
+        if settings:
+            env = settings.get("env", {})
+            print(f"vllm {r.extra['vllm_version']}: loaded in {r.load_s:.0f}s (its torch.compile "
+                  f"warm-up included); max_num_batched_tokens {settings['max_num_batched_tokens']}"
+                  f", block size {settings['block_size']}, KV cache "
+                  f"{env.get('VLLM_CPU_KVCACHE_SPACE', '?')} GiB, OpenMP threads on cores "
+                  f"{env.get('VLLM_CPU_OMP_THREADS_BIND', '?')}")
     conveyor = results[0]
     mem = conveyor.extra.get("memory")
     if mem and conveyor.peak_rss_mb:
