@@ -201,8 +201,8 @@ def test_failed_environment_build_is_the_rows_reason(tmp_path, monkeypatch):
     peers_vllm.skip_reason.cache_clear()
     try:
         reason = skip_reason("vllm")
-        assert reason.startswith("skipped (vLLM environment: `install --no-index "
-                                 "conveyor-no-such-package==0.0` failed: ERROR: ")
+        assert reason.startswith("skipped (vLLM environment: `python -m pip install "
+                                 "--no-index conveyor-no-such-package==0.0` failed: ERROR: ")
         assert not env.ready()
         assert "conveyor-no-such-package" in env.log_path.read_text()
         # the worker side returns the same skipped row rather than failing

@@ -59,8 +59,8 @@ class PeerEnv:
               f"(once; several minutes; log {self.log_path}) ...", file=sys.stderr, flush=True)
         with open(self.log_path, "a") as log:
             for cmd in steps:
-                shown = ["python", *cmd[1:]] if cmd[0] == str(self.python) else cmd
-                print(f"[bench]   {' '.join(shown)}", file=sys.stderr, flush=True)
+                shown = " ".join(["python", *cmd[1:]] if cmd[0] == str(self.python) else cmd)
+                print(f"[bench]   {shown}", file=sys.stderr, flush=True)
                 log.write(f"$ {' '.join(cmd)}\n")
                 log.flush()
                 try:
@@ -70,7 +70,7 @@ class PeerEnv:
                     return f"{cmd[0]}: {e}"
                 log.write(proc.stderr)
                 if proc.returncode != 0:
-                    return f"`{' '.join(cmd[-3:])}` failed: {last_error_line(proc.stderr)}"
+                    return f"`{shown}` failed: {last_error_line(proc.stderr)}"
         (self.path / STAMP).write_text("\n".join(" ".join(a) for a in self.installs) + "\n")
         return None
 
