@@ -246,7 +246,9 @@ def test_server_command_runs_vllms_module_on_loopback(tmp_path):
     flags = dict(zip(cmd[3::2], cmd[4::2], strict=False))
     assert flags["--host"] == "127.0.0.1" and flags["--port"] == "8123"
     assert flags["--max-num-seqs"] == "64" and flags["--dtype"] == "bfloat16"
-    assert "--enable-prefix-caching" in cmd
+    assert "--enable-prefix-caching" in cmd and "--max-model-len" not in cmd
+    cmd = peers_vllm.server_command(tmp_path / "m", 8123, "float32", 16, False, 512)
+    assert cmd[-3:] == ["--no-enable-prefix-caching", "--max-model-len", "512"]
 
 
 def _serve_args(argv: list[str]) -> argparse.Namespace:

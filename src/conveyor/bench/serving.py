@@ -422,7 +422,7 @@ def run_vllm_sweep(args: argparse.Namespace) -> tuple[list[dict[str, Any]], dict
     model_dir = peers_vllm.converted_model(ea.model or default_model_path())
     port = free_loopback_port()
     cmd = peers_vllm.server_command(model_dir, port, dtype, ea.max_num_seqs,
-                                    ea.enable_prefix_caching)
+                                    ea.enable_prefix_caching, ea.max_model_len)
     env = peers_vllm.vllm_env_vars(len(os.sched_getaffinity(0)))
     with tempfile.TemporaryDirectory(prefix="conveyor-vllm-serve-") as tmp:
         log_path = args.vllm_server_log or os.path.join(tmp, "server.log")
