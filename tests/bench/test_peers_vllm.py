@@ -48,8 +48,9 @@ class _Completion:
 
 
 class _Output:
-    def __init__(self, request_id, token_ids, finished):
+    def __init__(self, request_id, token_ids, finished, num_cached_tokens=None):
         self.request_id, self.outputs, self.finished = request_id, [_Completion(token_ids)], finished
+        self.num_cached_tokens = num_cached_tokens
 
 
 class _Namespace:
@@ -95,7 +96,8 @@ class LLM:
         for p, sp in zip(prompts, params):
             _log("request", {"prompt_token_ids": p["prompt_token_ids"],
                              "max_tokens": sp.max_tokens, "single": False})
-        return [_Output(str(i), [300] * sp.max_tokens, True) for i, sp in enumerate(params)]
+        return [_Output(str(i), [300] * sp.max_tokens, True, 16 * i)
+                for i, sp in enumerate(params)]
 '''
 
 
@@ -156,6 +158,7 @@ def test_driver_runs_the_workloads_exact_requests(fake_vllm_env):
     assert result.extra["vllm_version"] == "0.0-fake"
     assert result.extra["settings"]["max_num_batched_tokens"] == 2048
     assert result.extra["settings"]["env"]["VLLM_CPU_KVCACHE_SPACE"] == "4"
+    assert result.extra["cached_prompt_tokens"] == [16 * (0 + 1 + 2)] * 2
 
 
 def test_single_stream_times_each_token(fake_vllm_env):
@@ -354,17 +357,19 @@ def test_report_prints_vllms_load_time_and_settings(capsys):
     settings = {"max_num_batched_tokens": 4096, "block_size": 128,
                 "env": {"VLLM_CPU_KVCACHE_SPACE": "4", "VLLM_CPU_OMP_THREADS_BIND": "0,1"}}
     rows = [SystemResult("conveyor", "bfloat16", [Measurement(10.0, 100, 1000)]),
-            SystemResult("vllm", "bfloat16, vLLM 0.32.0", [Measurement(20.0, 100, 1000)],
-                         load_s=88.0, extra={"vllm_version": "0.32.0", "settings": settings}),
+            SystemResult("vllm", "bfloat16, vLLM 0.32.0", [Measurement(20.0, 1100, 1000)],
+                         load_s=88.0, extra={"vllm_version": "0.32.0", "settings": settings,
+                                             "cached_prompt_tokens": [1024]}),
             SystemResult("vllm", "bfloat16", skipped="skipped (vLLM environment: x)")]
     throughput.print_report({"results": [r.to_dict() for r in rows]}, "W1")
     out = capsys.readouterr().out
-    assert "| vllm | bfloat16, vLLM 0.32.0 | 50.0 / 50.0 |" in out
+    assert "| vllm | bfloat16, vLLM 0.32.0 | 50.0 / 50.0 | 105 / 105 |" in out
     assert "| 0.50x |" in out
     assert "| vllm | bfloat16 | skipped (vLLM environment: x) |" in out
     assert ("vllm 0.32.0: loaded in 88s (its torch.compile warm-up included); "
             "max_num_batched_tokens 4096, block size 128, KV cache 4 GiB, OpenMP threads on "
             "cores 0,1") in out
+    assert "vllm: prefix cache hits 1,024 of 1,100 prompt tokens" in out
 
 
 def test_vllm_is_skipped_against_conveyor_on_a_gpu(monkeypatch):

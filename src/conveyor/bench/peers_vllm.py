@@ -165,13 +165,16 @@ def run(job: PeerJob) -> SystemResult:
                "seed": job.seed, "single_stream": job.workload == "S1",
                "warmup": requests_json(warmup), "repeats": [requests_json(w) for w in workloads]}
     result = run_driver(ENV.python, request, vllm_env_vars(job.threads))
-    repeats = [Measurement(**m) for m in result["repeats"]]
+    fields = Measurement.__dataclass_fields__
+    repeats = [Measurement(**{k: v for k, v in m.items() if k in fields})
+               for m in result["repeats"]]
     for workload, m in zip(workloads, repeats, strict=True):
         if m.output_tokens != workload.num_output_tokens:
             raise RuntimeError(f"vLLM generated {m.output_tokens} tokens, the workload asks "
                                f"for {workload.num_output_tokens}")
     extra = {"vllm_version": result["vllm_version"], "settings": result["settings"],
-             "model_dir": str(model_dir), "conversion_s": convert_s}
+             "model_dir": str(model_dir), "conversion_s": convert_s,
+             "cached_prompt_tokens": [m.get("cached_prompt_tokens") for m in result["repeats"]]}
     return SystemResult(job.system, f"{config}, vLLM {result['vllm_version']}", repeats,
                         load_s=result["load_s"], peak_rss_mb=result["peak_rss_mb"], extra=extra)
 

@@ -477,6 +477,10 @@ def print_report(payload: dict[str, Any], workload: str) -> None:
                   f", block size {settings['block_size']}, KV cache "
                   f"{env.get('VLLM_CPU_KVCACHE_SPACE', '?')} GiB, OpenMP threads on cores "
                   f"{env.get('VLLM_CPU_OMP_THREADS_BIND', '?')}")
+            hits = [h for h in r.extra.get("cached_prompt_tokens", []) if h is not None]
+            if hits and sum(hits):
+                print(f"vllm: prefix cache hits {sum(hits):,} of "
+                      f"{sum(m.prompt_tokens for m in r.repeats):,} prompt tokens")
     conveyor = results[0]
     mem = conveyor.extra.get("memory")
     if mem and conveyor.peak_rss_mb:

@@ -98,7 +98,9 @@ def run_batch(llm, requests: list[dict]) -> dict:
     t0 = time.perf_counter()
     outputs = llm.generate(prompts, params, use_tqdm=False)
     wall = time.perf_counter() - t0
-    return measurement(wall, requests, [list(o.outputs[0].token_ids) for o in outputs])
+    m = measurement(wall, requests, [list(o.outputs[0].token_ids) for o in outputs])
+    m["cached_prompt_tokens"] = sum(o.num_cached_tokens or 0 for o in outputs)  # prefix hits
+    return m
 
 
 def run_single_stream(llm, request: dict) -> dict:
