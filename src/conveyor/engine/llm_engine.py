@@ -84,8 +84,10 @@ class LLMEngine:
     # ------------------------------------------------------------------ requests
 
     def add_request(self, request_id: str, prompt: Prompt, sampling_params: SamplingParams | None = None,
-                    priority: int = 0, arrival_time: float | None = None) -> None:
+                    priority: int = 0, arrival_time: float | None = None,
+                    fairness_key: str | None = None) -> None:
         """Queue a request. ``prompt`` is text, token ids, or ``{"prompt_token_ids", "prompt"}``.
+        Requests sharing a ``fairness_key`` (one client's) are admitted round-robin with others.
 
         Raises ValueError (naming the field) on bad input; nothing is queued then.
         """
@@ -101,7 +103,7 @@ class LLMEngine:
             raise ValueError(f"priority must be an integer, got {priority!r}")
         text, token_ids = self._tokenize(prompt)
         group = self.scheduler.add_request(request_id, token_ids, sampling_params, priority=priority,
-                                           arrival_time=arrival_time)
+                                           arrival_time=arrival_time, fairness_key=fairness_key)
         self._outputs.add_request(group, text)
 
     def _tokenize(self, prompt: Prompt) -> tuple[str | None, list[int]]:
