@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from collections import Counter, deque
+from collections import Counter
 from collections.abc import Iterator
 
 from conveyor.core.sequence import Sequence, SequenceStatus
