@@ -20,6 +20,7 @@ from conveyor.entrypoints.openai.serving import (
     cancel_on_disconnect,
     check_admission,
     check_model,
+    check_not_cut,
     check_priority,
     check_prompt_chars,
     engine_error,
@@ -29,6 +30,7 @@ from conveyor.entrypoints.openai.serving import (
     now_s,
     parse_body,
     resolve_max_tokens,
+    shutdown_cut,
     sse,
     sse_response,
     top_entries,
@@ -57,7 +59,8 @@ def _logprobs(tok: TokenText, token_ids: list[int], entries: list[dict[int, Logp
 
 async def create_chat_completion(state: ServerState, request: Request,
                                  limits: ServerLimits | None = None) -> Response:
-    req: ChatCompletionRequest = parse_body(await request.body(), ChatCompletionRequest, limits)
+    req: ChatCompletionRequest = await state.off_loop(parse_body, await request.body(),
+                                                      ChatCompletionRequest, limits)
     state.ready_engine()
     check_model(state, req.model)
     check_priority(state, req.priority)
@@ -71,7 +74,7 @@ async def create_chat_completion(state: ServerState, request: Request,
                 for m in req.messages]
     check_prompt_chars(state, sum(len(m["content"]) for m in messages), "messages")
     try:
-        prompt = state.encode_chat(messages, req.add_generation_prompt)
+        prompt = await state.off_loop(state.encode_chat, messages, req.add_generation_prompt)
     except Exception as e:  # a template that rejects the conversation (e.g. role order)
         raise bad_request(f"the chat template rejected the messages: {e}",
                           param="messages") from e
@@ -91,9 +94,15 @@ async def create_chat_completion(state: ServerState, request: Request,
     head = {"id": request_id, "object": "chat.completion", "created": now_s(),
             "model": req.model or state.model_names[0]}
     tok = TokenText(state.tokenizer)
+    reservation = state.admission.reserve(req.n)
     if req.stream:
-        return sse_response(_stream(state, engine, req, job, head, tok, record))
-    return await cancel_on_disconnect(request, _whole(state, engine, req, job, head, tok, record))
+        return sse_response(_stream(state, engine, req, job, head, tok, record),
+                            on_close=reservation.release)
+    try:
+        return await cancel_on_disconnect(request, _whole(state, engine, req, job, head, tok,
+                                                          record))
+    finally:
+        reservation.release()
 
 
 async def _whole(state: ServerState, engine: AsyncEngine, req: ChatCompletionRequest, job: Job,
@@ -114,6 +123,7 @@ async def _whole(state: ServerState, engine: AsyncEngine, req: ChatCompletionReq
         raise
     except Exception as e:
         raise state.api_error(e) from e
+    check_not_cut([ch.finish_reason for ch in choices])
     top_n = req.top_logprobs or 0
     out = [{"index": j, "message": {"role": "assistant", "content": ch.text},
             "logprobs": _logprobs(tok, ch.token_ids, ch.logprobs, top_n) if req.logprobs else None,
@@ -146,6 +156,8 @@ async def _stream(state: ServerState, engine: AsyncEngine, req: ChatCompletionRe
                 if (err := engine_error(d)) is not None:
                     yield sse(err.body())
                     break
+                if any(c.finish_reason == "abort" for c in d.outputs):
+                    yield sse(shutdown_cut().body())
                 for c in d.outputs:
                     completion_tokens += len(c.token_ids)
                     record.output_tokens = completion_tokens

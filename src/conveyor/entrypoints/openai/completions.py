@@ -20,6 +20,7 @@ from conveyor.entrypoints.openai.serving import (
     cancel_on_disconnect,
     check_admission,
     check_model,
+    check_not_cut,
     check_priority,
     check_prompt_chars,
     engine_error,
@@ -30,6 +31,7 @@ from conveyor.entrypoints.openai.serving import (
     parse_body,
     resolve_max_tokens,
     sampled_logprob,
+    shutdown_cut,
     sse,
     sse_response,
     top_entries,
@@ -42,8 +44,9 @@ if TYPE_CHECKING:
     from conveyor.entrypoints.openai.state import ServerState
 
 
-def _prompts(state: ServerState, prompt: Any) -> list[tuple[list[int], str | None]]:
-    """The prompt field (str, list of str, token ids, list of token ids) -> (ids, text) pairs."""
+def _prompts(state: ServerState, prompt: Any, echo: bool) -> list[tuple[list[int], str | None]]:
+    """The prompt field (str, list of str, token ids, list of token ids) -> (ids, text) pairs;
+    with ``echo``, token-id prompts get their decoded text. Runs on a preprocessing thread."""
     if isinstance(prompt, str):
         prompt = [prompt]
     elif prompt and isinstance(prompt[0], int):
@@ -62,7 +65,8 @@ def _prompts(state: ServerState, prompt: Any) -> list[tuple[list[int], str | Non
         if bad:
             raise bad_request(f"'prompt' has token ids outside the vocabulary [0, {vocab}): "
                               f"{bad[:5]}", param="prompt")
-        out.append((ids, p if isinstance(p, str) else None))
+        text = p if isinstance(p, str) else (state.tokenizer.decode(ids) if echo else None)
+        out.append((ids, text))
     return out
 
 
@@ -82,7 +86,8 @@ def _logprobs(tok: TokenText, token_ids: list[int], entries: list[dict[int, Logp
 
 async def create_completion(state: ServerState, request: Request,
                             limits: ServerLimits | None = None) -> Response:
-    req: CompletionRequest = parse_body(await request.body(), CompletionRequest, limits)
+    req: CompletionRequest = await state.off_loop(parse_body, await request.body(),
+                                                  CompletionRequest, limits)
     state.ready_engine()
     check_model(state, req.model)
     check_priority(state, req.priority)
@@ -94,28 +99,32 @@ async def create_completion(state: ServerState, request: Request,
         raise bad_request("'best_of' must equal 'n' (or be omitted)", param="best_of")
     if req.echo and req.logprobs is not None:
         raise bad_request("'echo' together with 'logprobs' is not supported", param="echo")
-    prompts = _prompts(state, req.prompt)
+    prompts = await state.off_loop(_prompts, state, req.prompt, req.echo)
     base_id = new_id("cmpl")
     jobs = []
     for i, (ids, text) in enumerate(prompts):
         max_tokens = resolve_max_tokens(state, len(ids), req.max_tokens, "max_tokens")
         jobs.append(Job(f"{base_id}-{i}", ids, make_params(req.sampling_params, max_tokens),
-                        req.priority, text))
+                        req.priority, text, fairness_key=base_id))
     engine = check_admission(state, len(jobs))
     record = access_record(request)
     record.request_id = base_id
     record.prompt_tokens = sum(len(job.prompt_token_ids) for job in jobs)
     record.output_tokens = 0
     record.prompt = "\n".join(text if text is not None else str(ids) for ids, text in prompts)
-    echo_text = [(text if text is not None else state.tokenizer.decode(ids)) if req.echo else ""
-                 for ids, text in prompts]
+    echo_text = [(text or "") if req.echo else "" for _, text in prompts]
     head = {"id": base_id, "object": "text_completion", "created": now_s(),
             "model": req.model or state.model_names[0]}
     tok = TokenText(state.tokenizer)
+    reservation = state.admission.reserve(len(jobs) * req.n)
     if req.stream:
-        return sse_response(_stream(state, engine, req, jobs, head, echo_text, tok, record))
-    return await cancel_on_disconnect(request, _whole(state, engine, req, jobs, head, echo_text,
-                                                      tok, record))
+        return sse_response(_stream(state, engine, req, jobs, head, echo_text, tok, record),
+                            on_close=reservation.release)
+    try:
+        return await cancel_on_disconnect(request, _whole(state, engine, req, jobs, head,
+                                                          echo_text, tok, record))
+    finally:
+        reservation.release()
 
 
 async def _whole(state: ServerState, engine: AsyncEngine, req: CompletionRequest, jobs: list[Job],
@@ -137,6 +146,7 @@ async def _whole(state: ServerState, engine: AsyncEngine, req: CompletionRequest
         raise
     except Exception as e:
         raise state.api_error(e) from e
+    check_not_cut([ch.finish_reason for ch in choices.values()])
     out = []
     for (i, j), ch in sorted(choices.items()):
         lp = None
@@ -164,6 +174,8 @@ async def _stream(state: ServerState, engine: AsyncEngine, req: CompletionReques
                 if (err := engine_error(d)) is not None:
                     yield sse(err.body())
                     break
+                if any(c.finish_reason == "abort" for c in d.outputs):
+                    yield sse(shutdown_cut().body())
                 for c in d.outputs:
                     key = (i, c.index)
                     completion_tokens += len(c.token_ids)
