@@ -196,11 +196,24 @@ class LLMEngine:
 
 
 def _max_model_len(args: EngineArgs, max_positions: int) -> int:
+    """The context length the engine promises: the model's (capped at 8192 by default), and
+    never more than the policy can run. ``prefill_first`` computes a whole sequence in one step
+    (a preempted one re-prefills prompt and output together), so under it a sequence is bounded
+    by ``max_num_batched_tokens``: by default the context shrinks to it, and an explicit larger
+    ``max_model_len`` is refused rather than cutting requests short."""
+    policy_cap = args.max_num_batched_tokens if args.policy == "prefill_first" else None
     if args.max_model_len is None:
-        return min(max_positions, DEFAULT_MAX_MODEL_LEN_CAP)
+        limit = min(max_positions, DEFAULT_MAX_MODEL_LEN_CAP)
+        return limit if policy_cap is None else min(limit, policy_cap)
     if not 1 <= args.max_model_len <= max_positions:
         raise ValueError(f"max_model_len must be in [1, {max_positions}] for this model, "
                          f"got {args.max_model_len}")
+    if policy_cap is not None and args.max_model_len > policy_cap:
+        raise ValueError(f"max_model_len={args.max_model_len} is more than policy 'prefill_first' "
+                         f"can run: it computes a whole sequence in one step of at most "
+                         f"max_num_batched_tokens={policy_cap} tokens; raise "
+                         f"--max-num-batched-tokens to {args.max_model_len}, lower "
+                         "--max-model-len, or use --policy chunked")
     return args.max_model_len
 
 

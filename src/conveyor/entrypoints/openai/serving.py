@@ -145,15 +145,22 @@ def check_priority(state: ServerState, priority: int) -> None:
 
 def resolve_max_tokens(state: ServerState, prompt_len: int, max_tokens: int | None,
                        param: str, prompt_param: str = "prompt") -> int | None:
-    """Reject prompts that cannot fit; return the max_tokens to ask the engine for."""
+    """Reject prompts that cannot fit, and completions the engine would have to cut short;
+    return the max_tokens to ask the engine for."""
     limit = state.engine.max_model_len
+    args = state.engine_args
+    if args.policy == "prefill_first" and limit == args.max_num_batched_tokens:
+        limit_text = (f"{limit} tokens (--max-num-batched-tokens under --policy "
+                      "prefill_first)")
+    else:
+        limit_text = f"{limit} tokens"
     if prompt_len >= limit:
-        raise bad_request(f"This model's maximum context length is {limit} tokens. However, your "
+        raise bad_request(f"This model's maximum context length is {limit_text}. However, your "
                           f"prompt has {prompt_len} tokens, leaving no room for a completion. "
                           "Please reduce the length of the prompt.", param=prompt_param,
                           code="context_length_exceeded")
     if max_tokens is not None and prompt_len + max_tokens > limit:
-        raise bad_request(f"This model's maximum context length is {limit} tokens. However, you "
+        raise bad_request(f"This model's maximum context length is {limit_text}. However, you "
                           f"requested {prompt_len + max_tokens} tokens ({prompt_len} in the prompt, "
                           f"{max_tokens} for the completion). Please reduce the length of the "
                           f"prompt or {param}.", param=param, code="context_length_exceeded")
@@ -162,6 +169,11 @@ def resolve_max_tokens(state: ServerState, prompt_len: int, max_tokens: int | No
         raise bad_request(f"The prompt has {prompt_len} tokens but the whole KV cache holds "
                           f"{capacity} tokens; it can never be scheduled.", param=prompt_param,
                           code="context_length_exceeded")
+    if capacity and max_tokens is not None and prompt_len + max_tokens > capacity:
+        raise bad_request(f"The whole KV cache holds {capacity} tokens, and this request needs "
+                          f"{prompt_len + max_tokens} ({prompt_len} in the prompt, {max_tokens} "
+                          f"for the completion): it would be cut short. Please reduce {param}.",
+                          param=param, code="context_length_exceeded")
     return max_tokens
 
 
