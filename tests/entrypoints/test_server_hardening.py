@@ -5,6 +5,7 @@ non-JSON bodies are 415; user content cannot forge special tokens."""
 from __future__ import annotations
 
 import json
+import signal
 import threading
 import time
 from typing import Any
@@ -198,3 +199,35 @@ def test_many_sequences_of_one_request_do_not_starve_another(busy_server) -> Non
     assert len(finished_a) == 6
     assert sum(b_sent <= t <= b_done for t in finished_a) <= 2, (finished_a, b_sent, b_done)
     assert sum(t > b_done for t in finished_a) >= 3, (finished_a, b_sent, b_done)
+
+
+def test_a_whole_response_cut_by_the_shutdown_timeout_is_503(start_server) -> None:
+    """SIGTERM with --shutdown-timeout 3 while a long non-streamed request and a long stream
+    run: the first gets 503 (not 200 with partial text), the stream an error event before
+    [DONE]; the process exits 0."""
+    server = start_server(["--shutdown-timeout", "3"])
+    url = server.base_url + "/v1/completions"
+    long = {"prompt": "Count to a thousand:", "max_tokens": 480, "ignore_eos": True}
+    results: dict[str, Any] = {}
+
+    def whole() -> None:
+        results["whole"] = httpx.post(url, json=long, timeout=120)
+
+    def stream() -> None:
+        with httpx.stream("POST", url, json={**long, "stream": True}, timeout=120) as resp:
+            results["stream"] = [line for line in resp.iter_lines() if line.startswith("data: ")]
+
+    threads = [threading.Thread(target=whole), threading.Thread(target=stream)]
+    for t in threads:
+        t.start()
+    time.sleep(2.0)  # both are generating
+    server.proc.send_signal(signal.SIGTERM)
+    for t in threads:
+        t.join(120)
+    cut = results["whole"]
+    assert cut.status_code == 503, cut.text[:300]
+    assert cut.json()["error"]["code"] == "shutting_down"
+    events = results["stream"]
+    assert events[-1] == "data: [DONE]"
+    assert any('"shutting_down"' in e for e in events[-3:]), events[-3:]
+    assert server.proc.wait(60) == 0
