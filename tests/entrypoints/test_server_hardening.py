@@ -231,3 +231,24 @@ def test_a_whole_response_cut_by_the_shutdown_timeout_is_503(start_server) -> No
     assert events[-1] == "data: [DONE]"
     assert any('"shutting_down"' in e for e in events[-3:]), events[-3:]
     assert server.proc.wait(60) == 0
+
+
+def test_logit_bias_forces_and_bans_tokens(server, llm) -> None:
+    tok = llm.llm_engine.tokenizer
+    url = server.base_url + "/v1/completions"
+    base = {"prompt": "The capital of France is", "max_tokens": 3, "temperature": 0.0,
+            "ignore_eos": True, "logprobs": 0}
+    plain = httpx.post(url, json=base, timeout=60).json()["choices"][0]
+    first = tok.encode(plain["logprobs"]["tokens"][0], add_special_tokens=False)[0]
+    banned = httpx.post(url, json={**base, "logit_bias": {str(first): -100}}, timeout=60)
+    assert banned.status_code == 200, banned.text
+    assert banned.json()["choices"][0]["logprobs"]["tokens"][0] != plain["logprobs"]["tokens"][0]
+    forced_id = tok.encode(" banana", add_special_tokens=False)[0]
+    forced = httpx.post(url, json={**base, "logit_bias": {str(forced_id): 100}}, timeout=60)
+    assert forced.json()["choices"][0]["text"] == tok.decode([forced_id] * 3)
+    for bias, fragment in (({"x": 1}, "token ids"), ({"5": 101}, "[-100, 100]"),
+                           ({"999999": 1}, "outside the vocabulary")):
+        resp = httpx.post(url, json={**base, "logit_bias": bias}, timeout=60)
+        assert resp.status_code == 400, resp.text
+        err = resp.json()["error"]
+        assert err["param"] == "logit_bias" and fragment in err["message"], err

@@ -101,6 +101,10 @@ class LLMEngine:
             raise ValueError(f"sampling_params must be a SamplingParams, got {type(sampling_params).__name__}")
         if not isinstance(priority, int) or isinstance(priority, bool):
             raise ValueError(f"priority must be an integer, got {priority!r}")
+        vocab = self.model_config.vocab_size
+        if sampling_params.logit_bias and max(sampling_params.logit_bias) >= vocab:
+            raise ValueError(f"logit_bias: token ids must be in [0, {vocab}), got "
+                             f"{[t for t in sampling_params.logit_bias if t >= vocab][:5]}")
         text, token_ids = self._tokenize(prompt)
         group = self.scheduler.add_request(request_id, token_ids, sampling_params, priority=priority,
                                            arrival_time=arrival_time, fairness_key=fairness_key)

@@ -66,8 +66,6 @@ async def create_chat_completion(state: ServerState, request: Request,
     check_priority(state, req.priority)
     if not req.messages:
         raise bad_request("'messages' must contain at least one message", param="messages")
-    if req.logit_bias:
-        raise bad_request("'logit_bias' is not supported", param="logit_bias")
     if req.top_logprobs is not None and not req.logprobs:
         raise bad_request("'top_logprobs' requires 'logprobs': true", param="top_logprobs")
     messages = [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})}
@@ -83,7 +81,7 @@ async def create_chat_completion(state: ServerState, request: Request,
     max_tokens = resolve_max_tokens(state, len(prompt_ids), req.requested_max_tokens, param,
                                     prompt_param="messages")
     request_id = new_id("chatcmpl")
-    job = Job(request_id, prompt_ids, make_params(req.sampling_params, max_tokens), req.priority,
+    job = Job(request_id, prompt_ids, make_params(state, req.sampling_params, max_tokens), req.priority,
               prompt["prompt"])
     engine = check_admission(state, 1)
     record = access_record(request)

@@ -93,8 +93,6 @@ async def create_completion(state: ServerState, request: Request,
     check_priority(state, req.priority)
     if req.suffix:
         raise bad_request("'suffix' is not supported", param="suffix")
-    if req.logit_bias:
-        raise bad_request("'logit_bias' is not supported", param="logit_bias")
     if req.best_of is not None and req.best_of != req.n:
         raise bad_request("'best_of' must equal 'n' (or be omitted)", param="best_of")
     if req.echo and req.logprobs is not None:
@@ -104,7 +102,7 @@ async def create_completion(state: ServerState, request: Request,
     jobs = []
     for i, (ids, text) in enumerate(prompts):
         max_tokens = resolve_max_tokens(state, len(ids), req.max_tokens, "max_tokens")
-        jobs.append(Job(f"{base_id}-{i}", ids, make_params(req.sampling_params, max_tokens),
+        jobs.append(Job(f"{base_id}-{i}", ids, make_params(state, req.sampling_params, max_tokens),
                         req.priority, text, fairness_key=base_id))
     engine = check_admission(state, len(jobs))
     record = access_record(request)

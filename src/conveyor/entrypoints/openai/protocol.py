@@ -14,6 +14,18 @@ from pydantic import BaseModel, ConfigDict, Field
 from conveyor.core.sampling_params import SamplingParams
 
 
+def _token_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
+    """OpenAI sends logit_bias keys as strings of token ids."""
+    if not bias:
+        return None
+    out = {}
+    for key, value in bias.items():
+        if not (key.strip().isascii() and key.strip().isdigit()):
+            raise ValueError(f"SamplingParams.logit_bias keys must be token ids, got {key!r}")
+        out[int(key)] = value
+    return out
+
+
 class _Strict(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
 
@@ -69,6 +81,7 @@ class _SamplingRequest(_Strict):
             frequency_penalty=pick(self.frequency_penalty, 0.0),
             repetition_penalty=pick(self.repetition_penalty, 1.0),
             skip_special_tokens=self.skip_special_tokens,
+            logit_bias=_token_bias(self.logit_bias),
         )
 
     @property

@@ -177,14 +177,20 @@ def resolve_max_tokens(state: ServerState, prompt_len: int, max_tokens: int | No
     return max_tokens
 
 
-def make_params(build: Any, max_tokens: int | None) -> SamplingParams:
+def make_params(state: ServerState, build: Any, max_tokens: int | None) -> SamplingParams:
     try:
-        return build(max_tokens)
+        params = build(max_tokens)
     except ValueError as e:
         msg = str(e)
         param = msg.split(" ", 1)[0].removeprefix("SamplingParams.") if msg.startswith(
             "SamplingParams.") else None
         raise bad_request(msg.removeprefix("SamplingParams."), param=param) from e
+    vocab = state.vocab_size
+    if params.logit_bias and max(params.logit_bias) >= vocab:
+        bad = [t for t in params.logit_bias if t >= vocab][:5]
+        raise bad_request(f"'logit_bias' names token ids outside the vocabulary [0, {vocab}): "
+                          f"{bad}", param="logit_bias")
+    return params
 
 
 def check_admission(state: ServerState, num_jobs: int) -> AsyncEngine:
