@@ -42,6 +42,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit, in [-100, 100]
+    prompt_logprobs: int | None = None  # per prompt token: its logprob and the top-N (0..20)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -97,6 +98,9 @@ class SamplingParams:
                 and all(is_int(t) and t >= 0 for t in self.logit_bias)
                 and all(is_num(b) and -100.0 <= b <= 100.0 for b in self.logit_bias.values())):
             fail("logit_bias", "must map token ids (integers >= 0) to numbers in [-100, 100]")
+        if self.prompt_logprobs is not None and (not is_int(self.prompt_logprobs)
+                                                 or not 0 <= self.prompt_logprobs <= 20):
+            fail("prompt_logprobs", "must be an integer in [0, 20] or None")
         if not isinstance(self.output_kind, RequestOutputKind):
             fail("output_kind", "must be a RequestOutputKind (CUMULATIVE, DELTA or FINAL_ONLY)")
         for name in ("include_stop_str_in_output", "ignore_eos", "skip_special_tokens"):

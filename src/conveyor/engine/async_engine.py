@@ -288,7 +288,8 @@ class AsyncEngine:
         return RequestOutput(request_id=out.request_id, prompt=out.prompt,
                              prompt_token_ids=out.prompt_token_ids, outputs=changed,
                              finished=out.finished, metrics=out.metrics,
-                             finish_message=out.finish_message)
+                             finish_message=out.finish_message,
+                             prompt_logprobs=out.prompt_logprobs)
 
     def _publish_stats(self) -> None:
         stats = self.engine.get_stats()

@@ -154,6 +154,8 @@ class LLMEngine:
         else:
             result = self.executor.execute(scheduled)
             sampled, logprobs = result.sampled_token_ids, result.logprobs
+            for i, (first, entries) in (result.prompt_logprobs or {}).items():
+                self._outputs.add_prompt_logprobs(scheduled.seqs[i], first, entries)
             self._num_steps += 1
             self._scheduled_seqs_total += len(scheduled.seqs)
             self._scheduled_tokens_total += scheduled.num_batched_tokens
