@@ -252,3 +252,41 @@ def test_logit_bias_forces_and_bans_tokens(server, llm) -> None:
         assert resp.status_code == 400, resp.text
         err = resp.json()["error"]
         assert err["param"] == "logit_bias" and fragment in err["message"], err
+
+
+def test_echo_with_logprobs_and_prompt_logprobs(server, llm, one_thread) -> None:
+    """``echo`` + ``logprobs`` lead the choice's logprobs with the prompt's tokens (the first
+    null); chat's ``prompt_logprobs`` (vLLM's field) holds the same numbers as the offline
+    engine's."""
+    from conveyor.core.sampling_params import SamplingParams
+
+    prompt = "The capital of France is"
+    body = {"prompt": prompt, "max_tokens": 2, "temperature": 0.0, "echo": True, "logprobs": 2}
+    choice = httpx.post(server.base_url + "/v1/completions", json=body, timeout=60).json()
+    choice = choice["choices"][0]
+    ids = llm.llm_engine.tokenizer.encode(prompt)
+    with one_thread():
+        offline = llm.generate([prompt], SamplingParams(max_tokens=2, temperature=0.0,
+                                                        prompt_logprobs=2))[0]
+    lp = choice["logprobs"]
+    assert choice["text"].startswith(prompt)
+    assert len(lp["tokens"]) == len(ids) + 2
+    assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+    for pos in range(1, len(ids)):
+        assert lp["token_logprobs"][pos] == pytest.approx(
+            offline.prompt_logprobs[pos][ids[pos]].logprob, abs=1e-5)
+        assert len(lp["top_logprobs"][pos]) >= 2
+    streamed = httpx.post(server.base_url + "/v1/completions", json={**body, "stream": True},
+                          timeout=60)
+    first = json.loads(streamed.text.split("\n\n")[0].removeprefix("data: "))
+    assert first["choices"][0]["logprobs"]["tokens"][:len(ids)] == lp["tokens"][:len(ids)]
+
+    messages = [{"role": "user", "content": "Hi"}]
+    chat = httpx.post(server.base_url + "/v1/chat/completions", timeout=60,
+                      json={"messages": messages, "max_tokens": 1, "prompt_logprobs": 1}).json()
+    scored = chat["prompt_logprobs"]
+    assert scored[0] is None and len(scored) == chat["usage"]["prompt_tokens"]
+    assert all(e is not None and any(v["rank"] == 1 for v in e.values()) for e in scored[1:])
+    refused = httpx.post(server.base_url + "/v1/chat/completions", timeout=60,
+                         json={"messages": messages, "prompt_logprobs": 1, "stream": True})
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "prompt_logprobs"

@@ -12,6 +12,10 @@ from fastapi.responses import JSONResponse, Response
 from conveyor.entrypoints.openai.access_log import AccessRecord, access_record
 from conveyor.entrypoints.openai.errors import APIError, bad_request
 from conveyor.entrypoints.openai.limits import ServerLimits
+from conveyor.entrypoints.openai.prompt_logprobs import (
+    check_prompt_logprobs,
+    vllm_prompt_logprobs,
+)
 from conveyor.entrypoints.openai.protocol import ChatCompletionRequest
 from conveyor.entrypoints.openai.serving import (
     Choice,
@@ -66,6 +70,7 @@ async def create_chat_completion(state: ServerState, request: Request,
     check_priority(state, req.priority)
     if not req.messages:
         raise bad_request("'messages' must contain at least one message", param="messages")
+    check_prompt_logprobs(req)
     if req.top_logprobs is not None and not req.logprobs:
         raise bad_request("'top_logprobs' requires 'logprobs': true", param="top_logprobs")
     messages = [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})}
@@ -106,11 +111,13 @@ async def create_chat_completion(state: ServerState, request: Request,
 async def _whole(state: ServerState, engine: AsyncEngine, req: ChatCompletionRequest, job: Job,
                  head: dict[str, Any], tok: TokenText, record: AccessRecord) -> Response:
     choices = [Choice() for _ in range(req.n)]
+    scored = None
     try:
         async with aclosing(merged_deltas(engine, [job])) as deltas:
             async for _, d in deltas:
                 if (err := engine_error(d)) is not None:
                     raise err
+                scored = d.prompt_logprobs or scored
                 for c in d.outputs:
                     ch = choices[c.index]
                     ch.text += c.text
@@ -130,7 +137,9 @@ async def _whole(state: ServerState, engine: AsyncEngine, req: ChatCompletionReq
     record.output_tokens = completion_tokens
     return JSONResponse({**head, "choices": out,
                          "usage": usage(len(job.prompt_token_ids), completion_tokens),
-                         "system_fingerprint": None})
+                         "system_fingerprint": None,
+                         **({"prompt_logprobs": vllm_prompt_logprobs(scored)}
+                            if req.prompt_logprobs is not None else {})})
 
 
 async def _stream(state: ServerState, engine: AsyncEngine, req: ChatCompletionRequest, job: Job,

@@ -12,6 +12,12 @@ from fastapi.responses import JSONResponse, Response
 from conveyor.entrypoints.openai.access_log import AccessRecord, access_record
 from conveyor.entrypoints.openai.errors import APIError, bad_request
 from conveyor.entrypoints.openai.limits import ServerLimits
+from conveyor.entrypoints.openai.prompt_logprobs import (
+    check_prompt_logprobs,
+    echo_logprobs,
+    prepend,
+    vllm_prompt_logprobs,
+)
 from conveyor.entrypoints.openai.protocol import CompletionRequest
 from conveyor.entrypoints.openai.serving import (
     Choice,
@@ -95,8 +101,7 @@ async def create_completion(state: ServerState, request: Request,
         raise bad_request("'suffix' is not supported", param="suffix")
     if req.best_of is not None and req.best_of != req.n:
         raise bad_request("'best_of' must equal 'n' (or be omitted)", param="best_of")
-    if req.echo and req.logprobs is not None:
-        raise bad_request("'echo' together with 'logprobs' is not supported", param="echo")
+    check_prompt_logprobs(req)
     prompts = await state.off_loop(_prompts, state, req.prompt, req.echo)
     base_id = new_id("cmpl")
     jobs = []
@@ -129,11 +134,14 @@ async def _whole(state: ServerState, engine: AsyncEngine, req: CompletionRequest
                  head: dict[str, Any], echo_text: list[str], tok: TokenText,
                  record: AccessRecord) -> Response:
     choices = {(i, j): Choice() for i in range(len(jobs)) for j in range(req.n)}
+    scored: dict[int, Any] = {}  # job -> its prompt logprobs
     try:
         async with aclosing(merged_deltas(engine, jobs)) as deltas:
             async for i, d in deltas:
                 if (err := engine_error(d)) is not None:
                     raise err
+                if d.prompt_logprobs is not None:
+                    scored[i] = d.prompt_logprobs
                 for c in d.outputs:
                     ch = choices[(i, c.index)]
                     ch.text += c.text
@@ -150,8 +158,14 @@ async def _whole(state: ServerState, engine: AsyncEngine, req: CompletionRequest
         lp = None
         if req.logprobs is not None:
             lp = _logprobs(tok, ch.token_ids, ch.logprobs, req.logprobs, len(echo_text[i]))
-        out.append({"index": i * req.n + j, "text": echo_text[i] + ch.text, "logprobs": lp,
-                    "finish_reason": ch.finish_reason})
+            if req.echo:
+                lp = prepend(echo_logprobs(tok, jobs[i].prompt_token_ids, scored.get(i),
+                                           req.logprobs), lp)
+        choice = {"index": i * req.n + j, "text": echo_text[i] + ch.text, "logprobs": lp,
+                  "finish_reason": ch.finish_reason}
+        if req.prompt_logprobs is not None:
+            choice["prompt_logprobs"] = vllm_prompt_logprobs(scored.get(i))
+        out.append(choice)
     prompt_tokens = sum(len(job.prompt_token_ids) for job in jobs)
     completion_tokens = sum(len(ch.token_ids) for ch in choices.values())
     record.output_tokens = completion_tokens
@@ -179,7 +193,8 @@ async def _stream(state: ServerState, engine: AsyncEngine, req: CompletionReques
                     completion_tokens += len(c.token_ids)
                     record.output_tokens = completion_tokens
                     text = c.text
-                    if key not in started:
+                    first = key not in started
+                    if first:
                         started.add(key)
                         text = echo_text[i] + text
                         offsets[key] = len(echo_text[i])
@@ -188,6 +203,9 @@ async def _stream(state: ServerState, engine: AsyncEngine, req: CompletionReques
                         lp = _logprobs(tok, c.token_ids, c.logprobs or [], req.logprobs,
                                        offsets[key])
                         offsets[key] += sum(len(t) for t in lp["tokens"])
+                        if req.echo and first:
+                            lp = prepend(echo_logprobs(tok, jobs[i].prompt_token_ids,
+                                                       d.prompt_logprobs, req.logprobs), lp)
                     if not text and c.finish_reason is None and not c.token_ids:
                         continue
                     choice = {"index": i * req.n + c.index, "text": text, "logprobs": lp,

@@ -58,8 +58,10 @@ class _SamplingRequest(_Strict):
     user: str | None = None
     priority: int = 0
     logit_bias: dict[str, float] | None = None
+    prompt_logprobs: int | None = Field(None, ge=0, le=20)
 
-    def _sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    def _sampling_params(self, max_tokens: int | None, logprobs: int | None,
+                         prompt_logprobs: int | None = None) -> SamplingParams:
         def pick(value: object, default: object) -> object:
             return default if value is None else value
 
@@ -82,6 +84,7 @@ class _SamplingRequest(_Strict):
             repetition_penalty=pick(self.repetition_penalty, 1.0),
             skip_special_tokens=self.skip_special_tokens,
             logit_bias=_token_bias(self.logit_bias),
+            prompt_logprobs=self.prompt_logprobs if prompt_logprobs is None else prompt_logprobs,
         )
 
     @property
@@ -98,7 +101,8 @@ class CompletionRequest(_SamplingRequest):
     suffix: str | None = None
 
     def sampling_params(self, max_tokens: int | None) -> SamplingParams:
-        return self._sampling_params(max_tokens, self.logprobs)
+        echo_logprobs = self.logprobs if self.echo else None  # the prompt's tokens' logprobs
+        return self._sampling_params(max_tokens, self.logprobs, echo_logprobs)
 
 
 class TextPart(_Strict):
