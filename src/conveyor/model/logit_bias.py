@@ -3,18 +3,15 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 
-if TYPE_CHECKING:
-    from conveyor.model.sampler import SampleRow
+from conveyor.core.sampling_params import SamplingParams
 
 
-def apply_logit_bias(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
-    """``logits`` [R, vocab] (float32) with each row's bias added; out of place, and the same
-    tensor when no row has a bias."""
-    biased = [(i, r.params.logit_bias) for i, r in enumerate(rows) if r.params.logit_bias]
+def apply_logit_bias(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """``logits`` [R, vocab] (float32) with each row's bias added (``params``: per row); out of
+    place, and the same tensor when no row has a bias."""
+    biased = [(i, p.logit_bias) for i, p in enumerate(params) if p.logit_bias]
     if not biased:
         return logits
     row_idx, token_idx, values = [], [], []

@@ -91,7 +91,7 @@ class Sampler:
         raw_logprobs = (torch.log_softmax(logits, dim=-1)
                         if any(n is not None for n in want_logprobs) else None)
         logits = self._apply_penalties(logits, rows, vocab)  # out of place
-        logits = apply_logit_bias(logits, rows)
+        logits = apply_logit_bias(logits, params)
         logits = self._mask_stop_tokens_before_min_tokens(logits, rows, vocab)
 
         is_greedy = [p.temperature == 0.0 for p in params]
