@@ -17,7 +17,7 @@ STREAMS = 8
 MAX_SEQS_IN_FLIGHT = 10
 HARDENED_FLAGS = ["--max-model-len", "4096", "--num-gpu-blocks", "600",
                   "--max-sequences-in-flight", str(MAX_SEQS_IN_FLIGHT), "--max-n", "4",
-                  "--max-prompts-per-request", "3"]
+                  "--max-prompts-per-request", "3", "--shutdown-timeout", "3"]
 
 
 @pytest.fixture(scope="module")
@@ -201,38 +201,6 @@ def test_many_sequences_of_one_request_do_not_starve_another(busy_server) -> Non
     assert sum(t > b_done for t in finished_a) >= 3, (finished_a, b_sent, b_done)
 
 
-def test_a_whole_response_cut_by_the_shutdown_timeout_is_503(start_server) -> None:
-    """SIGTERM with --shutdown-timeout 3 while a long non-streamed request and a long stream
-    run: the first gets 503 (not 200 with partial text), the stream an error event before
-    [DONE]; the process exits 0."""
-    server = start_server(["--shutdown-timeout", "3"])
-    url = server.base_url + "/v1/completions"
-    long = {"prompt": "Count to a thousand:", "max_tokens": 480, "ignore_eos": True}
-    results: dict[str, Any] = {}
-
-    def whole() -> None:
-        results["whole"] = httpx.post(url, json=long, timeout=120)
-
-    def stream() -> None:
-        with httpx.stream("POST", url, json={**long, "stream": True}, timeout=120) as resp:
-            results["stream"] = [line for line in resp.iter_lines() if line.startswith("data: ")]
-
-    threads = [threading.Thread(target=whole), threading.Thread(target=stream)]
-    for t in threads:
-        t.start()
-    time.sleep(2.0)  # both are generating
-    server.proc.send_signal(signal.SIGTERM)
-    for t in threads:
-        t.join(120)
-    cut = results["whole"]
-    assert cut.status_code == 503, cut.text[:300]
-    assert cut.json()["error"]["code"] == "shutting_down"
-    events = results["stream"]
-    assert events[-1] == "data: [DONE]"
-    assert any('"shutting_down"' in e for e in events[-3:]), events[-3:]
-    assert server.proc.wait(60) == 0
-
-
 def test_logit_bias_forces_and_bans_tokens(server, llm) -> None:
     tok = llm.llm_engine.tokenizer
     url = server.base_url + "/v1/completions"
@@ -290,3 +258,36 @@ def test_echo_with_logprobs_and_prompt_logprobs(server, llm, one_thread) -> None
     refused = httpx.post(server.base_url + "/v1/chat/completions", timeout=60,
                          json={"messages": messages, "prompt_logprobs": 1, "stream": True})
     assert refused.status_code == 400 and refused.json()["error"]["param"] == "prompt_logprobs"
+
+
+def test_a_whole_response_cut_by_the_shutdown_timeout_is_503(hardened) -> None:
+    """SIGTERM with --shutdown-timeout 3 while a long non-streamed request and a long stream
+    run: the first gets 503 (not 200 with partial text), the stream an error event before
+    [DONE]; the process exits 0. (It stops the module's hardened server: keep it its last
+    user.)"""
+    server = hardened
+    url = server.base_url + "/v1/completions"
+    long = {"prompt": "Count to a thousand:", "max_tokens": 480, "ignore_eos": True}
+    results: dict[str, Any] = {}
+
+    def whole() -> None:
+        results["whole"] = httpx.post(url, json=long, timeout=120)
+
+    def stream() -> None:
+        with httpx.stream("POST", url, json={**long, "stream": True}, timeout=120) as resp:
+            results["stream"] = [line for line in resp.iter_lines() if line.startswith("data: ")]
+
+    threads = [threading.Thread(target=whole), threading.Thread(target=stream)]
+    for t in threads:
+        t.start()
+    time.sleep(2.0)  # both are generating
+    server.proc.send_signal(signal.SIGTERM)
+    for t in threads:
+        t.join(120)
+    cut = results["whole"]
+    assert cut.status_code == 503, cut.text[:300]
+    assert cut.json()["error"]["code"] == "shutting_down"
+    events = results["stream"]
+    assert events[-1] == "data: [DONE]"
+    assert any('"shutting_down"' in e for e in events[-3:]), events[-3:]
+    assert server.proc.wait(60) == 0
