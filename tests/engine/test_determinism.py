@@ -116,7 +116,9 @@ def test_every_request_equals_itself_alone(executors, prompts, scenario) -> None
     needs = [-(-(len(p) + r.max_tokens) // s["block_size"]) * r.n for p, r in requests]
     # small: room for the largest request only, so that the others preempt it or wait
     blocks = max(needs) if s["small_cache"] else sum(needs) + 8
-    args = EngineArgs(dtype=s["dtype"], max_model_len=MAX_MODEL_LEN, block_size=s["block_size"],
+    # prefill_first runs no sequence longer than its step budget
+    max_model_len = MAX_MODEL_LEN if s["policy"] == "chunked" else min(MAX_MODEL_LEN, budget)
+    args = EngineArgs(dtype=s["dtype"], max_model_len=max_model_len, block_size=s["block_size"],
                       num_gpu_blocks=blocks, max_num_seqs=s["max_num_seqs"],
                       max_num_batched_tokens=budget, policy=s["policy"],
                       preemption_mode=s["preemption_mode"],

@@ -97,8 +97,11 @@ class Scheduler:
 
     def add_request(self, request_id: str, prompt_token_ids: list[int],
                     sampling_params: SamplingParams, priority: int = 0,
-                    arrival_time: float | None = None) -> SequenceGroup:
+                    arrival_time: float | None = None,
+                    fairness_key: str | None = None) -> SequenceGroup:
         """Queue a request; ValueError (naming the field) on bad input, nothing queued then.
+        Requests sharing a ``fairness_key`` are admitted round-robin with other keys' requests
+        of their priority (``request_queue``); None: the request id.
 
         A prompt that can never run (longer than max_model_len, or needing more KV blocks than
         the whole cache) finishes at once as FINISHED_IGNORED with ``group.finish_message``;
@@ -119,7 +122,8 @@ class Scheduler:
         if arrival_time is None:
             arrival_time = now
         prompt = list(prompt_token_ids)
-        group = SequenceGroup(request_id, prompt, sampling_params, priority, arrival_time)
+        group = SequenceGroup(request_id, prompt, sampling_params, priority, arrival_time,
+                              fairness_key)
         seq = Sequence(self._new_seq_id(), group, 0, list(prompt), len(prompt))
         self._set_stop_limits(seq)
         group.seqs.append(seq)
