@@ -17,12 +17,12 @@ def test_uninstalled_peer_is_skipped(monkeypatch):
 
 def test_unknown_peer_is_a_clear_error():
     with pytest.raises(ValueError, match="--compare"):
-        skip_reason("vllm")
+        skip_reason("tgi")
 
 
 def test_transformers_peer_available_here():
     assert skip_reason("transformers") is None
-    assert set(PEERS) == {"transformers", "transformers-cb", "llamacpp"}
+    assert set(PEERS) == {"transformers", "transformers-cb", "llamacpp", "vllm"}
 
 
 def test_skipped_peer_appears_in_the_run(monkeypatch, tmp_path):
@@ -88,7 +88,7 @@ def test_also_with_refuses_bad_changes(changes, message):
 
 
 def test_bad_compare_or_also_with_exit_with_a_message():
-    for argv in (["--compare", "vllm"], ["--also-with", "kv_cache_dtype=int8"]):
+    for argv in (["--compare", "tgi"], ["--also-with", "kv_cache_dtype=int8"]):
         args = throughput_parser().parse_args(["throughput", "--no-roofline", *argv])
         with pytest.raises(SystemExit, match="conveyor bench throughput: --"):
             throughput.main(args)

@@ -4,16 +4,14 @@ scheduler chunks, caches or preempts it, and with one or two threads; bf16 and f
 
 from __future__ import annotations
 
-import contextlib
-
 import pytest
-import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from conveyor.core.sampling_params import SamplingParams
 from conveyor.engine.args import EngineArgs
 from conveyor.engine.llm_engine import LLMEngine
+from torch_threads import torch_threads
 
 MAX_MODEL_LEN = 128
 TEXTS = [
@@ -39,16 +37,6 @@ def executors():
 def prompts(executors):
     tokenizer = executors["float32"].tokenizer
     return [tokenizer.encode(t) for t in TEXTS]
-
-
-@contextlib.contextmanager
-def threads(n: int):
-    before = torch.get_num_threads()
-    torch.set_num_threads(n)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
 
 
 def run(executor, args: EngineArgs, requests: list[tuple[list[int], SamplingParams]],
@@ -87,7 +75,7 @@ def alone(executor, dtype: str, prompt: list[int], max_tokens: int):
                           max_num_seqs=8, enable_prefix_caching=False)
         params = SamplingParams(temperature=0, max_tokens=max_tokens, logprobs=0,
                                 ignore_eos=True)
-        with threads(2):
+        with torch_threads(2):
             _alone[key] = run(executor, args, [(prompt, params)])[0][0]
     return _alone[key]
 
@@ -128,13 +116,15 @@ def test_every_request_equals_itself_alone(executors, prompts, scenario) -> None
     needs = [-(-(len(p) + r.max_tokens) // s["block_size"]) * r.n for p, r in requests]
     # small: room for the largest request only, so that the others preempt it or wait
     blocks = max(needs) if s["small_cache"] else sum(needs) + 8
-    args = EngineArgs(dtype=s["dtype"], max_model_len=MAX_MODEL_LEN, block_size=s["block_size"],
+    # prefill_first runs no sequence longer than its step budget
+    max_model_len = MAX_MODEL_LEN if s["policy"] == "chunked" else min(MAX_MODEL_LEN, budget)
+    args = EngineArgs(dtype=s["dtype"], max_model_len=max_model_len, block_size=s["block_size"],
                       num_gpu_blocks=blocks, max_num_seqs=s["max_num_seqs"],
                       max_num_batched_tokens=budget, policy=s["policy"],
                       preemption_mode=s["preemption_mode"],
                       enable_prefix_caching=s["prefix_caching"], swap_space=0.05)
     warm = None if s["warm_up"] is None else prompts[s["warm_up"]]
-    with threads(s["threads"]):
+    with torch_threads(s["threads"]):
         got = run(executor, args, requests, warm)
     for (prompt, params), samples in zip(requests, got, strict=True):
         expected = alone(executor, s["dtype"], prompt, params.max_tokens)

@@ -100,18 +100,22 @@ class ServerProcess:
         return out
 
 
+def _busy_server_process(tmp_path_factory: pytest.TempPathFactory) -> ServerProcess:
+    # saturated at 2 running sequences (the chunked policy caps running, not just a step),
+    # priority queue, bounded waiting queue
+    return ServerProcess(engine_flags(max_num_seqs=2, queue="priority", policy="chunked")
+                         + ["--max-queued-requests", str(BUSY_MAX_QUEUED),
+                            "--shutdown-timeout", "60"],
+                         tmp_path_factory.mktemp("server") / "log")
+
+
 @pytest.fixture(scope="session")
 def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, ServerProcess]]:
     """Both test servers, started together (loading the model is the slow part)."""
     started = {
         # fcfs, room for 64 concurrent requests
         "default": ServerProcess(engine_flags(), tmp_path_factory.mktemp("server") / "log"),
-        # saturated at 2 running sequences (the chunked policy caps running, not just a step),
-        # priority queue, bounded waiting queue
-        "busy": ServerProcess(engine_flags(max_num_seqs=2, queue="priority", policy="chunked")
-                              + ["--max-queued-requests", str(BUSY_MAX_QUEUED),
-                                 "--shutdown-timeout", "60"],
-                              tmp_path_factory.mktemp("server") / "log"),
+        "busy": _busy_server_process(tmp_path_factory),
     }
     try:
         for s in started.values():
@@ -148,8 +152,12 @@ def server(servers) -> ServerProcess:
     return servers["default"]
 
 
-@pytest.fixture(scope="session")
-def busy_server(servers) -> ServerProcess:
+@pytest.fixture
+def busy_server(servers, tmp_path_factory: pytest.TempPathFactory) -> ServerProcess:
+    """The busy server, started again when a test (a SIGTERM one) has stopped it."""
+    if servers["busy"].proc.poll() is not None:
+        servers["busy"] = _busy_server_process(tmp_path_factory)
+        servers["busy"].wait_ready()
     return servers["busy"]
 
 

@@ -89,7 +89,8 @@ def test_bad_requests_do_not_disturb_a_running_stream(server) -> None:
     t = threading.Thread(target=stream)
     t.start()
     for path, body, status, fragment, param in CASES:
-        resp = httpx.post(server.base_url + path, content=body, timeout=60)
+        resp = httpx.post(server.base_url + path, content=body, timeout=60,
+                          headers={"content-type": "application/json"})
         _check(resp, status, fragment, param)
     t.join(240)
     assert result["status"] == 200

@@ -105,9 +105,12 @@ def test_overload_answers_503_then_recovers(busy_server) -> None:
 
 
 def test_sigterm_finishes_running_stream_and_exits_0(busy_server) -> None:
-    body = _body(0, 24, 0)
+    """While draining, the listener stays open: new requests get 503 with OpenAI's error body,
+    /health is 503, the running stream finishes whole, then the process exits 0."""
+    body = _body(0, 64, 0)  # long enough to be still running while the others are sent
     body["stream_options"] = {"include_usage": True}
     lines: list[str] = []
+    during: list[httpx.Response] = []
     with httpx.stream("POST", busy_server.base_url + "/v1/completions", json=body,
                       timeout=240) as resp:
         for line in resp.iter_lines():
@@ -116,12 +119,16 @@ def test_sigterm_finishes_running_stream_and_exits_0(busy_server) -> None:
             lines.append(line)
             if len(lines) == 1:  # mid-stream
                 busy_server.proc.send_signal(signal.SIGTERM)
+                time.sleep(0.2)  # the signal is handled between two bytecodes of the server
+                during.append(httpx.get(busy_server.base_url + "/health", timeout=30))
+                during.append(httpx.post(busy_server.base_url + "/v1/completions",
+                                         json={"prompt": "Hello", "max_tokens": 2}, timeout=30))
     usage = json.loads(lines[-2][6:])["usage"]
     assert lines[-1] == "data: [DONE]"
-    assert usage["completion_tokens"] == 24
-    with pytest.raises(httpx.TransportError):
-        for _ in range(200):  # the listening socket closes once the drain begins
-            httpx.post(busy_server.base_url + "/v1/completions",
-                       json={"prompt": "Hello", "max_tokens": 2}, timeout=5)
-            time.sleep(0.05)
+    assert usage["completion_tokens"] == 64
+    health, refused = during
+    assert refused.status_code == 503, refused.text
+    err = refused.json()["error"]
+    assert err["code"] == "shutting_down" and err["type"] == "server_error"
+    assert health.status_code == 503
     assert busy_server.proc.wait(60) == 0

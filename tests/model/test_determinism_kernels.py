@@ -4,7 +4,6 @@ attention) whether the token is a decode or sits anywhere in a prefill chunk."""
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 
 import pytest
@@ -13,18 +12,9 @@ import torch
 from conveyor.model.kernels.paged_attention import attention_kernel_available, kernel_attention
 from conveyor.model.kernels.panel_gemm import pack_panels, panel_gemm, panel_gemm_available
 from conveyor.model.layers.quantized import Int4Blocks, pack_blocks
+from torch_threads import torch_threads
 
 CPU = torch.device("cpu")
-
-
-@contextlib.contextmanager
-def threads(n: int):
-    before = torch.get_num_threads()
-    torch.set_num_threads(n)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
 
 
 def _gemm_dtypes():
@@ -37,12 +27,12 @@ def test_panel_gemm_row_is_independent_of_batch_and_threads(dtype, n, k) -> None
     gen = torch.Generator().manual_seed(n)
     x = torch.randn(250, k, generator=gen).to(dtype)  # 250 rows: two blocks of 192 rows
     packed = pack_panels(torch.randn(n, k, generator=gen).to(dtype))
-    with threads(2):
+    with torch_threads(2):
         full = panel_gemm(x, packed, n)
     for start, rows in [(0, 1), (7, 1), (3, 2), (10, 4), (5, 5), (0, 6), (11, 7), (40, 13),
                         (100, 37), (190, 60)]:
         for t in (1, 2):
-            with threads(t):
+            with torch_threads(t):
                 part = panel_gemm(x[start:start + rows], packed, n)
             assert torch.equal(part, full[start:start + rows]), (start, rows, t)
 
@@ -92,10 +82,10 @@ def test_attention_row_is_independent_of_chunking(dtype, cache_dtype, head_dim, 
         return kernel_attention(q[lo:hi], k_cache, v_cache, table, lens, scale, seqs,
                                 deterministic=True)
 
-    with threads(2):
+    with torch_threads(2):
         whole = chunk(0, length)
     for t in (1, 2):
-        with threads(t):
+        with torch_threads(t):
             for bounds in ([0, 1, 2, 30, 31, 200, 511, 513, 700], [0, 97, 400, 650, 700]):
                 parts = torch.cat([chunk(a, b) for a, b in itertools.pairwise(bounds)])
                 assert torch.equal(parts, whole), (bounds, t)
@@ -156,9 +146,9 @@ def test_block_panels_equal_the_dense_panels(dtype, bits) -> None:
     assert isinstance(packed, BlockPanels) and packed.max_tokens > 0
     panels = pack_panels(blocks.dequantize().to(dtype))
     x = torch.randn(40, k, generator=gen).to(dtype)
-    with threads(2):
+    with torch_threads(2):
         full = panel_gemm(x, panels, n)
     for rows in (1, 2, 3, 4, 5, 7, 12, 40):
         for t in (1, 2):
-            with threads(t):
+            with torch_threads(t):
                 assert torch.equal(packed.matmul(x[:rows]), full[:rows]), (rows, t)

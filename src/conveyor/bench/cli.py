@@ -9,6 +9,7 @@ BENCHMARKS = [
     "conveyor.bench.scheduler",  # bench scheduler
     "conveyor.bench.throughput",  # bench throughput
     "conveyor.bench.serving",  # bench serve
+    "conveyor.bench.soak",  # bench soak
 ]
 
 

@@ -1,12 +1,13 @@
 """The peer systems the throughput bench compares Conveyor with, and what one peer run needs.
 
-Each peer lives in its own module (``peers_transformers``, ``peers_llamacpp``) exposing
-``run(job) -> SystemResult``; this file names them, says whether each can run here, and holds
-the helpers they share. A peer that cannot run is reported as skipped with the reason.
+Each peer lives in its own module (``peers_transformers``, ``peers_llamacpp``, ``peers_vllm``)
+exposing ``run(job) -> SystemResult``; this file names them, says whether each can run here, and
+holds the helpers they share. A peer that cannot run is reported as skipped with the reason.
 """
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 import resource
 import time
@@ -31,9 +32,11 @@ class PeerJob:
     setting: int | None = None  # static batch size (transformers) / parallel sequences (llamacpp)
     threads: int = 2
     device: str = "cpu"  # the transformers peers run where Conveyor did
+    prefix_caching: bool = True  # Conveyor's setting, which vLLM follows
 
 
-# name -> (module holding run(), Python package it needs, what it is)
+# name -> (module holding run(), Python package it needs here, what it is); vLLM needs none here:
+# it runs from an environment of its own, built on first use
 PEERS: dict[str, tuple[str, str, str]] = {
     "transformers": ("conveyor.bench.peers_transformers", "transformers",
                      "HF transformers generate(), static batches, left padding"),
@@ -41,6 +44,8 @@ PEERS: dict[str, tuple[str, str, str]] = {
                         "HF transformers continuous batching, generate_batch()"),
     "llamacpp": ("conveyor.bench.peers_llamacpp", "llama_cpp",
                  "llama.cpp through llama-cpp-python, n parallel sequences"),
+    "vllm": ("conveyor.bench.peers_vllm", "",
+             "vLLM's CPU build, offline LLM.generate(), from its own environment"),
 }
 
 
@@ -48,6 +53,8 @@ def skip_reason(name: str) -> str | None:
     """None when peer ``name`` can run here, else the line the table prints instead."""
     if name not in PEERS:
         raise ValueError(f"--compare: unknown peer {name!r}; known: {', '.join(PEERS)}")
+    if not PEERS[name][1]:  # a peer with an environment of its own says itself
+        return importlib.import_module(PEERS[name][0]).skip_reason()
     if importlib.util.find_spec(PEERS[name][1]) is None:
         return "skipped (not installed)"
     if name == "transformers-cb":

@@ -16,6 +16,7 @@ import contextlib
 import dataclasses
 import json
 import math
+import os
 import random
 import socket
 import subprocess
@@ -92,15 +93,22 @@ def parse_rates(text: str) -> list[float]:
     return rates
 
 
+def metrics_prefix(text: str) -> str:
+    """``conveyor:``, or ``vllm:`` on a page of vLLM's server (``bench serve --compare vllm``)."""
+    names = {line.split(":", 1)[0] for line in text.splitlines() if not line.startswith("#")}
+    return "vllm:" if "vllm" in names and "conveyor" not in names else "conveyor:"
+
+
 def preemptions_from_metrics(text: str) -> float | None:
-    """Sum of the ``conveyor:`` counters about preemption in a Prometheus text page."""
+    """Sum of the server's counters about preemption in a Prometheus text page."""
     total, seen = 0.0, False
+    prefix = metrics_prefix(text)
     for line in text.splitlines():
-        if line.startswith("#") or not line.startswith("conveyor:"):
+        if not line.startswith(prefix):
             continue
         name, _, value = line.rpartition(" ")
         metric = name.split("{", 1)[0]
-        if "preempt" in metric and not metric.endswith("_created"):
+        if "preempt" in metric and metric.endswith("_total"):  # counters, not histograms
             total += float(value)
             seen = True
     return total if seen else None
@@ -110,15 +118,16 @@ def prefix_cache_from_metrics(text: str) -> tuple[float, float] | None:
     """(hits, queries) of the prefix cache, summed over every replica of a Prometheus page."""
     hits = queries = 0.0
     seen = False
+    prefix = metrics_prefix(text)
     for line in text.splitlines():
-        if line.startswith("#"):
+        if not line.startswith(prefix):
             continue
         name, _, value = line.rpartition(" ")
-        metric = name.split("{", 1)[0]
-        if metric == "conveyor:prefix_cache_hits_total":
+        metric = name.split("{", 1)[0].removeprefix(prefix)
+        if metric == "prefix_cache_hits_total":
             hits += float(value)
             seen = True
-        elif metric == "conveyor:prefix_cache_queries_total":
+        elif metric == "prefix_cache_queries_total":
             queries += float(value)
     return (hits, queries) if seen else None
 
@@ -295,19 +304,29 @@ def engine_flags(args: argparse.Namespace) -> list[str]:
 def spawned_server(extra_argv: list[str], ready_timeout: float = 600.0,
                    log_path: str | None = None) -> Iterator[str]:
     """Start ``conveyor serve`` on a free loopback port; yield its base URL; stop it."""
-    import httpx
-
     port = free_loopback_port()
     cmd = [sys.executable, "-m", "conveyor.entrypoints.cli", "serve", "--host", "127.0.0.1",
            "--port", str(port), *extra_argv]
+    with serving_process(cmd, port, "conveyor serve", ready_timeout, log_path) as base:
+        yield base
+
+
+@contextlib.contextmanager
+def serving_process(cmd: list[str], port: int, name: str, ready_timeout: float = 600.0,
+                    log_path: str | None = None,
+                    env: dict[str, str] | None = None) -> Iterator[str]:
+    """Run ``cmd``, a server on 127.0.0.1:``port``; yield its base URL once ``/v1/models``
+    answers; stop it."""
+    import httpx
+
     log = open(log_path, "w") if log_path else subprocess.DEVNULL  # noqa: SIM115
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
     base = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + ready_timeout
         while True:
             if proc.poll() is not None:
-                raise RuntimeError(f"conveyor serve exited with {proc.returncode} before it was "
+                raise RuntimeError(f"{name} exited with {proc.returncode} before it was "
                                    f"ready: {' '.join(cmd)}")
             try:
                 if httpx.get(base + "/v1/models", timeout=2.0).status_code == 200:
@@ -315,7 +334,7 @@ def spawned_server(extra_argv: list[str], ready_timeout: float = 600.0,
             except httpx.HTTPError:
                 pass
             if time.monotonic() > deadline:
-                raise TimeoutError(f"conveyor serve not ready after {ready_timeout:.0f}s")
+                raise TimeoutError(f"{name} not ready after {ready_timeout:.0f}s")
             time.sleep(0.5)
         yield base
     finally:
@@ -368,7 +387,67 @@ def _with_label(args: argparse.Namespace, label: str) -> argparse.Namespace:
     return argparse.Namespace(**{**vars(args), "label": label})
 
 
+SERVING_PEERS = ("vllm",)
+
+
+def compare_peers(args: argparse.Namespace) -> list[str]:
+    names = [c.strip() for c in (args.compare or "").split(",") if c.strip()]
+    for name in names:
+        if name not in SERVING_PEERS:
+            raise SystemExit(f"bench serve: --compare: unknown peer {name!r}; known: "
+                             f"{', '.join(SERVING_PEERS)}")
+    if names and not args.spawn:
+        raise SystemExit("bench serve: --compare needs --spawn (the bench starts both servers)")
+    return names
+
+
+def run_vllm_sweep(args: argparse.Namespace) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """The same sweep against vLLM's OpenAI server, started on a free loopback port with the
+    same model, dtype, ``max_num_seqs`` and prefix caching; (runs, what ran or why not)."""
+    import tempfile
+
+    import httpx
+
+    from conveyor.bench import peers_vllm
+    from conveyor.engine.args import from_cli_args
+    from conveyor.model.device import dtype_name, resolve_device, resolve_dtype
+    from conveyor.model.loader import default_model_path
+
+    ea = from_cli_args(args)
+    device = resolve_device(ea.device)
+    reason = peers_vllm.cpu_only_reason(device.type) or peers_vllm.skip_reason()
+    if reason:
+        return [], {"skipped": reason}
+    dtype = dtype_name(resolve_dtype(ea.dtype, device))
+    try:
+        model_dir = peers_vllm.converted_model(ea.model or default_model_path())
+    except RuntimeError as e:
+        return [], {"skipped": f"failed ({e})"[:400]}
+    port = free_loopback_port()
+    cmd = peers_vllm.server_command(model_dir, port, dtype, ea.max_num_seqs,
+                                    ea.enable_prefix_caching, ea.max_model_len)
+    env = peers_vllm.vllm_env_vars(len(os.sched_getaffinity(0)))
+    with tempfile.TemporaryDirectory(prefix="conveyor-vllm-serve-") as tmp:
+        log_path = args.vllm_server_log or os.path.join(tmp, "server.log")
+        print("[bench] starting vLLM's OpenAI server ...", file=sys.stderr, flush=True)
+        try:
+            with serving_process(cmd, port, "vLLM's OpenAI server", log_path=log_path,
+                                 env=env) as base:
+                version = httpx.get(base + "/version", timeout=10.0).json().get("version")
+                runs = asyncio.run(run_sweep(base, _with_label(args, "vllm")))
+        except (RuntimeError, TimeoutError) as e:
+            output = open(log_path, errors="replace").read()
+            sys.stderr.write(output[-5000:])
+            return [], {"skipped": f"failed ({peers_vllm.driver_error(output)}; {e})"[:400]}
+    return runs, {"version": version, "command": cmd, "dtype": dtype,
+                  "max_num_seqs": ea.max_num_seqs,
+                  "enable_prefix_caching": ea.enable_prefix_caching,
+                  "env": {k: env[k] for k in ("VLLM_CPU_KVCACHE_SPACE",
+                                              "VLLM_CPU_OMP_THREADS_BIND") if k in env}}
+
+
 def main(args: argparse.Namespace) -> int:
+    peer_info: dict[str, dict[str, Any]] = {}
     if args.from_json:
         runs = []
         for path in args.from_json:
@@ -376,6 +455,7 @@ def main(args: argparse.Namespace) -> int:
     else:
         if bool(args.spawn) == bool(args.base_url):
             raise SystemExit("bench serve: give exactly one of --base-url URL or --spawn")
+        peers = compare_peers(args)
         if args.spawn:
             runs = []
             for label, flags in spawn_variants(args):
@@ -383,10 +463,16 @@ def main(args: argparse.Namespace) -> int:
                     runs += asyncio.run(run_sweep(base, _with_label(args, label)))
         else:
             runs = asyncio.run(run_sweep(args.base_url, args))
+        for name in peers:  # one after the other, never beside Conveyor's server
+            peer_runs, peer_info[name] = run_vllm_sweep(args)
+            runs += peer_runs
     print(format_serving_table(runs))
+    for name, info in peer_info.items():
+        if "skipped" in info:
+            print(f"{name}: {info['skipped']}")
     if args.json and not args.from_json:
         write_json(args.json, {"command": " ".join(["conveyor", *sys.argv[1:]]),
-                               "label": args.label, "runs": runs})
+                               "label": args.label, "runs": runs, "peers": peer_info})
     if args.plot:
         plot_serving(runs, args.plot, title=f"conveyor bench serve ({runs[0]['workload']})"
                      if runs else "")
@@ -423,6 +509,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--from-json", nargs="+",
                    help="plot/print these saved runs together instead of running")
     p.add_argument("--server-log", default=None, help="with --spawn: write the server's output here")
+    p.add_argument("--compare", default="",
+                   help="with --spawn: then run the same sweep against this peer's server "
+                        f"({', '.join(SERVING_PEERS)}), same model and max_num_seqs")
+    p.add_argument("--vllm-server-log", default=None,
+                   help="with --compare vllm: write vLLM's server output here")
     d = p.add_argument_group("data-parallel replicas (with --spawn)")
     d.add_argument("--data-parallel-size", type=int, default=1,
                    help="spawn a fleet of this many replicas on Ray Serve (default: 1)")

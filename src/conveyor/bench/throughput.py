@@ -339,10 +339,12 @@ def peer_jobs(args: argparse.Namespace, model_path: str, dtype: str) -> list[Pee
             settings = _ints(args.transformers_batch_sizes)
         elif name == "llamacpp" and args.workload != "S1":
             settings = _ints(args.llamacpp_parallel)
+        elif name == "vllm":
+            settings = [args.max_num_seqs]
         for s in settings:
             jobs.append(PeerJob(name, model_path, args.workload, args.seed, args.num_requests,
                                 args.peer_repeats or args.repeats, dtype, s, args.threads,
-                                resolve_device(args.device).type))
+                                resolve_device(args.device).type, args.enable_prefix_caching))
     return jobs
 
 
@@ -490,6 +492,19 @@ def print_report(payload: dict[str, Any], workload: str) -> None:
                   f"all-reduces a step, waits for the slowest rank included)")
         elif len(ran) > 1 and tp:
             print(f"conveyor ({r.config}): {tp['step_ms']:.1f} ms a step, no all-reduce")
+    for r in results:
+        settings = r.extra.get("settings") if r.system == "vllm" else None
+        if settings:
+            env = settings.get("env", {})
+            print(f"vllm {r.extra['vllm_version']}: loaded in {r.load_s:.0f}s (its torch.compile "
+                  f"warm-up included); max_num_batched_tokens {settings['max_num_batched_tokens']}"
+                  f", block size {settings['block_size']}, KV cache "
+                  f"{env.get('VLLM_CPU_KVCACHE_SPACE', '?')} GiB, OpenMP threads on cores "
+                  f"{env.get('VLLM_CPU_OMP_THREADS_BIND', '?')}")
+            hits = [h for h in r.extra.get("cached_prompt_tokens", []) if h is not None]
+            if hits and sum(hits):
+                print(f"vllm: prefix cache hits {sum(hits):,} of "
+                      f"{sum(m.prompt_tokens for m in r.repeats):,} prompt tokens")
     conveyor = results[0]
     mem = conveyor.extra.get("memory")
     if mem and conveyor.peak_rss_mb:

@@ -1,13 +1,21 @@
-"""Request queues for waiting / swapped sequences: fcfs (a deque) and priority (a heap).
+"""Request queues for waiting / swapped sequences: fcfs and priority, both fair across clients.
 
-Both offer the same small interface. Removal (abort) is lazy and O(1): the sequence's status
-no longer matches the queue's, and the entry is dropped when it reaches the head.
+Fairness: every request carries a ``fairness_key`` (the server gives all the engine requests of
+one HTTP request the same key; by default it is the request's own id). Within a priority, a
+request is ranked by how many requests of its key were already queued when it arrived: the
+first queued request of every key comes before the second of any key, and so on. So one client's
+hundred prompts are admitted round-robin with everybody else's instead of all ahead of them;
+with one request per key (the default) the order is plain arrival order.
+
+Both queues offer the same small interface. Removal (abort) is lazy and O(1): the sequence's
+status no longer matches the queue's, and the entry is dropped when it reaches the head.
 """
 
 from __future__ import annotations
 
 import heapq
-from collections import deque
+import itertools
+from collections import Counter
 from collections.abc import Iterator
 
 from conveyor.core.sequence import Sequence, SequenceStatus
@@ -20,97 +28,102 @@ def priority_key(seq: Sequence) -> tuple[int, float, int]:
     return (g.priority, g.arrival_time, seq.seq_id)
 
 
-class _LazyRemovalQueue:
-    """What both queues share: entries whose status left the queue's are counted as removed and
-    dropped when they reach the head."""
+class _FairQueue:
+    """A heap of ``(priority, rank, order..., seq)`` entries plus the per-key counts that give
+    each new entry its round-robin rank; entries whose status left the queue's are dropped
+    lazily at the head."""
 
-    __slots__ = ("_items", "_status", "_num_removed")
+    __slots__ = ("_heap", "_status", "_num_removed", "_queued", "_counter")
 
-    def __init__(self, items: deque[Sequence] | list, status: SequenceStatus) -> None:
-        self._items = items
+    def __init__(self, status: SequenceStatus) -> None:
+        self._heap: list[tuple] = []
         self._status = status  # entries whose status differs were removed lazily
         self._num_removed = 0
+        self._queued: Counter[tuple[int, str]] = Counter()  # (priority, key) -> live entries
+        self._counter = itertools.count()  # enqueue order, the fcfs tie-break
 
     def __len__(self) -> int:
-        return len(self._items) - self._num_removed
+        return len(self._heap) - self._num_removed
 
     def __bool__(self) -> bool:
-        return len(self._items) > self._num_removed
+        return len(self._heap) > self._num_removed
+
+    def _slot(self, seq: Sequence) -> tuple[int, str]:
+        g = seq.group
+        return (g.priority, g.fairness_key)
+
+    def _push(self, seq: Sequence, rank: int) -> None:
+        slot = self._slot(seq)
+        self._queued[slot] += 1
+        heapq.heappush(self._heap, (*self._order(seq, rank), seq))
+
+    def _order(self, seq: Sequence, rank: int) -> tuple:
+        raise NotImplementedError
+
+    def append(self, seq: Sequence) -> None:
+        self._push(seq, self._queued[self._slot(seq)])
+
+    def push_front(self, seq: Sequence) -> None:
+        """A preempted sequence: rank 0, ahead of its priority's new arrivals."""
+        self._push(seq, -1)
+
+    def _forget(self, seq: Sequence) -> None:
+        slot = self._slot(seq)
+        left = self._queued[slot] - 1
+        if left:
+            self._queued[slot] = left
+        else:
+            del self._queued[slot]
 
     def remove(self, seq: Sequence) -> None:
         """Call after changing ``seq.status`` away from the queue's status."""
         self._num_removed += 1
+        self._forget(seq)
 
     def pop(self) -> Sequence:
         seq = self.peek()
         if seq is None:
             raise IndexError("pop from an empty queue")
-        self._drop_head()
+        heapq.heappop(self._heap)
+        self._forget(seq)
         return seq
 
     def peek(self) -> Sequence | None:
-        while self._items:
-            seq = self._head()
+        heap = self._heap
+        while heap:
+            seq = heap[0][-1]
             if seq.status is self._status:
                 return seq
-            self._drop_head()
+            heapq.heappop(heap)
             self._num_removed -= 1
         return None
 
-    def _head(self) -> Sequence:
-        raise NotImplementedError
-
-    def _drop_head(self) -> None:
-        raise NotImplementedError
+    def __iter__(self) -> Iterator[Sequence]:
+        return (e[-1] for e in sorted(self._heap, key=lambda e: e[:-1])
+                if e[-1].status is self._status)
 
 
-class FcfsQueue(_LazyRemovalQueue):
-    """Arrival order; preempted sequences go back to the front."""
+class FcfsQueue(_FairQueue):
+    """Arrival order, round-robin across fairness keys; preempted sequences go back to the
+    front (the latest preempted first)."""
 
     __slots__ = ()
 
-    def __init__(self, status: SequenceStatus) -> None:
-        super().__init__(deque(), status)
-
-    def append(self, seq: Sequence) -> None:
-        self._items.append(seq)
-
-    def push_front(self, seq: Sequence) -> None:
-        self._items.appendleft(seq)
-
-    def _head(self) -> Sequence:
-        return self._items[0]
-
-    def _drop_head(self) -> None:
-        self._items.popleft()
-
-    def __iter__(self) -> Iterator[Sequence]:
-        return (s for s in self._items if s.status is self._status)
+    def _order(self, seq: Sequence, rank: int) -> tuple:
+        n = next(self._counter)
+        return (0, rank, -n if rank < 0 else n)
 
 
-class PriorityQueue(_LazyRemovalQueue):
-    """Lower ``priority`` first, then earlier arrival, then earlier sequence (seq_id); the heap
-    holds ``(*priority_key(seq), seq)``."""
+class PriorityQueue(_FairQueue):
+    """Lower ``priority`` first, then round-robin across fairness keys, then earlier arrival,
+    then earlier sequence (seq_id). A preempted sequence keeps its arrival, so it is back in
+    front of everything it outranks."""
 
     __slots__ = ()
 
-    def __init__(self, status: SequenceStatus) -> None:
-        super().__init__([], status)
-
-    def append(self, seq: Sequence) -> None:
-        heapq.heappush(self._items, (*priority_key(seq), seq))
-
-    # A preempted sequence keeps its key, so it is back "in front" of everything it outranks.
-    push_front = append
-
-    def _head(self) -> Sequence:
-        return self._items[0][3]
-
-    def _drop_head(self) -> None:
-        heapq.heappop(self._items)
-
-    def __iter__(self) -> Iterator[Sequence]:
-        return (e[3] for e in sorted(self._items) if e[3].status is self._status)
+    def _order(self, seq: Sequence, rank: int) -> tuple:
+        g = seq.group
+        return (g.priority, max(rank, 0), g.arrival_time, seq.seq_id)
 
 
 RequestQueue = FcfsQueue | PriorityQueue

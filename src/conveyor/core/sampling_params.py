@@ -43,6 +43,8 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     skip_special_tokens: bool = True
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit, in [-100, 100]
+    prompt_logprobs: int | None = None  # per prompt token: its logprob and the top-N (0..20)
     structured_outputs: StructuredOutputsParams | None = None  # docs/structured_outputs.md
 
     def __post_init__(self) -> None:
@@ -94,6 +96,14 @@ class SamplingParams:
             fail("frequency_penalty", "must be a number in [-2, 2]")
         if not is_num(self.repetition_penalty) or not 0.0 < self.repetition_penalty <= 2.0:
             fail("repetition_penalty", "must be a number in (0, 2]")
+        if self.logit_bias is not None and not (
+                isinstance(self.logit_bias, dict)
+                and all(is_int(t) and t >= 0 for t in self.logit_bias)
+                and all(is_num(b) and -100.0 <= b <= 100.0 for b in self.logit_bias.values())):
+            fail("logit_bias", "must map token ids (integers >= 0) to numbers in [-100, 100]")
+        if self.prompt_logprobs is not None and (not is_int(self.prompt_logprobs)
+                                                 or not 0 <= self.prompt_logprobs <= 20):
+            fail("prompt_logprobs", "must be an integer in [0, 20] or None")
         if not isinstance(self.output_kind, RequestOutputKind):
             fail("output_kind", "must be a RequestOutputKind (CUMULATIVE, DELTA or FINAL_ONLY)")
         if self.structured_outputs is not None and not isinstance(self.structured_outputs,

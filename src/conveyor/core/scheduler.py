@@ -102,8 +102,11 @@ class Scheduler:
     def add_request(self, request_id: str, prompt_token_ids: list[int],
                     sampling_params: SamplingParams, priority: int = 0,
                     arrival_time: float | None = None,
+                    fairness_key: str | None = None,
                     wait_for_grammar: bool = False) -> SequenceGroup:
         """Queue a request; ValueError (naming the field) on bad input, nothing queued then.
+        Requests sharing a ``fairness_key`` are admitted round-robin with other keys' requests
+        of their priority (``request_queue``); None: the request id.
 
         ``wait_for_grammar``: hold it as WAITING_FOR_GRAMMAR until ``grammar_ready()``.
 
@@ -126,7 +129,8 @@ class Scheduler:
         if arrival_time is None:
             arrival_time = now
         prompt = list(prompt_token_ids)
-        group = SequenceGroup(request_id, prompt, sampling_params, priority, arrival_time)
+        group = SequenceGroup(request_id, prompt, sampling_params, priority, arrival_time,
+                              fairness_key)
         seq = Sequence(self._new_seq_id(), group, 0, list(prompt), len(prompt))
         self._set_stop_limits(seq)
         group.seqs.append(seq)

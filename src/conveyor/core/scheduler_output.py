@@ -78,3 +78,7 @@ class ExecutorOutput:
 
     sampled_token_ids: list[list[int]]
     logprobs: list[list[dict[int, float]]] | None = None
+    # entry i -> (position of the first prompt token scored, per scored prompt token
+    # {token_id: (logprob, rank)} with the actual token and the top-N), for the requests that
+    # asked for prompt_logprobs
+    prompt_logprobs: dict[int, tuple[int, list[dict[int, tuple[float, int]]]]] | None = None

@@ -128,11 +128,14 @@ class SequenceGroup:
         "seqs",
         "metrics",
         "finish_message",
+        "fairness_key",
     )
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams,
-                 priority: int, arrival_time: float) -> None:
+                 priority: int, arrival_time: float, fairness_key: str | None = None) -> None:
         self.request_id = request_id
+        # requests sharing a key (one client's) are admitted round-robin with other keys
+        self.fairness_key = request_id if fairness_key is None else fairness_key
         self.prompt_token_ids = prompt_token_ids
         self.sampling_params = sampling_params
         self.priority = priority

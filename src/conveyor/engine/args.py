@@ -69,7 +69,8 @@ _HELP = {
     "device": "auto, cpu or cuda",
     "max_num_seqs": "most sequences in one batch",
     "max_num_batched_tokens": "most tokens computed in one step",
-    "max_model_len": "context length (prompt + output)",
+    "max_model_len": "context length (prompt + output); default: the model's, at most 8192, "
+                     "and under --policy prefill_first at most --max-num-batched-tokens",
     "block_size": "tokens per KV-cache block",
     "kv_cache_memory": "KV cache size: bytes, or a fraction (<=1) of available memory; on the "
                        "CPU, shared by this machine's tensor-parallel ranks (on CUDA only "

@@ -49,6 +49,7 @@ class _NewRequest:
     sampling_params: SamplingParams
     priority: int
     arrival_time: float
+    fairness_key: str | None = None
 
 
 @dataclass
@@ -128,8 +129,10 @@ class AsyncEngine:
     # ---------------------------------------------------------------- requests
     async def generate(self, prompt: str | list[int] | dict[str, Any],
                        sampling_params: SamplingParams, request_id: str,
-                       priority: int = 0) -> AsyncIterator[RequestOutput]:
+                       priority: int = 0,
+                       fairness_key: str | None = None) -> AsyncIterator[RequestOutput]:
         """Submit one request and yield its RequestOutput deltas until it finishes.
+        ``fairness_key``: see ``LLMEngine.add_request``.
 
         ``prompt`` is anything ``LLMEngine.add_request`` takes. Raises ValueError when the engine
         rejects the request (bad prompt or parameters) and EngineStoppedError when the engine no
@@ -148,7 +151,7 @@ class AsyncEngine:
                 raise EngineStoppedError("the engine is shutting down") from self._error
             self._streams[request_id] = queue
             self._inbox.append(_NewRequest(request_id, prompt, sampling_params, priority,
-                                           time.monotonic()))
+                                           time.monotonic(), fairness_key))
         self._wake.set()
         finished = False
         try:
@@ -219,7 +222,8 @@ class AsyncEngine:
         for req in inbox:
             try:
                 self.engine.add_request(req.request_id, req.prompt, req.sampling_params,
-                                        priority=req.priority, arrival_time=req.arrival_time)
+                                        priority=req.priority, arrival_time=req.arrival_time,
+                                        fairness_key=req.fairness_key)
             except ValueError as e:
                 self._post(req.request_id, e)
                 continue
@@ -289,7 +293,8 @@ class AsyncEngine:
         return RequestOutput(request_id=out.request_id, prompt=out.prompt,
                              prompt_token_ids=out.prompt_token_ids, outputs=changed,
                              finished=out.finished, metrics=out.metrics,
-                             finish_message=out.finish_message)
+                             finish_message=out.finish_message,
+                             prompt_logprobs=out.prompt_logprobs)
 
     def _publish_stats(self) -> None:
         stats = self.engine.get_stats()

@@ -91,8 +91,10 @@ class LLMEngine:
     # ------------------------------------------------------------------ requests
 
     def add_request(self, request_id: str, prompt: Prompt, sampling_params: SamplingParams | None = None,
-                    priority: int = 0, arrival_time: float | None = None) -> None:
+                    priority: int = 0, arrival_time: float | None = None,
+                    fairness_key: str | None = None) -> None:
         """Queue a request. ``prompt`` is text, token ids, or ``{"prompt_token_ids", "prompt"}``.
+        Requests sharing a ``fairness_key`` (one client's) are admitted round-robin with others.
 
         Raises ValueError (naming the field) on bad input; nothing is queued then.
         """
@@ -106,11 +108,16 @@ class LLMEngine:
             raise ValueError(f"sampling_params must be a SamplingParams, got {type(sampling_params).__name__}")
         if not isinstance(priority, int) or isinstance(priority, bool):
             raise ValueError(f"priority must be an integer, got {priority!r}")
+        vocab = self.model_config.vocab_size
+        if sampling_params.logit_bias and max(sampling_params.logit_bias) >= vocab:
+            raise ValueError(f"logit_bias: token ids must be in [0, {vocab}), got "
+                             f"{[t for t in sampling_params.logit_bias if t >= vocab][:5]}")
         text, token_ids = self._tokenize(prompt)
         constrained = sampling_params.structured_outputs is not None
         grammar = self.structured_outputs if constrained else None
         group = self.scheduler.add_request(request_id, token_ids, sampling_params, priority=priority,
-                                           arrival_time=arrival_time, wait_for_grammar=constrained)
+                                           arrival_time=arrival_time, fairness_key=fairness_key,
+                                           wait_for_grammar=constrained)
         self._outputs.add_request(group, text)
         if grammar is not None and not group.is_finished:
             grammar.add_request(group)
@@ -182,6 +189,8 @@ class LLMEngine:
         else:
             result = self.executor.execute(scheduled)
             sampled, logprobs = result.sampled_token_ids, result.logprobs
+            for i, (first, entries) in (result.prompt_logprobs or {}).items():
+                self._outputs.add_prompt_logprobs(scheduled.seqs[i], first, entries)
             self._num_steps += 1
             self._scheduled_seqs_total += len(scheduled.seqs)
             self._scheduled_tokens_total += scheduled.num_batched_tokens
@@ -264,11 +273,24 @@ class LLMEngine:
 
 
 def _max_model_len(args: EngineArgs, max_positions: int) -> int:
+    """The context length the engine promises: the model's (capped at 8192 by default), and
+    never more than the policy can run. ``prefill_first`` computes a whole sequence in one step
+    (a preempted one re-prefills prompt and output together), so under it a sequence is bounded
+    by ``max_num_batched_tokens``: by default the context shrinks to it, and an explicit larger
+    ``max_model_len`` is refused rather than cutting requests short."""
+    policy_cap = args.max_num_batched_tokens if args.policy == "prefill_first" else None
     if args.max_model_len is None:
-        return min(max_positions, DEFAULT_MAX_MODEL_LEN_CAP)
+        limit = min(max_positions, DEFAULT_MAX_MODEL_LEN_CAP)
+        return limit if policy_cap is None else min(limit, policy_cap)
     if not 1 <= args.max_model_len <= max_positions:
         raise ValueError(f"max_model_len must be in [1, {max_positions}] for this model, "
                          f"got {args.max_model_len}")
+    if policy_cap is not None and args.max_model_len > policy_cap:
+        raise ValueError(f"max_model_len={args.max_model_len} is more than policy 'prefill_first' "
+                         f"can run: it computes a whole sequence in one step of at most "
+                         f"max_num_batched_tokens={policy_cap} tokens; raise "
+                         f"--max-num-batched-tokens to {args.max_model_len}, lower "
+                         "--max-model-len, or use --policy chunked")
     return args.max_model_len
 
 

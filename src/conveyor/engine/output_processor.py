@@ -40,6 +40,7 @@ class _RequestState:
     group: SequenceGroup
     prompt: str | None
     seqs: dict[int, _SeqState] = field(default_factory=dict)  # by Sequence.index
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
 
 
 class OutputProcessor:
@@ -58,7 +59,22 @@ class OutputProcessor:
         return len(self._requests)
 
     def add_request(self, group: SequenceGroup, prompt: str | None) -> None:
-        self._requests[group.request_id] = _RequestState(group, prompt)
+        state = self._requests[group.request_id] = _RequestState(group, prompt)
+        if group.sampling_params.prompt_logprobs is not None:
+            state.prompt_logprobs = [None]  # the first token has no context to score it
+
+    def add_prompt_logprobs(self, seq: Sequence, first: int,
+                            entries: list[dict[int, tuple[float, int]]]) -> None:
+        """Record the logprobs of prompt tokens ``first, first + 1, ...``; positions already
+        recorded (recomputed after a preemption) are kept as they were."""
+        request = self._requests.get(seq.group.request_id)
+        if request is None or request.prompt_logprobs is None:
+            return
+        scored = request.prompt_logprobs
+        for k, entry in enumerate(entries):
+            if first + k == len(scored):
+                scored.append({t: Logprob(lp, self._text_of(t), rank)
+                               for t, (lp, rank) in entry.items()})
 
     def add_logprobs(self, seq: Sequence, token_id: int, logprobs: dict[int, float]) -> None:
         """Record the logprobs of ``seq``'s newest token (called before ``process``)."""
@@ -186,4 +202,7 @@ class OutputProcessor:
             finished=finished,
             metrics=dataclasses.replace(group.metrics),
             finish_message=group.finish_message,
+            prompt_logprobs=request.prompt_logprobs
+            if request.prompt_logprobs is not None
+            and len(request.prompt_logprobs) == len(group.prompt_token_ids) else None,
         )

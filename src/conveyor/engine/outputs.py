@@ -18,6 +18,7 @@ class Logprob:
 
     logprob: float
     decoded_token: str | None = None
+    rank: int | None = None  # 1 for the most likely token (set for prompt logprobs)
 
 
 @dataclass
@@ -48,6 +49,9 @@ class RequestOutput:
     finished: bool
     metrics: RequestMetrics | None = None
     finish_message: str | None = None  # why the request was ignored or aborted
+    # with SamplingParams.prompt_logprobs, once the prompt is computed: None for the first
+    # token, then per prompt token {token_id: Logprob} with the token and the top-N
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
 
     @property
     def num_cached_tokens(self) -> int:

@@ -8,6 +8,7 @@ import os
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     from conveyor.engine.args import add_cli_args
+    from conveyor.entrypoints.openai.limits import ServerLimits
 
     p = subparsers.add_parser("serve", help="OpenAI-compatible HTTP server",
                               description="Serve /v1/completions, /v1/chat/completions, "
@@ -46,8 +47,20 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                      help="CORS request headers, comma-separated (default: *)")
     sec.add_argument("--ssl-keyfile", default=None, help="serve HTTPS with this private key")
     sec.add_argument("--ssl-certfile", default=None, help="serve HTTPS with this certificate")
-    sec.add_argument("--max-request-bytes", type=int, default=None,
+    lim = p.add_argument_group("limits (docs/server.md)")
+    lim.add_argument("--max-request-bytes", type=int, default=None,
                      help="answer 413 to a larger request body (default: 8 MiB)")
+    lim.add_argument("--max-prompts-per-request", type=int, default=ServerLimits.max_prompts,
+                     help="most prompts in one /v1/completions request; more is a 400 "
+                     f"(default: {ServerLimits.max_prompts})")
+    lim.add_argument("--max-n", type=int, default=ServerLimits.max_n,
+                     help=f"most samples per prompt ('n'); more is a 400 (default: "
+                     f"{ServerLimits.max_n})")
+    lim.add_argument("--max-sequences-in-flight", type=int,
+                     default=ServerLimits.max_sequences_in_flight,
+                     help="most sequences (prompts x n) all running requests may hold; a "
+                     "request beyond it gets 429 with Retry-After, one larger than it a 400 "
+                     f"(default: {ServerLimits.max_sequences_in_flight})")
     d = p.add_argument_group("data-parallel replicas (Ray Serve; docs/parallelism.md)")
     d.add_argument("--data-parallel-size", type=int, default=1,
                    help="engine replicas behind this endpoint; > 1 deploys them with Ray Serve "
@@ -82,6 +95,13 @@ def _run(args: argparse.Namespace) -> int:
         raise SystemExit("--max-queued-requests must be >= 1")
     if args.max_request_bytes is not None and args.max_request_bytes < 1:
         raise SystemExit("--max-request-bytes must be >= 1")
+    try:
+        limits = ServerLimits(
+            max_request_bytes=args.max_request_bytes or DEFAULT_MAX_REQUEST_BYTES,
+            max_prompts=args.max_prompts_per_request, max_n=args.max_n,
+            max_sequences_in_flight=args.max_sequences_in_flight)
+    except ValueError as e:
+        raise SystemExit(str(e)) from e
     if (args.ssl_keyfile is None) != (args.ssl_certfile is None):
         raise SystemExit("--ssl-keyfile and --ssl-certfile go together")
     for path in (args.ssl_keyfile, args.ssl_certfile):
@@ -99,7 +119,7 @@ def _run(args: argparse.Namespace) -> int:
         host=args.host, port=args.port, served_model_name=args.served_model_name,
         max_queued_requests=args.max_queued_requests, shutdown_timeout=args.shutdown_timeout,
         log_level=args.log_level, security=security,
-        limits=ServerLimits(max_request_bytes=args.max_request_bytes or DEFAULT_MAX_REQUEST_BYTES),
+        limits=limits,
         access_log=AccessLogSettings(args.access_log, args.log_prompts),
         ssl_keyfile=args.ssl_keyfile, ssl_certfile=args.ssl_certfile)
     if args.data_parallel_size > 1 or args.ray_address is not None:

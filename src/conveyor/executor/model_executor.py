@@ -17,6 +17,7 @@ import torch
 from conveyor.core.scheduler_output import ExecutorOutput, SchedulerOutput
 from conveyor.distributed.group import ParallelConfig
 from conveyor.distributed.step import INIT_CACHE, StepMessage, run_step
+from conveyor.executor.prompt_logprobs import PromptScoring, positions_to_score, score
 from conveyor.model.config import ModelConfig
 from conveyor.model.device import (
     TRIM_AFTER_TOKENS,
@@ -139,9 +140,16 @@ class ModelExecutor:
         starts, counts, tables = [], [], []
         sample_entries: list[int] = []  # original entry index, in logits-row order
         logits_indices: list[int] = []
+        scorings: list[PromptScoring] = []
+        scored_indices: list[int] = []  # their logits rows follow the sampling ones
         for i in order:
             seq, count = so.seqs[i], so.num_new_tokens[i]
             start = seq.num_computed_tokens
+            scoring = positions_to_score(i, seq, start, count)
+            if scoring is not None:
+                scorings.append(scoring)
+                first = len(input_ids)
+                scored_indices.extend(range(first, first + len(scoring.targets)))
             input_ids.extend(seq.token_ids[start:start + count])
             starts.append(start)
             counts.append(count)
@@ -151,14 +159,18 @@ class ModelExecutor:
                 logits_indices.append(len(input_ids) - 1)
 
         msg.input_ids, msg.starts, msg.counts, msg.block_tables = input_ids, starts, counts, tables
-        msg.logits_indices = logits_indices or [len(input_ids) - 1]
+        msg.logits_indices = (logits_indices + scored_indices) or [len(input_ids) - 1]
         sampled: list[list[int]] = [[] for _ in range(n)]
         logprobs: list[list[dict[int, float]]] = [[] for _ in range(n)]
         logits = self._run(msg)
         if self.trim_after_long_steps and len(input_ids) > TRIM_AFTER_TOKENS:
             return_freed_memory()  # the step's activations are freed by now
+        prompt_lps = None
+        if scorings:
+            prompt_lps = score(logits[len(logits_indices):], scorings)
+            logits = logits[:len(logits_indices)]
         if not sample_entries:
-            return ExecutorOutput(sampled_token_ids=sampled)
+            return ExecutorOutput(sampled_token_ids=sampled, prompt_logprobs=prompt_lps)
 
         rows, repeats = [], []
         grammar = so.grammar_bitmask  # conveyor.structured_outputs.GrammarBitmask or None
@@ -190,7 +202,8 @@ class ModelExecutor:
                 logprobs[i] = out.logprobs[row:row + k]
             row += k
         return ExecutorOutput(sampled_token_ids=sampled,
-                              logprobs=logprobs if out.logprobs is not None else None)
+                              logprobs=logprobs if out.logprobs is not None else None,
+                              prompt_logprobs=prompt_lps)
 
     def _run(self, msg: StepMessage) -> torch.Tensor | None:
         if self.cuda_runner is not None:

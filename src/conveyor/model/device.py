@@ -84,7 +84,7 @@ class KernelPlan:
 
 def select_kernels(device: torch.device, dtype: torch.dtype, head_dim: int,
                    cache_dtype: torch.dtype | None = None,
-                   int8_activations: bool = False, deterministic: bool = False) -> KernelPlan:
+                   int8_activations: bool = False, deterministic: bool = True) -> KernelPlan:
     """The one place a model's kernels are chosen.
 
     * ``linear``: on the CPU, ``PanelMethod`` for float32, and for bf16 where the build targets

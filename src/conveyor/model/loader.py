@@ -56,7 +56,7 @@ class LoadedModel:
 
 def load_model(model: str | None, dtype: torch.dtype, device: torch.device,
                int8_activations: bool = False,
-               kv_cache_dtype: torch.dtype | None = None, deterministic: bool = False,
+               kv_cache_dtype: torch.dtype | None = None, deterministic: bool = True,
                tp: TensorParallel | None = None, with_tokenizer: bool = True) -> LoadedModel:
     """``int8_activations``: let a GGUF model's quantized matmuls round their activations to 8
     bits where that is faster (``KernelPlan.int8_panels``): off by default, for accuracy.

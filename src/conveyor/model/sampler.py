@@ -24,6 +24,7 @@ import torch
 
 from conveyor.core.sampling_params import SamplingParams
 from conveyor.model.kernels import fused_ops
+from conveyor.model.logit_bias import apply_logit_bias
 from conveyor.model.token_bitmask import apply_token_bitmask
 
 _MASK64 = (1 << 64) - 1
@@ -93,12 +94,13 @@ class Sampler:
         want_logprobs = [p.logprobs for p in params]
         plain_greedy = all(p.temperature == 0.0 and p.logprobs is None and p.repetition_penalty == 1.0
                            and p.presence_penalty == 0.0 and p.frequency_penalty == 0.0
-                           for p in params)
+                           and not p.logit_bias for p in params)
         if not plain_greedy:
             logits = logits.float()
         raw_logprobs = (torch.log_softmax(logits, dim=-1)
                         if any(n is not None for n in want_logprobs) else None)
         logits = self._apply_penalties(logits, rows, vocab)  # out of place
+        logits = apply_logit_bias(logits, params)
         logits = self._mask_stop_tokens_before_min_tokens(logits, rows, vocab, set(constrained))
 
         is_greedy = [p.temperature == 0.0 for p in params]

@@ -23,7 +23,7 @@ import numpy as np
 from conveyor.core.sampling_params import SamplingParams
 from conveyor.routing import make_router
 from conveyor.sim.metrics import RunResult
-from conveyor.sim.runner import KV_SAMPLE_EVERY, SimConfig, build
+from conveyor.sim.runner import KvUsage, RequestLog, SimConfig, build, run_result
 from conveyor.sim.workload import Workload
 
 PREFIX_TOKEN_BASE = 1 << 30  # prefix token ids, apart from the per-request ids (0..n-1)
@@ -110,26 +110,14 @@ def simulate_fleet(config: SimConfig, workload: Workload, num_replicas: int, rou
     outputs = workload.output_tokens.tolist()
     priorities = workload.priority.tolist()
     n = len(arrivals)
-    first_token = np.full(n, np.nan)
-    finished = np.full(n, np.nan)
-    generated = np.zeros(n, dtype=np.int64)
-    reasons = [""] * n
-    kv_time = [0.0] * num_replicas
-    kv_sampled_s = [0.0] * num_replicas
-    kv_peak = 0.0
+    log = RequestLog(n)
+    kv = [KvUsage() for _ in range(num_replicas)]
     busy = [False] * num_replicas
 
     def record(r: int, groups) -> None:
-        for g in groups:
-            k = int(g.request_id)
-            m = g.metrics
-            if m.first_token_time is not None:
-                first_token[k] = m.first_token_time
-            finished[k] = m.finished_time if m.finished_time is not None else clocks[r].now
-            generated[k] = sum(s.num_output_tokens for s in g.seqs)
-            reasons[k] = g.seqs[0].status.finish_reason or ""
+        for k in log.record(groups, clocks[r].now):
             in_flight[r] -= 1
-            loads_list[r].output_tokens += int(generated[k])
+            loads_list[r].output_tokens += int(log.generated[k])
 
     i = 0
     while True:
@@ -163,11 +151,7 @@ def simulate_fleet(config: SimConfig, workload: Workload, num_replicas: int, rou
         if done:
             record(r, done)
         if out.seqs:
-            if executor.num_steps % KV_SAMPLE_EVERY == 0:
-                usage = scheduler.stats.kv_usage
-                kv_time[r] += usage * (executor.busy_s - kv_sampled_s[r])
-                kv_sampled_s[r] = executor.busy_s
-                kv_peak = max(kv_peak, usage)
+            kv[r].after_step(scheduler, executor)
         elif not done:
             if i >= n:
                 raise RuntimeError(f"replica {r} made no progress at t={clocks[r].now:.3f}s")
@@ -181,19 +165,14 @@ def simulate_fleet(config: SimConfig, workload: Workload, num_replicas: int, rou
         load.preemptions = s.num_preemptions
         load.prefix_cache_queries = s.prefix_cache_queries
         load.prefix_cache_hits = s.prefix_cache_hits
-        load.kv_usage_mean = kv_time[r] / kv_sampled_s[r] if kv_sampled_s[r] else 0.0
+        load.kv_usage_mean = kv[r].mean
     label = f"{config.label} x{num_replicas} {router}"
-    result = RunResult(
-        label=label, rate=rate, model=config.model.name, hardware=config.hardware.name,
-        tp=config.tp, arrival_s=workload.arrival_s.copy(), first_token_s=first_token,
-        finished_s=finished, prompt_tokens=workload.prompt_tokens.copy(), output_tokens=generated,
-        priority=workload.priority.copy(), finish_reason=reasons,
+    result = run_result(
+        config, workload, log, wall0, label=label, rate=rate,
         num_preemptions=sum(ld.preemptions for ld in loads_list),
         num_steps=sum(ld.steps for ld in loads_list), busy_s=sum(ld.busy_s for ld in loads_list),
         kv_usage_mean=float(np.mean([ld.kv_usage_mean for ld in loads_list])),
-        kv_usage_peak=kv_peak, num_gpu_blocks=schedulers[0].stats.num_total_blocks,
-        block_size=config.block_size, wall_s=time.perf_counter() - wall0,
-        config={**config.describe(), "replicas": num_replicas, "router": router,
-                "shared_prefix": shared_prefix},
+        kv_usage_peak=max(k.peak for k in kv), num_gpu_blocks=schedulers[0].stats.num_total_blocks,
+        described={"replicas": num_replicas, "router": router, "shared_prefix": shared_prefix},
     )
     return FleetResult(result, router, loads_list)

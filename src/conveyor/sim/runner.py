@@ -126,6 +126,64 @@ def build(config: SimConfig):
     return scheduler, SimulatedExecutor(cost, clock), clock, cost
 
 
+class RequestLog:
+    """Each request's outcome as its group finishes: first-token and finish times on the virtual
+    clock, tokens generated, finish reason."""
+
+    def __init__(self, n: int) -> None:
+        self.first_token = np.full(n, np.nan)
+        self.finished = np.full(n, np.nan)
+        self.generated = np.zeros(n, dtype=np.int64)
+        self.reasons = [""] * n
+
+    def record(self, groups, now: float) -> list[int]:
+        """Records finished ``groups`` (request ids are workload indices); returns the indices."""
+        indices = []
+        for g in groups:
+            k = int(g.request_id)
+            m = g.metrics
+            if m.first_token_time is not None:
+                self.first_token[k] = m.first_token_time
+            self.finished[k] = m.finished_time if m.finished_time is not None else now
+            self.generated[k] = sum(s.num_output_tokens for s in g.seqs)
+            self.reasons[k] = g.seqs[0].status.finish_reason or ""
+            indices.append(k)
+        return indices
+
+
+class KvUsage:
+    """One engine's KV-cache usage, sampled every ``KV_SAMPLE_EVERY`` steps: its mean weighted
+    by busy time, and its peak."""
+
+    def __init__(self) -> None:
+        self.weighted = self.sampled_s = self.peak = 0.0
+
+    def after_step(self, scheduler, executor: SimulatedExecutor) -> None:
+        if executor.num_steps % KV_SAMPLE_EVERY == 0:  # a stats snapshot is not free
+            usage = scheduler.stats.kv_usage
+            self.weighted += usage * (executor.busy_s - self.sampled_s)
+            self.sampled_s = executor.busy_s
+            self.peak = max(self.peak, usage)
+
+    @property
+    def mean(self) -> float:
+        return self.weighted / self.sampled_s if self.sampled_s else 0.0
+
+
+def run_result(config: SimConfig, workload: Workload, log: RequestLog, wall0: float,
+               described: dict | None = None, **fields) -> RunResult:
+    """A RunResult of ``workload``'s requests as ``log`` recorded them; ``described``: what the
+    run adds to ``config.describe()``; ``fields``: the run's label, rate and totals."""
+    return RunResult(
+        model=config.model.name, hardware=config.hardware.name, tp=config.tp,
+        arrival_s=workload.arrival_s.copy(), first_token_s=log.first_token,
+        finished_s=log.finished, prompt_tokens=workload.prompt_tokens.copy(),
+        output_tokens=log.generated, priority=workload.priority.copy(),
+        finish_reason=log.reasons, block_size=config.block_size,
+        wall_s=time.perf_counter() - wall0, config={**config.describe(), **(described or {})},
+        **fields)
+
+
 def simulate(config: SimConfig, workload: Workload, rate: float = math.nan) -> RunResult:
     """Run every request of ``workload`` to completion; returns per-request timings."""
     wall0 = time.perf_counter()
@@ -135,21 +193,8 @@ def simulate(config: SimConfig, workload: Workload, rate: float = math.nan) -> R
     outputs = workload.output_tokens.tolist()
     priorities = workload.priority.tolist()
     n = len(arrivals)
-    first_token = np.full(n, np.nan)
-    finished = np.full(n, np.nan)
-    generated = np.zeros(n, dtype=np.int64)
-    reasons = [""] * n
-    kv_time = kv_peak = kv_sampled_s = 0.0
-
-    def record(groups) -> None:
-        for g in groups:
-            k = int(g.request_id)
-            m = g.metrics
-            if m.first_token_time is not None:
-                first_token[k] = m.first_token_time
-            finished[k] = m.finished_time if m.finished_time is not None else clock.now
-            generated[k] = sum(s.num_output_tokens for s in g.seqs)
-            reasons[k] = g.seqs[0].status.finish_reason or ""
+    log = RequestLog(n)
+    kv = KvUsage()
 
     i = 0
     while True:
@@ -168,13 +213,9 @@ def simulate(config: SimConfig, workload: Workload, rate: float = math.nan) -> R
         sampled = executor.execute(out).sampled_token_ids if out.seqs else []
         done = scheduler.update(out, sampled)
         if done:
-            record(done)
+            log.record(done, clock.now)
         if out.seqs:
-            if executor.num_steps % KV_SAMPLE_EVERY == 0:  # a stats snapshot is not free
-                usage = scheduler.stats.kv_usage
-                kv_time += usage * (executor.busy_s - kv_sampled_s)
-                kv_sampled_s = executor.busy_s
-                kv_peak = max(kv_peak, usage)
+            kv.after_step(scheduler, executor)
         elif not done:  # nothing could run and nothing finished
             if i >= n:
                 raise RuntimeError(f"scheduler made no progress with {n - i} requests left "
@@ -182,15 +223,8 @@ def simulate(config: SimConfig, workload: Workload, rate: float = math.nan) -> R
             clock.advance_to(arrivals[i])
 
     stats = scheduler.stats
-    return RunResult(
-        label=config.label, rate=rate, model=config.model.name, hardware=config.hardware.name,
-        tp=config.tp, arrival_s=workload.arrival_s.copy(), first_token_s=first_token,
-        finished_s=finished, prompt_tokens=workload.prompt_tokens.copy(), output_tokens=generated,
-        priority=workload.priority.copy(), finish_reason=reasons,
+    return run_result(
+        config, workload, log, wall0, label=config.label, rate=rate,
         num_preemptions=stats.num_preemptions, num_steps=executor.num_steps,
-        busy_s=executor.busy_s,
-        kv_usage_mean=kv_time / kv_sampled_s if kv_sampled_s else 0.0,
-        kv_usage_peak=kv_peak, num_gpu_blocks=stats.num_total_blocks,
-        block_size=config.block_size, wall_s=time.perf_counter() - wall0,
-        config=config.describe(),
-    )
+        busy_s=executor.busy_s, kv_usage_mean=kv.mean, kv_usage_peak=kv.peak,
+        num_gpu_blocks=stats.num_total_blocks)

@@ -18,10 +18,15 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from conveyor.entrypoints.openai.access_log import AccessLogMiddleware, AccessLogSettings
+from conveyor.entrypoints.openai.admission import SequenceAdmission
 from conveyor.entrypoints.openai.chat import create_chat_completion
 from conveyor.entrypoints.openai.completions import create_completion
 from conveyor.entrypoints.openai.errors import APIError
-from conveyor.entrypoints.openai.limits import BodySizeLimitMiddleware, ServerLimits
+from conveyor.entrypoints.openai.limits import (
+    BodySizeLimitMiddleware,
+    JSONContentTypeMiddleware,
+    ServerLimits,
+)
 from conveyor.entrypoints.openai.playground import register_playground
 from conveyor.entrypoints.openai.security import ServerSecurity, add_security
 from conveyor.entrypoints.openai.state import ServerState
@@ -48,8 +53,10 @@ def build_app(state: ServerState, security: ServerSecurity | None = None,
     app = FastAPI(title="Conveyor", lifespan=lifespan, docs_url=None, redoc_url=None,
                   openapi_url=None)
     app.state.conveyor = state
+    state.admission = SequenceAdmission(limits.max_sequences_in_flight)
     # Added innermost first: the access log sees every answer, CORS answers preflights before
-    # the key check, and no unauthorized body is read.
+    # the key check, and no unauthorized body is read (an oversized one is 413 before 415).
+    app.add_middleware(JSONContentTypeMiddleware)
     app.add_middleware(BodySizeLimitMiddleware, max_bytes=limits.max_request_bytes)
     add_security(app, security)
     if access_log.enabled:

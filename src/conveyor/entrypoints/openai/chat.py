@@ -12,6 +12,10 @@ from fastapi.responses import JSONResponse, Response
 from conveyor.entrypoints.openai.access_log import AccessRecord, access_record
 from conveyor.entrypoints.openai.errors import APIError, bad_request
 from conveyor.entrypoints.openai.limits import ServerLimits
+from conveyor.entrypoints.openai.prompt_logprobs import (
+    check_prompt_logprobs,
+    vllm_prompt_logprobs,
+)
 from conveyor.entrypoints.openai.protocol import ChatCompletionRequest, ChatMessage
 from conveyor.entrypoints.openai.serving import (
     Choice,
@@ -20,6 +24,7 @@ from conveyor.entrypoints.openai.serving import (
     cancel_on_disconnect,
     check_admission,
     check_model,
+    check_not_cut,
     check_priority,
     check_prompt_chars,
     engine_error,
@@ -29,6 +34,7 @@ from conveyor.entrypoints.openai.serving import (
     now_s,
     parse_body,
     resolve_max_tokens,
+    shutdown_cut,
     sse,
     sse_response,
     top_entries,
@@ -59,14 +65,14 @@ def _logprobs(tok: TokenText, token_ids: list[int], entries: list[dict[int, Logp
 
 async def create_chat_completion(state: ServerState, request: Request,
                                  limits: ServerLimits | None = None) -> Response:
-    req: ChatCompletionRequest = parse_body(await request.body(), ChatCompletionRequest, limits)
+    req: ChatCompletionRequest = await state.off_loop(parse_body, await request.body(),
+                                                      ChatCompletionRequest, limits)
     state.ready_engine()
     check_model(state, req.model)
     check_priority(state, req.priority)
     if not req.messages:
         raise bad_request("'messages' must contain at least one message", param="messages")
-    if req.logit_bias:
-        raise bad_request("'logit_bias' is not supported", param="logit_bias")
+    check_prompt_logprobs(req)
     if req.top_logprobs is not None and not req.logprobs:
         raise bad_request("'top_logprobs' requires 'logprobs': true", param="top_logprobs")
     messages = [_message(m) for m in req.messages]
@@ -79,7 +85,8 @@ async def create_chat_completion(state: ServerState, request: Request,
         raise bad_request(str(e), param="tool_choice" if req.tools else "tools") from e
     messages, template_tools = tools.prompt_messages(messages, template)
     try:
-        prompt = state.encode_chat(messages, req.add_generation_prompt, template_tools)
+        prompt = await state.off_loop(state.encode_chat, messages, req.add_generation_prompt,
+                                      template_tools)
     except Exception as e:  # a template that rejects the conversation (e.g. role order)
         raise bad_request(f"the chat template rejected the messages: {e}",
                           param="messages") from e
@@ -88,7 +95,7 @@ async def create_chat_completion(state: ServerState, request: Request,
     max_tokens = resolve_max_tokens(state, len(prompt_ids), req.requested_max_tokens, param,
                                     prompt_param="messages")
     request_id = new_id("chatcmpl")
-    job = Job(request_id, prompt_ids, make_params(req.sampling_params, max_tokens), req.priority,
+    job = Job(request_id, prompt_ids, make_params(state, req.sampling_params, max_tokens), req.priority,
               prompt["prompt"])
     await compile_constraint(state.ready_engine(), job.params, constraint_param(req))
     engine = check_admission(state, 1)
@@ -100,10 +107,15 @@ async def create_chat_completion(state: ServerState, request: Request,
     head = {"id": request_id, "object": "chat.completion", "created": now_s(),
             "model": req.model or state.model_names[0]}
     tok = TokenText(state.tokenizer)
+    reservation = state.admission.reserve(req.n)
     if req.stream:
-        return sse_response(_stream(state, engine, req, job, head, tok, record, tools))
-    return await cancel_on_disconnect(request, _whole(state, engine, req, job, head, tok, record,
-                                                      tools))
+        return sse_response(_stream(state, engine, req, job, head, tok, record, tools),
+                            on_close=reservation.release)
+    try:
+        return await cancel_on_disconnect(request, _whole(state, engine, req, job, head, tok,
+                                                          record, tools))
+    finally:
+        reservation.release()
 
 
 def _message(m: ChatMessage) -> dict[str, Any]:
@@ -125,11 +137,13 @@ async def _whole(state: ServerState, engine: AsyncEngine, req: ChatCompletionReq
                  head: dict[str, Any], tok: TokenText, record: AccessRecord,
                  tools: ToolMode) -> Response:
     choices = [Choice() for _ in range(req.n)]
+    scored = None
     try:
         async with aclosing(merged_deltas(engine, [job])) as deltas:
             async for _, d in deltas:
                 if (err := engine_error(d)) is not None:
                     raise err
+                scored = d.prompt_logprobs or scored
                 for c in d.outputs:
                     ch = choices[c.index]
                     ch.text += c.text
@@ -140,6 +154,7 @@ async def _whole(state: ServerState, engine: AsyncEngine, req: ChatCompletionReq
         raise
     except Exception as e:
         raise state.api_error(e) from e
+    check_not_cut([ch.finish_reason for ch in choices])
     top_n = req.top_logprobs or 0
     out = []
     for j, ch in enumerate(choices):
@@ -155,7 +170,9 @@ async def _whole(state: ServerState, engine: AsyncEngine, req: ChatCompletionReq
     record.output_tokens = completion_tokens
     return JSONResponse({**head, "choices": out,
                          "usage": usage(len(job.prompt_token_ids), completion_tokens),
-                         "system_fingerprint": None})
+                         "system_fingerprint": None,
+                         **({"prompt_logprobs": vllm_prompt_logprobs(scored)}
+                            if req.prompt_logprobs is not None else {})})
 
 
 async def _stream(state: ServerState, engine: AsyncEngine, req: ChatCompletionRequest, job: Job,
@@ -181,6 +198,8 @@ async def _stream(state: ServerState, engine: AsyncEngine, req: ChatCompletionRe
                 if (err := engine_error(d)) is not None:
                     yield sse(err.body())
                     break
+                if any(c.finish_reason == "abort" for c in d.outputs):
+                    yield sse(shutdown_cut().body())
                 for c in d.outputs:
                     completion_tokens += len(c.token_ids)
                     record.output_tokens = completion_tokens

@@ -12,6 +12,12 @@ from fastapi.responses import JSONResponse, Response
 from conveyor.entrypoints.openai.access_log import AccessRecord, access_record
 from conveyor.entrypoints.openai.errors import APIError, bad_request
 from conveyor.entrypoints.openai.limits import ServerLimits
+from conveyor.entrypoints.openai.prompt_logprobs import (
+    check_prompt_logprobs,
+    echo_logprobs,
+    prepend,
+    vllm_prompt_logprobs,
+)
 from conveyor.entrypoints.openai.protocol import CompletionRequest
 from conveyor.entrypoints.openai.serving import (
     Choice,
@@ -20,6 +26,7 @@ from conveyor.entrypoints.openai.serving import (
     cancel_on_disconnect,
     check_admission,
     check_model,
+    check_not_cut,
     check_priority,
     check_prompt_chars,
     engine_error,
@@ -30,6 +37,7 @@ from conveyor.entrypoints.openai.serving import (
     parse_body,
     resolve_max_tokens,
     sampled_logprob,
+    shutdown_cut,
     sse,
     sse_response,
     top_entries,
@@ -43,8 +51,9 @@ if TYPE_CHECKING:
     from conveyor.entrypoints.openai.state import ServerState
 
 
-def _prompts(state: ServerState, prompt: Any) -> list[tuple[list[int], str | None]]:
-    """The prompt field (str, list of str, token ids, list of token ids) -> (ids, text) pairs."""
+def _prompts(state: ServerState, prompt: Any, echo: bool) -> list[tuple[list[int], str | None]]:
+    """The prompt field (str, list of str, token ids, list of token ids) -> (ids, text) pairs;
+    with ``echo``, token-id prompts get their decoded text. Runs on a preprocessing thread."""
     if isinstance(prompt, str):
         prompt = [prompt]
     elif prompt and isinstance(prompt[0], int):
@@ -63,7 +72,8 @@ def _prompts(state: ServerState, prompt: Any) -> list[tuple[list[int], str | Non
         if bad:
             raise bad_request(f"'prompt' has token ids outside the vocabulary [0, {vocab}): "
                               f"{bad[:5]}", param="prompt")
-        out.append((ids, p if isinstance(p, str) else None))
+        text = p if isinstance(p, str) else (state.tokenizer.decode(ids) if echo else None)
+        out.append((ids, text))
     return out
 
 
@@ -83,25 +93,23 @@ def _logprobs(tok: TokenText, token_ids: list[int], entries: list[dict[int, Logp
 
 async def create_completion(state: ServerState, request: Request,
                             limits: ServerLimits | None = None) -> Response:
-    req: CompletionRequest = parse_body(await request.body(), CompletionRequest, limits)
+    req: CompletionRequest = await state.off_loop(parse_body, await request.body(),
+                                                  CompletionRequest, limits)
     state.ready_engine()
     check_model(state, req.model)
     check_priority(state, req.priority)
     if req.suffix:
         raise bad_request("'suffix' is not supported", param="suffix")
-    if req.logit_bias:
-        raise bad_request("'logit_bias' is not supported", param="logit_bias")
     if req.best_of is not None and req.best_of != req.n:
         raise bad_request("'best_of' must equal 'n' (or be omitted)", param="best_of")
-    if req.echo and req.logprobs is not None:
-        raise bad_request("'echo' together with 'logprobs' is not supported", param="echo")
-    prompts = _prompts(state, req.prompt)
+    check_prompt_logprobs(req)
+    prompts = await state.off_loop(_prompts, state, req.prompt, req.echo)
     base_id = new_id("cmpl")
     jobs = []
     for i, (ids, text) in enumerate(prompts):
         max_tokens = resolve_max_tokens(state, len(ids), req.max_tokens, "max_tokens")
-        jobs.append(Job(f"{base_id}-{i}", ids, make_params(req.sampling_params, max_tokens),
-                        req.priority, text))
+        jobs.append(Job(f"{base_id}-{i}", ids, make_params(state, req.sampling_params, max_tokens),
+                        req.priority, text, fairness_key=base_id))
     await compile_constraint(state.ready_engine(), jobs[0].params, constraint_param(req))
     engine = check_admission(state, len(jobs))
     record = access_record(request)
@@ -109,26 +117,33 @@ async def create_completion(state: ServerState, request: Request,
     record.prompt_tokens = sum(len(job.prompt_token_ids) for job in jobs)
     record.output_tokens = 0
     record.prompt = "\n".join(text if text is not None else str(ids) for ids, text in prompts)
-    echo_text = [(text if text is not None else state.tokenizer.decode(ids)) if req.echo else ""
-                 for ids, text in prompts]
+    echo_text = [(text or "") if req.echo else "" for _, text in prompts]
     head = {"id": base_id, "object": "text_completion", "created": now_s(),
             "model": req.model or state.model_names[0]}
     tok = TokenText(state.tokenizer)
+    reservation = state.admission.reserve(len(jobs) * req.n)
     if req.stream:
-        return sse_response(_stream(state, engine, req, jobs, head, echo_text, tok, record))
-    return await cancel_on_disconnect(request, _whole(state, engine, req, jobs, head, echo_text,
-                                                      tok, record))
+        return sse_response(_stream(state, engine, req, jobs, head, echo_text, tok, record),
+                            on_close=reservation.release)
+    try:
+        return await cancel_on_disconnect(request, _whole(state, engine, req, jobs, head,
+                                                          echo_text, tok, record))
+    finally:
+        reservation.release()
 
 
 async def _whole(state: ServerState, engine: AsyncEngine, req: CompletionRequest, jobs: list[Job],
                  head: dict[str, Any], echo_text: list[str], tok: TokenText,
                  record: AccessRecord) -> Response:
     choices = {(i, j): Choice() for i in range(len(jobs)) for j in range(req.n)}
+    scored: dict[int, Any] = {}  # job -> its prompt logprobs
     try:
         async with aclosing(merged_deltas(engine, jobs)) as deltas:
             async for i, d in deltas:
                 if (err := engine_error(d)) is not None:
                     raise err
+                if d.prompt_logprobs is not None:
+                    scored[i] = d.prompt_logprobs
                 for c in d.outputs:
                     ch = choices[(i, c.index)]
                     ch.text += c.text
@@ -139,13 +154,20 @@ async def _whole(state: ServerState, engine: AsyncEngine, req: CompletionRequest
         raise
     except Exception as e:
         raise state.api_error(e) from e
+    check_not_cut([ch.finish_reason for ch in choices.values()])
     out = []
     for (i, j), ch in sorted(choices.items()):
         lp = None
         if req.logprobs is not None:
             lp = _logprobs(tok, ch.token_ids, ch.logprobs, req.logprobs, len(echo_text[i]))
-        out.append({"index": i * req.n + j, "text": echo_text[i] + ch.text, "logprobs": lp,
-                    "finish_reason": ch.finish_reason})
+            if req.echo:
+                lp = prepend(echo_logprobs(tok, jobs[i].prompt_token_ids, scored.get(i),
+                                           req.logprobs), lp)
+        choice = {"index": i * req.n + j, "text": echo_text[i] + ch.text, "logprobs": lp,
+                  "finish_reason": ch.finish_reason}
+        if req.prompt_logprobs is not None:
+            choice["prompt_logprobs"] = vllm_prompt_logprobs(scored.get(i))
+        out.append(choice)
     prompt_tokens = sum(len(job.prompt_token_ids) for job in jobs)
     completion_tokens = sum(len(ch.token_ids) for ch in choices.values())
     record.output_tokens = completion_tokens
@@ -166,12 +188,15 @@ async def _stream(state: ServerState, engine: AsyncEngine, req: CompletionReques
                 if (err := engine_error(d)) is not None:
                     yield sse(err.body())
                     break
+                if any(c.finish_reason == "abort" for c in d.outputs):
+                    yield sse(shutdown_cut().body())
                 for c in d.outputs:
                     key = (i, c.index)
                     completion_tokens += len(c.token_ids)
                     record.output_tokens = completion_tokens
                     text = c.text
-                    if key not in started:
+                    first = key not in started
+                    if first:
                         started.add(key)
                         text = echo_text[i] + text
                         offsets[key] = len(echo_text[i])
@@ -180,6 +205,9 @@ async def _stream(state: ServerState, engine: AsyncEngine, req: CompletionReques
                         lp = _logprobs(tok, c.token_ids, c.logprobs or [], req.logprobs,
                                        offsets[key])
                         offsets[key] += sum(len(t) for t in lp["tokens"])
+                        if req.echo and first:
+                            lp = prepend(echo_logprobs(tok, jobs[i].prompt_token_ids,
+                                                       d.prompt_logprobs, req.logprobs), lp)
                     if not text and c.finish_reason is None and not c.token_ids:
                         continue
                     choice = {"index": i * req.n + c.index, "text": text, "logprobs": lp,

@@ -1,7 +1,7 @@
-"""How much one request may ask of the server: the body size (enforced before anything reads
-the body), the JSON nesting depth, the number and length of stop strings, the length of short
-string fields and the number of prompts. Each violation is a 4xx in OpenAI's error shape, never
-a 500."""
+"""How much one request may ask of the server: the body's media type and size (both enforced
+before anything reads the body), the JSON nesting depth, the number and length of stop strings,
+the length of short string fields, the number of prompts, ``n``, and the sequences in flight
+(``admission``). Each violation is a 4xx in OpenAI's error shape, never a 500."""
 
 from __future__ import annotations
 
@@ -17,12 +17,50 @@ DEFAULT_MAX_REQUEST_BYTES = 8 * 1024 * 1024
 
 @dataclass(frozen=True)
 class ServerLimits:
-    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES  # --max-request-bytes
     max_json_depth: int = 32
     max_stop_sequences: int = 16
     max_stop_chars: int = 1024
     max_name_chars: int = 1024  # model, user, a message's name
-    max_prompts: int = 1024  # prompts in one /v1/completions request (each an engine request)
+    max_prompts: int = 1024  # --max-prompts-per-request: prompts in one /v1/completions request
+    max_n: int = 128  # --max-n: samples per prompt
+    max_sequences_in_flight: int | None = 1024  # --max-sequences-in-flight (None: no limit)
+
+    def __post_init__(self) -> None:
+        for name in ("max_request_bytes", "max_prompts", "max_n", "max_sequences_in_flight"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+
+
+class JSONContentTypeMiddleware:
+    """415 for a POST to ``/v1/*`` whose Content-Type is not ``application/json``: a browser
+    may send a cross-origin "simple" request (text/plain, form data) without a preflight, and
+    such a body must not run."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if (scope["type"] == "http" and scope["method"] == "POST"
+                and scope["path"].startswith("/v1/")):
+            media_type = _header(scope, b"content-type") or b""
+            media_type = media_type.split(b";", 1)[0].strip().lower()
+            if media_type != b"application/json":
+                shown = media_type.decode("latin-1") or "none"
+                err = APIError(415, f"The request body must be JSON sent as 'Content-Type: "
+                               f"application/json' (got {shown}).",
+                               code="unsupported_media_type")
+                await err.response()(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+def _header(scope: Scope, name: bytes) -> bytes | None:
+    for key, value in scope["headers"]:
+        if key == name:
+            return value
+    return None
 
 
 class _BodyTooLarge(Exception):
@@ -77,13 +115,13 @@ class BodySizeLimitMiddleware:
 
 
 def _content_length(scope: Scope) -> int | None:
-    for name, value in scope["headers"]:
-        if name == b"content-length":
-            try:
-                return int(value)
-            except ValueError:
-                return None  # the HTTP server itself rejects a malformed Content-Length
-    return None
+    value = _header(scope, b"content-length")
+    if value is None:
+        return None
+    try:
+        return int(value)
+    except ValueError:
+        return None  # the HTTP server itself rejects a malformed Content-Length
 
 
 def json_depth_exceeds(obj: Any, limit: int) -> bool:
@@ -106,13 +144,18 @@ def json_depth_exceeds(obj: Any, limit: int) -> bool:
 
 
 def check_sizes(req: Any, limits: ServerLimits) -> None:
-    """Stop strings, short string fields and the number of prompts of a validated request
-    within ``limits``."""
+    """Stop strings, short string fields, ``n`` and the number of prompts of a validated
+    request within ``limits``."""
     prompt = getattr(req, "prompt", None)
     if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
         if len(prompt) > limits.max_prompts:
             raise bad_request(f"'prompt' has {len(prompt)} prompts; at most "
-                              f"{limits.max_prompts} are allowed in one request", param="prompt")
+                              f"{limits.max_prompts} are allowed in one request "
+                              "(--max-prompts-per-request)", param="prompt",
+                              code="too_many_prompts")
+    if req.n > limits.max_n:
+        raise bad_request(f"'n' is {req.n}; at most {limits.max_n} samples per prompt are "
+                          "allowed (--max-n)", param="n", code="n_too_large")
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
     if len(stop) > limits.max_stop_sequences:
         raise bad_request(f"'stop' has {len(stop)} sequences; at most "

@@ -16,6 +16,18 @@ from conveyor.core.structured_outputs_params import StructuredOutputsParams
 from conveyor.entrypoints.openai.structured import structured_outputs_params
 
 
+def _token_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
+    """OpenAI sends logit_bias keys as strings of token ids."""
+    if not bias:
+        return None
+    out = {}
+    for key, value in bias.items():
+        if not (key.strip().isascii() and key.strip().isdigit()):
+            raise ValueError(f"SamplingParams.logit_bias keys must be token ids, got {key!r}")
+        out[int(key)] = value
+    return out
+
+
 class _Strict(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
 
@@ -52,7 +64,7 @@ class _SamplingRequest(_Strict):
     """Fields shared by /v1/completions and /v1/chat/completions."""
 
     model: str | None = None
-    n: int = Field(1, ge=1, le=128)
+    n: int = Field(1, ge=1)  # upper bound: ServerLimits.max_n
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     top_k: int | None = Field(None, ge=-1)
@@ -72,10 +84,12 @@ class _SamplingRequest(_Strict):
     user: str | None = None
     priority: int = 0
     logit_bias: dict[str, float] | None = None
+    prompt_logprobs: int | None = Field(None, ge=0, le=20)
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsField | None = None
 
-    def _sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    def _sampling_params(self, max_tokens: int | None, logprobs: int | None,
+                         prompt_logprobs: int | None = None) -> SamplingParams:
         def pick(value: object, default: object) -> object:
             return default if value is None else value
 
@@ -97,6 +111,8 @@ class _SamplingRequest(_Strict):
             frequency_penalty=pick(self.frequency_penalty, 0.0),
             repetition_penalty=pick(self.repetition_penalty, 1.0),
             skip_special_tokens=self.skip_special_tokens,
+            logit_bias=_token_bias(self.logit_bias),
+            prompt_logprobs=self.prompt_logprobs if prompt_logprobs is None else prompt_logprobs,
             structured_outputs=self._constraint(),
         )
 
@@ -117,7 +133,8 @@ class CompletionRequest(_SamplingRequest):
     suffix: str | None = None
 
     def sampling_params(self, max_tokens: int | None) -> SamplingParams:
-        return self._sampling_params(max_tokens, self.logprobs)
+        echo_logprobs = self.logprobs if self.echo else None  # the prompt's tokens' logprobs
+        return self._sampling_params(max_tokens, self.logprobs, echo_logprobs)
 
 
 class TextPart(_Strict):

@@ -1,5 +1,6 @@
-"""Runs the app under uvicorn with Conveyor's shutdown: on SIGINT/SIGTERM stop admitting (503),
-let running requests finish for up to ``shutdown_timeout`` seconds, abort the rest, exit 0."""
+"""Runs the app under uvicorn with Conveyor's shutdown: on SIGINT/SIGTERM keep accepting
+connections but answer new requests 503, let running requests finish for up to
+``shutdown_timeout`` seconds, abort the rest, then close the listener and exit 0."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import logging
 import signal
 import socket
 import threading
+import time
 from collections.abc import Iterator
 from types import FrameType
 
@@ -24,13 +26,24 @@ from conveyor.entrypoints.openai.state import ServerState
 logger = logging.getLogger("conveyor.serve")
 
 
+# After the drain's abort, how long the aborted requests get to send their last answer.
+ABORT_GRACE_S = 1.0
+
+
 class _Server(uvicorn.Server):
-    """uvicorn re-raises the caught signal after its shutdown, which would end the process
-    with status -15; Conveyor treats a signal as a normal, successful stop instead."""
+    """The first signal starts a drain: the listener stays open and every new request gets 503
+    (``state.draining``) while the running ones finish; when none is left, or when
+    ``shutdown_timeout`` less a second has passed and the rest were aborted, uvicorn's own
+    shutdown closes the listener. A second signal goes straight to that shutdown.
+
+    uvicorn re-raises the caught signal after its shutdown, which would end the process with
+    status -15; Conveyor treats a signal as a normal, successful stop instead."""
 
     def __init__(self, config: uvicorn.Config, state: ServerState) -> None:
         super().__init__(config)
         self._state = state
+        self._drain_deadline: float | None = None
+        self._aborted_at: float | None = None
 
     @contextlib.contextmanager
     def capture_signals(self) -> Iterator[None]:
@@ -59,6 +72,27 @@ class _Server(uvicorn.Server):
             if aborter is not None:
                 aborter.cancel()
 
+    async def on_tick(self, counter: int) -> bool:
+        if await super().on_tick(counter):
+            return True
+        return self._drain_deadline is not None and self._drained()
+
+    def _drained(self) -> bool:
+        """Whether the drain is over (called every tick while draining)."""
+        if self._state.admission.in_flight == 0:
+            return True
+        now = time.monotonic()
+        if self._aborted_at is None:
+            assert self._drain_deadline is not None
+            if now < self._drain_deadline:
+                return False
+            engine = self._state.engine
+            n = engine.abort_all() if engine is not None else 0
+            logger.warning("shutdown timeout: aborted %d running request(s)", n)
+            self._aborted_at = now
+            return False
+        return now - self._aborted_at > ABORT_GRACE_S
+
     async def _abort_after(self, delay: float) -> None:
         await asyncio.sleep(delay)
         assert self._state.engine is not None
@@ -67,9 +101,13 @@ class _Server(uvicorn.Server):
             logger.warning("shutdown timeout: aborted %d running request(s)", n)
 
     def _on_signal(self, sig: int, frame: FrameType | None) -> None:
-        if not self._state.draining:
-            logger.info("%s: no longer admitting requests; finishing the running ones",
+        if self._drain_deadline is None and self._state.engine is not None:
+            logger.info("%s: answering new requests 503; finishing the running ones",
                         signal.Signals(sig).name)
+            self._state.draining = True
+            timeout = self.config.timeout_graceful_shutdown or 0.0
+            self._drain_deadline = time.monotonic() + max(0.0, timeout - 1.0)
+            return
         self._state.draining = True
         self.handle_exit(sig, frame)
 

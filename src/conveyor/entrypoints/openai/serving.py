@@ -9,7 +9,7 @@ import asyncio
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 from pydantic import ValidationError
+from starlette.types import Receive, Scope, Send
 
 from conveyor.core.sampling_params import SamplingParams
 from conveyor.entrypoints.openai.errors import APIError, bad_request, from_validation_error
@@ -37,6 +38,7 @@ class Job:
     params: SamplingParams
     priority: int
     prompt_text: str | None = None
+    fairness_key: str | None = None  # the HTTP request's id: its prompts share one turn
 
     def prompt(self) -> dict[str, Any]:
         """The prompt as LLMEngine.add_request takes it (token ids, with the text if known)."""
@@ -51,6 +53,19 @@ class Choice:
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[dict[int, Logprob]] = field(default_factory=list)
     finish_reason: str | None = None
+
+
+def shutdown_cut() -> APIError:
+    """The answer to a request the shutdown timeout aborted: an error, never partial text."""
+    return APIError(503, "The server shut down (--shutdown-timeout) before this request "
+                    "finished; retry it elsewhere.", code="shutting_down")
+
+
+def check_not_cut(finish_reasons: list[str | None]) -> None:
+    """A whole response whose choices were aborted is a 503 (only shutdown aborts a request
+    whose client is still waiting)."""
+    if "abort" in finish_reasons:
+        raise shutdown_cut()
 
 
 def new_id(prefix: str) -> str:
@@ -98,8 +113,7 @@ _max_token_chars: dict[int, int] = {}  # id(tokenizer) -> bound, computed once p
 
 def check_prompt_chars(state: ServerState, chars: int, param: str) -> None:
     """Reject, before tokenizing it, a text that cannot fit the context whatever its tokens:
-    tokenizing runs on the event loop, and megabytes of text would stall every stream for
-    seconds. No token decodes to more characters than its vocabulary entry has (a normalizer
+    tokenizing megabytes of text takes seconds of a preprocessing thread. No token decodes to more characters than its vocabulary entry has (a normalizer
     may first merge characters, hence the margin when there is one)."""
     tok = state.tokenizer
     per_token = _max_token_chars.get(id(tok))
@@ -131,15 +145,22 @@ def check_priority(state: ServerState, priority: int) -> None:
 
 def resolve_max_tokens(state: ServerState, prompt_len: int, max_tokens: int | None,
                        param: str, prompt_param: str = "prompt") -> int | None:
-    """Reject prompts that cannot fit; return the max_tokens to ask the engine for."""
+    """Reject prompts that cannot fit, and completions the engine would have to cut short;
+    return the max_tokens to ask the engine for."""
     limit = state.engine.max_model_len
+    args = state.engine_args
+    if args.policy == "prefill_first" and limit == args.max_num_batched_tokens:
+        limit_text = (f"{limit} tokens (--max-num-batched-tokens under --policy "
+                      "prefill_first)")
+    else:
+        limit_text = f"{limit} tokens"
     if prompt_len >= limit:
-        raise bad_request(f"This model's maximum context length is {limit} tokens. However, your "
+        raise bad_request(f"This model's maximum context length is {limit_text}. However, your "
                           f"prompt has {prompt_len} tokens, leaving no room for a completion. "
                           "Please reduce the length of the prompt.", param=prompt_param,
                           code="context_length_exceeded")
     if max_tokens is not None and prompt_len + max_tokens > limit:
-        raise bad_request(f"This model's maximum context length is {limit} tokens. However, you "
+        raise bad_request(f"This model's maximum context length is {limit_text}. However, you "
                           f"requested {prompt_len + max_tokens} tokens ({prompt_len} in the prompt, "
                           f"{max_tokens} for the completion). Please reduce the length of the "
                           f"prompt or {param}.", param=param, code="context_length_exceeded")
@@ -148,17 +169,28 @@ def resolve_max_tokens(state: ServerState, prompt_len: int, max_tokens: int | No
         raise bad_request(f"The prompt has {prompt_len} tokens but the whole KV cache holds "
                           f"{capacity} tokens; it can never be scheduled.", param=prompt_param,
                           code="context_length_exceeded")
+    if capacity and max_tokens is not None and prompt_len + max_tokens > capacity:
+        raise bad_request(f"The whole KV cache holds {capacity} tokens, and this request needs "
+                          f"{prompt_len + max_tokens} ({prompt_len} in the prompt, {max_tokens} "
+                          f"for the completion): it would be cut short. Please reduce {param}.",
+                          param=param, code="context_length_exceeded")
     return max_tokens
 
 
-def make_params(build: Any, max_tokens: int | None) -> SamplingParams:
+def make_params(state: ServerState, build: Any, max_tokens: int | None) -> SamplingParams:
     try:
-        return build(max_tokens)
+        params = build(max_tokens)
     except ValueError as e:
         msg = str(e)
         param = msg.split(" ", 1)[0].removeprefix("SamplingParams.") if msg.startswith(
             "SamplingParams.") else None
         raise bad_request(msg.removeprefix("SamplingParams."), param=param) from e
+    vocab = state.vocab_size
+    if params.logit_bias and max(params.logit_bias) >= vocab:
+        bad = [t for t in params.logit_bias if t >= vocab][:5]
+        raise bad_request(f"'logit_bias' names token ids outside the vocabulary [0, {vocab}): "
+                          f"{bad}", param="logit_bias")
+    return params
 
 
 def check_admission(state: ServerState, num_jobs: int) -> AsyncEngine:
@@ -177,7 +209,7 @@ async def merged_deltas(engine: AsyncEngine,
     if len(jobs) == 1:
         job = jobs[0]
         async with aclosing(engine.generate(job.prompt(), job.params, job.request_id,
-                                            job.priority)) as gen:
+                                            job.priority, job.fairness_key)) as gen:
             async for delta in gen:
                 yield 0, delta
         return
@@ -187,7 +219,7 @@ async def merged_deltas(engine: AsyncEngine,
     async def pump(i: int, job: Job) -> None:
         try:
             async with aclosing(engine.generate(job.prompt(), job.params, job.request_id,
-                                                job.priority)) as gen:
+                                                job.priority, job.fairness_key)) as gen:
                 async for delta in gen:
                     queue.put_nowait((i, delta))
         except Exception as e:  # handed to the consumer, which raises it
@@ -258,9 +290,24 @@ def sse(obj: dict[str, Any] | str) -> str:
     return f"data: {payload}\n\n"
 
 
-def sse_response(events: AsyncIterator[str]) -> StreamingResponse:
-    return StreamingResponse(events, media_type="text/event-stream",
-                             headers={"Cache-Control": "no-cache"})
+class _StreamThenRelease(StreamingResponse):
+    """A stream that calls ``on_close`` once it has ended, however it ended."""
+
+    def __init__(self, events: AsyncIterator[str], on_close: Callable[[], None]) -> None:
+        super().__init__(events, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache"})
+        self._on_close = on_close
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._on_close()
+
+
+def sse_response(events: AsyncIterator[str],
+                 on_close: Callable[[], None] = lambda: None) -> StreamingResponse:
+    return _StreamThenRelease(events, on_close)
 
 
 async def _wait_for_disconnect(request: Request) -> None:

@@ -1,21 +1,41 @@
 """ServerState: what the OpenAI handlers share — the engine (loaded in the background), its
-metrics, and the draining flag set on shutdown. Imports none of the handlers, so they and the
-app can all import it."""
+metrics, the admission counter, the worker threads that parse and tokenize request bodies off
+the event loop, and the draining flag set on shutdown. Imports none of the handlers, so they and
+the app can all import it."""
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
+import os
+import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
 
 from conveyor.engine.args import EngineArgs
 from conveyor.engine.async_engine import AsyncEngine, EngineStoppedError
+from conveyor.entrypoints.openai.admission import SequenceAdmission
 from conveyor.entrypoints.openai.errors import APIError
 from conveyor.entrypoints.openai.metrics import ServerMetrics
 
 logger = logging.getLogger("conveyor.serve")
+
+T = TypeVar("T")
+# Threads that parse, render and tokenize request bodies: the tokenizer releases the GIL, so a
+# megabyte prompt holds up neither the event loop (streams, /health) nor the engine thread; they
+# run at a lower CPU priority so that on a busy machine those two win the cores.
+PREPROCESS_THREADS = 2
+PREPROCESS_NICE = 10
+
+
+def _lower_priority() -> None:
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), PREPROCESS_NICE)
+    except (AttributeError, OSError):  # not Linux, or not permitted: run at normal priority
+        pass
 
 
 class ServerState:
@@ -34,6 +54,10 @@ class ServerState:
         self.draining = False
         self.created = int(time.time())
         self.on_fatal: Callable[[], None] = lambda: None
+        self.admission = SequenceAdmission()  # build_app sets the configured limit
+        self._preprocess = ThreadPoolExecutor(PREPROCESS_THREADS,
+                                              thread_name_prefix="conveyor-preprocess",
+                                              initializer=_lower_priority)
 
     # ------------------------------------------------------------ lifecycle
     async def load(self) -> None:
@@ -65,8 +89,14 @@ class ServerState:
 
     async def close(self) -> None:
         self.draining = True
+        self._preprocess.shutdown(wait=False, cancel_futures=True)
         if self.engine is not None:
             await asyncio.to_thread(self.engine.stop)
+
+    async def off_loop(self, fn: Callable[..., T], *args: Any) -> T:
+        """``fn(*args)`` on a preprocessing thread (parsing, chat templates, tokenizing)."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._preprocess, functools.partial(fn, *args))
 
     def _model_name(self, engine: Any) -> str:
         if self.served_model_name:

@@ -55,7 +55,8 @@ class FleetEngine:
         return self._waiting_first_output
 
     async def generate(self, prompt: dict[str, Any], sampling_params: SamplingParams,
-                       request_id: str, priority: int = 0) -> AsyncIterator[Any]:
+                       request_id: str, priority: int = 0,
+                       fairness_key: str | None = None) -> AsyncIterator[Any]:
         from ray.exceptions import RayActorError, RayTaskError
 
         got_output = finished = False
@@ -64,7 +65,7 @@ class FleetEngine:
             for attempt in range(1, MAX_ATTEMPTS + 1):
                 response = self.handle.options(stream=True).generate.remote(
                     request_id=request_id, prompt=prompt, params=sampling_params,
-                    priority=priority)
+                    priority=priority, fairness_key=fairness_key)
                 self._responses[request_id] = response
                 try:
                     async for delta in response:

@@ -49,9 +49,9 @@ class ConveyorReplica:
         return self._async_engine
 
     async def generate(self, request_id: str, prompt: dict[str, Any], params: SamplingParams,
-                       priority: int = 0) -> AsyncIterator[Any]:
-        async with aclosing(self._started().generate(prompt, params, request_id,
-                                                     priority)) as deltas:
+                       priority: int = 0, fairness_key: str | None = None) -> AsyncIterator[Any]:
+        async with aclosing(self._started().generate(prompt, params, request_id, priority,
+                                                     fairness_key)) as deltas:
             async for delta in deltas:
                 yield delta
 

@@ -44,3 +44,16 @@ def check_cache(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
     if k_cache.stride() != v_cache.stride() or k_cache.stride(0) != k_cache.stride(1) * k_cache.shape[1]:
         raise ValueError("k_cache and v_cache must hold [num_blocks, block_size, ...] rows "
                          "with blocks contiguous")
+
+
+def check_attention_inputs(q: torch.Tensor, k_cache: torch.Tensor,
+                           v_cache: torch.Tensor) -> tuple[int, int]:
+    """Checks q [tokens, num_heads, head_dim] against the caches [num_blocks, block_size,
+    num_kv_heads, head_dim]; returns (block_size, num_kv_heads)."""
+    check_cache(k_cache, v_cache)
+    _, block_size, kv_heads, _ = k_cache.shape
+    if q.shape[1] % kv_heads:
+        raise ValueError(f"{q.shape[1]} query heads do not split over {kv_heads} KV heads")
+    if q.stride(2) != 1 or k_cache.stride(3) != 1:
+        raise ValueError("head_dim must be contiguous in q and the caches")
+    return block_size, kv_heads

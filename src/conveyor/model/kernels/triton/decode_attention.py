@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from conveyor.model.kernels.triton.common import check_cache, dot_dtype, dot_precision
+from conveyor.model.kernels.triton.common import check_attention_inputs, dot_dtype, dot_precision
 
 MIN_TOKENS_PER_SPLIT = 256  # below this a split's fixed cost outweighs the parallelism it adds
 MAX_SPLITS = 16
@@ -128,13 +128,8 @@ def decode_attention(
     block_n: int = 32,
     min_split_len: int = MIN_TOKENS_PER_SPLIT,
 ) -> torch.Tensor:
-    check_cache(k_cache, v_cache)
+    block_size, kv_heads = check_attention_inputs(q, k_cache, v_cache)
     num_seqs, num_heads, head_dim = q.shape
-    _, block_size, kv_heads, _ = k_cache.shape
-    if num_heads % kv_heads:
-        raise ValueError(f"{num_heads} query heads do not split over {kv_heads} KV heads")
-    if q.stride(2) != 1 or k_cache.stride(3) != 1:
-        raise ValueError("head_dim must be contiguous in q and the caches")
     group = num_heads // kv_heads
     if out is None:
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)

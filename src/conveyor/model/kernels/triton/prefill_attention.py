@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from conveyor.model.kernels.triton.common import check_cache, dot_dtype, dot_precision
+from conveyor.model.kernels.triton.common import check_attention_inputs, dot_dtype, dot_precision
 
 
 def prefill_tiles(dtype: torch.dtype) -> tuple[int, int]:
@@ -96,13 +96,8 @@ def prefill_attention(
     block_m: int | None = None,  # default: prefill_tiles
     block_n: int | None = None,
 ) -> torch.Tensor:
-    check_cache(k_cache, v_cache)
+    block_size, kv_heads = check_attention_inputs(q, k_cache, v_cache)
     _, num_heads, head_dim = q.shape
-    _, block_size, kv_heads, _ = k_cache.shape
-    if num_heads % kv_heads:
-        raise ValueError(f"{num_heads} query heads do not split over {kv_heads} KV heads")
-    if q.stride(2) != 1 or k_cache.stride(3) != 1:
-        raise ValueError("head_dim must be contiguous in q and the caches")
     if out is None:
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     default_m, default_n = prefill_tiles(q.dtype)

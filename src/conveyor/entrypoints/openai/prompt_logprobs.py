@@ -1,0 +1,57 @@
+"""Prompt logprobs in the API's two shapes: completions' ``echo`` with ``logprobs`` (the prompt's
+tokens lead the choice's ``logprobs``, the first with ``null``), and vLLM's ``prompt_logprobs``
+field (per prompt token ``null`` or ``{token_id: {"logprob", "rank", "decoded_token"}}``)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from conveyor.entrypoints.openai.errors import bad_request
+
+if TYPE_CHECKING:
+    from conveyor.engine.outputs import Logprob
+    from conveyor.entrypoints.openai.serving import TokenText
+
+PromptLogprobs = list["dict[int, Logprob] | None"]
+
+
+def check_prompt_logprobs(req: Any) -> None:
+    if req.prompt_logprobs is not None and req.stream:
+        raise bad_request("'prompt_logprobs' is not supported with 'stream'",
+                          param="prompt_logprobs")
+
+
+def echo_logprobs(tok: TokenText, prompt_ids: list[int], scored: PromptLogprobs | None,
+                  top_n: int) -> dict[str, Any]:
+    """The prompt's part of a completions ``logprobs`` object (offsets from 0)."""
+    tokens, token_logprobs, tops, offsets = [], [], [], []
+    offset = 0
+    scored = scored or [None] * len(prompt_ids)
+    for token_id, entry in zip(prompt_ids, scored, strict=True):
+        text = tok(token_id, entry.get(token_id) if entry else None)
+        tokens.append(text)
+        if entry is None:
+            token_logprobs.append(None)
+            tops.append(None)
+        else:
+            token_logprobs.append(entry[token_id].logprob)
+            best = sorted(entry.items(), key=lambda kv: kv[1].logprob, reverse=True)[:top_n]
+            tops.append({tok(t, lp): lp.logprob for t, lp in best})
+        offsets.append(offset)
+        offset += len(text)
+    return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": tops,
+            "text_offset": offsets}
+
+
+def prepend(prompt_part: dict[str, Any], rest: dict[str, Any] | None) -> dict[str, Any]:
+    if rest is None:
+        return prompt_part
+    return {key: prompt_part[key] + rest[key] for key in prompt_part}
+
+
+def vllm_prompt_logprobs(scored: PromptLogprobs | None) -> list[dict[str, Any] | None] | None:
+    if scored is None:
+        return None
+    return [None if entry is None else
+            {str(t): {"logprob": lp.logprob, "rank": lp.rank, "decoded_token": lp.decoded_token}
+             for t, lp in entry.items()} for entry in scored]
