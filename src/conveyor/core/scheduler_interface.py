@@ -16,7 +16,9 @@ if TYPE_CHECKING:
     from conveyor.core.block_manager import BlockManager
     from conveyor.core.config import SchedulerConfig
     from conveyor.core.request_queue import RequestQueue
+    from conveyor.core.lookahead import Proposer
     from conveyor.core.sequence import Sequence
+    from conveyor.core.spec_decode.config import SpeculativeConfig
 
 
 @runtime_checkable
@@ -31,6 +33,8 @@ class SchedulerInterface(Protocol):
     prefilling: list[Sequence]  # chunked only: admitted, prompt not fully computed yet
     seqs_needing_block: list[Sequence]  # running sequences whose next slot needs a new block
     preempted_this_step: bool
+    speculative: SpeculativeConfig | None  # None: no lookahead slots (core/lookahead.py)
+    proposer: Proposer | None
 
     def admit(self, seq: Sequence, hits: list[int], num_tokens: int, now: float) -> None: ...
 

@@ -1,0 +1,33 @@
+"""N-gram (prompt lookup) proposer: no model, only the sequence's own tokens.
+
+For n from ``max_n`` down to ``min_n``: find the latest earlier occurrence of the sequence's
+last n tokens in its prompt + output; the (up to) k tokens that followed it are the proposal.
+The search is one vectorised comparison over every window of the sequence (numpy).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence as Tokens
+
+import numpy as np
+from numpy.lib.stride_tricks import sliding_window_view
+
+
+class NgramProposer:
+    def __init__(self, min_n: int, max_n: int) -> None:
+        self.min_n, self.max_n = min_n, max_n
+
+    def propose(self, token_ids: Tokens[int], k: int) -> list[int]:
+        """Up to ``k`` tokens continuing ``token_ids`` (empty when no n-gram recurs)."""
+        length = len(token_ids)
+        if k <= 0 or length < self.min_n + 1:
+            return []
+        tokens = np.asarray(token_ids, dtype=np.int64)
+        for n in range(min(self.max_n, length - 1), self.min_n - 1, -1):
+            # windows starting at 0 .. length - n - 1: every occurrence before the suffix itself
+            windows = sliding_window_view(tokens[:length - 1], n)
+            hits = np.flatnonzero((windows == tokens[length - n:]).all(axis=1))
+            if hits.size:
+                start = int(hits[-1]) + n
+                return tokens[start:start + k].tolist()
+        return []
