@@ -14,16 +14,12 @@ blocks of computed, accepted tokens (``num_computed_tokens`` counts nothing else
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING
 
 from conveyor.core.sequence import Sequence
 
 if TYPE_CHECKING:
     from conveyor.core.scheduler_interface import SchedulerInterface
-
-
-class Proposer(Protocol):
-    def propose(self, token_ids: list[int], k: int) -> list[int]: ...
 
 
 def add_lookahead(sched: SchedulerInterface, decodes: list[Sequence], budget: int) -> list[int]:

@@ -29,7 +29,7 @@ from operator import attrgetter
 from conveyor.core.block_manager import BlockManager
 from conveyor.core.chunked import schedule_chunked
 from conveyor.core.config import CacheConfig, SchedulerConfig
-from conveyor.core.lookahead import Proposer, release_lookahead
+from conveyor.core.lookahead import release_lookahead
 from conveyor.core.prefill_first import schedule_prefill_first
 from conveyor.core.request_queue import make_queue, priority_key
 from conveyor.core.sampling_params import SamplingParams
@@ -37,6 +37,7 @@ from conveyor.core.scheduler_interface import Policy
 from conveyor.core.scheduler_output import SchedulerOutput
 from conveyor.core.sequence import Sequence, SequenceGroup, SequenceStatus
 from conveyor.core.spec_decode.config import SpeculativeConfig
+from conveyor.core.spec_decode.proposer import Proposer
 from conveyor.core.stats import SchedulerStats
 
 WAITING = SequenceStatus.WAITING

@@ -16,9 +16,9 @@ if TYPE_CHECKING:
     from conveyor.core.block_manager import BlockManager
     from conveyor.core.config import SchedulerConfig
     from conveyor.core.request_queue import RequestQueue
-    from conveyor.core.lookahead import Proposer
     from conveyor.core.sequence import Sequence
     from conveyor.core.spec_decode.config import SpeculativeConfig
+    from conveyor.core.spec_decode.proposer import Proposer
 
 
 @runtime_checkable

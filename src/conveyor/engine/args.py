@@ -45,6 +45,12 @@ class EngineArgs:
     threads_per_rank: int | None = None  # None: this machine's cores / its ranks
     distributed_timeout: float = 120.0  # seconds a collective may wait on a rank
     deterministic: bool = True  # same bits whatever the batching (docs/determinism.md)
+    # speculative decoding (docs/speculative.md)
+    speculative_method: str | None = None  # None: off | ngram
+    num_speculative_tokens: int = 4
+    ngram_prompt_lookup_min: int = 1
+    ngram_prompt_lookup_max: int = 4
+    speculative_disable_by_batch_size: int = 0  # 0: never
 
     def parallel_config(self):
         """The ``ParallelConfig`` of these args (ValueError naming a bad field)."""
@@ -98,6 +104,14 @@ _HELP = {
                      "chunked, cached or preempted, and with any thread count; "
                      "--no-deterministic takes the mixed kernels (prefill attention in tiles) "
                      "(docs/determinism.md)",
+    "speculative_method": "speculative decoding: ngram proposes tokens by looking the "
+                          "sequence's last tokens up in its own prompt and output; the model "
+                          "verifies them in one step (docs/speculative.md; default: off)",
+    "num_speculative_tokens": "most tokens proposed per sequence and step",
+    "ngram_prompt_lookup_min": "shortest n-gram the ngram proposer looks up",
+    "ngram_prompt_lookup_max": "longest n-gram the ngram proposer looks up",
+    "speculative_disable_by_batch_size": "propose nothing in steps with more decoding "
+                                         "sequences than this (0: never)",
 }
 
 _CHOICES = {
@@ -107,6 +121,7 @@ _CHOICES = {
     "policy": ["prefill_first", "chunked"],
     "queue": ["fcfs", "priority"],
     "preemption_mode": ["recompute", "swap"],
+    "speculative_method": ["ngram"],
 }
 
 

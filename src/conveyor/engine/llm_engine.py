@@ -18,6 +18,7 @@ from conveyor.core.sequence import Sequence
 from conveyor.engine.args import EngineArgs
 from conveyor.engine.output_processor import OutputProcessor
 from conveyor.engine.outputs import RequestOutput
+from conveyor.engine.speculative import speculative_from_args
 from conveyor.engine.stats import EngineStats
 
 DEFAULT_MAX_MODEL_LEN_CAP = 8192
@@ -66,6 +67,7 @@ class LLMEngine:
             ),
             eos_token_ids=tuple(self.model_config.eos_token_ids),
             clock=self._clock,
+            **speculative_from_args(args),
         )
         self._outputs = OutputProcessor(self.tokenizer, self.scheduler.finish_sequence, self._clock)
         self._num_steps = 0
@@ -161,7 +163,8 @@ class LLMEngine:
 
     def _count_prompt_tokens(self, scheduled: SchedulerOutput) -> None:
         for seq, n_new in zip(scheduled.seqs, scheduled.num_new_tokens, strict=True):
-            is_decode = n_new == 1 and seq.num_computed_tokens == len(seq.token_ids) - 1 \
+            is_decode = n_new == 1 + len(seq.spec_token_ids) \
+                and seq.num_computed_tokens == len(seq.token_ids) - 1 \
                 and seq.num_computed_tokens >= seq.num_prompt_tokens
             if not is_decode:
                 self._prompt_tokens_total += n_new
@@ -169,7 +172,7 @@ class LLMEngine:
     def _record_logprobs(self, parents: list[Sequence], num_samples: list[int],
                          sampled: list[list[int]], logprobs: list[list[dict[int, float]]]) -> None:
         for i, seq in enumerate(parents):
-            if num_samples[i] == 0:
+            if num_samples[i] == 0 or not logprobs[i]:  # a verified proposal asks for none
                 continue
             if num_samples[i] == 1:
                 self._outputs.add_logprobs(seq, sampled[i][0], logprobs[i][0])

@@ -17,6 +17,7 @@ import torch
 from conveyor.core.scheduler_output import ExecutorOutput, SchedulerOutput
 from conveyor.distributed.group import ParallelConfig
 from conveyor.distributed.step import INIT_CACHE, StepMessage, run_step
+from conveyor.executor.spec_verify import Proposal, proposal_rows, verify
 from conveyor.model.config import ModelConfig
 from conveyor.model.device import (
     TRIM_AFTER_TOKENS,
@@ -142,13 +143,18 @@ class ModelExecutor:
         for i in order:
             seq, count = so.seqs[i], so.num_new_tokens[i]
             start = seq.num_computed_tokens
-            input_ids.extend(seq.token_ids[start:start + count])
+            if seq.spec_token_ids:  # a decode and its proposal: logits at every token
+                input_ids.extend(so.token_ids(i))
+                logits_indices.extend(range(len(input_ids) - count, len(input_ids)))
+                sample_entries.append(i)
+            else:
+                input_ids.extend(seq.token_ids[start:start + count])
+                if so.num_samples(i) > 0:
+                    sample_entries.append(i)
+                    logits_indices.append(len(input_ids) - 1)
             starts.append(start)
             counts.append(count)
             tables.append(seq.block_table)
-            if so.num_samples(i) > 0:
-                sample_entries.append(i)
-                logits_indices.append(len(input_ids) - 1)
 
         msg.input_ids, msg.starts, msg.counts, msg.block_tables = input_ids, starts, counts, tables
         msg.logits_indices = logits_indices or [len(input_ids) - 1]
@@ -161,8 +167,14 @@ class ModelExecutor:
             return ExecutorOutput(sampled_token_ids=sampled)
 
         rows, repeats = [], []
+        proposals: list[Proposal] = []
         for i in sample_entries:
             seq, k = so.seqs[i], so.num_samples(i)
+            if seq.spec_token_ids:
+                proposals.append(Proposal(i, len(rows), seq.spec_token_ids))
+                rows.extend(proposal_rows(seq))
+                repeats.extend([1] * (len(seq.spec_token_ids) + 1))
+                continue
             group = seq.group
             for s in range(k):
                 rows.append(SampleRow(
@@ -178,8 +190,14 @@ class ModelExecutor:
             logits = logits.repeat_interleave(torch.tensor(repeats, device=logits.device), dim=0,
                                               output_size=sum(repeats))
         out = self.sampler(logits, rows)
+        verified = verify(self.sampler, logits, rows, out.token_ids, proposals) if proposals else {}
         row = 0
-        for i, k in zip(sample_entries, repeats, strict=True):
+        for i in sample_entries:
+            if i in verified:
+                sampled[i] = verified[i]
+                row += len(so.seqs[i].spec_token_ids) + 1
+                continue
+            k = so.num_samples(i)
             sampled[i] = out.token_ids[row:row + k]
             if out.logprobs is not None:
                 logprobs[i] = out.logprobs[row:row + k]

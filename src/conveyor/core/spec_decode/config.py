@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-METHODS = ("ngram", "draft_model")
+METHODS = ("ngram",)
 
 
 @dataclass(frozen=True)
