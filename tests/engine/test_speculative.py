@@ -84,3 +84,25 @@ def test_ngram_greedy_equals_plain_greedy(executor, prompts, plain, policy, mode
         assert stats.num_preemptions > 0
     if warm_up:
         assert stats.prefix_cache_hits > 0
+
+
+def test_seeded_sampling_with_proposals_is_reproducible(executor, prompts):
+    """Temperature > 0 goes through rejection sampling; a seeded request gives the same tokens
+    run alone or batched, and proposals are both accepted and rejected."""
+    args = EngineArgs(**BASE, num_gpu_blocks=200, speculative_method="ngram")
+    params = SamplingParams(temperature=0.8, top_p=0.95, seed=7, max_tokens=32, ignore_eos=True)
+    results = []
+    for batch in (prompts[:1], prompts):
+        engine = LLMEngine(args, executor=executor)
+        for i, p in enumerate(batch):
+            engine.add_request(str(i), p, params)
+        done = {}
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.finished:
+                    done[out.request_id] = list(out.outputs[0].token_ids)
+        stats = engine.get_stats()
+        assert stats.num_free_blocks == stats.num_total_blocks
+        results.append(done["0"])
+    assert results[0] == results[1] and len(results[0]) == 32
+    assert 0 < stats.spec_accepted_tokens < stats.spec_draft_tokens

@@ -1,7 +1,7 @@
 """N-gram (prompt lookup) proposer: no model, only the sequence's own tokens.
 
 For n from ``max_n`` down to ``min_n``: find the latest earlier occurrence of the sequence's
-last n tokens in its prompt + output; the (up to) k tokens that followed it are the proposal.
+last n tokens in its prompt + output; the k tokens that followed it are the proposal.
 The search is one vectorised comparison over every window of the sequence (numpy).
 """
 
@@ -28,6 +28,15 @@ class NgramProposer:
             windows = sliding_window_view(tokens[:length - 1], n)
             hits = np.flatnonzero((windows == tokens[length - n:]).all(axis=1))
             if hits.size:
-                start = int(hits[-1]) + n
-                return tokens[start:start + k].tolist()
+                return _copy(tokens.tolist(), int(hits[-1]) + n, k)
         return []
+
+
+def _copy(tokens: list[int], start: int, k: int) -> list[int]:
+    """``k`` tokens copied from ``start`` on, running into the copy itself past the end (an
+    overlapping copy, as LZ77's): a match close to the end means a short repeating period."""
+    out = tokens[start:start + k]
+    period = len(tokens) - start
+    while len(out) < k:
+        out.append(out[len(out) - period] if len(out) >= period else tokens[start + len(out)])
+    return out
