@@ -41,6 +41,8 @@ PEERS: dict[str, tuple[str, str, str]] = {
                         "HF transformers continuous batching, generate_batch()"),
     "llamacpp": ("conveyor.bench.peers_llamacpp", "llama_cpp",
                  "llama.cpp through llama-cpp-python, n parallel sequences"),
+    "llamacpp-lookup": ("conveyor.bench.peers_llamacpp_lookup", "llama_cpp",
+                        "llama.cpp prompt-lookup decoding (LlamaPromptLookupDecoding), one stream"),
 }
 
 

@@ -68,6 +68,11 @@ SPECS: dict[str, WorkloadSpec] = {
 }
 
 
+def is_single_stream(name: str) -> bool:
+    """One request at a time (S1, C1): the bench reports time to first token and decode tok/s."""
+    return SPECS[name].num_requests == 1
+
+
 def _random_tokens(rng: random.Random, n: int, vocab_size: int) -> list[int]:
     return [rng.randrange(FIRST_TOKEN_ID, vocab_size) for _ in range(n)]
 
