@@ -50,7 +50,7 @@ class EngineArgs:
     num_speculative_tokens: int = 4
     ngram_prompt_lookup_min: int = 1
     ngram_prompt_lookup_max: int = 4
-    speculative_disable_by_batch_size: int = 0  # 0: never
+    speculative_disable_by_batch_size: int = 4  # 0: never (crossover: docs/speculative.md)
 
     def parallel_config(self):
         """The ``ParallelConfig`` of these args (ValueError naming a bad field)."""
@@ -111,7 +111,9 @@ _HELP = {
     "ngram_prompt_lookup_min": "shortest n-gram the ngram proposer looks up",
     "ngram_prompt_lookup_max": "longest n-gram the ngram proposer looks up",
     "speculative_disable_by_batch_size": "propose nothing in steps with more decoding "
-                                         "sequences than this (0: never)",
+                                         "sequences than this: verifying k + 1 rows per "
+                                         "sequence then costs more than it saves "
+                                         "(0: never; docs/speculative.md)",
 }
 
 _CHOICES = {
