@@ -112,7 +112,8 @@ class OracleProposer:
         self.rng = random.Random(seed)
         self.accuracy = accuracy
 
-    def propose(self, token_ids: list[int], k: int) -> list[int]:
+    def propose(self, seq, k: int) -> list[int]:
+        token_ids = seq.token_ids
         tokens = list(token_ids)
         for _ in range(self.rng.randint(0, k)):
             right = fake_token(tokens, 0)

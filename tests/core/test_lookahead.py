@@ -14,7 +14,7 @@ from conveyor.core.spec_decode.ngram import NgramProposer
 class Fixed:
     """Proposes ``k`` copies of one token (the fake model rarely agrees)."""
 
-    def propose(self, token_ids: list[int], k: int) -> list[int]:
+    def propose(self, seq, k: int) -> list[int]:
         return [5] * k
 
 
@@ -73,12 +73,12 @@ def test_rejected_slots_are_given_back():
     ([1, 2, 3], 3, []),  # nothing recurs
 ])
 def test_ngram_proposals(tokens, k, want):
-    assert NgramProposer(1, 3).propose(tokens, k) == want
+    assert NgramProposer(1, 3).lookup(tokens, k) == want
 
 
 def test_ngram_min_length():
-    assert NgramProposer(2, 3).propose([7, 1, 8, 1], 2) == []  # only a unigram recurs
-    assert NgramProposer(1, 3).propose([7, 1, 8, 1], 2) == [8, 1]
+    assert NgramProposer(2, 3).lookup([7, 1, 8, 1], 2) == []  # only a unigram recurs
+    assert NgramProposer(1, 3).lookup([7, 1, 8, 1], 2) == [8, 1]
 
 
 def test_speculative_config_errors():

@@ -2,8 +2,10 @@
 
 After a step's decodes are chosen (each with the slot of its next token), every decoding
 sequence may take up to k more *lookahead* slots for proposed tokens (vLLM's
-``num_lookahead_slots``): the proposer fills ``seq.spec_token_ids``, the block manager
-allocates the blocks those positions need, and the step's token budget counts them. Nothing is
+``num_lookahead_slots``): the block manager allocates the blocks those positions need, the
+proposer fills ``seq.spec_token_ids`` (a draft model writes its own K/V into those slots of
+its cache), slots left unproposed go back at once, and the step's token budget counts the
+rest. Nothing is
 preempted for a lookahead slot: a sequence proposes fewer tokens when blocks or budget run short.
 
 After verification ``Scheduler.update`` appends the accepted tokens and the next one, and gives
@@ -45,10 +47,12 @@ def add_lookahead(sched: SchedulerInterface, decodes: list[Sequence], budget: in
                     (len(seq.block_table) + gpu.num_free) * bs - length)
         if limit <= 0:
             continue
-        drafts = proposer.propose(seq.token_ids, limit)
+        bm.reserve_slots(seq, length + limit)
+        drafts = proposer.propose(seq, limit)
+        if len(drafts) < limit:
+            bm.trim(seq, length + len(drafts))
         if not drafts:
             continue
-        bm.reserve_slots(seq, length + len(drafts))
         seq.spec_token_ids = drafts
         counts[i] += len(drafts)
         budget -= len(drafts)

@@ -18,7 +18,7 @@ from conveyor.core.sequence import Sequence
 from conveyor.engine.args import EngineArgs
 from conveyor.engine.output_processor import OutputProcessor
 from conveyor.engine.outputs import RequestOutput
-from conveyor.engine.speculative import speculative_from_args
+from conveyor.engine.speculative import build_speculative
 from conveyor.engine.stats import EngineStats
 
 DEFAULT_MAX_MODEL_LEN_CAP = 8192
@@ -48,6 +48,10 @@ class LLMEngine:
         self.num_gpu_blocks, self.num_cpu_blocks = _num_blocks(args, self.executor)
         self.executor.initialize_cache(args.block_size, self.num_gpu_blocks, self.num_cpu_blocks)
         self._clock = time.monotonic
+        speculative, proposer = build_speculative(args, self.executor, self.num_gpu_blocks,
+                                                  self.num_cpu_blocks)
+        # a draft model computes every step the target computes (executor/draft_proposer.py)
+        self._draft_follow = getattr(proposer, "follow", None)
         self.scheduler = Scheduler(
             SchedulerConfig(
                 max_num_seqs=args.max_num_seqs,
@@ -67,7 +71,8 @@ class LLMEngine:
             ),
             eos_token_ids=tuple(self.model_config.eos_token_ids),
             clock=self._clock,
-            **speculative_from_args(args),
+            speculative=speculative,
+            proposer=proposer,
         )
         self._outputs = OutputProcessor(self.tokenizer, self.scheduler.finish_sequence, self._clock)
         self._num_steps = 0
@@ -148,6 +153,8 @@ class LLMEngine:
         if scheduled.is_empty:
             sampled, logprobs = [], None
         else:
+            if self._draft_follow is not None:
+                self._draft_follow(scheduled)
             result = self.executor.execute(scheduled)
             sampled, logprobs = result.sampled_token_ids, result.logprobs
             self._num_steps += 1

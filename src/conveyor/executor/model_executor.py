@@ -205,6 +205,10 @@ class ModelExecutor:
         return ExecutorOutput(sampled_token_ids=sampled,
                               logprobs=logprobs if out.logprobs is not None else None)
 
+    def forward(self, msg: StepMessage) -> torch.Tensor | None:
+        """``msg``'s block operations and one forward: the logits at ``msg.logits_indices``."""
+        return self._run(msg)
+
     def _run(self, msg: StepMessage) -> torch.Tensor | None:
         if self.cuda_runner is not None:
             cache = self.kv_cache
