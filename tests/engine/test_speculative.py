@@ -75,6 +75,7 @@ def plain(executor, prompts):
 def test_ngram_greedy_equals_plain_greedy(executor, prompts, plain, policy, mode, blocks, warm_up):
     args = EngineArgs(**BASE, num_gpu_blocks=blocks, policy=policy, preemption_mode=mode,
                       speculative_method="ngram", num_speculative_tokens=4,
+                      speculative_disable_by_batch_size=0,
                       long_prefill_token_threshold=48 if policy == "chunked" else 0)
     tokens, stats = run(executor, args, prompts, warm_up=warm_up)
     for i, (got, want) in enumerate(zip(tokens, plain, strict=True)):
@@ -89,7 +90,8 @@ def test_ngram_greedy_equals_plain_greedy(executor, prompts, plain, policy, mode
 def test_seeded_sampling_with_proposals_is_reproducible(executor, prompts):
     """Temperature > 0 goes through rejection sampling; a seeded request gives the same tokens
     run alone or batched, and proposals are both accepted and rejected."""
-    args = EngineArgs(**BASE, num_gpu_blocks=200, speculative_method="ngram")
+    args = EngineArgs(**BASE, num_gpu_blocks=200, speculative_method="ngram",
+                      speculative_disable_by_batch_size=0)
     params = SamplingParams(temperature=0.8, top_p=0.95, seed=7, max_tokens=32, ignore_eos=True)
     results = []
     for batch in (prompts[:1], prompts):

@@ -133,9 +133,12 @@ class ModelExecutor:
             return ExecutorOutput(sampled_token_ids=[])
 
         n = len(so.seqs)
-        # Decodes first, then prefill chunks, each by length (attention groups pad less).
-        order = sorted(range(n), key=lambda i: (so.num_new_tokens[i] != 1, so.num_new_tokens[i],
-                                                so.seqs[i].num_computed_tokens))
+        # Decodes first, then prefill chunks, each by length (attention groups pad less); a
+        # proposal to verify goes as one-token entries (below) unless the CUDA runner runs it.
+        expand = self.cuda_runner is None
+        order = sorted(range(n), key=lambda i: (
+            so.num_new_tokens[i] != 1 and not (expand and so.seqs[i].spec_token_ids),
+            so.num_new_tokens[i], so.seqs[i].num_computed_tokens))
         input_ids: list[int] = []
         starts, counts, tables = [], [], []
         sample_entries: list[int] = []  # original entry index, in logits-row order
@@ -147,6 +150,13 @@ class ModelExecutor:
                 input_ids.extend(so.token_ids(i))
                 logits_indices.extend(range(len(input_ids) - count, len(input_ids)))
                 sample_entries.append(i)
+                if expand:
+                    # as `count` one-token entries over the same blocks: each attends to its
+                    # own prefix, and a step of decodes keeps the fused decode path
+                    starts.extend(range(start, start + count))
+                    counts.extend([1] * count)
+                    tables.extend([seq.block_table] * count)
+                    continue
             else:
                 input_ids.extend(seq.token_ids[start:start + count])
                 if so.num_samples(i) > 0:
