@@ -35,6 +35,7 @@ def _load(model_path: str, n_ctx: int, threads: int, num_pred_tokens: int):
     try:
         llm = llama_cpp.Llama(model_path=model_path, n_ctx=n_ctx, n_batch=512,
                               n_threads=threads, n_threads_batch=threads, verbose=False,
+                              logits_all=True,  # verification reads every proposed row
                               draft_model=LlamaPromptLookupDecoding(
                                   num_pred_tokens=num_pred_tokens))
     finally:
