@@ -5,6 +5,7 @@ token for token the output of plain greedy decoding (deterministic inference), w
 from __future__ import annotations
 
 import pytest
+from speculative_runs import run_greedy
 
 from conveyor.core.sampling_params import SamplingParams
 from conveyor.engine.args import EngineArgs
@@ -21,6 +22,7 @@ TEXTS = [
     "for i in range(10):\n    print(i)\nfor j in range(10):\n",
     "1, 2, 3, 4, 5, 6, 7, 8,",
 ]
+MAX_TOKENS = 48
 BASE = dict(max_model_len=256, max_num_seqs=8, max_num_batched_tokens=512, block_size=16)
 
 
@@ -36,33 +38,9 @@ def prompts(executor):
     return [executor.tokenizer.encode(t) for t in TEXTS]
 
 
-def run(executor, args: EngineArgs, prompts: list[list[int]], warm_up: bool = False):
-    """Every request's output tokens, all added at once; and the engine's stats at the end."""
-    engine = LLMEngine(args, executor=executor)
-    if warm_up:  # the prompts' blocks go into the prefix cache first
-        for i, p in enumerate(prompts):
-            engine.add_request(f"w{i}", p, SamplingParams(temperature=0, max_tokens=1))
-        while engine.has_unfinished_requests():
-            engine.step()
-    for i, p in enumerate(prompts):
-        engine.add_request(str(i), p, SamplingParams(temperature=0, max_tokens=48, ignore_eos=True))
-    done = {}
-    accepted = 0
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = list(out.outputs[0].token_ids)
-                accepted += out.metrics.num_accepted_tokens
-    stats = engine.get_stats()
-    assert accepted == stats.spec_accepted_tokens  # per request, and in the engine's counters
-    assert stats.num_free_blocks == stats.num_total_blocks, "KV blocks leaked"
-    engine.scheduler.block_manager.gpu.check_consistency()
-    return [done[str(i)] for i in range(len(prompts))], stats
-
-
 @pytest.fixture(scope="module")
 def plain(executor, prompts):
-    tokens, _ = run(executor, EngineArgs(**BASE, num_gpu_blocks=200), prompts)
+    tokens, _ = run_greedy(executor, EngineArgs(**BASE, num_gpu_blocks=200), prompts, MAX_TOKENS)
     return tokens
 
 
@@ -77,7 +55,7 @@ def test_ngram_greedy_equals_plain_greedy(executor, prompts, plain, policy, mode
                       speculative_method="ngram", num_speculative_tokens=4,
                       speculative_disable_by_batch_size=0,
                       long_prefill_token_threshold=48 if policy == "chunked" else 0)
-    tokens, stats = run(executor, args, prompts, warm_up=warm_up)
+    tokens, stats = run_greedy(executor, args, prompts, MAX_TOKENS, warm_up=warm_up)
     for i, (got, want) in enumerate(zip(tokens, plain, strict=True)):
         assert got == want, f"prompt {i}: speculative output differs from plain greedy"
     assert stats.spec_accepted_tokens > 0 and stats.spec_draft_tokens > stats.spec_accepted_tokens

@@ -7,10 +7,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from speculative_runs import run_greedy
 
-from conveyor.core.sampling_params import SamplingParams
 from conveyor.engine.args import EngineArgs
-from conveyor.engine.llm_engine import LLMEngine
 
 TEXTS = [
     "Repeat this sentence exactly: the quick brown fox jumps over the lazy dog.",
@@ -19,6 +18,7 @@ TEXTS = [
     "The capital of France is",
     "1, 2, 3, 4, 5, 6, 7, 8,",
 ]
+MAX_TOKENS = 40
 BASE = dict(max_model_len=256, max_num_seqs=8, max_num_batched_tokens=512, block_size=16,
             dtype="bfloat16")
 
@@ -46,25 +46,6 @@ def tiny_draft(executor, tmp_path_factory) -> str:
     return path
 
 
-def run(executor, args: EngineArgs, prompts: list[list[int]], warm_up: bool = False):
-    engine = LLMEngine(args, executor=executor)
-    if warm_up:
-        for i, p in enumerate(prompts):
-            engine.add_request(f"w{i}", p, SamplingParams(temperature=0, max_tokens=1))
-        while engine.has_unfinished_requests():
-            engine.step()
-    for i, p in enumerate(prompts):
-        engine.add_request(str(i), p, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))
-    done = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = list(out.outputs[0].token_ids)
-    stats = engine.get_stats()
-    assert stats.num_free_blocks == stats.num_total_blocks, "KV blocks leaked"
-    return [done[str(i)] for i in range(len(prompts))], stats
-
-
 @pytest.fixture(scope="module")
 def prompts(executor):
     return [executor.tokenizer.encode(t) for t in TEXTS]
@@ -72,7 +53,7 @@ def prompts(executor):
 
 @pytest.fixture(scope="module")
 def plain(executor, prompts):
-    return run(executor, EngineArgs(**BASE, num_gpu_blocks=200), prompts)[0]
+    return run_greedy(executor, EngineArgs(**BASE, num_gpu_blocks=200), prompts, MAX_TOKENS)[0]
 
 
 @pytest.mark.slow
@@ -84,7 +65,7 @@ def test_draft_model_greedy_equals_plain_greedy(executor, prompts, plain, tiny_d
         args = EngineArgs(**BASE, num_gpu_blocks=blocks, policy=policy, preemption_mode=mode,
                           speculative_method="draft_model", speculative_model=model,
                           num_speculative_tokens=3, speculative_disable_by_batch_size=0)
-        tokens, stats = run(executor, args, prompts, warm_up=warm_up)
+        tokens, stats = run_greedy(executor, args, prompts, MAX_TOKENS, warm_up=warm_up)
         assert tokens == plain, (draft, policy)
         rate = stats.spec_accepted_tokens / stats.spec_draft_tokens
         assert rate > 0.9 if draft == "self" else rate < 0.2, (draft, rate)
