@@ -88,3 +88,4 @@ def test_speculative_config_errors():
         SpeculativeConfig(prompt_lookup_min=3, prompt_lookup_max=2)
     with pytest.raises(ValueError, match="method"):
         SpeculativeConfig(method="medusa")
+

@@ -108,7 +108,7 @@ _HELP = {
     "speculative_method": "speculative decoding: ngram proposes tokens by looking the "
                           "sequence's last tokens up in its own prompt and output, draft_model "
                           "by running --speculative-model; the model verifies them in one step "
-                          "(docs/speculative.md; default: off)",
+                          "(docs/speculative.md; None: off)",
     "num_speculative_tokens": "most tokens proposed per sequence and step",
     "speculative_model": "draft_model: the drafting model, a GGUF file or HF directory sharing "
                          "the model's tokenizer (default: the embedded SmolLM2)",

@@ -15,6 +15,9 @@ def build_speculative(args: EngineArgs, executor: Any, num_gpu_blocks: int,
                       num_cpu_blocks: int) -> tuple[SpeculativeConfig | None, Proposer | None]:
     """(config, proposer), both None when speculative decoding is off. A draft model is loaded
     here, with a KV cache of ``num_gpu_blocks`` (and ``num_cpu_blocks``) like the target's."""
+    if args.speculative_model is not None and args.speculative_method != "draft_model":
+        raise ValueError("speculative_model is the draft model of speculative_method="
+                         f"'draft_model', got speculative_method={args.speculative_method!r}")
     if args.speculative_method is None:
         return None, None
     config = SpeculativeConfig(method=args.speculative_method,
