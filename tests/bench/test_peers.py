@@ -22,7 +22,8 @@ def test_unknown_peer_is_a_clear_error():
 
 def test_transformers_peer_available_here():
     assert skip_reason("transformers") is None
-    assert set(PEERS) == {"transformers", "transformers-cb", "llamacpp", "vllm"}
+    assert set(PEERS) == {"transformers", "transformers-cb", "llamacpp", "llamacpp-lookup",
+                          "vllm"}
 
 
 def test_skipped_peer_appears_in_the_run(monkeypatch, tmp_path):
@@ -87,8 +88,40 @@ def test_also_with_refuses_bad_changes(changes, message):
         throughput.engine_variant(EngineArgs(), changes)
 
 
+def test_speculative_runs_a_row_per_method_and_llama_cpp_prompt_lookup(monkeypatch):
+    jobs = []
+
+    def fake_worker(job, system, config):
+        jobs.append((system, job))
+        return throughput.SystemResult(system, config, skipped="failed (test)")
+
+    monkeypatch.setattr(throughput, "run_worker", fake_worker)
+    monkeypatch.setattr(throughput, "skip_reason", lambda name: None)
+    args = throughput_parser().parse_args([
+        "throughput", "--workload", "C1", "--compare", "llamacpp", "--speculative", "ngram,off",
+        "--num-speculative-tokens", "6", "--no-roofline", "--repeats", "1"])
+    payload = throughput.run_all(args)
+    assert [s for s, _ in jobs] == ["conveyor", "conveyor", "llamacpp", "llamacpp-lookup"]
+    assert [j["engine_args"]["speculative_method"] for _, j in jobs[:2]] == ["ngram", None]
+    assert jobs[3][1]["peer"]["setting"] == 6  # llama.cpp proposes as many tokens
+    configs = [r["config"] for r in payload["results"]]
+    assert configs[0].endswith(" (speculative ngram, k=6)")
+    assert configs[1].endswith(" (speculative off)")
+
+
+def test_acceptance_line():
+    from conveyor.bench.speculative import acceptance_line
+
+    assert acceptance_line({"spec_draft_tokens": 0}) is None
+    line = acceptance_line({"spec_draft_tokens": 400, "spec_accepted_tokens": 300,
+                            "spec_verifications": 100})
+    assert line == ("speculative tokens accepted 300 of 400 (75.0%), 4.00 tokens per "
+                    "verifying decode")
+
+
 def test_bad_compare_or_also_with_exit_with_a_message():
-    for argv in (["--compare", "tgi"], ["--also-with", "kv_cache_dtype=int8"]):
+    for argv in (["--compare", "tgi"], ["--also-with", "kv_cache_dtype=int8"],
+                 ["--speculative", "medusa"]):
         args = throughput_parser().parse_args(["throughput", "--no-roofline", *argv])
         with pytest.raises(SystemExit, match="conveyor bench throughput: --"):
             throughput.main(args)

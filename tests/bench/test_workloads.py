@@ -2,7 +2,13 @@
 
 import pytest
 
-from conveyor.bench.workloads import FIRST_TOKEN_ID, SPECS, make_workload, warmup_workload
+from conveyor.bench.workloads import (
+    FIRST_TOKEN_ID,
+    SPECS,
+    is_single_stream,
+    make_workload,
+    warmup_workload,
+)
 
 VOCAB = 49152
 
@@ -46,6 +52,14 @@ def test_w3_long_prompts_and_s1_single_stream():
     s1 = make_workload("S1", VOCAB)
     assert len(s1.requests) == 1
     assert len(s1.requests[0].prompt_token_ids) == 128 and s1.requests[0].max_tokens == 256
+
+
+def test_c1_prompt_restarts_its_own_beginning():
+    w = make_workload("C1", 49152, seed=3)
+    assert is_single_stream("C1") and is_single_stream("S1") and not is_single_stream("W1")
+    (req,) = w.requests
+    assert len(req.prompt_token_ids) == 384 and req.max_tokens == 256
+    assert req.prompt_token_ids[-32:] == req.prompt_token_ids[:32]
 
 
 def test_token_ids_stay_in_the_ordinary_vocabulary():

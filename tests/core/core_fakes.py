@@ -60,9 +60,11 @@ class FakeExecutor:
         fps_of = []
         for i, seq in enumerate(out.seqs):
             start, n = seq.num_computed_tokens, out.num_new_tokens[i]
-            assert n >= 1 and start + n <= len(seq.token_ids), (seq, n)
+            tokens = seq.token_ids + seq.spec_token_ids  # a decode's proposal follows it
+            assert n >= 1 and start + n <= len(tokens), (seq, n)
+            assert not seq.spec_token_ids or start + n == len(tokens), (seq, n)
             assert len(seq.block_table) * bs >= start + n, f"{seq}: no slot for its tokens"
-            fps = fingerprints(seq.token_ids, start + n)
+            fps = fingerprints(tokens, start + n)
             fps_of.append(fps)
             for p in range(start, start + n):
                 b = seq.block_table[p // bs]
@@ -77,13 +79,46 @@ class FakeExecutor:
                 got = self.gpu[seq.block_table[p // bs]][p % bs]
                 assert got == fp, f"{seq}: wrong K/V at position {p}"
             k = out.num_samples(i)
-            if k == 0:
+            if seq.spec_token_ids:
+                sampled.append(verify_greedy(seq.token_ids, seq.spec_token_ids, seq.index))
+            elif k == 0:
                 sampled.append([])
             elif k == 1:
                 sampled.append([fake_token(seq.token_ids, seq.index)])
             else:
                 sampled.append([fake_token(seq.token_ids, j) for j in range(k)])
         return sampled
+
+
+def verify_greedy(token_ids: list[int], drafts: list[int], sample_index: int) -> list[int]:
+    """The fake model's exact greedy verification: the proposed tokens it agrees with, then its
+    own next token."""
+    tokens = list(token_ids)
+    for d in drafts:
+        tok = fake_token(tokens, sample_index)
+        if tok != d:
+            return tokens[len(token_ids):] + [tok]
+        tokens.append(tok)
+    return tokens[len(token_ids):] + [fake_token(tokens, sample_index)]
+
+
+class OracleProposer:
+    """Proposes the fake model's own continuation (sample 0), each token right with probability
+    ``accuracy`` (else a random token), so verification accepts some and rejects others."""
+
+    def __init__(self, seed: int, accuracy: float) -> None:
+        import random
+
+        self.rng = random.Random(seed)
+        self.accuracy = accuracy
+
+    def propose(self, seq, k: int) -> list[int]:
+        token_ids = seq.token_ids
+        tokens = list(token_ids)
+        for _ in range(self.rng.randint(0, k)):
+            right = fake_token(tokens, 0)
+            tokens.append(right if self.rng.random() < self.accuracy else self.rng.randrange(VOCAB))
+        return tokens[len(token_ids):]
 
 
 def reference_outputs(prompt: list[int], sp: SamplingParams, max_len: int,
@@ -122,6 +157,9 @@ def check_invariants(sched: Scheduler) -> None:
     owners = [0] * gpu.num_blocks
     cpu_used = 0
     for s in live:
+        # no lookahead slot outlives its step: a sequence holds blocks for its tokens only
+        assert not s.spec_token_ids, s
+        assert len(s.block_table) <= bm.num_blocks_for(len(s.token_ids)), s
         for b in s.block_table:
             owners[b] += 1
         cpu_used += len(s.cpu_block_table)

@@ -12,6 +12,7 @@ from core_fakes import (
     EOS,
     VOCAB,
     FakeExecutor,
+    OracleProposer,
     check_invariants,
     reference_outputs,
     seq_limit,
@@ -21,6 +22,7 @@ from conveyor.core.config import CacheConfig, SchedulerConfig
 from conveyor.core.sampling_params import SamplingParams
 from conveyor.core.scheduler import Scheduler
 from conveyor.core.sequence import SequenceStatus
+from conveyor.core.spec_decode.config import SpeculativeConfig
 
 COMBOS = list(itertools.product(["prefill_first", "chunked"], ["fcfs", "priority"],
                                  ["recompute", "swap"]))
@@ -33,7 +35,9 @@ REGRESSIONS = {
 }
 
 
-def run_random(seed: int, policy: str, queue: str, mode: str, profile: str = "small") -> None:
+def run_random(seed: int, policy: str, queue: str, mode: str, profile: str = "small",
+               speculative: bool = False) -> Scheduler:
+    """``speculative``: decodes verify proposals of an OracleProposer (lookahead slots)."""
     max_seqs, max_len, max_blocks, max_prompt, max_out, max_n = PROFILES[profile]
     rng = random.Random(seed)
     seqs = rng.randint(1, max_seqs)
@@ -44,7 +48,13 @@ def run_random(seed: int, policy: str, queue: str, mode: str, profile: str = "sm
     cc = CacheConfig(rng.choice([1, 2, 4, 8]), rng.randint(3, max_blocks), rng.randint(1, max_blocks),
                      rng.random() < 0.7)
     ticks = itertools.count()
-    sched = Scheduler(sc, cc, eos_token_ids=(EOS,), clock=lambda: float(next(ticks)))
+    spec = proposer = None
+    if speculative:
+        spec = SpeculativeConfig(num_speculative_tokens=rng.randint(1, 6),
+                                 disable_by_batch_size=rng.choice([0, 0, 1, 3]))
+        proposer = OracleProposer(seed, rng.choice([0.3, 0.8, 1.0]))
+    sched = Scheduler(sc, cc, eos_token_ids=(EOS,), clock=lambda: float(next(ticks)),
+                      speculative=spec, proposer=proposer)
     ex = FakeExecutor(sched)
     requests: dict[str, tuple[list[int], SamplingParams]] = {}
     finished: dict[str, object] = {}
@@ -106,6 +116,7 @@ def run_random(seed: int, policy: str, queue: str, mode: str, profile: str = "sm
             got = seq.output_token_ids
             want = expected[seq.index][:len(got)] if rid in aborted else expected[seq.index]
             assert got == want, (rid, seq.index)
+    return sched
 
 
 @pytest.mark.parametrize(("policy", "queue", "mode"), COMBOS)
@@ -116,3 +127,18 @@ def test_random_runs(policy, queue, mode, profile, num_seeds):
             run_random(seed, policy, queue, mode, profile)
         except Exception as e:
             raise AssertionError(f"seed {seed}: {e}") from e
+
+
+@pytest.mark.parametrize(("policy", "queue", "mode"), COMBOS)
+def test_random_runs_speculative(policy, queue, mode):
+    """Lookahead slots with proposals accepted in part: same tokens, no leaked blocks."""
+    drafts = accepted = preemptions = 0
+    for seed in range(60):
+        try:
+            stats = run_random(seed, policy, queue, mode, "small", speculative=True).stats
+        except Exception as e:
+            raise AssertionError(f"seed {seed}: {e}") from e
+        drafts += stats.spec_draft_tokens
+        accepted += stats.spec_accepted_tokens
+        preemptions += stats.num_preemptions
+    assert 0 < accepted < drafts and preemptions > 0, (drafts, accepted, preemptions)

@@ -180,3 +180,18 @@ def test_a_grammar_that_fails_to_compile_finishes_only_its_request(executor,
     assert "EBNF parser error" in failed.finish_message
     assert [o.outputs[0].text for o in (outs[0], outs[2], outs[3], outs[4])] == [
         alone[0], alone[1], alone[3], alone[2]]
+
+
+def test_constrained_requests_are_not_speculated_beside_speculating_ones(executor,
+                                                                         chat_prompts) -> None:
+    """Their masks hold for the next token only: under --speculative-method ngram they decode a
+    token a step, with the same output, while an unconstrained request beside them speculates."""
+    repetitive = executor.tokenizer.encode("one two three one two three one two three one two")
+    requests = [(chat_prompts[8], constrained(json=SCHEMAS[8])),
+                (repetitive, SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True))]
+    plain, _ = run(executor, requests)
+    spec, engine = run(executor, requests, speculative_method="ngram",
+                       speculative_disable_by_batch_size=0)
+    assert spec[0].outputs[0].text == plain[0].outputs[0].text
+    assert_valid(SCHEMAS[8], spec[0].outputs[0].text)
+    assert engine.get_stats().spec_draft_tokens > 0  # the other request did speculate

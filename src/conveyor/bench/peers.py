@@ -46,6 +46,8 @@ PEERS: dict[str, tuple[str, str, str]] = {
                  "llama.cpp through llama-cpp-python, n parallel sequences"),
     "vllm": ("conveyor.bench.peers_vllm", "",
              "vLLM's CPU build, offline LLM.generate(), from its own environment"),
+    "llamacpp-lookup": ("conveyor.bench.peers_llamacpp_lookup", "llama_cpp",
+                        "llama.cpp prompt-lookup decoding (LlamaPromptLookupDecoding), one stream"),
 }
 
 

@@ -14,7 +14,13 @@ from dataclasses import dataclass
 
 from conveyor.bench.peers import WARMUP_SEED_OFFSET, PeerJob, peak_rss_mb, timed_repeats
 from conveyor.bench.report import Measurement, SystemResult
-from conveyor.bench.workloads import BenchRequest, Workload, make_workload, warmup_workload
+from conveyor.bench.workloads import (
+    BenchRequest,
+    Workload,
+    is_single_stream,
+    make_workload,
+    warmup_workload,
+)
 
 N_BATCH = 2048  # tokens per llama_decode call (split into N_UBATCH internally)
 N_UBATCH = 512
@@ -153,7 +159,7 @@ def run_single_stream(runner: LlamaCppRunner, workload: Workload) -> Measurement
 
 
 def run(job: PeerJob) -> SystemResult:
-    single = job.workload == "S1"
+    single = is_single_stream(job.workload)
     n_parallel = 1 if single else (job.setting or 16)
     probe = make_workload(job.workload, 32000, job.seed, job.num_requests)
     n_ctx = n_parallel * (probe.max_seq_len + 16)

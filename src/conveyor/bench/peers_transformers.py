@@ -12,7 +12,7 @@ from pathlib import Path
 
 from conveyor.bench.peers import WARMUP_SEED_OFFSET, PeerJob, peak_rss_mb, timed_repeats
 from conveyor.bench.report import Measurement, SystemResult
-from conveyor.bench.workloads import Workload, make_workload, warmup_workload
+from conveyor.bench.workloads import Workload, is_single_stream, make_workload, warmup_workload
 
 PAD_ID = 0
 
@@ -122,7 +122,7 @@ def run(job: PeerJob) -> SystemResult:
 
     warmup = warmup_workload(build(WARMUP_SEED_OFFSET))
     label = job.dtype if job.device == "cpu" else f"{job.dtype} on {job.device}"
-    if job.workload == "S1":
+    if is_single_stream(job.workload):
         config = f"{label}, generate() streaming"
         run_once = lambda w: run_single_stream(model, w)  # noqa: E731
     elif job.system == "transformers-cb":

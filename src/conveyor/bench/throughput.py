@@ -31,7 +31,14 @@ from conveyor.bench.report import (
     plot_throughput,
     write_json,
 )
-from conveyor.bench.workloads import SPECS, Workload, make_workload, warmup_workload
+from conveyor.bench.speculative import acceptance_line, speculative_methods, speculative_variants
+from conveyor.bench.workloads import (
+    SPECS,
+    Workload,
+    is_single_stream,
+    make_workload,
+    warmup_workload,
+)
 
 if TYPE_CHECKING:
     from conveyor.engine.args import EngineArgs
@@ -335,14 +342,18 @@ def peer_jobs(args: argparse.Namespace, model_path: str, dtype: str) -> list[Pee
     jobs = []
     for name in [c.strip() for c in (args.compare or "").split(",") if c.strip()]:
         settings: list[int | None] = [None]
-        if name == "transformers" and args.workload != "S1":
+        single = is_single_stream(args.workload)
+        if name == "transformers" and not single:
             settings = _ints(args.transformers_batch_sizes)
-        elif name == "llamacpp" and args.workload != "S1":
+        elif name == "llamacpp" and not single:
             settings = _ints(args.llamacpp_parallel)
         elif name == "vllm":
             settings = [args.max_num_seqs]
-        for s in settings:
-            jobs.append(PeerJob(name, model_path, args.workload, args.seed, args.num_requests,
+        systems = [(name, s) for s in settings]
+        if name == "llamacpp" and single and "ngram" in speculative_methods(args.speculative):
+            systems.append(("llamacpp-lookup", args.num_speculative_tokens))
+        for system, s in systems:
+            jobs.append(PeerJob(system, model_path, args.workload, args.seed, args.num_requests,
                                 args.peer_repeats or args.repeats, dtype, s, args.threads,
                                 resolve_device(args.device).type, args.enable_prefix_caching))
     return jobs
@@ -360,7 +371,8 @@ def run_all(args: argparse.Namespace) -> dict[str, Any]:
     for name in [c.strip() for c in (args.compare or "").split(",") if c.strip()]:
         skip_reason(name)  # unknown names fail before anything runs
     # (engine args, what the progress line says, what the table row's config adds)
-    variants = [(engine_args, "engine flags", "")]
+    variants = (speculative_variants(engine_args, args.speculative)
+                or [(engine_args, "engine flags", "")])
     if args.workload == "W2":  # with vs without prefix caching (the row says so already)
         variants.append((dataclasses.replace(engine_args, enable_prefix_caching=False),
                          "prefix caching off", ""))
@@ -422,7 +434,7 @@ def roofline_summary(args: argparse.Namespace, conveyor: SystemResult, rates) ->
                              ea["max_num_batched_tokens"], ea["enable_prefix_caching"],
                              conveyor.extra.get("step_weight_bytes"),
                              conveyor.extra.get("kv_cache_dtype"))
-    single = args.workload == "S1"
+    single = is_single_stream(args.workload)
     if single:
         achieved = conveyor.best_and_median("decode_tokens_per_s")[0]
         ideal = roof.single_stream_decode_tokens_per_s
@@ -469,7 +481,7 @@ def format_profile(p: dict[str, Any]) -> str:
 
 def print_report(payload: dict[str, Any], workload: str) -> None:
     results = [SystemResult.from_dict(d) for d in payload["results"]]
-    single = workload == "S1"
+    single = is_single_stream(workload)
     print(f"\nworkload {workload}: {SPECS[workload].description}")
     print(format_table(results, single_stream=single))
     ran = {r.config: r for r in results if r.system == "conveyor" and r.repeats}
@@ -484,6 +496,10 @@ def print_report(payload: dict[str, Any], workload: str) -> None:
             print(f"conveyor ({r.config}): prefix cache hits {stats['prefix_cache_hits']:,} of "
                   f"{stats['prefix_cache_queries']:,} prompt tokens queried, "
                   f"{stats.get('num_preemptions', 0)} preemptions")
+    for r in ran.values():
+        line = acceptance_line(r.extra.get("stats") or {})
+        if line:
+            print(f"conveyor ({r.config}): {line}")
     for r in ran.values():
         tp = r.extra.get("tensor_parallel") or {}
         if tp.get("size", 1) > 1:
@@ -537,7 +553,7 @@ def main(args: argparse.Namespace) -> int:
     if args.plot:
         results = [SystemResult.from_dict(d) for d in payload["results"]]
         plot_throughput(results, args.plot, f"conveyor bench throughput, workload {args.workload}"
-                        f" ({SPECS[args.workload].description})", args.workload == "S1")
+                        f" ({SPECS[args.workload].description})", is_single_stream(args.workload))
     return 0 if payload["results"] and payload["results"][0]["repeats"] else 1
 
 
@@ -564,6 +580,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                    help="run Conveyor again in the same run with these engine flags changed "
                         "(e.g. kv_cache_dtype=bfloat16); repeatable; the row's ratio columns "
                         "compare it with the first")
+    p.add_argument("--speculative", default="",
+                   help="comma list of speculative methods, one Conveyor row each (e.g. "
+                        "ngram,off; off: none); with --compare llamacpp on a single-stream "
+                        "workload, llama.cpp's prompt lookup runs too")
     p.add_argument("--profile", action="store_true",
                    help="one extra Conveyor pass timing the engine outside the model forward")
     p.add_argument("--structured", choices=["json"], default=None,

@@ -1,4 +1,4 @@
-"""Named, seeded benchmark workloads (W1, W2, W3, S1): the same requests for every system measured.
+"""Named, seeded benchmark workloads (W1, W2, W3, S1, C1): the same requests for every system measured.
 
 Prompts are random token ids drawn from the ordinary part of the vocabulary (ids below
 ``FIRST_TOKEN_ID`` hold the special tokens of Llama-family tokenizers), so a workload needs
@@ -48,6 +48,9 @@ class WorkloadSpec:
     prompt_len: tuple[int, int]  # inclusive range of each request's own (unshared) tokens
     output_len: int
     shared_prefix_len: int = 0
+    # copy-heavy (C1): each prompt ends with its own first this-many tokens again, so the model
+    # goes on copying its prompt, as when asked to repeat or edit a text
+    repeat_len: int = 0
 
 
 SPECS: dict[str, WorkloadSpec] = {
@@ -59,7 +62,15 @@ SPECS: dict[str, WorkloadSpec] = {
                        16, (1500, 2000), 64),
     "S1": WorkloadSpec("1 request, 128-token prompt, 256 output tokens (single stream)",
                        1, (128, 128), 256),
+    "C1": WorkloadSpec("1 request, copy-heavy: a 384-token prompt that restarts its first 32 "
+                       "tokens, 256 output tokens (single stream)", 1, (352, 352), 256,
+                       repeat_len=32),
 }
+
+
+def is_single_stream(name: str) -> bool:
+    """One request at a time (S1, C1): the bench reports time to first token and decode tok/s."""
+    return SPECS[name].num_requests == 1
 
 
 def _random_tokens(rng: random.Random, n: int, vocab_size: int) -> list[int]:
@@ -82,6 +93,7 @@ def make_workload(name: str, vocab_size: int, seed: int = 0,
     for _ in range(num_requests or spec.num_requests):
         length = rng.randint(*spec.prompt_len)
         own = _random_tokens(rng, length, vocab_size)
+        own += own[:spec.repeat_len]
         requests.append(BenchRequest(prefix + own, spec.output_len))
     return Workload(name, spec.description, seed, requests, spec.shared_prefix_len)
 

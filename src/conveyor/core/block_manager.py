@@ -141,6 +141,23 @@ class BlockManager:
             gpu.free(src)
             table[index] = dst
 
+    def reserve_slots(self, seq: Sequence, num_tokens: int) -> None:
+        """Private blocks for positions up to ``num_tokens`` (lookahead slots); the caller made
+        sure enough are free. Nothing is registered: those positions are not computed yet."""
+        table = seq.block_table
+        gpu = self.gpu
+        for _ in range(self.num_blocks_for(num_tokens) - len(table)):
+            table.append(gpu.allocate())
+
+    def trim(self, seq: Sequence, num_tokens: int) -> None:
+        """Give back the blocks past the first ``num_tokens`` positions (rejected lookahead
+        slots): they hold no computed token, so they leave the prefix cache too."""
+        table = seq.block_table
+        keep = self.num_blocks_for(num_tokens)
+        gpu = self.gpu
+        while len(table) > keep:
+            gpu.free(table.pop(), False)
+
     def void_copies(self, seq: Sequence) -> dict[int, int]:
         """``seq`` is preempted in the step that copied-on-write for it: drop those copies.
 

@@ -18,6 +18,7 @@ A sequence with a prefill chunk this step, or swapped in this step, is never a v
 from __future__ import annotations
 
 from conveyor.core.decode import resume_swapped, schedule_decodes
+from conveyor.core.lookahead import add_lookahead
 from conveyor.core.request_queue import priority_key
 from conveyor.core.scheduler_interface import SchedulerInterface
 from conveyor.core.scheduler_output import SchedulerOutput
@@ -29,12 +30,13 @@ RUNNING = SequenceStatus.RUNNING
 class _Step:
     """The step being built."""
 
-    __slots__ = ("seqs", "num_new", "num_decodes", "budget", "protected", "partial")
+    __slots__ = ("seqs", "num_new", "num_decodes", "num_spec", "budget", "protected", "partial")
 
     def __init__(self, budget: int) -> None:
         self.seqs: list[Sequence] = []
         self.num_new: list[int] = []
         self.num_decodes = 0
+        self.num_spec = 0  # lookahead tokens of the decodes
         self.budget = budget
         # never victims this step: sequences with a prefill chunk (the blocks they fill may
         # already be shared through the prefix cache) or swapped in (their blocks are not
@@ -45,9 +47,10 @@ class _Step:
     def unschedule_decode(self, seq: Sequence) -> None:
         k = self.seqs.index(seq)
         del self.seqs[k]
+        self.budget += self.num_new[k]
+        self.num_spec -= self.num_new[k] - 1
         del self.num_new[k]
         self.num_decodes -= 1
-        self.budget += 1
 
 
 def schedule_chunked(sched: SchedulerInterface) -> SchedulerOutput:
@@ -60,7 +63,7 @@ def schedule_chunked(sched: SchedulerInterface) -> SchedulerOutput:
     total = cfg.max_num_batched_tokens - step.budget
     return SchedulerOutput(seqs=step.seqs, num_new_tokens=step.num_new, num_batched_tokens=total,
                            is_prefill=bool(step.seqs) and step.num_decodes == 0,
-                           num_decodes=step.num_decodes)
+                           num_decodes=step.num_decodes, num_spec_tokens=step.num_spec)
 
 
 # ---------------------------------------------------------------------- 1. decodes, 2. swapped
@@ -71,9 +74,10 @@ def _schedule_decodes(sched: SchedulerInterface, step: _Step) -> None:
     step.protected.update(resume_swapped(sched, decodes, limit))
     n = len(decodes)
     step.seqs = decodes
-    step.num_new = [1] * n
+    step.num_new = add_lookahead(sched, decodes, step.budget - n)
     step.num_decodes = n
-    step.budget -= n
+    step.num_spec = sum(step.num_new) - n
+    step.budget -= n + step.num_spec
 
 
 # ---------------------------------------------------------------------- 3. partial prefills

@@ -16,6 +16,7 @@ A step is all-prefill or all-decode:
 from __future__ import annotations
 
 from conveyor.core.decode import resume_swapped, schedule_decodes
+from conveyor.core.lookahead import add_lookahead
 from conveyor.core.scheduler_interface import SchedulerInterface
 from conveyor.core.scheduler_output import SchedulerOutput
 from conveyor.core.sequence import Sequence
@@ -85,5 +86,7 @@ def _decode_step(sched: SchedulerInterface) -> SchedulerOutput:
     scheduled = schedule_decodes(sched, limit)
     resume_swapped(sched, scheduled, limit)
     n = len(scheduled)
-    return SchedulerOutput(seqs=scheduled, num_new_tokens=[1] * n, num_batched_tokens=n,
-                           is_prefill=False, num_decodes=n)
+    counts = add_lookahead(sched, scheduled, sched.config.max_num_batched_tokens - n)
+    total = sum(counts)
+    return SchedulerOutput(seqs=scheduled, num_new_tokens=counts, num_batched_tokens=total,
+                           is_prefill=False, num_decodes=n, num_spec_tokens=total - n)

@@ -31,12 +31,15 @@ from operator import attrgetter
 from conveyor.core.block_manager import BlockManager
 from conveyor.core.chunked import schedule_chunked
 from conveyor.core.config import CacheConfig, SchedulerConfig
+from conveyor.core.lookahead import release_lookahead
 from conveyor.core.prefill_first import schedule_prefill_first
 from conveyor.core.request_queue import make_queue, priority_key
 from conveyor.core.sampling_params import SamplingParams
 from conveyor.core.scheduler_interface import Policy
 from conveyor.core.scheduler_output import SchedulerOutput
 from conveyor.core.sequence import Sequence, SequenceGroup, SequenceStatus
+from conveyor.core.spec_decode.config import SpeculativeConfig
+from conveyor.core.spec_decode.proposer import Proposer
 from conveyor.core.stats import SchedulerStats
 
 WAITING = SequenceStatus.WAITING
@@ -57,7 +60,13 @@ class Scheduler:
 
     def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig,
                  eos_token_ids: tuple[int, ...] | list[int] = (),
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 speculative: SpeculativeConfig | None = None,
+                 proposer: Proposer | None = None) -> None:
+        """``speculative`` with its ``proposer``: decodes take lookahead slots for proposed
+        tokens (core/lookahead.py)."""
+        if speculative is not None and proposer is None:
+            raise ValueError("speculative decoding needs a proposer")
         if scheduler_config.preemption_mode == "swap" and cache_config.num_cpu_blocks == 0:
             raise ValueError("preemption_mode='swap' needs a CPU swap pool: set "
                              "CacheConfig.num_cpu_blocks > 0 (swap_space) or use "
@@ -95,6 +104,11 @@ class Scheduler:
         self.num_preemptions = 0
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
+        self.speculative = speculative
+        self.proposer = proposer
+        self.spec_draft_tokens = 0  # proposed tokens verified
+        self.spec_accepted_tokens = 0  # of those, accepted
+        self.spec_verifications = 0  # decodes that verified a proposal
         self._policy: Policy = schedule_chunked if self.chunked else schedule_prefill_first
 
     # ------------------------------------------------------------------ requests
@@ -275,6 +289,7 @@ class Scheduler:
         """
         self.num_preemptions += 1
         seq.group.metrics.num_preemptions += 1
+        release_lookahead(self, seq)
         self.preempted_this_step = True
         bm = self.block_manager
         redirect = bm.void_copies(seq) if bm.blocks_to_copy else None
@@ -328,7 +343,10 @@ class Scheduler:
             raise ValueError(f"sampled_token_ids has {len(sampled_token_ids)} entries for "
                              f"{len(seqs)} scheduled sequences")
         num_decodes = 0 if self._detached_since_schedule else scheduler_output.num_decodes
-        if num_decodes:
+        if scheduler_output.num_spec_tokens:
+            num_decodes = scheduler_output.num_decodes
+            self._update_speculative(seqs[:num_decodes], sampled_token_ids)
+        elif num_decodes:
             needing_block = self.seqs_needing_block
             check_decode = self._check_decode
             if num_decodes == len(seqs):
@@ -347,6 +365,39 @@ class Scheduler:
         finished = self._finished
         self._finished = []
         return finished
+
+    def _update_speculative(self, seqs: list[Sequence], sampled: list[list[int]]) -> None:
+        """Decodes of a step that verified proposals: each gets its accepted tokens and the
+        next one, stopping at the first that ends it; rejected lookahead slots are given back."""
+        bm = self.block_manager
+        for seq, toks in zip(seqs, sampled, strict=False):
+            if seq.status is not RUNNING:  # aborted or finished between schedule and update
+                continue
+            drafts = seq.spec_token_ids
+            if drafts:
+                seq.spec_token_ids = []
+                accepted = len(toks) - 1
+                metrics = seq.group.metrics
+                metrics.num_draft_tokens += len(drafts)
+                metrics.num_accepted_tokens += accepted
+                self.spec_draft_tokens += len(drafts)
+                self.spec_accepted_tokens += accepted
+                self.spec_verifications += 1
+            tids = seq.token_ids
+            stopped = False
+            for tok in toks:
+                tids.append(tok)
+                seq.num_computed_tokens += 1  # the token before it (accepted) is computed
+                if self._check_stop(seq, tok):
+                    stopped = True
+                    break
+            if stopped:
+                continue
+            if drafts:
+                bm.trim(seq, len(tids))
+            self.set_next_check_len(seq)
+            if bm.slot_needs_block(seq):
+                self.mark_needs_block(seq)
 
     def _check_decode(self, seq: Sequence, tok: int, needing_block: list[Sequence]) -> None:
         """The fast path's slow case: ``tok`` may stop ``seq``, or its next slot needs a block."""
@@ -514,6 +565,9 @@ class Scheduler:
             num_preemptions=self.num_preemptions,
             prefix_cache_queries=self.prefix_cache_queries,
             prefix_cache_hits=self.prefix_cache_hits,
+            spec_draft_tokens=self.spec_draft_tokens,
+            spec_accepted_tokens=self.spec_accepted_tokens,
+            spec_verifications=self.spec_verifications,
         )
 
     def unfinished_groups(self) -> list[SequenceGroup]:

@@ -5,11 +5,14 @@ everything else an executor needs per scheduled sequence is read off the sequenc
 does not change between ``Scheduler.schedule()`` and ``Scheduler.update()``:
 
 * tokens to compute this step: ``seq.token_ids[start : start + num_new_tokens[i]]`` with
-  ``start = seq.num_computed_tokens`` (the position of the first of them);
+  ``start = seq.num_computed_tokens`` (the position of the first of them), followed, for a
+  decode with a speculative proposal, by ``seq.spec_token_ids`` (``token_ids(i)``);
 * block table: ``seq.block_table`` (physical block ids, ``block_size`` tokens each);
 * sampling: an entry samples when its chunk reaches the end of the sequence's tokens;
   it samples ``seq.group.sampling_params.n`` tokens when this is the group's first sample
   (the prompt's prefill completing: the parent forks into ``n`` parallel samples), else 1.
+  A decode with a proposal is verified instead: it returns the accepted proposed tokens plus
+  one more (1 to 1 + len(spec_token_ids) tokens).
 
 Block operations run before the forward, in the order swap out, swap in, copy. A prefix-cache
 hit may name a block that an earlier entry of the *same* step computes (identical prompts
@@ -39,6 +42,7 @@ class SchedulerOutput:
     # Entries [0, num_decodes) are single-token decodes of sequences that already sampled;
     # prefill chunks (which may fork n>1 groups) follow them.
     num_decodes: int = 0
+    num_spec_tokens: int = 0  # proposed tokens to verify, over all decodes (core/lookahead.py)
     # Set by the engine, not the scheduler, when some entry samples under a structured-output
     # grammar: a ``conveyor.structured_outputs.GrammarBitmask`` (the tokens each such sequence
     # may sample next), which the executor hands to its sampler.
@@ -54,6 +58,9 @@ class SchedulerOutput:
     def token_ids(self, i: int) -> list[int]:
         seq = self.seqs[i]
         start = seq.num_computed_tokens
+        spec = seq.spec_token_ids
+        if spec:
+            return seq.token_ids[start:] + spec
         return seq.token_ids[start : start + self.num_new_tokens[i]]
 
     def num_samples(self, i: int) -> int:
@@ -71,7 +78,8 @@ class SchedulerOutput:
 class ExecutorOutput:
     """What an executor returns for one SchedulerOutput.
 
-    ``sampled_token_ids[i]`` holds ``SchedulerOutput.num_samples(i)`` tokens for entry i.
+    ``sampled_token_ids[i]`` holds ``SchedulerOutput.num_samples(i)`` tokens for entry i (a
+    verified proposal: its accepted tokens and the one after them).
     ``logprobs[i]`` (when any request asked for logprobs, else None) holds, per sampled token,
     a dict ``{token_id: logprob}`` with the sampled token and the top-N alternatives.
     """

@@ -51,6 +51,9 @@ class RequestMetrics:
     finished_time: float | None = None
     num_cached_tokens: int = 0
     num_preemptions: int = 0
+    # speculative decoding: tokens proposed for this request and, of those, accepted
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
 
 
 class Sequence:
@@ -75,6 +78,7 @@ class Sequence:
         "num_registered_blocks",
         "cpu_block_table",
         "running_stamp",
+        "spec_token_ids",
     )
 
     def __init__(self, seq_id: int, group: SequenceGroup, index: int, token_ids: list[int],
@@ -99,6 +103,8 @@ class Sequence:
         self.num_registered_blocks = 0  # leading blocks of block_table known to the prefix cache
         self.cpu_block_table: list[int] = []  # while SWAPPED
         self.running_stamp = 0  # when it joined `running` (running stays sorted by it)
+        # proposed tokens verified after the next token this step (core/lookahead.py)
+        self.spec_token_ids: list[int] = []
 
     def __len__(self) -> int:
         return len(self.token_ids)

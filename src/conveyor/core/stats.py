@@ -16,3 +16,6 @@ class SchedulerStats:
     num_preemptions: int  # total since start
     prefix_cache_queries: int  # prompt tokens looked up in the prefix cache at admission
     prefix_cache_hits: int  # of those, tokens whose computation was really skipped
+    spec_draft_tokens: int = 0  # speculative decoding: proposed tokens verified
+    spec_accepted_tokens: int = 0  # of those, accepted
+    spec_verifications: int = 0  # decodes that verified a proposal

@@ -45,6 +45,13 @@ class EngineArgs:
     threads_per_rank: int | None = None  # None: this machine's cores / its ranks
     distributed_timeout: float = 120.0  # seconds a collective may wait on a rank
     deterministic: bool = True  # same bits whatever the batching (docs/determinism.md)
+    # speculative decoding (docs/speculative.md)
+    speculative_method: str | None = None  # None: off | ngram | draft_model
+    num_speculative_tokens: int = 4
+    speculative_model: str | None = None  # draft_model: GGUF / HF directory (None: embedded)
+    ngram_prompt_lookup_min: int = 1
+    ngram_prompt_lookup_max: int = 4
+    speculative_disable_by_batch_size: int = 4  # 0: never (crossover: docs/speculative.md)
 
     def parallel_config(self):
         """The ``ParallelConfig`` of these args (ValueError naming a bad field)."""
@@ -99,6 +106,19 @@ _HELP = {
                      "chunked, cached or preempted, and with any thread count; "
                      "--no-deterministic takes the mixed kernels (prefill attention in tiles) "
                      "(docs/determinism.md)",
+    "speculative_method": "speculative decoding: ngram proposes tokens by looking the "
+                          "sequence's last tokens up in its own prompt and output, draft_model "
+                          "by running --speculative-model; the model verifies them in one step "
+                          "(docs/speculative.md; None: off)",
+    "num_speculative_tokens": "most tokens proposed per sequence and step",
+    "speculative_model": "draft_model: the drafting model, a GGUF file or HF directory sharing "
+                         "the model's tokenizer (default: the embedded SmolLM2)",
+    "ngram_prompt_lookup_min": "shortest n-gram the ngram proposer looks up",
+    "ngram_prompt_lookup_max": "longest n-gram the ngram proposer looks up",
+    "speculative_disable_by_batch_size": "propose nothing in steps with more decoding "
+                                         "sequences than this: verifying k + 1 rows per "
+                                         "sequence then costs more than it saves "
+                                         "(0: never; docs/speculative.md)",
 }
 
 _CHOICES = {
@@ -108,6 +128,7 @@ _CHOICES = {
     "policy": ["prefill_first", "chunked"],
     "queue": ["fcfs", "priority"],
     "preemption_mode": ["recompute", "swap"],
+    "speculative_method": ["ngram", "draft_model"],
 }
 
 

@@ -19,6 +19,7 @@ from conveyor.core.sequence import Sequence, SequenceGroup, SequenceStatus
 from conveyor.engine.args import EngineArgs
 from conveyor.engine.output_processor import OutputProcessor
 from conveyor.engine.outputs import RequestOutput
+from conveyor.engine.speculative import build_speculative
 from conveyor.engine.stats import EngineStats
 
 if TYPE_CHECKING:
@@ -52,6 +53,10 @@ class LLMEngine:
         self.num_gpu_blocks, self.num_cpu_blocks = _num_blocks(args, self.executor)
         self.executor.initialize_cache(args.block_size, self.num_gpu_blocks, self.num_cpu_blocks)
         self._clock = time.monotonic
+        speculative, proposer = build_speculative(args, self.executor, self.num_gpu_blocks,
+                                                  self.num_cpu_blocks)
+        # a draft model computes every step the target computes (executor/draft_proposer.py)
+        self._draft_follow = getattr(proposer, "follow", None)
         self.scheduler = Scheduler(
             SchedulerConfig(
                 max_num_seqs=args.max_num_seqs,
@@ -71,6 +76,8 @@ class LLMEngine:
             ),
             eos_token_ids=tuple(self.model_config.eos_token_ids),
             clock=self._clock,
+            speculative=speculative,
+            proposer=proposer,
         )
         self._outputs = OutputProcessor(self.tokenizer, self.scheduler.finish_sequence, self._clock)
         self._grammar: StructuredOutputManager | None = None  # built with the first constraint
@@ -187,6 +194,8 @@ class LLMEngine:
         if scheduled.is_empty:
             sampled, logprobs = [], None
         else:
+            if self._draft_follow is not None:
+                self._draft_follow(scheduled)
             result = self.executor.execute(scheduled)
             sampled, logprobs = result.sampled_token_ids, result.logprobs
             for i, (first, entries) in (result.prompt_logprobs or {}).items():
@@ -240,7 +249,8 @@ class LLMEngine:
 
     def _count_prompt_tokens(self, scheduled: SchedulerOutput) -> None:
         for seq, n_new in zip(scheduled.seqs, scheduled.num_new_tokens, strict=True):
-            is_decode = n_new == 1 and seq.num_computed_tokens == len(seq.token_ids) - 1 \
+            is_decode = n_new == 1 + len(seq.spec_token_ids) \
+                and seq.num_computed_tokens == len(seq.token_ids) - 1 \
                 and seq.num_computed_tokens >= seq.num_prompt_tokens
             if not is_decode:
                 self._prompt_tokens_total += n_new
@@ -248,7 +258,7 @@ class LLMEngine:
     def _record_logprobs(self, parents: list[Sequence], num_samples: list[int],
                          sampled: list[list[int]], logprobs: list[list[dict[int, float]]]) -> None:
         for i, seq in enumerate(parents):
-            if num_samples[i] == 0:
+            if num_samples[i] == 0 or not logprobs[i]:  # a verified proposal asks for none
                 continue
             if num_samples[i] == 1:
                 self._outputs.add_logprobs(seq, sampled[i][0], logprobs[i][0])

@@ -17,6 +17,9 @@ class EngineStats:
     num_preemptions: int = 0
     prefix_cache_queries: int = 0  # tokens
     prefix_cache_hits: int = 0  # tokens
+    spec_draft_tokens: int = 0  # speculative decoding: proposed tokens verified
+    spec_accepted_tokens: int = 0  # of those, accepted
+    spec_verifications: int = 0  # decodes that verified a proposal
     # engine counters
     num_steps: int = 0
     scheduled_seqs_total: int = 0  # sum over steps of the batch size (sequences in the step)
@@ -27,4 +30,17 @@ class EngineStats:
 
     SCHEDULER_FIELDS = ("num_running", "num_waiting", "num_swapped", "num_free_blocks",
                         "num_total_blocks", "kv_usage", "num_preemptions",
-                        "prefix_cache_queries", "prefix_cache_hits")
+                        "prefix_cache_queries", "prefix_cache_hits", "spec_draft_tokens",
+                        "spec_accepted_tokens", "spec_verifications")
+
+    @property
+    def spec_acceptance_rate(self) -> float:
+        """Accepted / proposed tokens (0 before any proposal)."""
+        return self.spec_accepted_tokens / self.spec_draft_tokens if self.spec_draft_tokens else 0.0
+
+    @property
+    def spec_mean_accepted_length(self) -> float:
+        """Tokens a verifying decode produces on average: its accepted proposal + 1."""
+        if not self.spec_verifications:
+            return 0.0
+        return 1.0 + self.spec_accepted_tokens / self.spec_verifications

@@ -18,6 +18,7 @@ from conveyor.core.scheduler_output import ExecutorOutput, SchedulerOutput
 from conveyor.distributed.group import ParallelConfig
 from conveyor.distributed.step import INIT_CACHE, StepMessage, run_step
 from conveyor.executor.prompt_logprobs import PromptScoring, positions_to_score, score
+from conveyor.executor.spec_verify import Proposal, proposal_rows, verify
 from conveyor.model.config import ModelConfig
 from conveyor.model.device import (
     TRIM_AFTER_TOKENS,
@@ -133,9 +134,12 @@ class ModelExecutor:
             return ExecutorOutput(sampled_token_ids=[])
 
         n = len(so.seqs)
-        # Decodes first, then prefill chunks, each by length (attention groups pad less).
-        order = sorted(range(n), key=lambda i: (so.num_new_tokens[i] != 1, so.num_new_tokens[i],
-                                                so.seqs[i].num_computed_tokens))
+        # Decodes first, then prefill chunks, each by length (attention groups pad less); a
+        # proposal to verify goes as one-token entries (below) unless the CUDA runner runs it.
+        expand = self.cuda_runner is None
+        order = sorted(range(n), key=lambda i: (
+            so.num_new_tokens[i] != 1 and not (expand and so.seqs[i].spec_token_ids),
+            so.num_new_tokens[i], so.seqs[i].num_computed_tokens))
         input_ids: list[int] = []
         starts, counts, tables = [], [], []
         sample_entries: list[int] = []  # original entry index, in logits-row order
@@ -145,18 +149,30 @@ class ModelExecutor:
         for i in order:
             seq, count = so.seqs[i], so.num_new_tokens[i]
             start = seq.num_computed_tokens
-            scoring = positions_to_score(i, seq, start, count)
-            if scoring is not None:
-                scorings.append(scoring)
-                first = len(input_ids)
-                scored_indices.extend(range(first, first + len(scoring.targets)))
-            input_ids.extend(seq.token_ids[start:start + count])
+            if seq.spec_token_ids:  # a decode and its proposal: logits at every token
+                input_ids.extend(so.token_ids(i))
+                logits_indices.extend(range(len(input_ids) - count, len(input_ids)))
+                sample_entries.append(i)
+                if expand:
+                    # as `count` one-token entries over the same blocks: each attends to its
+                    # own prefix, and a step of decodes keeps the fused decode path
+                    starts.extend(range(start, start + count))
+                    counts.extend([1] * count)
+                    tables.extend([seq.block_table] * count)
+                    continue
+            else:
+                scoring = positions_to_score(i, seq, start, count)
+                if scoring is not None:
+                    scorings.append(scoring)
+                    first = len(input_ids)
+                    scored_indices.extend(range(first, first + len(scoring.targets)))
+                input_ids.extend(seq.token_ids[start:start + count])
+                if so.num_samples(i) > 0:
+                    sample_entries.append(i)
+                    logits_indices.append(len(input_ids) - 1)
             starts.append(start)
             counts.append(count)
             tables.append(seq.block_table)
-            if so.num_samples(i) > 0:
-                sample_entries.append(i)
-                logits_indices.append(len(input_ids) - 1)
 
         msg.input_ids, msg.starts, msg.counts, msg.block_tables = input_ids, starts, counts, tables
         msg.logits_indices = (logits_indices + scored_indices) or [len(input_ids) - 1]
@@ -173,10 +189,17 @@ class ModelExecutor:
             return ExecutorOutput(sampled_token_ids=sampled, prompt_logprobs=prompt_lps)
 
         rows, repeats = [], []
+        proposals: list[Proposal] = []
         grammar = so.grammar_bitmask  # conveyor.structured_outputs.GrammarBitmask or None
-        mask_rows: list[int] = []
+        mask_rows: list[int] = []  # constrained sequences never carry proposals (lookahead.py)
         for i in sample_entries:
             seq, k = so.seqs[i], so.num_samples(i)
+            if seq.spec_token_ids:
+                proposals.append(Proposal(i, len(rows), seq.spec_token_ids))
+                rows.extend(proposal_rows(seq))
+                repeats.extend([1] * (len(seq.spec_token_ids) + 1))
+                mask_rows += [-1] * (len(seq.spec_token_ids) + 1)
+                continue
             group = seq.group
             if grammar is not None:
                 mask_rows += [grammar.row_of.get(seq.seq_id, -1)] * k
@@ -195,8 +218,14 @@ class ModelExecutor:
                                               output_size=sum(repeats))
         out = self.sampler(logits, rows,
                            (grammar.bitmask, mask_rows) if grammar is not None else None)
+        verified = verify(self.sampler, logits, rows, out.token_ids, proposals) if proposals else {}
         row = 0
-        for i, k in zip(sample_entries, repeats, strict=True):
+        for i in sample_entries:
+            if i in verified:
+                sampled[i] = verified[i]
+                row += len(so.seqs[i].spec_token_ids) + 1
+                continue
+            k = so.num_samples(i)
             sampled[i] = out.token_ids[row:row + k]
             if out.logprobs is not None:
                 logprobs[i] = out.logprobs[row:row + k]
@@ -204,6 +233,10 @@ class ModelExecutor:
         return ExecutorOutput(sampled_token_ids=sampled,
                               logprobs=logprobs if out.logprobs is not None else None,
                               prompt_logprobs=prompt_lps)
+
+    def forward(self, msg: StepMessage) -> torch.Tensor | None:
+        """``msg``'s block operations and one forward: the logits at ``msg.logits_indices``."""
+        return self._run(msg)
 
     def _run(self, msg: StepMessage) -> torch.Tensor | None:
         if self.cuda_runner is not None:

@@ -161,7 +161,29 @@ class Sampler:
             logits[i, ids] = float("-inf")
         return logits
 
+    def probs(self, logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
+        """The float32 distribution each random row (temperature > 0) samples from: after
+        penalties, logit_bias, the min_tokens mask, temperature, top-k, top-p and min-p (unnormalized)."""
+        vocab = logits.shape[1]
+        logits = self._apply_penalties(logits.float(), rows, vocab)
+        logits = apply_logit_bias(logits, [r.params for r in rows])
+        logits = self._mask_stop_tokens_before_min_tokens(logits, rows, vocab)
+        return self._probs(logits, rows, vocab)
+
     def _sample(self, logits: torch.Tensor, rows: list[SampleRow], vocab: int) -> torch.Tensor:
+        probs = self._probs(logits, rows, vocab)
+        params = [r.params for r in rows]
+        uniforms = torch.empty(len(rows), dtype=torch.float64)
+        unseeded = [i for i, p in enumerate(params) if p.seed is None]
+        if unseeded:
+            uniforms[unseeded] = torch.rand(len(unseeded), generator=self.generator,
+                                            dtype=torch.float64)
+        for i, r in enumerate(rows):
+            if r.params.seed is not None:
+                uniforms[i] = seeded_uniform(r.params.seed, r.sample_index, r.position)
+        return draw(probs, uniforms)
+
+    def _probs(self, logits: torch.Tensor, rows: list[SampleRow], vocab: int) -> torch.Tensor:
         device = logits.device
         params = [r.params for r in rows]
         temps = torch.tensor([p.temperature if p.temperature > 0 else 1.0 for p in params],
@@ -183,19 +205,16 @@ class Sampler:
         if any(p.min_p > 0.0 for p in params):
             min_p = torch.tensor([p.min_p for p in params], device=device)[:, None]
             probs = probs.masked_fill(probs < min_p * probs.max(dim=-1, keepdim=True).values, 0.0)
+        return probs
 
-        uniforms = torch.empty(len(rows), dtype=torch.float64)
-        unseeded = [i for i, p in enumerate(params) if p.seed is None]
-        if unseeded:
-            uniforms[unseeded] = torch.rand(len(unseeded), generator=self.generator,
-                                            dtype=torch.float64)
-        for i, r in enumerate(rows):
-            if r.params.seed is not None:
-                uniforms[i] = seeded_uniform(r.params.seed, r.sample_index, r.position)
-        cdf = probs.cumsum(dim=-1)
-        total = cdf[:, -1:]
-        # First token whose cdf reaches u * total; the clamps keep zero-probability tokens out
-        # (their cdf equals their predecessor's, which is found first) even at u = 0 or rounding.
-        targets = uniforms.to(device=device, dtype=cdf.dtype)[:, None] * total
-        targets = torch.minimum(targets.clamp_(min=torch.finfo(cdf.dtype).tiny), total)
-        return torch.searchsorted(cdf, targets)[:, 0].clamp_(max=vocab - 1)
+
+def draw(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """One token per row of ``probs`` (unnormalized): where its cdf crosses ``uniforms`` x total."""
+    vocab, device = probs.shape[1], probs.device
+    cdf = probs.cumsum(dim=-1)
+    total = cdf[:, -1:]
+    # First token whose cdf reaches u * total; the clamps keep zero-probability tokens out
+    # (their cdf equals their predecessor's, which is found first) even at u = 0 or rounding.
+    targets = uniforms.to(device=device, dtype=cdf.dtype)[:, None] * total
+    targets = torch.minimum(targets.clamp_(min=torch.finfo(cdf.dtype).tiny), total)
+    return torch.searchsorted(cdf, targets)[:, 0].clamp_(max=vocab - 1)

@@ -55,6 +55,17 @@ class _EngineStatsCollector(Collector):
         yield counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.",
                       s.prefix_cache_hits)
         yield counter("num_preemptions", "Preemptions of running requests.", s.num_preemptions)
+        yield counter("spec_decode_num_draft_tokens", "Speculative tokens proposed and verified.",
+                      s.spec_draft_tokens)
+        yield counter("spec_decode_num_accepted_tokens", "Speculative tokens accepted.",
+                      s.spec_accepted_tokens)
+        yield counter("spec_decode_num_verifications", "Decodes that verified a proposal.",
+                      s.spec_verifications)
+        yield gauge("spec_decode_acceptance_rate", "Accepted / proposed speculative tokens.",
+                    s.spec_acceptance_rate)
+        yield gauge("spec_decode_mean_accepted_length",
+                    "Tokens per verifying decode (accepted proposal + 1).",
+                    s.spec_mean_accepted_length)
         yield counter("prompt_tokens", "Prompt tokens of finished and running requests.",
                       s.prompt_tokens_total)
         yield counter("generation_tokens", "Generated tokens.", s.generation_tokens_total)

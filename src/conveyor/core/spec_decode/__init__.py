@@ -1,0 +1,5 @@
+"""Speculative decoding's torch-free parts: its configuration and the n-gram proposer.
+
+The scheduler reserves lookahead slots for the proposals (``core/lookahead.py``); the
+executor verifies them (``executor/spec_verify.py``). See docs/speculative.md.
+"""
