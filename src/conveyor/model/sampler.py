@@ -150,7 +150,9 @@ class Sampler:
         return logits
 
     def _mask_stop_tokens_before_min_tokens(self, logits: torch.Tensor, rows: list[SampleRow],
-                                            vocab: int, constrained: set[int]) -> torch.Tensor:
+                                            vocab: int,
+                                            constrained: frozenset[int] | set[int] = frozenset()
+                                            ) -> torch.Tensor:
         masked = [(i, r.params) for i, r in enumerate(rows)
                   if len(r.output_token_ids) < r.params.min_tokens and i not in constrained]
         if not masked:
