@@ -1,8 +1,9 @@
 """Conveyor: a continuous-batching LLM inference engine."""
 
 from conveyor.core.sampling_params import RequestOutputKind, SamplingParams
+from conveyor.core.structured_outputs_params import StructuredOutputsParams
 
-__all__ = ["SamplingParams", "RequestOutputKind", "LLM"]
+__all__ = ["SamplingParams", "RequestOutputKind", "StructuredOutputsParams", "LLM"]
 __version__ = "0.1.0"
 
 

@@ -95,6 +95,11 @@ def profile_engine(engine, run) -> dict[str, Any]:
         sync()
         current["forward"] = current.get("forward", 0.0) + clock() - started.pop()
 
+    if getattr(engine, "_grammar", None) is not None:  # structured outputs (--structured)
+        from conveyor.model import sampler as sampler_module
+
+        wrap(engine._grammar, "bitmask", "mask_fill")
+        wrap(sampler_module, "apply_token_bitmask", "mask_apply")
     wrap(engine.scheduler, "schedule", "schedule", scheduled)
     wrap(engine.scheduler, "update", "update")
     wrap(engine.executor, "execute", "execute")
@@ -121,15 +126,18 @@ def profile_engine(engine, run) -> dict[str, Any]:
 def _profile_summary(steps: list[dict[str, float]]) -> dict[str, Any]:
     if not steps:
         return {}
-    total = {k: sum(s.get(k, 0.0) for s in steps)
-             for k in ("step", "schedule", "update", "execute", "forward", "outputs")}
+    total = {k: sum(s.get(k, 0.0) for s in steps) for k in (
+        "step", "schedule", "update", "execute", "forward", "outputs", "mask_fill", "mask_apply")}
     step = total["step"]
     parts = {
         "schedule+update": total["schedule"] + total["update"],
-        "input prep+sampling": total["execute"] - total["forward"],
+        "input prep+sampling": total["execute"] - total["forward"] - total["mask_apply"],
         "outputs+detokenize": total["outputs"],
     }
-    parts["other"] = step - total["execute"] - sum(parts.values()) + parts["input prep+sampling"]
+    mask = total["mask_fill"] + total["mask_apply"]
+    if mask:
+        parts["grammar mask"] = mask
+    parts["other"] = step - total["forward"] - sum(parts.values())
     batches = sorted({int(s["batch"]) for s in steps})
     return {
         "steps": len(steps),
@@ -138,16 +146,20 @@ def _profile_summary(steps: list[dict[str, float]]) -> dict[str, Any]:
         "forward_pct": 100 * total["forward"] / step,
         "overhead_pct": 100 * (step - total["forward"]) / step,
         "breakdown_pct": {k: 100 * v / step for k, v in parts.items()},
+        "mask_ms_per_step": 1000 * mask / len(steps),
+        "mask_fill_ms_per_step": 1000 * total["mask_fill"] / len(steps),
     }
 
 
 # ----------------------------------------------------------------------------- conveyor worker
 
-def _conveyor_generate(llm, workload: Workload) -> list:
+def _conveyor_generate(llm, workload: Workload, structured: str | None = None) -> list:
+    from conveyor.bench.structured import structured_outputs
     from conveyor.core.sampling_params import SamplingParams
 
-    params = [SamplingParams(max_tokens=r.max_tokens, temperature=0.0, ignore_eos=True)
-              for r in workload.requests]
+    constraint = structured_outputs(structured)
+    params = [SamplingParams(max_tokens=r.max_tokens, temperature=0.0, ignore_eos=True,
+                             structured_outputs=constraint) for r in workload.requests]
     return llm.generate([r.prompt_token_ids for r in workload.requests], params, use_tqdm=False)
 
 
@@ -202,7 +214,9 @@ def run_conveyor(job: dict[str, Any]) -> SystemResult:
     config = llm.llm_engine.model_config
     vocab = config.vocab_size
     name, seed, n = job["workload"], job["seed"], job["num_requests"]
-    _conveyor_generate(llm, warmup_workload(make_workload(name, vocab, seed + WARMUP_SEED_OFFSET, n)))
+    structured = job.get("structured")
+    _conveyor_generate(llm, warmup_workload(make_workload(name, vocab, seed + WARMUP_SEED_OFFSET, n)),
+                       structured)
     repeats = []
     tp = llm.llm_engine.executor.tp
     if tp is not None:
@@ -211,7 +225,7 @@ def run_conveyor(job: dict[str, Any]) -> SystemResult:
     for k in range(job["repeats"]):
         workload = make_workload(name, vocab, seed + k, n)
         t0 = time.perf_counter()
-        outputs = _conveyor_generate(llm, workload)
+        outputs = _conveyor_generate(llm, workload, structured)
         repeats.append(_measure(workload, outputs, time.perf_counter() - t0))
         wall += repeats[-1].wall_s
     steps = llm.llm_engine.get_stats().num_steps - steps_before
@@ -224,6 +238,8 @@ def run_conveyor(job: dict[str, Any]) -> SystemResult:
         label += f", {kv_dtype} KV cache"
     if name == "W2":
         label += ", prefix caching " + ("on" if engine_args.enable_prefix_caching else "off")
+    if structured:
+        label += f", structured {structured}"
     extra: dict[str, Any] = {
         "dtype": dtype,
         "kv_cache_dtype": kv_dtype,
@@ -244,7 +260,8 @@ def run_conveyor(job: dict[str, Any]) -> SystemResult:
     rss = peak_rss_mb()  # before profiling, which adds nothing but keep it clean
     if job.get("profile"):
         workload = make_workload(name, vocab, seed + job["repeats"], n)
-        extra["profile"] = profile_engine(llm.llm_engine, lambda: _conveyor_generate(llm, workload))
+        extra["profile"] = profile_engine(llm.llm_engine,
+                                          lambda: _conveyor_generate(llm, workload, structured))
     return SystemResult("conveyor", label, repeats, load_s=load_s, peak_rss_mb=rss, extra=extra)
 
 
@@ -363,6 +380,8 @@ def run_all(args: argparse.Namespace) -> dict[str, Any]:
                  for changes in args.also_with or []]
     variants += [(dataclasses.replace(engine_args, tensor_parallel_size=size),
                   f"tensor_parallel_size {size}", "") for size in tp_sizes[1:]]
+    if args.structured:  # the same engine, every request under a JSON schema
+        variants.insert(1, (engine_args, f"structured {args.structured}", ""))
 
     rates = None
     if not args.no_roofline:
@@ -377,7 +396,9 @@ def run_all(args: argparse.Namespace) -> dict[str, Any]:
             "num_requests": args.num_requests, "repeats": args.repeats, "profile": args.profile}
     results = []
     for i, (ea, what, note) in enumerate(variants):
-        job = {**base, "engine_args": dataclasses.asdict(ea), "profile": args.profile and i == 0}
+        structured = args.structured if what.startswith("structured ") else None
+        job = {**base, "engine_args": dataclasses.asdict(ea), "structured": structured,
+               "profile": args.profile and (i == 0 or structured is not None)}
         result = run_worker(job, "conveyor", what)
         result.config += note
         results.append(result)
@@ -450,8 +471,11 @@ def format_profile(p: dict[str, Any]) -> str:
         if not s:
             continue
         parts = ", ".join(f"{k} {v:.1f}%" for k, v in s["breakdown_pct"].items())
+        mask = (f"; grammar mask {s['mask_ms_per_step']:.2f} ms/step (filling the bitmask "
+                f"{s['mask_fill_ms_per_step']:.2f}, applying it the rest)"
+                if s.get("mask_ms_per_step") else "")
         lines.append(f"  {key} ({s['steps']} steps, batch {s['batch']}): overhead "
-                     f"{s['overhead_pct']:.1f}% of {s['mean_step_ms']:.1f} ms/step — {parts}")
+                     f"{s['overhead_pct']:.1f}% of {s['mean_step_ms']:.1f} ms/step — {parts}{mask}")
     return "\n".join(lines)
 
 
@@ -504,8 +528,16 @@ def print_report(payload: dict[str, Any], workload: str) -> None:
               f" MB + KV cache {mem['kv_cache_mb']:,.0f} MB + 500 MB = {mem['budget_mb']:,.0f} MB")
     if "roofline" in payload:
         print(format_roofline(payload["roofline"]))
-    if conveyor.extra.get("profile"):
-        print(format_profile(conveyor.extra["profile"]))
+    for r in results:
+        if r.system == "conveyor" and r.extra.get("profile"):
+            if len(ran) > 1:
+                print(f"conveyor ({r.config}):")
+            print(format_profile(r.extra["profile"]))
+    structured = [r for r in ran.values() if ", structured " in r.config]
+    if structured and conveyor.repeats:
+        x = structured[0].best_and_median("output_tokens_per_s")[0] / conveyor.best_and_median(
+            "output_tokens_per_s")[0]
+        print(f"structured outputs: {x:.2f}x the unconstrained output tok/s (best of each)")
 
 
 def main(args: argparse.Namespace) -> int:
@@ -554,6 +586,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                         "workload, llama.cpp's prompt lookup runs too")
     p.add_argument("--profile", action="store_true",
                    help="one extra Conveyor pass timing the engine outside the model forward")
+    p.add_argument("--structured", choices=["json"], default=None,
+                   help="also run the workload with every request under a JSON schema (one more "
+                        "Conveyor row; prints the ratio and, with --profile, the mask time)")
     p.add_argument("--no-roofline", action="store_true", help="skip the machine micro-benchmarks")
     p.add_argument("--json", help="write all results here")
     p.add_argument("--plot", help="bar chart PNG of the table")

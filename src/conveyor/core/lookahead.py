@@ -60,8 +60,11 @@ def add_lookahead(sched: SchedulerInterface, decodes: list[Sequence], budget: in
 
 
 def _may_speculate(sched: SchedulerInterface, seq: Sequence) -> bool:
-    """Decoding, with no per-token logprobs to report (verification samples no logprobs)."""
-    return sched.is_decoding(seq) and seq.group.sampling_params.logprobs is None
+    """Decoding, with no per-token logprobs to report (verification samples no logprobs), and
+    not under a structured-output grammar (its mask is for the next token only)."""
+    params = seq.group.sampling_params
+    return (sched.is_decoding(seq) and params.logprobs is None
+            and params.structured_outputs is None)
 
 
 def release_lookahead(sched: SchedulerInterface, seq: Sequence) -> None:

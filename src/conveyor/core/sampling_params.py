@@ -6,6 +6,8 @@ import dataclasses
 from dataclasses import dataclass, field
 from enum import IntEnum
 
+from conveyor.core.structured_outputs_params import StructuredOutputsParams
+
 
 class RequestOutputKind(IntEnum):
     """Which outputs a request yields from ``LLMEngine.step`` (vLLM's names)."""
@@ -43,6 +45,7 @@ class SamplingParams:
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit, in [-100, 100]
     prompt_logprobs: int | None = None  # per prompt token: its logprob and the top-N (0..20)
+    structured_outputs: StructuredOutputsParams | None = None  # docs/structured_outputs.md
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -103,6 +106,9 @@ class SamplingParams:
             fail("prompt_logprobs", "must be an integer in [0, 20] or None")
         if not isinstance(self.output_kind, RequestOutputKind):
             fail("output_kind", "must be a RequestOutputKind (CUMULATIVE, DELTA or FINAL_ONLY)")
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs,
+                                                                   StructuredOutputsParams):
+            fail("structured_outputs", "must be a StructuredOutputsParams or None")
         for name in ("include_stop_str_in_output", "ignore_eos", "skip_special_tokens"):
             if not isinstance(getattr(self, name), bool):
                 fail(name, "must be a bool")

@@ -10,7 +10,9 @@ Queues:
 * ``running``: decoding sequences (and, under prefill_first, the ones admitted this step), in
   the order the policy keeps them; finished ones are dropped lazily at the next schedule();
 * ``prefilling``: chunked only — admitted sequences whose prompt is not fully computed yet;
-* ``swapped``: sequences whose KV blocks sit in the CPU pool.
+* ``swapped``: sequences whose KV blocks sit in the CPU pool;
+* ``waiting_for_grammar``: requests added with ``wait_for_grammar`` (status
+  WAITING_FOR_GRAMMAR) until ``grammar_ready()`` queues them; the policies never see them.
 
 The decode fast path: a sequence whose next token still fits its last block needs no
 block-manager call. ``update()`` compares ``len(token_ids)`` with one precomputed number per
@@ -47,6 +49,7 @@ FINISHED_STOPPED = SequenceStatus.FINISHED_STOPPED
 FINISHED_LENGTH_CAPPED = SequenceStatus.FINISHED_LENGTH_CAPPED
 FINISHED_ABORTED = SequenceStatus.FINISHED_ABORTED
 FINISHED_IGNORED = SequenceStatus.FINISHED_IGNORED
+WAITING_FOR_GRAMMAR = SequenceStatus.WAITING_FOR_GRAMMAR
 
 
 _running_stamp = attrgetter("running_stamp")
@@ -78,6 +81,7 @@ class Scheduler:
         self.swapped = make_queue(scheduler_config.queue, SWAPPED)
         self.running: list[Sequence] = []
         self.prefilling: list[Sequence] = []
+        self.waiting_for_grammar: dict[str, Sequence] = {}
         self.seqs_needing_block: list[Sequence] = []  # running ones whose next slot needs a block
         # sequences that stopped running (finished or aborted) since the last schedule(); those
         # still in `running` are dropped from it lazily
@@ -112,10 +116,13 @@ class Scheduler:
     def add_request(self, request_id: str, prompt_token_ids: list[int],
                     sampling_params: SamplingParams, priority: int = 0,
                     arrival_time: float | None = None,
-                    fairness_key: str | None = None) -> SequenceGroup:
+                    fairness_key: str | None = None,
+                    wait_for_grammar: bool = False) -> SequenceGroup:
         """Queue a request; ValueError (naming the field) on bad input, nothing queued then.
         Requests sharing a ``fairness_key`` are admitted round-robin with other keys' requests
         of their priority (``request_queue``); None: the request id.
+
+        ``wait_for_grammar``: hold it as WAITING_FOR_GRAMMAR until ``grammar_ready()``.
 
         A prompt that can never run (longer than max_model_len, or needing more KV blocks than
         the whole cache) finishes at once as FINISHED_IGNORED with ``group.finish_message``;
@@ -149,8 +156,19 @@ class Scheduler:
             self._finished.append(group)
             return group
         self._groups[request_id] = group
-        self.waiting.append(seq)
+        if wait_for_grammar:
+            seq.status = WAITING_FOR_GRAMMAR
+            self.waiting_for_grammar[request_id] = seq
+        else:
+            self.waiting.append(seq)
         return group
+
+    def grammar_ready(self, request_id: str) -> None:
+        """A request's grammar compiled: it joins the back of ``waiting`` (no-op if gone)."""
+        seq = self.waiting_for_grammar.pop(request_id, None)
+        if seq is not None:
+            seq.status = WAITING
+            self.waiting.append(seq)
 
     def _new_seq_id(self) -> int:
         self._next_seq_id += 1
@@ -486,6 +504,8 @@ class Scheduler:
             self.waiting.remove(seq)
         elif old is SWAPPED:
             self.swapped.remove(seq)
+        elif old is WAITING_FOR_GRAMMAR:
+            del self.waiting_for_grammar[seq.group.request_id]
         self.block_manager.free(seq)
         self._detached_since_schedule = True
 
@@ -537,7 +557,7 @@ class Scheduler:
         free = gpu.num_free
         return SchedulerStats(
             num_running=num_running + len(self.prefilling),
-            num_waiting=len(self.waiting),
+            num_waiting=len(self.waiting) + len(self.waiting_for_grammar),
             num_swapped=len(self.swapped),
             num_free_blocks=free,
             num_total_blocks=total,

@@ -23,7 +23,7 @@ before that layer's attention reads it.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from conveyor.core.sequence import Sequence
@@ -43,6 +43,10 @@ class SchedulerOutput:
     # prefill chunks (which may fork n>1 groups) follow them.
     num_decodes: int = 0
     num_spec_tokens: int = 0  # proposed tokens to verify, over all decodes (core/lookahead.py)
+    # Set by the engine, not the scheduler, when some entry samples under a structured-output
+    # grammar: a ``conveyor.structured_outputs.GrammarBitmask`` (the tokens each such sequence
+    # may sample next), which the executor hands to its sampler.
+    grammar_bitmask: Any = None
 
     @property
     def is_empty(self) -> bool:

@@ -22,10 +22,11 @@ class SequenceStatus(enum.IntEnum):
     FINISHED_LENGTH_CAPPED = 4
     FINISHED_ABORTED = 5
     FINISHED_IGNORED = 6
+    WAITING_FOR_GRAMMAR = 7  # its structured-output grammar is still compiling (not queued yet)
 
     @property
     def is_finished(self) -> bool:
-        return self >= SequenceStatus.FINISHED_STOPPED
+        return SequenceStatus.FINISHED_STOPPED <= self <= SequenceStatus.FINISHED_IGNORED
 
     @property
     def finish_reason(self) -> str | None:

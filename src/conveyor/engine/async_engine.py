@@ -167,6 +167,11 @@ class AsyncEngine:
             if not finished:
                 self.abort(request_id)
 
+    def structured_outputs_compile_cache(self) -> Any:
+        """The engine's grammar compile cache (thread-safe; building it the first time reads
+        the vocabulary, so call it off the event loop)."""
+        return self.engine.structured_outputs.compile_cache
+
     def abort(self, request_id: str) -> None:
         """Abort a request (any thread). Its blocks are freed at the engine thread's next turn."""
         with self._lock:

@@ -14,27 +14,30 @@ _plain_tokenizers: dict[int, Any] = {}  # id(tokenizer) -> its backend, special 
 _plain_lock = threading.Lock()
 
 
-def chat_prompt(tokenizer: Any, messages: list[dict[str, str]],
-                add_generation_prompt: bool = True) -> dict[str, Any]:
-    """``{"prompt", "prompt_token_ids"}`` for ``messages`` (as ``LLMEngine.add_request`` takes)."""
+def chat_prompt(tokenizer: Any, messages: list[dict[str, Any]],
+                add_generation_prompt: bool = True,
+                tools: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    """``{"prompt", "prompt_token_ids"}`` for ``messages`` (as ``LLMEngine.add_request`` takes);
+    ``tools`` (OpenAI tool definitions) go to templates that render them."""
     if not isinstance(messages, list) or not messages:
         raise ValueError("messages must be a non-empty list of {'role', 'content'} dicts")
     for m in messages:
         if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(
                 m.get("content"), str):
             raise ValueError(f"messages: each message needs a string 'role' and 'content', got {m!r}")
-    text = _render(tokenizer, messages, add_generation_prompt)
+    text = _render(tokenizer, messages, add_generation_prompt, tools)
     specials = [t.content for t in tokenizer.added_tokens_decoder.values() if t.special]
     risky = [i for i, m in enumerate(messages) if any(s in m["content"] for s in specials)]
     if not risky:  # the common case: one pass (the template's special tokens parsed)
         ids = tokenizer.encode(text, add_special_tokens=False)
     else:
-        ids = _encode_apart(tokenizer, messages, add_generation_prompt, text, risky)
+        ids = _encode_apart(tokenizer, messages, add_generation_prompt, text, risky, tools)
     return {"prompt": text, "prompt_token_ids": ids}
 
 
-def _render(tokenizer: Any, messages: list[dict[str, str]], add_generation_prompt: bool) -> str:
-    return tokenizer.apply_chat_template(messages, tokenize=False,
+def _render(tokenizer: Any, messages: list[dict[str, Any]], add_generation_prompt: bool,
+            tools: list[dict[str, Any]] | None = None) -> str:
+    return tokenizer.apply_chat_template(messages, tokenize=False, tools=tools,
                                          add_generation_prompt=add_generation_prompt)
 
 
@@ -52,15 +55,16 @@ def _plain_tokenizer(tokenizer: Any) -> Any:
         return plain
 
 
-def _encode_apart(tokenizer: Any, messages: list[dict[str, str]], add_generation_prompt: bool,
-                  text: str, risky: list[int]) -> list[int]:
+def _encode_apart(tokenizer: Any, messages: list[dict[str, Any]], add_generation_prompt: bool,
+                  text: str, risky: list[int],
+                  tools: list[dict[str, Any]] | None = None) -> list[int]:
     """Render again with a marker in place of each risky content, so that the template's own
     text and the contents are told apart exactly; the template's parts are tokenized as usual,
     the contents as plain text. A template that does not copy such a content verbatim (it
     trims or escapes it) cannot be split safely: ValueError."""
     markers = {i: f"\ue000conveyor-content-{i}\ue001" for i in risky}
     masked = [{**m, "content": markers[i]} if i in markers else m for i, m in enumerate(messages)]
-    skeleton = _render(tokenizer, masked, add_generation_prompt)
+    skeleton = _render(tokenizer, masked, add_generation_prompt, tools)
     parts: list[str] = []
     rest = skeleton
     for i in risky:

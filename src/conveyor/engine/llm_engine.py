@@ -7,21 +7,26 @@ schedule -> execute (skipped when nothing is scheduled) -> update -> outputs.
 
 from __future__ import annotations
 
+import threading
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from conveyor.core.config import CacheConfig, SchedulerConfig
 from conveyor.core.sampling_params import SamplingParams
 from conveyor.core.scheduler import Scheduler
 from conveyor.core.scheduler_output import SchedulerOutput
-from conveyor.core.sequence import Sequence
+from conveyor.core.sequence import Sequence, SequenceGroup, SequenceStatus
 from conveyor.engine.args import EngineArgs
 from conveyor.engine.output_processor import OutputProcessor
 from conveyor.engine.outputs import RequestOutput
 from conveyor.engine.speculative import build_speculative
 from conveyor.engine.stats import EngineStats
 
+if TYPE_CHECKING:
+    from conveyor.structured_outputs import StructuredOutputManager
+
 DEFAULT_MAX_MODEL_LEN_CAP = 8192
+GRAMMAR_WAIT_S = 0.01  # an idle step waits this long for a compiling grammar
 
 Prompt = str | list[int] | dict[str, Any]
 
@@ -75,6 +80,8 @@ class LLMEngine:
             proposer=proposer,
         )
         self._outputs = OutputProcessor(self.tokenizer, self.scheduler.finish_sequence, self._clock)
+        self._grammar: StructuredOutputManager | None = None  # built with the first constraint
+        self._grammar_lock = threading.Lock()
         self._num_steps = 0
         self._scheduled_seqs_total = 0
         self._scheduled_tokens_total = 0
@@ -113,9 +120,31 @@ class LLMEngine:
             raise ValueError(f"logit_bias: token ids must be in [0, {vocab}), got "
                              f"{[t for t in sampling_params.logit_bias if t >= vocab][:5]}")
         text, token_ids = self._tokenize(prompt)
+        constrained = sampling_params.structured_outputs is not None
+        grammar = self.structured_outputs if constrained else None
         group = self.scheduler.add_request(request_id, token_ids, sampling_params, priority=priority,
-                                           arrival_time=arrival_time, fairness_key=fairness_key)
+                                           arrival_time=arrival_time, fairness_key=fairness_key,
+                                           wait_for_grammar=constrained)
         self._outputs.add_request(group, text)
+        if grammar is not None and not group.is_finished:
+            grammar.add_request(group)
+
+    @property
+    def structured_outputs(self) -> StructuredOutputManager:
+        """The grammar side of constrained requests (built on first use: it reads the whole
+        vocabulary once). Its ``compile_cache`` may be used from any thread."""
+        with self._grammar_lock:
+            if self._grammar is None:
+                from conveyor.structured_outputs import (
+                    GrammarCompileCache,
+                    StructuredOutputManager,
+                    tokenizer_info,
+                )
+
+                vocab = self.model_config.vocab_size
+                info = tokenizer_info(self.tokenizer, vocab, self.model_config.eos_token_ids)
+                self._grammar = StructuredOutputManager(GrammarCompileCache(info), vocab)
+            return self._grammar
 
     def _tokenize(self, prompt: Prompt) -> tuple[str | None, list[int]]:
         text: str | None = None
@@ -144,6 +173,8 @@ class LLMEngine:
         group = self.scheduler.abort(request_id)
         if group is None:
             return None
+        if self._grammar is not None:
+            self._grammar.remove(request_id)
         return self._outputs.finish_aborted(group)
 
     def has_unfinished_requests(self) -> bool:
@@ -153,7 +184,11 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         """Run one engine iteration; one cumulative output per request that progressed or finished."""
+        grammar = self._grammar
+        failed = self._admit_compiled(grammar) if grammar is not None else []
         scheduled = self.scheduler.schedule()
+        if grammar is not None:
+            scheduled.grammar_bitmask = grammar.bitmask(scheduled)
         num_samples = [scheduled.num_samples(i) for i in range(len(scheduled.seqs))]
         self._count_prompt_tokens(scheduled)
         if scheduled.is_empty:
@@ -171,10 +206,46 @@ class LLMEngine:
         self._generation_tokens_total += sum(len(tokens) for tokens in sampled)
         parents = list(scheduled.seqs)
         finished = self.scheduler.update(scheduled, sampled)
+        if grammar is not None:
+            finished += self._finish_ended_grammars(grammar, parents)
         if logprobs is not None:
             self._record_logprobs(parents, num_samples, sampled, logprobs)
         groups = [seq.group for seq in parents] + list(finished)
-        return self._outputs.process(groups)
+        outputs = failed + self._outputs.process(groups)
+        if grammar is not None:
+            for out in outputs:
+                if out.finished:
+                    grammar.remove(out.request_id)
+        return outputs
+
+    def _admit_compiled(self, grammar: StructuredOutputManager) -> list[RequestOutput]:
+        """Queue the requests whose grammar compiled; finish those whose compile failed (only
+        them: the rest of the batch runs on). Waits briefly when nothing else can run."""
+        if not grammar.has_pending():
+            return []
+        s = self.scheduler
+        idle = not (s.running or s.prefilling or s.waiting or s.swapped)
+        ready, failed = grammar.poll(GRAMMAR_WAIT_S if idle else 0.0)
+        for request_id in ready:
+            s.grammar_ready(request_id)
+        outputs = []
+        for request_id, error in failed:
+            group = s.abort(request_id)
+            if group is not None:
+                group.finish_message = error
+                outputs.append(self._outputs.finish_aborted(group))
+        return outputs
+
+    def _finish_ended_grammars(self, grammar: StructuredOutputManager,
+                               parents: list[Sequence]) -> list[SequenceGroup]:
+        """A sequence whose grammar has ended stops (finish reason ``stop``) even where its
+        last token was not a stop token for the scheduler (e.g. under ``ignore_eos``)."""
+        finished = []
+        for seq in grammar.advance(parents):
+            group = self.scheduler.finish_sequence(seq, SequenceStatus.FINISHED_STOPPED)
+            if group is not None:
+                finished.append(group)
+        return finished
 
     def _count_prompt_tokens(self, scheduled: SchedulerOutput) -> None:
         for seq, n_new in zip(scheduled.seqs, scheduled.num_new_tokens, strict=True):

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
+from pathlib import Path
 
 from conveyor.engine.args import add_cli_args, add_sampling_cli_args
 
@@ -19,9 +21,43 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--n", type=int, default=1, help="samples per prompt (default: 1)")
     parser.add_argument("--json", action="store_true",
                         help="print a JSON list (prompt, outputs with text, token_ids, finish_reason)")
+    constraint = parser.add_argument_group(
+        "structured outputs", "constrain every output (one of these; docs/structured_outputs.md)"
+    ).add_mutually_exclusive_group()
+    constraint.add_argument("--json-schema", metavar="FILE",
+                            help="a JSON schema file the output must validate against")
+    constraint.add_argument("--json-object", action="store_true",
+                            help="the output is a JSON object")
+    constraint.add_argument("--regex", help="a regular expression the output must match")
+    constraint.add_argument("--choice", nargs="+", metavar="TEXT",
+                            help="the output is exactly one of these strings")
+    constraint.add_argument("--grammar", metavar="FILE",
+                            help="an EBNF grammar file (xgrammar's GBNF dialect)")
     add_sampling_cli_args(parser)
     add_cli_args(parser)
     parser.set_defaults(func=run)
+
+
+def _structured_outputs(args: argparse.Namespace):  # -> StructuredOutputsParams | None
+    from conveyor.core.structured_outputs_params import StructuredOutputsParams
+
+    def read(path: str, flag: str) -> str:
+        try:
+            return Path(path).read_text()
+        except OSError as e:
+            raise ValueError(f"{flag}: cannot read {path}: {e.strerror}") from e
+
+    if args.json_schema:
+        return StructuredOutputsParams(json=read(args.json_schema, "--json-schema"))
+    if args.grammar:
+        return StructuredOutputsParams(grammar=read(args.grammar, "--grammar"))
+    if args.json_object:
+        return StructuredOutputsParams(json_object=True)
+    if args.regex is not None:
+        return StructuredOutputsParams(regex=args.regex)
+    if args.choice:
+        return StructuredOutputsParams(choice=args.choice)
+    return None
 
 
 def run(args: argparse.Namespace) -> int:
@@ -30,8 +66,12 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         params = sampling_params_from_cli_args(args, n=args.n)
+        constraint = _structured_outputs(args)
+        params = dataclasses.replace(params, structured_outputs=constraint)
         engine_args = from_cli_args(args)
         llm = LLM(**vars(engine_args))
+        if constraint is not None:  # the compiler's verdict before any generation
+            llm.llm_engine.structured_outputs.compile_cache.compile(constraint)
         if args.chat:
             conversations = [[{"role": "user", "content": p}] for p in args.prompts]
             outputs = llm.chat(conversations, params, use_tqdm=sys.stderr.isatty())

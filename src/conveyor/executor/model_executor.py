@@ -190,14 +190,19 @@ class ModelExecutor:
 
         rows, repeats = [], []
         proposals: list[Proposal] = []
+        grammar = so.grammar_bitmask  # conveyor.structured_outputs.GrammarBitmask or None
+        mask_rows: list[int] = []  # constrained sequences never carry proposals (lookahead.py)
         for i in sample_entries:
             seq, k = so.seqs[i], so.num_samples(i)
             if seq.spec_token_ids:
                 proposals.append(Proposal(i, len(rows), seq.spec_token_ids))
                 rows.extend(proposal_rows(seq))
                 repeats.extend([1] * (len(seq.spec_token_ids) + 1))
+                mask_rows += [-1] * (len(seq.spec_token_ids) + 1)
                 continue
             group = seq.group
+            if grammar is not None:
+                mask_rows += [grammar.row_of.get(seq.seq_id, -1)] * k
             for s in range(k):
                 rows.append(SampleRow(
                     params=group.sampling_params,
@@ -211,7 +216,8 @@ class ModelExecutor:
             # output_size: without it a GPU waits for the sum of the repeats
             logits = logits.repeat_interleave(torch.tensor(repeats, device=logits.device), dim=0,
                                               output_size=sum(repeats))
-        out = self.sampler(logits, rows)
+        out = self.sampler(logits, rows,
+                           (grammar.bitmask, mask_rows) if grammar is not None else None)
         verified = verify(self.sampler, logits, rows, out.token_ids, proposals) if proposals else {}
         row = 0
         for i in sample_entries:

@@ -10,7 +10,10 @@ Randomness: each row draws a single uniform number and picks the token where the
 probability crosses it (inverse CDF). For a request with a ``seed`` that number is a hash of
 (seed, sample index, position), so its tokens do not depend on what else is in the batch;
 rows without a seed draw from the executor's generator.
-Logprobs are those of the raw model distribution (log-softmax of the unprocessed logits).
+Logprobs are those of the raw model distribution (log-softmax of the unprocessed logits), or,
+for a row under a structured-output grammar, of that distribution masked to the tokens the
+grammar allows (the mask comes first: see docs/structured_outputs.md). A constrained row's
+``min_tokens`` does not mask stop tokens: its grammar decides where it may end.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import torch
 from conveyor.core.sampling_params import SamplingParams
 from conveyor.model.kernels import fused_ops
 from conveyor.model.logit_bias import apply_logit_bias
+from conveyor.model.token_bitmask import apply_token_bitmask
 
 _MASK64 = (1 << 64) - 1
 
@@ -73,14 +77,19 @@ class Sampler:
         self.generator = torch.Generator().manual_seed(seed)
         self.eos_token_ids = list(eos_token_ids)
 
-    def __call__(self, logits: torch.Tensor, rows: list[SampleRow]) -> SamplerOutput:
+    def __call__(self, logits: torch.Tensor, rows: list[SampleRow],
+                 grammar: tuple[torch.Tensor, list[int]] | None = None) -> SamplerOutput:
         """logits: [R, vocab] in the model's dtype, one row per entry of ``rows``.
+
+        ``grammar``: (packed token bitmask, per row the bitmask row to apply or -1); it masks
+        ``logits`` in place.
 
         Plain greedy rows (no penalties, no logprobs) take the maximum in that dtype: converting
         to float32 is exact, so the choice is the same, and skipping the copy saves a pass over
         the logits. Everything else is computed in float32.
         """
         device, vocab = logits.device, logits.shape[1]
+        constrained = apply_token_bitmask(logits, *grammar) if grammar is not None else []
         params = [r.params for r in rows]
         want_logprobs = [p.logprobs for p in params]
         plain_greedy = all(p.temperature == 0.0 and p.logprobs is None and p.repetition_penalty == 1.0
@@ -92,7 +101,7 @@ class Sampler:
                         if any(n is not None for n in want_logprobs) else None)
         logits = self._apply_penalties(logits, rows, vocab)  # out of place
         logits = apply_logit_bias(logits, params)
-        logits = self._mask_stop_tokens_before_min_tokens(logits, rows, vocab)
+        logits = self._mask_stop_tokens_before_min_tokens(logits, rows, vocab, set(constrained))
 
         is_greedy = [p.temperature == 0.0 for p in params]
         if all(is_greedy):
@@ -141,9 +150,11 @@ class Sampler:
         return logits
 
     def _mask_stop_tokens_before_min_tokens(self, logits: torch.Tensor, rows: list[SampleRow],
-                                            vocab: int) -> torch.Tensor:
+                                            vocab: int,
+                                            constrained: frozenset[int] | set[int] = frozenset()
+                                            ) -> torch.Tensor:
         masked = [(i, r.params) for i, r in enumerate(rows)
-                  if len(r.output_token_ids) < r.params.min_tokens]
+                  if len(r.output_token_ids) < r.params.min_tokens and i not in constrained]
         if not masked:
             return logits
         logits = logits.clone()

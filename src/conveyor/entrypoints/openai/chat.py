@@ -16,7 +16,7 @@ from conveyor.entrypoints.openai.prompt_logprobs import (
     check_prompt_logprobs,
     vllm_prompt_logprobs,
 )
-from conveyor.entrypoints.openai.protocol import ChatCompletionRequest
+from conveyor.entrypoints.openai.protocol import ChatCompletionRequest, ChatMessage
 from conveyor.entrypoints.openai.serving import (
     Choice,
     Job,
@@ -40,6 +40,8 @@ from conveyor.entrypoints.openai.serving import (
     top_entries,
     usage,
 )
+from conveyor.entrypoints.openai.structured import compile_constraint, constraint_param
+from conveyor.entrypoints.openai.tools import ToolMode, ToolStream, tool_calls_json
 
 if TYPE_CHECKING:
     from conveyor.engine.async_engine import AsyncEngine
@@ -73,11 +75,18 @@ async def create_chat_completion(state: ServerState, request: Request,
     check_prompt_logprobs(req)
     if req.top_logprobs is not None and not req.logprobs:
         raise bad_request("'top_logprobs' requires 'logprobs': true", param="top_logprobs")
-    messages = [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})}
-                for m in req.messages]
+    messages = [_message(m) for m in req.messages]
     check_prompt_chars(state, sum(len(m["content"]) for m in messages), "messages")
+    template = getattr(state.tokenizer, "chat_template", None)
     try:
-        prompt = await state.off_loop(state.encode_chat, messages, req.add_generation_prompt)
+        tools = ToolMode.of(req, template)
+        req._tool_constraint = tools.constraint()
+    except ValueError as e:
+        raise bad_request(str(e), param="tool_choice" if req.tools else "tools") from e
+    messages, template_tools = tools.prompt_messages(messages, template)
+    try:
+        prompt = await state.off_loop(state.encode_chat, messages, req.add_generation_prompt,
+                                      template_tools)
     except Exception as e:  # a template that rejects the conversation (e.g. role order)
         raise bad_request(f"the chat template rejected the messages: {e}",
                           param="messages") from e
@@ -88,6 +97,7 @@ async def create_chat_completion(state: ServerState, request: Request,
     request_id = new_id("chatcmpl")
     job = Job(request_id, prompt_ids, make_params(state, req.sampling_params, max_tokens), req.priority,
               prompt["prompt"])
+    await compile_constraint(state.ready_engine(), job.params, constraint_param(req))
     engine = check_admission(state, 1)
     record = access_record(request)
     record.request_id = request_id
@@ -99,17 +109,33 @@ async def create_chat_completion(state: ServerState, request: Request,
     tok = TokenText(state.tokenizer)
     reservation = state.admission.reserve(req.n)
     if req.stream:
-        return sse_response(_stream(state, engine, req, job, head, tok, record),
+        return sse_response(_stream(state, engine, req, job, head, tok, record, tools),
                             on_close=reservation.release)
     try:
         return await cancel_on_disconnect(request, _whole(state, engine, req, job, head, tok,
-                                                          record))
+                                                          record, tools))
     finally:
         reservation.release()
 
 
+def _message(m: ChatMessage) -> dict[str, Any]:
+    out: dict[str, Any] = {"role": m.role, "content": m.text()}
+    if m.name:
+        out["name"] = m.name
+    if m.tool_calls:
+        out["tool_calls"] = m.tool_calls
+    if m.tool_call_id:
+        out["tool_call_id"] = m.tool_call_id
+    return out
+
+
+def _finish_reason(reason: str | None, called: bool) -> str | None:
+    return "tool_calls" if called and reason == "stop" else reason
+
+
 async def _whole(state: ServerState, engine: AsyncEngine, req: ChatCompletionRequest, job: Job,
-                 head: dict[str, Any], tok: TokenText, record: AccessRecord) -> Response:
+                 head: dict[str, Any], tok: TokenText, record: AccessRecord,
+                 tools: ToolMode) -> Response:
     choices = [Choice() for _ in range(req.n)]
     scored = None
     try:
@@ -130,9 +156,16 @@ async def _whole(state: ServerState, engine: AsyncEngine, req: ChatCompletionReq
         raise state.api_error(e) from e
     check_not_cut([ch.finish_reason for ch in choices])
     top_n = req.top_logprobs or 0
-    out = [{"index": j, "message": {"role": "assistant", "content": ch.text},
-            "logprobs": _logprobs(tok, ch.token_ids, ch.logprobs, top_n) if req.logprobs else None,
-            "finish_reason": ch.finish_reason} for j, ch in enumerate(choices)]
+    out = []
+    for j, ch in enumerate(choices):
+        content, calls = tools.parse(ch.text)
+        message: dict[str, Any] = {"role": "assistant", "content": content}
+        if calls:
+            message["tool_calls"] = tool_calls_json(calls)
+        out.append({"index": j, "message": message,
+                    "logprobs": (_logprobs(tok, ch.token_ids, ch.logprobs, top_n)
+                                 if req.logprobs else None),
+                    "finish_reason": _finish_reason(ch.finish_reason, bool(calls))})
     completion_tokens = sum(len(ch.token_ids) for ch in choices)
     record.output_tokens = completion_tokens
     return JSONResponse({**head, "choices": out,
@@ -143,7 +176,8 @@ async def _whole(state: ServerState, engine: AsyncEngine, req: ChatCompletionReq
 
 
 async def _stream(state: ServerState, engine: AsyncEngine, req: ChatCompletionRequest, job: Job,
-                  head: dict[str, Any], tok: TokenText, record: AccessRecord) -> AsyncIterator[str]:
+                  head: dict[str, Any], tok: TokenText, record: AccessRecord,
+                  tools: ToolMode) -> AsyncIterator[str]:
     head = {**head, "object": "chat.completion.chunk"}
     extra = {"usage": None} if req.include_usage else {}
     top_n = req.top_logprobs or 0
@@ -155,8 +189,9 @@ async def _stream(state: ServerState, engine: AsyncEngine, req: ChatCompletionRe
         return sse({**head, "choices": [choice], **extra})
 
     for j in range(req.n):
-        yield chunk(j, {"role": "assistant", "content": ""})
+        yield chunk(j, {"role": "assistant", "content": "" if tools.kind != "named" else None})
     completion_tokens = 0
+    streams = [ToolStream(tools) for _ in range(req.n)] if tools.kind is not None else None
     try:
         async with aclosing(merged_deltas(engine, [job])) as deltas:
             async for _, d in deltas:
@@ -172,11 +207,27 @@ async def _stream(state: ServerState, engine: AsyncEngine, req: ChatCompletionRe
                         continue
                     lp = _logprobs(tok, c.token_ids, c.logprobs or [], top_n) if req.logprobs \
                         else None
-                    yield chunk(c.index, {"content": c.text} if c.text else {}, c.finish_reason,
-                                lp)
+                    if streams is None:
+                        yield chunk(c.index, {"content": c.text} if c.text else {},
+                                    c.finish_reason, lp)
+                        continue
+                    for event in _tool_stream_chunks(streams[c.index], c.text, c.finish_reason):
+                        yield chunk(c.index, *event, lp)
+                        lp = None
     except Exception as e:
         yield sse(state.api_error(e).body())
     if req.include_usage:
         yield sse({**head, "choices": [],
                    "usage": usage(len(job.prompt_token_ids), completion_tokens)})
     yield sse("[DONE]")
+
+
+def _tool_stream_chunks(stream: ToolStream, text: str,
+                        finish_reason: str | None) -> list[tuple[dict[str, Any], str | None]]:
+    """(delta, finish_reason) of one engine delta of a choice that may call tools."""
+    events: list[tuple[dict[str, Any], str | None]] = [(d, None) for d in stream.feed(text)]
+    if finish_reason is not None:
+        tail, called = stream.finish()
+        events += [(d, None) for d in tail]
+        events.append(({}, _finish_reason(finish_reason, called)))
+    return events

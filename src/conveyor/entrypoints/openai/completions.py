@@ -43,6 +43,7 @@ from conveyor.entrypoints.openai.serving import (
     top_entries,
     usage,
 )
+from conveyor.entrypoints.openai.structured import compile_constraint, constraint_param
 
 if TYPE_CHECKING:
     from conveyor.engine.async_engine import AsyncEngine
@@ -109,6 +110,7 @@ async def create_completion(state: ServerState, request: Request,
         max_tokens = resolve_max_tokens(state, len(ids), req.max_tokens, "max_tokens")
         jobs.append(Job(f"{base_id}-{i}", ids, make_params(state, req.sampling_params, max_tokens),
                         req.priority, text, fairness_key=base_id))
+    await compile_constraint(state.ready_engine(), jobs[0].params, constraint_param(req))
     engine = check_admission(state, len(jobs))
     record = access_record(request)
     record.request_id = base_id

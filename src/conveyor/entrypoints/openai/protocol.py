@@ -7,11 +7,13 @@ Unknown fields are ignored, as OpenAI's own server does.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr
 
 from conveyor.core.sampling_params import SamplingParams
+from conveyor.core.structured_outputs_params import StructuredOutputsParams
+from conveyor.entrypoints.openai.structured import structured_outputs_params
 
 
 def _token_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
@@ -32,6 +34,30 @@ class _Strict(BaseModel):
 
 class StreamOptions(_Strict):
     include_usage: bool = False
+
+
+class JsonSchemaFormat(_Strict):
+    model_config = ConfigDict(strict=True, extra="ignore", populate_by_name=True)
+    name: str = "response"
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Strict):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputsField(_Strict):
+    """vLLM's ``structured_outputs`` extra field (one constraint)."""
+
+    model_config = ConfigDict(strict=True, extra="forbid", populate_by_name=True)
+    json_: dict[str, Any] | str | None = Field(None, alias="json")
+    json_object: bool | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
 
 
 class _SamplingRequest(_Strict):
@@ -59,6 +85,8 @@ class _SamplingRequest(_Strict):
     priority: int = 0
     logit_bias: dict[str, float] | None = None
     prompt_logprobs: int | None = Field(None, ge=0, le=20)
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsField | None = None
 
     def _sampling_params(self, max_tokens: int | None, logprobs: int | None,
                          prompt_logprobs: int | None = None) -> SamplingParams:
@@ -85,7 +113,11 @@ class _SamplingRequest(_Strict):
             skip_special_tokens=self.skip_special_tokens,
             logit_bias=_token_bias(self.logit_bias),
             prompt_logprobs=self.prompt_logprobs if prompt_logprobs is None else prompt_logprobs,
+            structured_outputs=self._constraint(),
         )
+
+    def _constraint(self) -> StructuredOutputsParams | None:
+        return structured_outputs_params(self)
 
     @property
     def include_usage(self) -> bool:
@@ -110,10 +142,33 @@ class TextPart(_Strict):
     text: str
 
 
+class FunctionDefinition(_Strict):
+    name: str = Field(min_length=1)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ToolDefinition(_Strict):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class _FunctionName(_Strict):
+    name: str
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"]
+    function: _FunctionName
+
+
 class ChatMessage(_Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # a tool message's answer to that call
 
     def text(self) -> str:
         if self.content is None:
@@ -130,6 +185,9 @@ class ChatCompletionRequest(_SamplingRequest):
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
     add_generation_prompt: bool = True
+    tools: list[ToolDefinition] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
 
     @property
     def requested_max_tokens(self) -> int | None:
@@ -140,3 +198,13 @@ class ChatCompletionRequest(_SamplingRequest):
     def sampling_params(self, max_tokens: int | None) -> SamplingParams:
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
         return self._sampling_params(max_tokens, logprobs)
+
+    # the schema a 'required' or named tool_choice enforces (set by the handler, tools.py)
+    _tool_constraint: StructuredOutputsParams | None = PrivateAttr(None)
+
+    def _constraint(self) -> StructuredOutputsParams | None:
+        own = structured_outputs_params(self)
+        if self._tool_constraint is not None and own is not None:
+            raise ValueError("tool_choice 'required' or a named function cannot be combined with "
+                             "response_format or structured_outputs")
+        return self._tool_constraint or own

@@ -134,12 +134,12 @@ class ServerState:
     def encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text)  # as LLMEngine.add_request tokenizes a text prompt
 
-    def encode_chat(self, messages: list[dict[str, Any]],
-                    add_generation_prompt: bool) -> dict[str, Any]:
+    def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool,
+                    tools: list[dict[str, Any]] | None = None) -> dict[str, Any]:
         """``{"prompt", "prompt_token_ids"}`` through the model's chat template."""
         from conveyor.engine.chat import chat_prompt
 
-        return chat_prompt(self.tokenizer, messages, add_generation_prompt)
+        return chat_prompt(self.tokenizer, messages, add_generation_prompt, tools)
 
     async def health(self) -> dict[str, Any]:
         """The /health body; raises APIError (503) when not ready."""

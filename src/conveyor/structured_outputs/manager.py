@@ -1,0 +1,169 @@
+"""StructuredOutputManager: the grammar side of constrained requests, beside the scheduler.
+
+Per request: the future of its compiled grammar (``GrammarCompileCache``). Per sequence: an
+xgrammar ``GrammarMatcher`` and how many of the sequence's output tokens it has accepted.
+
+The matcher follows the sequence, not the other way round: before each use it is synced to the
+sequence's output tokens (``_sync``), replaying the tokens it has not seen and rolling back the
+ones the sequence no longer has. So a forked sample (n > 1) gets its own matcher that replays
+its first token, and a sequence preempted by recompute or swap (which keeps its tokens) finds
+its matcher where it left it; nothing in the scheduler has to tell the grammar about either.
+
+Per step (``LLMEngine.step``): ``bitmask()`` fills one row of xgrammar's packed token bitmask
+per constrained sequence that samples, which the sampler applies to its logits; ``advance()``
+feeds the sampled tokens to the matchers and names the sequences whose grammar has ended.
+"""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+
+import torch
+import xgrammar as xgr
+
+from conveyor.core.scheduler_output import SchedulerOutput
+from conveyor.core.sequence import Sequence, SequenceGroup
+from conveyor.structured_outputs.compiler import GrammarCompileCache
+
+
+@dataclass
+class GrammarBitmask:
+    """The tokens each constrained sequence of a step may sample next.
+
+    ``bitmask[row_of[seq_id]]`` is xgrammar's packed row (bit ``t % 32`` of word ``t // 32``
+    set when token ``t`` is allowed); sequences without a row are unconstrained.
+    """
+
+    bitmask: torch.Tensor  # int32 [rows, ceil(vocab / 32)]
+    row_of: dict[int, int] = field(default_factory=dict)  # Sequence.seq_id -> row
+
+
+@dataclass
+class _SeqGrammar:
+    matcher: xgr.GrammarMatcher
+    num_accepted: int = 0
+    rejected: bool = False  # a token the grammar does not allow reached the sequence
+
+
+class StructuredOutputManager:
+    def __init__(self, compile_cache: GrammarCompileCache, vocab_size: int) -> None:
+        self.compile_cache = compile_cache
+        self.vocab_size = vocab_size
+        self._futures: dict[str, Future[xgr.CompiledGrammar]] = {}  # compiling, by request id
+        self._grammars: dict[str, xgr.CompiledGrammar] = {}  # compiled, by request id
+        self._seqs: dict[int, _SeqGrammar] = {}  # by Sequence.seq_id
+        self._seq_ids: dict[str, list[int]] = {}  # request id -> its matchers' seq ids
+        self._batch = xgr.BatchGrammarMatcher()
+        self.mask_seconds = 0.0  # time spent filling bitmasks (``--profile``)
+        self.num_masked_rows = 0
+
+    # ------------------------------------------------------------------ requests
+
+    def add_request(self, group: SequenceGroup) -> None:
+        """Start compiling ``group``'s constraint (at once ready when it is cached)."""
+        future = self.compile_cache.submit(group.sampling_params.structured_outputs)
+        self._futures[group.request_id] = future
+
+    def is_constrained(self, request_id: str) -> bool:
+        return request_id in self._grammars
+
+    def has_pending(self) -> bool:
+        return bool(self._futures)
+
+    def poll(self, wait_s: float = 0.0) -> tuple[list[str], list[tuple[str, str]]]:
+        """(request ids whose grammar is ready, (request id, error) of failed compiles).
+        ``wait_s`` > 0: wait that long for the first one when none is done yet."""
+        if not self._futures:
+            return [], []
+        if wait_s > 0 and not any(f.done() for f in self._futures.values()):
+            from concurrent.futures import FIRST_COMPLETED, wait
+
+            wait(list(self._futures.values()), timeout=wait_s, return_when=FIRST_COMPLETED)
+        ready, failed = [], []
+        for request_id, future in list(self._futures.items()):
+            if not future.done():
+                continue
+            del self._futures[request_id]
+            error = future.exception()
+            if error is None:
+                self._grammars[request_id] = future.result()
+                ready.append(request_id)
+            else:
+                failed.append((request_id, str(error)))
+        return ready, failed
+
+    def remove(self, request_id: str) -> None:
+        """Forget a finished or aborted request (its compile, if still running, stays cached)."""
+        self._futures.pop(request_id, None)
+        self._grammars.pop(request_id, None)
+        for seq_id in self._seq_ids.pop(request_id, ()):
+            self._seqs.pop(seq_id, None)
+
+    # ------------------------------------------------------------------ per step
+
+    def bitmask(self, scheduled: SchedulerOutput) -> GrammarBitmask | None:
+        """One bitmask row per constrained sequence that samples this step (None if none)."""
+        if not self._grammars:
+            return None
+        seqs = [seq for i, seq in enumerate(scheduled.seqs)
+                if seq.group.request_id in self._grammars and scheduled.num_samples(i) > 0]
+        if not seqs:
+            return None
+        start = time.perf_counter()
+        bitmask = xgr.allocate_token_bitmask(len(seqs), self.vocab_size)  # all allowed
+        row_of, matchers, rows = {}, [], []
+        for row, seq in enumerate(seqs):
+            state = self._sync(seq)
+            row_of[seq.seq_id] = row
+            if not (state.matcher.is_terminated() or state.rejected):  # else: it is finishing
+                matchers.append(state.matcher)
+                rows.append(row)
+        if len(matchers) > 1:  # xgrammar's threads fill the rows in parallel
+            self._batch.batch_fill_next_token_bitmask(matchers, bitmask, rows)
+        elif matchers:
+            matchers[0].fill_next_token_bitmask(bitmask, rows[0])
+        self.mask_seconds += time.perf_counter() - start
+        self.num_masked_rows += len(seqs)
+        return GrammarBitmask(bitmask, row_of)
+
+    def advance(self, seqs: list[Sequence]) -> list[Sequence]:
+        """Feed the newly sampled tokens of ``seqs`` (and of samples forked from them) to their
+        matchers; the unfinished sequences whose grammar has ended (or that hold a token the
+        grammar rejects) — they must stop."""
+        ended = []
+        for parent in seqs:
+            group = parent.group
+            if group.request_id not in self._grammars:
+                continue
+            family = group.seqs if len(group.seqs) > 1 else (parent,)
+            for seq in family:
+                if seq.status.is_finished:
+                    continue
+                state = self._sync(seq)
+                if state.rejected or state.matcher.is_terminated():
+                    ended.append(seq)
+        return ended
+
+    # ------------------------------------------------------------------ matchers
+
+    def _sync(self, seq: Sequence) -> _SeqGrammar:
+        """``seq``'s matcher, having accepted exactly its output tokens."""
+        state = self._seqs.get(seq.seq_id)
+        if state is None:
+            grammar = self._grammars[seq.group.request_id]
+            state = self._seqs[seq.seq_id] = _SeqGrammar(xgr.GrammarMatcher(grammar))
+            self._seq_ids.setdefault(seq.group.request_id, []).append(seq.seq_id)
+        num_outputs = len(seq.token_ids) - seq.num_prompt_tokens
+        if state.num_accepted > num_outputs:
+            state.matcher.rollback(state.num_accepted - num_outputs)
+            state.num_accepted = num_outputs
+            state.rejected = False
+        while state.num_accepted < num_outputs and not state.rejected:
+            token = seq.token_ids[seq.num_prompt_tokens + state.num_accepted]
+            if state.matcher.is_terminated() or not state.matcher.accept_token(token):
+                state.rejected = True
+                break
+            state.num_accepted += 1
+        return state
