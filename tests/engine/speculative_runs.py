@@ -6,6 +6,7 @@ from __future__ import annotations
 from conveyor.core.sampling_params import SamplingParams
 from conveyor.engine.args import EngineArgs
 from conveyor.engine.llm_engine import LLMEngine
+from engine_runs import run_to_end
 
 
 def run_greedy(executor, args: EngineArgs, prompts: list[list[int]], max_tokens: int,
@@ -14,22 +15,13 @@ def run_greedy(executor, args: EngineArgs, prompts: list[list[int]], max_tokens:
     the prompts run first (1 token each) so that their blocks are in the prefix cache."""
     engine = LLMEngine(args, executor=executor)
     if warm_up:
-        for i, p in enumerate(prompts):
-            engine.add_request(f"w{i}", p, SamplingParams(temperature=0, max_tokens=1))
-        while engine.has_unfinished_requests():
-            engine.step()
-    for i, p in enumerate(prompts):
-        engine.add_request(str(i), p, SamplingParams(temperature=0, max_tokens=max_tokens,
-                                                     ignore_eos=True))
-    done = {}
-    accepted = 0
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = list(out.outputs[0].token_ids)
-                accepted += out.metrics.num_accepted_tokens
+        run_to_end(engine, [(p, SamplingParams(temperature=0, max_tokens=1)) for p in prompts],
+                   prefix="w")
+    outs = run_to_end(engine, [(p, SamplingParams(temperature=0, max_tokens=max_tokens,
+                                                  ignore_eos=True)) for p in prompts])
+    accepted = sum(out.metrics.num_accepted_tokens for out in outs)
     stats = engine.get_stats()
     assert accepted == stats.spec_accepted_tokens  # per request, and in the engine's counters
     assert stats.num_free_blocks == stats.num_total_blocks, "KV blocks leaked"
     engine.scheduler.block_manager.gpu.check_consistency()
-    return [done[str(i)] for i in range(len(prompts))], stats
+    return [list(out.outputs[0].token_ids) for out in outs], stats

@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 from conveyor.core.sampling_params import SamplingParams
 from conveyor.engine.args import EngineArgs
 from conveyor.engine.llm_engine import LLMEngine
+from engine_runs import run_to_end
 from torch_threads import torch_threads
 
 MAX_MODEL_LEN = 128
@@ -47,21 +48,13 @@ def run(executor, args: EngineArgs, requests: list[tuple[list[int], SamplingPara
     engine's count appended."""
     engine = LLMEngine(args, executor=executor)
     if warm_up is not None:
-        engine.add_request("warm", warm_up, SamplingParams(temperature=0, max_tokens=2))
-        while engine.has_unfinished_requests():
-            engine.step()
-    for i, (prompt, params) in enumerate(requests):
-        engine.add_request(str(i), prompt, params)
-    done = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = out
+        run_to_end(engine, [(warm_up, SamplingParams(temperature=0, max_tokens=2))], prefix="warm")
+    outs = run_to_end(engine, requests)
     if preemptions is not None:
         preemptions.append(engine.get_stats().num_preemptions)
     return [[(list(c.token_ids), [lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs,
                                                                   strict=True)])
-             for c in done[str(i)].outputs] for i in range(len(requests))]
+             for c in out.outputs] for out in outs]
 
 
 _alone: dict[tuple, list[tuple[list[int], list[float]]]] = {}

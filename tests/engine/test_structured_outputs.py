@@ -18,6 +18,7 @@ from conveyor.core.structured_outputs_params import StructuredOutputsParams
 from conveyor.engine.args import EngineArgs
 from conveyor.engine.chat import chat_prompt
 from conveyor.engine.llm_engine import LLMEngine
+from engine_runs import run_to_end
 
 CASES = json.loads((Path(__file__).parents[1] / "structured_outputs" / "schemas.json")
                    .read_text())["cases"]
@@ -46,16 +47,10 @@ def run(executor, requests, **engine_kwargs):
                       num_gpu_blocks=engine_kwargs.pop("num_gpu_blocks", 256), max_num_seqs=16,
                       **engine_kwargs)
     engine = LLMEngine(args, executor=executor)
-    for i, (prompt, params) in enumerate(requests):
-        engine.add_request(str(i), prompt, params)
-    done = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = out
+    outs = run_to_end(engine, requests)
     stats = engine.get_stats()
     assert stats.num_free_blocks == stats.num_total_blocks
-    return [done[str(i)] for i in range(len(requests))], engine
+    return outs, engine
 
 
 def constrained(temperature=0.0, max_tokens=120, **kind) -> SamplingParams:

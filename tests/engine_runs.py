@@ -1,0 +1,22 @@
+"""A helper shared by tests (``tests/`` is on pytest's python path): run requests on an
+LLMEngine to the end."""
+
+from __future__ import annotations
+
+from conveyor.core.sampling_params import SamplingParams
+from conveyor.engine.llm_engine import LLMEngine
+from conveyor.engine.outputs import RequestOutput
+
+
+def run_to_end(engine: LLMEngine, requests: list[tuple[list[int], SamplingParams]],
+               prefix: str = "") -> list[RequestOutput]:
+    """Adds every request at once (ids ``prefix + index``), steps the engine until nothing is
+    left, and returns each request's finished output, in order."""
+    for i, (prompt, params) in enumerate(requests):
+        engine.add_request(f"{prefix}{i}", prompt, params)
+    done: dict[str, RequestOutput] = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out
+    return [done[f"{prefix}{i}"] for i in range(len(requests))]
