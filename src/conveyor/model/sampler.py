@@ -99,9 +99,7 @@ class Sampler:
             logits = logits.float()
         raw_logprobs = (torch.log_softmax(logits, dim=-1)
                         if any(n is not None for n in want_logprobs) else None)
-        logits = self._apply_penalties(logits, rows, vocab)  # out of place
-        logits = apply_logit_bias(logits, params)
-        logits = self._mask_stop_tokens_before_min_tokens(logits, rows, vocab, set(constrained))
+        logits = self._adjust(logits, rows, vocab, set(constrained))  # out of place
 
         is_greedy = [p.temperature == 0.0 for p in params]
         if all(is_greedy):
@@ -167,10 +165,15 @@ class Sampler:
         """The float32 distribution each random row (temperature > 0) samples from: after
         penalties, logit_bias, the min_tokens mask, temperature, top-k, top-p and min-p (unnormalized)."""
         vocab = logits.shape[1]
-        logits = self._apply_penalties(logits.float(), rows, vocab)
+        return self._probs(self._adjust(logits.float(), rows, vocab), rows, vocab)
+
+    def _adjust(self, logits: torch.Tensor, rows: list[SampleRow], vocab: int,
+                constrained: frozenset[int] | set[int] = frozenset()) -> torch.Tensor:
+        """Penalties, logit_bias and the min_tokens mask (not on ``constrained`` rows, whose
+        grammar decides when they may end), out of place."""
+        logits = self._apply_penalties(logits, rows, vocab)
         logits = apply_logit_bias(logits, [r.params for r in rows])
-        logits = self._mask_stop_tokens_before_min_tokens(logits, rows, vocab)
-        return self._probs(logits, rows, vocab)
+        return self._mask_stop_tokens_before_min_tokens(logits, rows, vocab, constrained)
 
     def _sample(self, logits: torch.Tensor, rows: list[SampleRow], vocab: int) -> torch.Tensor:
         probs = self._probs(logits, rows, vocab)
