@@ -18,7 +18,14 @@ import torch.nn.functional as F
 
 from conveyor.model.kernels import build
 from conveyor.model.kernels.panel_gemm import pack_panels
-from conveyor.model.layers.quantized import GROUP, Int4Blocks, Int8Panels, NibbleInt4
+from conveyor.model.layers.quantized import (
+    GROUP,
+    BlockPanels,
+    Int4Blocks,
+    Int8Blocks,
+    Int8Panels,
+    NibbleInt4,
+)
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(
     platform.machine() not in ("x86_64", "AMD64"), reason="the targets are x86-64 levels")]
@@ -103,6 +110,35 @@ def test_block_matmul(ops) -> None:
         x = _randn(3, 128).to(dtype)
         got = ops.block_matmul(x, packed.codes, packed.scale, packed.min)
         _close(got, x.double() @ blocks.dequantize().double().T, dtype, 4)
+
+
+def _file_blocks(bits: int, n: int, k: int, seed: int) -> Int4Blocks | Int8Blocks:
+    """Blocks as a GGUF file holds them: fp16 scales and minima (so ``q * d`` is exact)."""
+    g = torch.Generator().manual_seed(seed)
+    scale = (torch.rand(n, k // GROUP, generator=g) * 0.02 + 1e-4).half().float()
+    if bits == 8:
+        return Int8Blocks(torch.randint(-128, 128, (n, k), dtype=torch.int8, generator=g), scale)
+    low = (-torch.rand(n, k // GROUP, generator=g) * 0.2).half().float()
+    return Int4Blocks(torch.randint(0, 16, (n, k), dtype=torch.uint8, generator=g), scale, low)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_block_panel_gemm_equals_the_panels(ops, bits) -> None:
+    """Every build with AVX2 multiplies BlockPanels to the dense panels' bits, at every row count
+    (the deterministic mode's small batches); a build without AVX2 refuses them."""
+    width = ops.panel_width()
+    blocks = _file_blocks(bits, 3 * width, 96, seed=bits)
+    for dtype in _dtypes(ops):
+        packed = BlockPanels.pack(blocks, dtype, width)
+        x = _randn(13, 96, seed=1).to(dtype)
+        if "avx2" not in ops.features():
+            with pytest.raises(RuntimeError, match="BlockPanels need a build targeting AVX2"):
+                ops.block_panel_gemm(x, packed.codes, packed.scale, packed.min)
+            continue
+        full = ops.panel_gemm(x, pack_panels(blocks.dequantize().to(dtype), width), 3 * width)
+        for rows in (1, 2, 3, 5, 6, 7, 13):
+            got = ops.block_panel_gemm(x[:rows], packed.codes, packed.scale, packed.min)
+            assert torch.equal(got, full[:rows]), (dtype, rows)
 
 
 def test_int8_gemm_exists_only_with_vnni(ops) -> None:

@@ -11,6 +11,9 @@ Loading it registers ``torch.ops.conveyor.*`` (docs/kernels.md lists them).
 ``CONVEYOR_KERNELS=off`` or there is no way to build them here (warned once); callers then take
 their torch path. ``build_ops`` builds other targets (``TARGETS``: baseline x86-64, AVX2) under
 their own operator namespace, so that tests can load them beside the native one.
+``CONVEYOR_KERNEL_TARGET=x86-64-v3`` (or ``x86-64``) builds the model's own library for that
+target instead of this CPU: an AVX-512 machine then runs the paths of an AVX2-only one
+(docs/testing.md).
 """
 
 from __future__ import annotations
@@ -77,6 +80,15 @@ def namespace(target: str = "native", compiler: str | None = None) -> str:
     return f"conveyor_{tag}"
 
 
+def _march(target: str) -> str:
+    if target == "native":
+        target = os.environ.get("CONVEYOR_KERNEL_TARGET") or "native"
+        if target not in TARGETS:
+            raise KernelBuildError(f"CONVEYOR_KERNEL_TARGET must be one of {', '.join(TARGETS)}, "
+                                   f"got {target!r}")
+    return TARGETS[target]
+
+
 def _command(compiler: str, target: str, ns: str, output: Path) -> list[str]:
     from torch.utils import cpp_extension
 
@@ -84,7 +96,7 @@ def _command(compiler: str, target: str, ns: str, output: Path) -> list[str]:
     includes = [f for path in cpp_extension.include_paths() for f in ("-isystem", path)]
     libraries = [f"-L{path}" for path in cpp_extension.library_paths()]
     rpaths = [f"-Wl,-rpath,{path}" for path in cpp_extension.library_paths()]
-    return [compiler, *FLAGS, TARGETS[target], f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
+    return [compiler, *FLAGS, _march(target), f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
             f"-DCONVEYOR_OPS_NAMESPACE={ns}", *includes, str(SOURCE), "-o", str(output),
             *libraries, *rpaths, "-lc10", "-ltorch_cpu"]
 

@@ -62,11 +62,11 @@ void panel_matmul(uint16_t* y, const uint16_t* x, const void* panels, int64_t ro
 
 void block_panel_matmul(float* y, const float* x, const Weight& w, int64_t rows, int64_t k,
                         int num_threads) {
-#ifdef __AVX512F__
+#ifdef __AVX2__
   block_panel_gemm<F32>(y, x, BlockPanel{w.codes, w.scale, w.minimum, k / 32}, rows, w.n_out, k,
                         num_threads);
 #else
-  std::abort();  // BlockPanels exist only with AVX-512 (the Python side checks)
+  std::abort();  // BlockPanels exist only with AVX2 (the Python side checks)
 #endif
 }
 

@@ -163,8 +163,8 @@ void check_block_panels(const Tensor& codes, const Tensor& scale,
                         const std::optional<Tensor>& minimum, const char* prefix, ScalarType dtype,
                         int64_t n, int64_t k) {
   const std::string p(prefix);
-#ifndef __AVX512F__
-  TORCH_CHECK(false, p + "codes: BlockPanels need a build targeting AVX-512");
+#ifndef __AVX2__
+  TORCH_CHECK(false, p + "codes: BlockPanels need a build targeting AVX2");
 #endif
 #ifndef __AVX512BF16__
   TORCH_CHECK(dtype != at::kBFloat16, p + "codes: bf16 BlockPanels need a build targeting "
@@ -191,7 +191,7 @@ Tensor block_panel_gemm_op(const Tensor& x_in, const Tensor& codes, const Tensor
               x.size(1));
   check_block_panels(codes, scale, minimum, "", x.scalar_type(), n, k);
   Tensor y = at::empty({x.size(0), n}, x.options());
-#ifdef __AVX512F__
+#ifdef __AVX2__
   const BlockPanel w{data<const uint8_t>(codes), data<const float>(scale),
                      minimum ? data<const float>(*minimum) : nullptr, k / 32};
   if (is_bf16(x)) {

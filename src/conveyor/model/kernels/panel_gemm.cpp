@@ -25,7 +25,7 @@
 #include <cstdint>
 #include <cstring>
 
-#ifdef __AVX512F__
+#ifdef __AVX2__
 #include <immintrin.h>
 #endif
 
@@ -107,18 +107,20 @@ void gemm(typename F::T* y, const typename F::T* x, const typename F::T* packed,
   }
 }
 
-#ifdef __AVX512F__
+#ifdef __AVX2__
 // The same products over a weight kept as a GGUF file's blocks of 32 along K (4-bit: w = d q + m;
 // 8-bit: w = d q), laid out by panels (layers/quantized.py's BlockPanels): each step of K
-// converts the codes of its 32 outputs to exactly the values pack_panels holds (the file's
+// converts the codes of its kPanel outputs to exactly the values pack_panels holds (the file's
 // float32 dequantization, q d being exact, then rounded to bf16 for bf16 panels) and feeds them to
 // the very loop of `tile`, so that every output is the same chain of multiply-adds as on the
 // panels, bit for bit, at a quarter (4-bit) or half (8-bit) of bf16's bytes. Per panel and block:
-// d (and m) for its 32 outputs, then the codes of each step of K:
+// d (and m) for its kPanel outputs, then the codes of each step of K:
 //
-// * bf16, a step = a pair of k: 64 codes in the order of the panel's two vectors (word 2j + e:
-//   output j, k = 2i + e); 4-bit: byte t holds word t (low nibble) and word 32 + t (high);
-// * float32, a step = one k: 32 codes, output j; 4-bit: byte t holds outputs t and 16 + t.
+// * bf16 (AVX512-BF16), a step = a pair of k: 64 codes in the order of the panel's two vectors
+//   (word 2j + e: output j, k = 2i + e); 4-bit: byte t holds word t (low nibble) and word 32 + t
+//   (high);
+// * float32, a step = one k: kPanel codes, output j; 4-bit: byte t holds outputs t and
+//   kLanes + t (one vector's worth each).
 struct BlockPanel {
   const uint8_t* codes;
   const float* scale;
@@ -126,10 +128,35 @@ struct BlockPanel {
   int64_t blocks;  // K / 32
 };
 
+#ifdef __AVX512F__
 inline __m512 codes_to_float(__m128i bytes, bool is_signed) {
   return _mm512_cvtepi32_ps(is_signed ? _mm512_cvtepi8_epi32(bytes) : _mm512_cvtepu8_epi32(bytes));
 }
 inline __m128i load16(const uint8_t* p) { return _mm_loadu_si128((const __m128i*)p); }
+// A float vector's worth of codes (kLanes bytes) as int32 lanes.
+inline __m512i widen_unsigned(const uint8_t* p) { return _mm512_cvtepu8_epi32(load16(p)); }
+inline __m512i widen_signed(const uint8_t* p) { return _mm512_cvtepi8_epi32(load16(p)); }
+inline vfloat fmadd(__m512i q, __m512 d, __m512 m) {
+  return (vfloat)_mm512_fmadd_ps(_mm512_cvtepi32_ps(q), d, m);
+}
+inline vfloat times(__m512i q, __m512 d) { return (vfloat)_mm512_mul_ps(_mm512_cvtepi32_ps(q), d); }
+inline __m512i low_nibbles(__m512i q) { return _mm512_and_si512(q, _mm512_set1_epi32(0xF)); }
+inline __m512i high_nibbles(__m512i q) { return _mm512_srli_epi32(q, 4); }
+using vnative = __m512;
+inline vnative load_native(const float* p) { return _mm512_loadu_ps(p); }
+#else
+inline __m128i load8(const uint8_t* p) { return _mm_loadl_epi64((const __m128i*)p); }
+inline __m256i widen_unsigned(const uint8_t* p) { return _mm256_cvtepu8_epi32(load8(p)); }
+inline __m256i widen_signed(const uint8_t* p) { return _mm256_cvtepi8_epi32(load8(p)); }
+inline vfloat fmadd(__m256i q, __m256 d, __m256 m) {
+  return (vfloat)_mm256_fmadd_ps(_mm256_cvtepi32_ps(q), d, m);
+}
+inline vfloat times(__m256i q, __m256 d) { return (vfloat)_mm256_mul_ps(_mm256_cvtepi32_ps(q), d); }
+inline __m256i low_nibbles(__m256i q) { return _mm256_and_si256(q, _mm256_set1_epi32(0xF)); }
+inline __m256i high_nibbles(__m256i q) { return _mm256_srli_epi32(q, 4); }
+using vnative = __m256;
+inline vnative load_native(const float* p) { return _mm256_loadu_ps(p); }
+#endif
 
 // One block's steps: STEP() returns the two vectors of W a step of K multiplies.
 template <class F, bool kFour>
@@ -137,27 +164,26 @@ struct BlockSteps;
 
 template <bool kFour>
 struct BlockSteps<F32, kFour> {
-  static constexpr int64_t kStepBytes = kFour ? 16 : 32, kSteps = 32;
-  __m512 d[2], m[2];
+  static constexpr int64_t kStepBytes = kFour ? kLanes : kPanel, kSteps = 32;
+  vnative d[2], m[2];
   const uint8_t* c;
   BlockSteps(const BlockPanel& w, int64_t panel, int64_t b) {
     const int64_t at = (panel * w.blocks + b) * kPanel;
     c = w.codes + (panel * w.blocks + b) * kSteps * kStepBytes;
     for (int h = 0; h < 2; ++h) {
-      d[h] = _mm512_loadu_ps(w.scale + at + 16 * h);
-      if constexpr (kFour) m[h] = _mm512_loadu_ps(w.minimum + at + 16 * h);
+      d[h] = load_native(w.scale + at + kLanes * h);
+      if constexpr (kFour) m[h] = load_native(w.minimum + at + kLanes * h);
     }
   }
   void step(int64_t s, vfloat& w0, vfloat& w1) const {
     const uint8_t* p = c + s * kStepBytes;
     if constexpr (kFour) {
-      const __m512i q = _mm512_cvtepu8_epi32(load16(p));
-      const __m512i nibble = _mm512_set1_epi32(0xF);
-      w0 = (vfloat)_mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(q, nibble)), d[0], m[0]);
-      w1 = (vfloat)_mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(q, 4)), d[1], m[1]);
+      const auto q = widen_unsigned(p);
+      w0 = fmadd(low_nibbles(q), d[0], m[0]);
+      w1 = fmadd(high_nibbles(q), d[1], m[1]);
     } else {
-      w0 = (vfloat)_mm512_mul_ps(codes_to_float(load16(p), true), d[0]);
-      w1 = (vfloat)_mm512_mul_ps(codes_to_float(load16(p + 16), true), d[1]);
+      w0 = times(widen_signed(p), d[0]);
+      w1 = times(widen_signed(p + kLanes), d[1]);
     }
   }
 };
@@ -253,6 +279,6 @@ void block_panel_gemm(typename F::T* y, const typename F::T* x, const BlockPanel
   else
     block_gemm<F, false>(y, x, w, m, n, k, num_threads);
 }
-#endif  // __AVX512F__
+#endif  // __AVX2__
 
 }  // namespace

@@ -71,10 +71,10 @@ def panel_gemm(x: torch.Tensor, packed: torch.Tensor, n: int) -> torch.Tensor:
 
 
 def block_panel_gemm_available(dtype: torch.dtype) -> bool:
-    """AVX-512 builds only (bf16: AVX512-BF16)."""
+    """float32: AVX2 builds (AVX-512 ones included); bf16: AVX512-BF16 ones."""
     if kernel_ops() is None:
         return False
-    want = {torch.float32: "avx512f", torch.bfloat16: "avx512bf16"}.get(dtype)
+    want = {torch.float32: "avx2", torch.bfloat16: "avx512bf16"}.get(dtype)
     return want is not None and want in kernel_features()
 
 

@@ -28,7 +28,11 @@ import torch.nn.functional as F
 
 from conveyor.model.kernels.block_matmul import block_matmul
 from conveyor.model.kernels.int8_gemm import PANEL, int8_gemm
-from conveyor.model.kernels.panel_gemm import block_panel_gemm, block_panel_gemm_available
+from conveyor.model.kernels.panel_gemm import (
+    block_panel_gemm,
+    block_panel_gemm_available,
+    panel_width,
+)
 
 GROUP = 32
 
@@ -114,12 +118,13 @@ def pack_blocks(blocks: Int4Blocks | Int8Blocks, dtype: torch.dtype,
 
 @dataclass
 class BlockPanels:
-    """4-bit or 8-bit blocks in column panels of 32 outputs for ``block_panel_gemm``
-    (``kernels/panel_gemm.cpp``): each output computed as the panel GEMM computes it over the
-    dense weight (the file's float32 dequantization, rounded to bf16 for bf16 activations), so
-    small batches read the file's bytes and still give the large ones' bits. Per panel and block
-    of 32 inputs, the codes of each step of K in the order of the panel's vectors (see the
-    kernel); ``scale`` and ``min`` hold that block's 32 outputs' values side by side."""
+    """4-bit or 8-bit blocks in column panels (``panel_width()`` outputs: 32 with AVX-512, 16 with
+    AVX2) for ``block_panel_gemm`` (``kernels/panel_gemm.cpp``): each output computed as the panel
+    GEMM computes it over the dense weight (the file's float32 dequantization, rounded to bf16 for
+    bf16 activations), so small batches read the file's bytes and still give the large ones' bits.
+    Per panel and block of 32 inputs, the codes of each step of K in the order of the panel's
+    vectors (see the kernel); ``scale`` and ``min`` hold that block's outputs' values side by
+    side."""
     codes: torch.Tensor  # [N, K / 2] uint8 (4-bit) or [N, K] int8 (8-bit), in panel order
     scale: torch.Tensor  # [N, K / 32] float32, in panel order
     min: torch.Tensor | None  # as scale; None for 8-bit
@@ -128,18 +133,21 @@ class BlockPanels:
 
     @staticmethod
     def fits(blocks: Int4Blocks | Int8Blocks, dtype: torch.dtype) -> bool:
-        return blocks.codes.shape[0] % PANEL == 0 and block_panel_gemm_available(dtype)
+        return block_panel_gemm_available(dtype) and blocks.codes.shape[0] % panel_width() == 0
 
     @staticmethod
-    def pack(blocks: Int4Blocks | Int8Blocks, dtype: torch.dtype) -> BlockPanels:
+    def pack(blocks: Int4Blocks | Int8Blocks, dtype: torch.dtype,
+             width: int | None = None) -> BlockPanels:
+        """``width``: outputs per panel, the native build's ``panel_width()`` unless given."""
         n, k = blocks.codes.shape
-        panels, steps = n // PANEL, k // GROUP
-        if n % PANEL:
-            raise ValueError(f"block panels need outputs in multiples of {PANEL}, got {n}")
-        codes = blocks.codes.view(panels, PANEL, steps, GROUP)
+        width = width or panel_width()
+        panels, steps = n // width, k // GROUP
+        if n % width:
+            raise ValueError(f"block panels need outputs in multiples of {width}, got {n}")
+        codes = blocks.codes.view(panels, width, steps, GROUP)
         if dtype == torch.bfloat16:  # a step: pairs of k, word 2j + e = output j, k = 2i + e
-            words = codes.view(panels, PANEL, steps, GROUP // 2, 2).permute(0, 2, 3, 1, 4)
-            words = words.reshape(panels, steps, GROUP // 2, 2 * PANEL)
+            words = codes.view(panels, width, steps, GROUP // 2, 2).permute(0, 2, 3, 1, 4)
+            words = words.reshape(panels, steps, GROUP // 2, 2 * width)
         else:  # a step: one k, output j
             words = codes.permute(0, 2, 3, 1)
         if isinstance(blocks, Int4Blocks):
@@ -147,7 +155,7 @@ class BlockPanels:
             words = words[..., :half] | (words[..., half:] << 4)
 
         def per_panel(t: torch.Tensor) -> torch.Tensor:
-            return t.float().view(panels, PANEL, steps).transpose(1, 2).reshape(n, steps)
+            return t.float().view(panels, width, steps).transpose(1, 2).reshape(n, steps)
 
         packed = BlockPanels(words.reshape(n, -1).contiguous(), per_panel(blocks.scale),
                              per_panel(blocks.min) if isinstance(blocks, Int4Blocks) else None)
