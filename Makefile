@@ -3,8 +3,12 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
+# Test files are spread over one worker per core (pytest-xdist); a file's tests share a worker,
+# so module- and session-scoped fixtures are built once per worker that needs them.
+PYTEST_WORKERS ?= auto
+PYTEST := $(VENV)/bin/pytest -n $(PYTEST_WORKERS) --dist loadfile
 
-.PHONY: run test test-gpu bench lint clean
+.PHONY: run test test-long test-gpu bench lint clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -18,7 +22,12 @@ run: $(STAMP)
 
 test: $(STAMP)
 	@.ci/install-chromium
-	$(VENV)/bin/pytest $(PYTEST_ARGS)
+	$(PYTEST) $(PYTEST_ARGS)
+
+# The suite with the long variants of its soak and fuzz tests (CONVEYOR_TEST_LONG=1).
+test-long: $(STAMP)
+	@.ci/install-chromium
+	CONVEYOR_TEST_LONG=1 $(PYTEST) $(PYTEST_ARGS)
 
 # On a machine whose torch sees a CUDA GPU: the end-to-end GPU tests, the Triton kernels compiled
 # for it (not interpreted), and the CUDA runner's Python. Elsewhere they skip or interpret.

@@ -23,6 +23,7 @@ from conveyor.core.config import CacheConfig, SchedulerConfig
 from conveyor.core.sampling_params import SamplingParams
 from conveyor.core.scheduler import Scheduler
 from conveyor.core.sequence import SequenceStatus
+from long_runs import sized
 
 tokens = st.integers(0, VOCAB - 1)
 
@@ -187,6 +188,6 @@ def test_scheduler_state_machine(policy, queue, mode):
     machine = type(f"Machine_{policy}_{queue}_{mode}", (SchedulerMachine,),
                    {"policy": policy, "queue": queue, "mode": mode})
     machine.TestCase.settings = settings(
-        max_examples=50, stateful_step_count=25, deadline=None,
+        max_examples=sized(50, 1000), stateful_step_count=25, deadline=None,
         suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
     machine.TestCase().runTest()

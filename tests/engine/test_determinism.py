@@ -12,6 +12,7 @@ from conveyor.core.sampling_params import SamplingParams
 from conveyor.engine.args import EngineArgs
 from conveyor.engine.llm_engine import LLMEngine
 from engine_runs import run_to_end
+from long_runs import sized
 from torch_threads import torch_threads
 
 MAX_MODEL_LEN = 128
@@ -92,7 +93,7 @@ def scenarios(draw):
 
 
 @pytest.mark.slow
-@settings(max_examples=40, deadline=None, derandomize=True,
+@settings(max_examples=sized(40, 400), deadline=None, derandomize=True,
           suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 @given(scenario=scenarios())
 def test_every_request_equals_itself_alone(executors, prompts, scenario) -> None:

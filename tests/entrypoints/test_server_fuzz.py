@@ -13,9 +13,11 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-pytestmark = pytest.mark.timeout(600)
+from long_runs import sized
 
-EXAMPLES = 200
+pytestmark = pytest.mark.timeout(sized(600, 3600))
+
+EXAMPLES = sized(200, 3000)
 
 # Strings with everything JSON can carry, lone surrogates included (escaped by json.dumps).
 any_text = st.text(st.characters(codec=None, exclude_categories=()), max_size=12)

@@ -64,8 +64,11 @@ def secure(start_server, tmp_path_factory: pytest.TempPathFactory):
 
 
 def client(server: Any, api_key: str) -> openai.OpenAI:
+    # No idle keep-alive connection outlives a test: over TLS the server's stop would wait for
+    # it up to its shutdown timeout.
     return openai.OpenAI(base_url=server.base_url + "/v1", api_key=api_key, max_retries=0,
-                         timeout=120, http_client=httpx.Client(verify=server.verify))
+                         timeout=120, http_client=httpx.Client(verify=server.verify,
+                                                               headers={"Connection": "close"}))
 
 
 def bearer(key: str) -> dict[str, str]:

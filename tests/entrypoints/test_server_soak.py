@@ -7,12 +7,13 @@ import argparse
 import asyncio
 
 from conveyor.bench.soak import add_parser, soak
+from long_runs import sized
 
 
 def test_short_soak_passes(server) -> None:
     parser = argparse.ArgumentParser()
     add_parser(parser.add_subparsers())
-    args = parser.parse_args(["soak", "--base-url", server.base_url, "--duration", "8",
+    args = parser.parse_args(["soak", "--base-url", server.base_url, "--duration", str(sized(8, 600)),
                               "--rate", "4", "--hostile", "0.5", "--max-tokens", "4",
                               "--sample-every", "2", "--rss-tolerance", "1.0"])
     summary = asyncio.run(soak(server.base_url, args))
