@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+import json
+import os
+from pathlib import Path
+
 import pytest
 import torch
+from filelock import FileLock
 
 from conveyor.model.loader import default_model_path
 
@@ -54,18 +59,31 @@ def hf_model():
     return model
 
 
+def _run_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A folder of this test run that every pytest-xdist worker of the run shares."""
+    base = tmp_path_factory.getbasetemp()
+    return base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+
+
 @pytest.fixture(scope="session")
-def reference_tokens(hf_model, prompt_ids) -> list[list[int]]:
-    """Greedy NUM_TOKENS tokens per prompt (EOS ignored), one prompt at a time, in transformers."""
-    out = []
-    with torch.no_grad():
-        for ids in prompt_ids:
-            res = hf_model(torch.tensor([ids]), use_cache=True)
-            tokens = []
-            for _ in range(NUM_TOKENS):
-                nxt = int(res.logits[0, -1].argmax())
-                tokens.append(nxt)
-                res = hf_model(torch.tensor([[nxt]]), past_key_values=res.past_key_values,
-                               use_cache=True)
-            out.append(tokens)
-    return out
+def reference_tokens(request, prompt_ids, tmp_path_factory) -> list[list[int]]:
+    """Greedy NUM_TOKENS tokens per prompt (EOS ignored), one prompt at a time, in transformers.
+    Computed once per run: the first worker that needs them writes them for the others."""
+    path = _run_folder(tmp_path_factory) / "smollm2_reference_tokens.json"
+    with FileLock(f"{path}.lock"):
+        if path.exists():
+            return json.loads(path.read_text())
+        hf_model = request.getfixturevalue("hf_model")
+        out = []
+        with torch.no_grad():
+            for ids in prompt_ids:
+                res = hf_model(torch.tensor([ids]), use_cache=True)
+                tokens = []
+                for _ in range(NUM_TOKENS):
+                    nxt = int(res.logits[0, -1].argmax())
+                    tokens.append(nxt)
+                    res = hf_model(torch.tensor([[nxt]]), past_key_values=res.past_key_values,
+                                   use_cache=True)
+                out.append(tokens)
+        path.write_text(json.dumps(out))
+        return out

@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 import weakref
 from typing import Any
 
@@ -28,6 +29,9 @@ from conveyor.distributed.group import (
 )
 from conveyor.distributed.step import SHUTDOWN, StepMessage, send_message
 from conveyor.distributed.worker import WorkerSpec, run_worker
+
+# How long a failed collective waits for a worker's death to show (see failure()).
+DEATH_GRACE_S = 2.0
 
 logger = logging.getLogger(__name__)
 
@@ -140,6 +144,12 @@ class TensorParallelWorkers:
         workers are torn down."""
         self._state["healthy"] = False
         dead = self.dead_workers()
+        # A killed worker's sockets close before its exit can be collected: give a collective's
+        # connection error a moment to be explained by the death that caused it.
+        deadline = time.monotonic() + (DEATH_GRACE_S if cause is not None else 0.0)
+        while not dead and time.monotonic() < deadline:
+            time.sleep(0.05)
+            dead = self.dead_workers()
         what = (f"worker {', '.join(dead)} died" if dead
                 else f"a rank failed or timed out after {self.parallel.timeout_s:g} s")
         self.shutdown()

@@ -88,7 +88,8 @@ def select_kernels(device: torch.device, dtype: torch.dtype, head_dim: int,
     """The one place a model's kernels are chosen.
 
     * ``linear``: on the CPU, ``PanelMethod`` for float32, and for bf16 where the build targets
-      AVX512-BF16 and there is no AMX (oneDNN's AMX GEMM outruns vdpbf16ps panels);
+      AVX512-BF16 and there is no AMX or the model is deterministic (oneDNN's AMX GEMM outruns
+      vdpbf16ps panels, but its sums are not known to be the same whatever the batch);
       ``OneDnnMethod`` for bf16 on other CPUs with native bf16 (and float32 when the kernels
       cannot be built); ``DenseMethod`` elsewhere (oneDNN would emulate bf16).
     * ``block_weights``: wherever the weights are packed for the CPU and the kernels built
@@ -110,8 +111,9 @@ def select_kernels(device: torch.device, dtype: torch.dtype, head_dim: int,
     linear: type[LinearMethod] = DenseMethod
     if device.type == "cpu":
         native_bf16 = dtype == torch.bfloat16 and cpu_has_native_bf16()
-        if ((dtype == torch.float32 or (dtype == torch.bfloat16 and not cpu_has_amx()))
-                and panel_gemm_available(dtype)):
+        # AMX makes oneDNN's bf16 GEMM the faster one, but only the panels are batch-invariant.
+        bf16_panels = dtype == torch.bfloat16 and (deterministic or not cpu_has_amx())
+        if (dtype == torch.float32 or bf16_panels) and panel_gemm_available(dtype):
             linear = PanelMethod
         elif (dtype == torch.float32 or native_bf16) and OneDnnMethod.available():
             linear = OneDnnMethod
