@@ -114,7 +114,9 @@ def build_ops(target: str = "native", compiler: str | None = None) -> tuple[Path
     except (OSError, subprocess.SubprocessError) as exc:
         raise KernelBuildError(f"cannot run the C++ compiler {compiler!r}: {exc}") from exc
     sources = [p.read_text() for p in sorted(SOURCE.parent.iterdir()) if p.suffix in (".h", ".cpp")]
-    command = _command(compiler, target, ns, Path("out.so"))
+    # The sources' contents are keyed, not where they lie: every checkout shares one build.
+    command = [a.replace(str(SOURCE), SOURCE.name)
+               for a in _command(compiler, target, ns, Path("out.so"))]
     key = hashlib.sha256("\0".join([*sources, " ".join(command), version, torch.__version__,
                                     _cpu_flags()]).encode()).hexdigest()[:16]
     library = cache_dir() / "kernels" / f"{ns}-{key}.so"
