@@ -16,8 +16,9 @@ import time
 import httpx
 import openai
 import pytest
-from conftest import ServerProcess, engine_flags
 from test_server_errors import CASES, _check
+
+from conftest import ServerProcess, engine_flags
 
 pytest.importorskip("ray.serve")
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
