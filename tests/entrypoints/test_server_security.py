@@ -10,6 +10,7 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
+from urllib.parse import quote
 
 import httpx
 import openai
@@ -243,3 +244,16 @@ def test_access_log_leaves_prompts_out_by_default(server) -> None:
     line = next(line for line in log.splitlines() if r["id"] in line)
     assert '"POST /v1/completions" 200' in line and "output_tokens=2" in line
     assert marker not in log
+
+
+def test_access_log_lines_cannot_be_forged(server) -> None:
+    """The path is logged as it arrived (percent-encoded) and escaped: a %0A in a URL cannot
+    start a line of its own, nor a quote end the request field."""
+    forged = "2026-01-01 00:00:00,000 INFO conveyor.access: req-forged 1.2.3.4:1 \"GET /\" 200"
+    resp = httpx.get(server.base_url + "/v1/models%0A" + quote(forged) + "%0D%22%5C", timeout=30)
+    assert resp.status_code == 404
+    log = _log_when(server, lambda text: "req-forged" in text)
+    (line,) = [line for line in log.splitlines() if "req-forged" in line]
+    assert ' "GET /v1/models%0A2026-01-01%2000' in line
+    assert not any(line.startswith("2026-01-01") for line in log.splitlines())
+    assert '%0D%22%5C" 404 ' in line

@@ -4,6 +4,7 @@ logged only when asked for (``--log-prompts``); headers, and with them API keys,
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 import uuid
@@ -67,13 +68,21 @@ class AccessLogMiddleware:
 
     def _log(self, scope: Scope, record: AccessRecord, status: int, latency: float) -> None:
         client = scope.get("client")
+        # The path as it arrived (still percent-encoded), escaped: no request can write a
+        # second line, or a quote that ends this field, into the log.
+        path = scope.get("raw_path") or scope["path"].encode()
         parts = [record.request_id, f"{client[0]}:{client[1]}" if client else "-",
-                 f'"{scope["method"]} {scope["path"]}"', str(status),
+                 f'"{_escaped(scope["method"])} {_escaped(path.decode("latin-1"))}"', str(status),
                  f"prompt_tokens={_count(record.prompt_tokens)}",
                  f"output_tokens={_count(record.output_tokens)}", f"latency={latency:.3f}s"]
         if self.log_prompts and record.prompt is not None:
             parts.append(f"prompt={record.prompt[:MAX_LOGGED_PROMPT_CHARS]!r}")
         logger.info(" ".join(parts))
+
+
+def _escaped(text: str) -> str:
+    """``text`` with quotes, backslashes, control and non-ASCII characters escaped as in JSON."""
+    return json.dumps(text)[1:-1]
 
 
 def _count(n: int | None) -> str:
