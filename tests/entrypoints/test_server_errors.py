@@ -12,6 +12,18 @@ import pytest
 pytestmark = pytest.mark.timeout(300)
 
 LONG_PROMPT = "hello " * 600  # > max_model_len (512) tokens
+TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+DEEP_SCHEMA = '{"type": "array", "items": ' * 150 + '{"type": "string"}' + "}" * 150
+
+
+def _earlier_call(function: object) -> bytes:
+    """A chat request with tools whose assistant turn made a call with ``function``."""
+    return json.dumps({"tools": [TOOL], "messages": [
+        {"role": "user", "content": "x"},
+        {"role": "assistant", "content": "", "tool_calls": [
+            {"id": "1", "type": "function", "function": function}]},
+        {"role": "tool", "tool_call_id": "1", "content": "done"}]}).encode()
+
 
 # (path, raw body, status, a fragment the message must contain, param)
 CASES = [
@@ -54,6 +66,15 @@ CASES = [
      json.dumps({"messages": [{"role": "user", "content": LONG_PROMPT}]}).encode(), 400,
      "maximum context length", "messages"),
     ("/v1/nothing-here", b"{}", 404, "Not Found", None),
+    # Inputs that once reached code that raised (a 500): a schema nested deeply inside a string,
+    # an earlier tool call whose function is not an object or whose arguments are not text.
+    ("/v1/completions", json.dumps({"prompt": "hi", "structured_outputs": {"json": DEEP_SCHEMA}})
+     .encode(), 400, "nests deeper than", "structured_outputs"),
+    ("/v1/chat/completions", _earlier_call("f"), 400, "tool_calls.0.function", "messages"),
+    ("/v1/chat/completions", _earlier_call({"name": "f", "arguments": {"x": 1}}), 400,
+     "tool_calls.0.function.arguments", "messages"),
+    ("/v1/chat/completions", _earlier_call({"name": "f", "arguments": 5}), 400,
+     "tool_calls.0.function.arguments", "messages"),
 ]
 
 

@@ -15,7 +15,12 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+from conveyor.core.json_depth import json_depth_exceeds
+
 _KINDS = ("json", "json_object", "regex", "choice", "grammar")
+# The deepest JSON schema accepted (objects and lists, counted as a parsed body's are): the
+# validator and the compiler walk a schema recursively.
+MAX_SCHEMA_DEPTH = 64
 
 
 @dataclass(frozen=True)
@@ -57,10 +62,15 @@ class StructuredOutputsParams:
             if not isinstance(self.json, dict):
                 raise ValueError("structured_outputs.json must be a JSON schema object, got "
                                  f"{type(self.json).__name__}")
+            if json_depth_exceeds(self.json, MAX_SCHEMA_DEPTH):
+                raise ValueError(f"structured_outputs.json nests deeper than {MAX_SCHEMA_DEPTH} "
+                                 "levels")
             from jsonschema import SchemaError, validators
 
             try:
                 validators.validator_for(self.json).check_schema(self.json)
+            except RecursionError as e:
+                raise ValueError("structured_outputs.json nests too deeply to check") from e
             except SchemaError as e:
                 raise ValueError(f"structured_outputs.json is not a valid JSON schema: "
                                  f"{e.message}") from e
@@ -87,3 +97,6 @@ def _parse_schema(text: str) -> Any:
         return json_lib.loads(text)
     except json_lib.JSONDecodeError as e:
         raise ValueError(f"structured_outputs.json is not valid JSON: {e}") from e
+    except RecursionError as e:
+        raise ValueError(f"structured_outputs.json nests deeper than {MAX_SCHEMA_DEPTH} "
+                         "levels") from e

@@ -95,7 +95,7 @@ async def create_chat_completion(state: ServerState, request: Request,
     max_tokens = resolve_max_tokens(state, len(prompt_ids), req.requested_max_tokens, param,
                                     prompt_param="messages")
     request_id = new_id("chatcmpl")
-    job = Job(request_id, prompt_ids, make_params(state, req.sampling_params, max_tokens), req.priority,
+    job = Job(request_id, prompt_ids, make_params(state, req, max_tokens), req.priority,
               prompt["prompt"])
     await compile_constraint(state.ready_engine(), job.params, constraint_param(req))
     engine = check_admission(state, 1)
@@ -123,7 +123,7 @@ def _message(m: ChatMessage) -> dict[str, Any]:
     if m.name:
         out["name"] = m.name
     if m.tool_calls:
-        out["tool_calls"] = m.tool_calls
+        out["tool_calls"] = [call.model_dump(exclude_none=True) for call in m.tool_calls]
     if m.tool_call_id:
         out["tool_call_id"] = m.tool_call_id
     return out

@@ -108,7 +108,7 @@ async def create_completion(state: ServerState, request: Request,
     jobs = []
     for i, (ids, text) in enumerate(prompts):
         max_tokens = resolve_max_tokens(state, len(ids), req.max_tokens, "max_tokens")
-        jobs.append(Job(f"{base_id}-{i}", ids, make_params(state, req.sampling_params, max_tokens),
+        jobs.append(Job(f"{base_id}-{i}", ids, make_params(state, req, max_tokens),
                         req.priority, text, fairness_key=base_id))
     await compile_constraint(state.ready_engine(), jobs[0].params, constraint_param(req))
     engine = check_admission(state, len(jobs))

@@ -124,25 +124,6 @@ def _content_length(scope: Scope) -> int | None:
         return None  # the HTTP server itself rejects a malformed Content-Length
 
 
-def json_depth_exceeds(obj: Any, limit: int) -> bool:
-    """Whether ``obj`` (parsed JSON) nests lists/objects deeper than ``limit``; iterative, and it
-    stops at the first container too deep."""
-    stack = [(obj, 1)]
-    while stack:
-        value, depth = stack.pop()
-        if isinstance(value, dict):
-            children = value.values()
-        elif isinstance(value, list):
-            children = value
-        else:
-            continue
-        if depth > limit:
-            return True
-        stack.extend((child, depth + 1) for child in children
-                     if isinstance(child, (dict, list)))
-    return False
-
-
 def check_sizes(req: Any, limits: ServerLimits) -> None:
     """Stop strings, short string fields, ``n`` and the number of prompts of a validated
     request within ``limits``."""

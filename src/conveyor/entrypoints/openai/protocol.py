@@ -163,11 +163,23 @@ class NamedToolChoice(_Strict):
     function: _FunctionName
 
 
+class ToolCallFunction(_Strict):
+    name: str
+    arguments: str  # the call's arguments as JSON text, as OpenAI sends them
+
+
+class AssistantToolCall(_Strict):
+    """One of an assistant message's earlier tool calls."""
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
+
+
 class ChatMessage(_Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
-    tool_calls: list[dict[str, Any]] | None = None  # an assistant's earlier calls
+    tool_calls: list[AssistantToolCall] | None = None  # an assistant's earlier calls
     tool_call_id: str | None = None  # a tool message's answer to that call
 
     def text(self) -> str:

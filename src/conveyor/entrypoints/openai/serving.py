@@ -19,9 +19,11 @@ from fastapi.responses import Response, StreamingResponse
 from pydantic import ValidationError
 from starlette.types import Receive, Scope, Send
 
+from conveyor.core.json_depth import json_depth_exceeds
 from conveyor.core.sampling_params import SamplingParams
 from conveyor.entrypoints.openai.errors import APIError, bad_request, from_validation_error
-from conveyor.entrypoints.openai.limits import ServerLimits, check_sizes, json_depth_exceeds
+from conveyor.entrypoints.openai.limits import ServerLimits, check_sizes
+from conveyor.entrypoints.openai.structured import constraint_param
 
 if TYPE_CHECKING:
     from conveyor.engine.async_engine import AsyncEngine
@@ -177,13 +179,17 @@ def resolve_max_tokens(state: ServerState, prompt_len: int, max_tokens: int | No
     return max_tokens
 
 
-def make_params(state: ServerState, build: Any, max_tokens: int | None) -> SamplingParams:
+def make_params(state: ServerState, req: Any, max_tokens: int | None) -> SamplingParams:
     try:
-        params = build(max_tokens)
+        params = req.sampling_params(max_tokens)
     except ValueError as e:
         msg = str(e)
-        param = msg.split(" ", 1)[0].removeprefix("SamplingParams.") if msg.startswith(
-            "SamplingParams.") else None
+        if msg.startswith("SamplingParams."):
+            param = msg.split(" ", 1)[0].removeprefix("SamplingParams.")
+        elif msg.startswith(("structured_outputs", "response_format")):
+            param = constraint_param(req)
+        else:
+            param = None
         raise bad_request(msg.removeprefix("SamplingParams."), param=param) from e
     vocab = state.vocab_size
     if params.logit_bias and max(params.logit_bias) >= vocab:
