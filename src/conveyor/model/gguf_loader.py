@@ -10,6 +10,7 @@ each tensor, cut from the file's bytes before anything is dequantized.
 from __future__ import annotations
 
 import re
+from struct import error as struct_error
 from typing import Any
 
 import numpy as np
@@ -39,6 +40,20 @@ _GLOBAL_NAMES = {
     "output.weight": "lm_head.weight",
     "rope_freqs.weight": "rope_freqs",
 }
+
+
+def open_gguf(path: str) -> Any:
+    """A ``gguf.GGUFReader`` over ``path``, or a ValueError naming the file and what is wrong
+    with it (not a GGUF file, a header or tensors cut short)."""
+    import gguf
+
+    # gguf's reader maps every tensor as it opens the file, so a file cut short fails here too
+    # (with an array shape error that alone would not say which file or why).
+    try:
+        return gguf.GGUFReader(path)
+    except (ValueError, IndexError, KeyError, OSError, struct_error) as e:
+        raise ValueError(f"{path} is not a readable GGUF file ({e}): it may be truncated, "
+                         "corrupt, or another format") from e
 
 
 def _field(reader: Any, key: str, default: Any = None) -> Any:

@@ -38,11 +38,9 @@ def read_model_config(model: str | None) -> ModelConfig:
 
         return read_hf_config(path)
     if path.endswith(".gguf") and os.path.exists(path):
-        import gguf
+        from conveyor.model.gguf_loader import open_gguf, read_gguf_config
 
-        from conveyor.model.gguf_loader import read_gguf_config
-
-        return read_gguf_config(gguf.GGUFReader(path), os.path.basename(path))
+        return read_gguf_config(open_gguf(path), os.path.basename(path))
     raise ValueError(f"model {path!r} not found (expected a .gguf file or an HF model directory)")
 
 
@@ -81,11 +79,14 @@ def load_model(model: str | None, dtype: torch.dtype, device: torch.device,
         plan = _plan(config, tp)
         weights = read_hf_weights(path, plan, config.head_dim)
     elif path.endswith(".gguf"):
-        import gguf
+        from conveyor.model.gguf_loader import (
+            open_gguf,
+            read_gguf_blocks,
+            read_gguf_config,
+            read_gguf_weights,
+        )
 
-        from conveyor.model.gguf_loader import read_gguf_blocks, read_gguf_config, read_gguf_weights
-
-        reader = gguf.GGUFReader(path)
+        reader = open_gguf(path)
         config = read_gguf_config(reader, os.path.basename(path))
         kernels = select_kernels(device, dtype, config.head_dim, kv_cache_dtype, int8_activations,
                                  deterministic)

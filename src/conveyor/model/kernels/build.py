@@ -123,6 +123,10 @@ def build_ops(target: str = "native", compiler: str | None = None) -> tuple[Path
     seconds = 0.0
     if not library.exists():
         library.parent.mkdir(parents=True, exist_ok=True)
+        # A warning, so that it shows without any logging set up: the first start on a machine
+        # otherwise sits silent for the build's minute or two.
+        logger.warning("building the C++ kernels for %s into %s (once for this machine, "
+                       "compiler and torch; a minute or two) ...", target, library.parent)
         start = time.perf_counter()
         # Build beside the target, then rename: concurrent builders never see a partial file.
         with tempfile.TemporaryDirectory(dir=library.parent) as tmp:
@@ -148,7 +152,7 @@ def load_ops(target: str = "native", compiler: str | None = None) -> Any:
     """The operators of ``build_ops(target, compiler)``, loaded (``torch.ops.<namespace>``)."""
     library, seconds = build_ops(target, compiler)
     if seconds:
-        logger.info("built the %s kernels in %.1f s", target, seconds)
+        logger.warning("built the %s kernels in %.0f s", target, seconds)
     ns = namespace(target, compiler)
     # A second library registering a namespace aborts the process (from its static
     # initializers), so one built from changed sources cannot replace a loaded one.
