@@ -1,5 +1,6 @@
-"""`conveyor serve`'s security flags, checked before any model loads: where API keys come from,
-the flag combinations refused with a message, and the bearer check itself."""
+"""`conveyor serve`'s flags, checked before any model loads: where API keys come from, the flag
+combinations refused with a message, a wrong --model refused before the server listens, and the
+bearer check itself."""
 
 from __future__ import annotations
 
@@ -41,6 +42,19 @@ def test_bad_flags_stop_before_the_model_loads(flags, message) -> None:
     with pytest.raises(SystemExit) as info:
         main(["serve", *flags])
     assert message in str(info.value.code)
+
+
+def test_a_wrong_model_stops_before_the_server_listens(tmp_path) -> None:
+    junk, other, empty = tmp_path / "junk.gguf", tmp_path / "model.bin", tmp_path / "empty"
+    junk.write_bytes(b"not a gguf file")
+    other.write_bytes(b"weights")
+    empty.mkdir()
+    for model, message in ((tmp_path / "missing.gguf", "not found"),
+                           (junk, "is not a GGUF file"), (other, "neither a .gguf file"),
+                           (empty, "missing config.json")):
+        with pytest.raises(SystemExit) as info:
+            main(["serve", "--model", str(model), "--port", "1"])
+        assert message in str(info.value.code), model
 
 
 @pytest.mark.parametrize(("authorization", "status"), [

@@ -90,7 +90,12 @@ def _run(args: argparse.Namespace) -> int:
     from conveyor.entrypoints.openai.limits import DEFAULT_MAX_REQUEST_BYTES, ServerLimits
     from conveyor.entrypoints.openai.security import ServerSecurity, load_api_keys
     from conveyor.entrypoints.openai.server import run_server
+    from conveyor.model.loader import check_model
 
+    try:  # a wrong --model fails here, before the server listens
+        check_model(args.model)
+    except ValueError as e:
+        raise SystemExit(str(e)) from e
     if args.max_queued_requests is not None and args.max_queued_requests < 1:
         raise SystemExit("--max-queued-requests must be >= 1")
     if args.max_request_bytes is not None and args.max_request_bytes < 1:

@@ -30,6 +30,27 @@ def default_model_path() -> str:
     return path
 
 
+def check_model(model: str | None) -> str:
+    """The model's path after the checks that take no time (it exists; a directory's
+    config.json names a supported architecture; a .gguf file starts as one), so that a server
+    can refuse a wrong ``--model`` before it listens; ValueError says what is wrong."""
+    path = model or default_model_path()
+    if os.path.isdir(path):
+        from conveyor.model.hf_loader import read_hf_config
+
+        read_hf_config(path)
+        return path
+    if not os.path.exists(path):
+        raise ValueError(f"model {path!r} not found (expected a .gguf file or an HF model "
+                         "directory)")
+    if not path.endswith(".gguf"):
+        raise ValueError(f"model {path!r} is neither a .gguf file nor a directory")
+    with open(path, "rb") as f:
+        if f.read(4) != b"GGUF":
+            raise ValueError(f"{path} is not a GGUF file (it does not start with 'GGUF')")
+    return path
+
+
 def read_model_config(model: str | None) -> ModelConfig:
     """The model's shape alone (no weights): to check a tensor-parallel split up front."""
     path = model or default_model_path()
