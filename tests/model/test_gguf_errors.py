@@ -24,8 +24,10 @@ def _bad_files(folder: Path) -> dict[str, Path]:
 
 
 def test_unreadable_gguf_files_are_named(tmp_path) -> None:
-    for what, path in _bad_files(tmp_path).items():
-        for load in (read_model_config, LLM):
-            with pytest.raises(ValueError, match="is not a readable GGUF file") as err:
-                load(str(path))
-            assert str(path) in str(err.value), (what, load)
+    files = _bad_files(tmp_path)
+    for what, path in files.items():
+        with pytest.raises(ValueError, match="is not a readable GGUF file") as err:
+            read_model_config(str(path))
+        assert str(path) in str(err.value), what
+    with pytest.raises(ValueError, match="is not a readable GGUF file"):  # the engine's own load
+        LLM(str(files["cut short"]))
