@@ -65,11 +65,8 @@ def secure(start_server, tmp_path_factory: pytest.TempPathFactory):
 
 
 def client(server: Any, api_key: str) -> openai.OpenAI:
-    # No idle keep-alive connection outlives a test: over TLS the server's stop would wait for
-    # it up to its shutdown timeout.
     return openai.OpenAI(base_url=server.base_url + "/v1", api_key=api_key, max_retries=0,
-                         timeout=120, http_client=httpx.Client(verify=server.verify,
-                                                               headers={"Connection": "close"}))
+                         timeout=120, http_client=httpx.Client(verify=server.verify))
 
 
 def bearer(key: str) -> dict[str, str]:
@@ -257,3 +254,15 @@ def test_access_log_lines_cannot_be_forged(server) -> None:
     assert ' "GET /v1/models%0A2026-01-01%2000' in line
     assert not any(line.startswith("2026-01-01") for line in log.splitlines())
     assert '%0D%22%5C" 404 ' in line
+
+
+def test_https_stop_does_not_wait_for_an_idle_keep_alive(start_server, tmp_path) -> None:
+    """A client holding an idle keep-alive connection does not hold up the TLS server's stop
+    (a TLS close waits for the client's close_notify, which an idle client never sends)."""
+    cert, key = make_self_signed(tmp_path)
+    s = start_server(["--ssl-keyfile", str(key), "--ssl-certfile", str(cert)], https_cert=cert)
+    with httpx.Client(verify=s.verify) as idle:
+        assert idle.get(s.base_url + "/health", timeout=30).status_code == 200
+        start = time.monotonic()
+        assert s.stop() == 0
+        assert time.monotonic() - start < 10, s.log()

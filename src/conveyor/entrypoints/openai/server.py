@@ -28,6 +28,10 @@ logger = logging.getLogger("conveyor.serve")
 
 # After the drain's abort, how long the aborted requests get to send their last answer.
 ABORT_GRACE_S = 1.0
+# How long an idle keep-alive connection gets to close once the server shuts down: over TLS a
+# close waits for the client's close_notify, which an idle client never sends until it next
+# uses the connection, so the stop would otherwise wait out the whole shutdown timeout.
+IDLE_CLOSE_GRACE_S = 0.5
 
 
 class _Server(uvicorn.Server):
@@ -66,11 +70,21 @@ class _Server(uvicorn.Server):
         aborter = None
         if timeout is not None and self._state.engine is not None:
             aborter = asyncio.create_task(self._abort_after(max(0.0, timeout - 1.0)))
+        closer = asyncio.create_task(self._drop_idle_connections_after(IDLE_CLOSE_GRACE_S))
         try:
             await super().shutdown(sockets)
         finally:
+            closer.cancel()
             if aborter is not None:
                 aborter.cancel()
+
+    async def _drop_idle_connections_after(self, delay: float) -> None:
+        await asyncio.sleep(delay)
+        for connection in list(self.server_state.connections):
+            cycle = getattr(connection, "cycle", None)
+            transport = getattr(connection, "transport", None)
+            if transport is not None and (cycle is None or cycle.response_complete):
+                transport.abort()
 
     async def on_tick(self, counter: int) -> bool:
         if await super().on_tick(counter):
