@@ -129,9 +129,6 @@ struct BlockPanel {
 };
 
 #ifdef __AVX512F__
-inline __m512 codes_to_float(__m128i bytes, bool is_signed) {
-  return _mm512_cvtepi32_ps(is_signed ? _mm512_cvtepi8_epi32(bytes) : _mm512_cvtepu8_epi32(bytes));
-}
 inline __m128i load16(const uint8_t* p) { return _mm_loadu_si128((const __m128i*)p); }
 // A float vector's worth of codes (kLanes bytes) as int32 lanes.
 inline __m512i widen_unsigned(const uint8_t* p) { return _mm512_cvtepu8_epi32(load16(p)); }
@@ -212,19 +209,19 @@ struct BlockSteps<BF16, kFour> {
   }
   void step(int64_t s, __m512bh& w0, __m512bh& w1) const {
     const uint8_t* p = c + s * kStepBytes;
-    __m512 f[4];  // words 16v .. 16v + 15
+    vfloat f[4];  // words 16v .. 16v + 15
     if constexpr (kFour) {
-      const __m512i first = _mm512_cvtepu8_epi32(load16(p)), second = _mm512_cvtepu8_epi32(load16(p + 16));
-      const __m512i nibble = _mm512_set1_epi32(0xF);
-      f[0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(first, nibble)), d[0], m[0]);
-      f[1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(second, nibble)), d[1], m[1]);
-      f[2] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(first, 4)), d[2], m[2]);
-      f[3] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(second, 4)), d[3], m[3]);
+      const __m512i first = widen_unsigned(p), second = widen_unsigned(p + 16);
+      f[0] = fmadd(low_nibbles(first), d[0], m[0]);
+      f[1] = fmadd(low_nibbles(second), d[1], m[1]);
+      f[2] = fmadd(high_nibbles(first), d[2], m[2]);
+      f[3] = fmadd(high_nibbles(second), d[3], m[3]);
     } else {
-      for (int v = 0; v < 4; ++v) f[v] = _mm512_mul_ps(codes_to_float(load16(p + 16 * v), true), d[v]);
+      for (int v = 0; v < 4; ++v) f[v] = times(widen_signed(p + 16 * v), d[v]);
     }
-    w0 = _mm512_cvtne2ps_pbh(f[1], f[0]);  // round to nearest even, as torch's .to(bfloat16)
-    w1 = _mm512_cvtne2ps_pbh(f[3], f[2]);
+    // round to nearest even, as torch's .to(bfloat16)
+    w0 = _mm512_cvtne2ps_pbh((__m512)f[1], (__m512)f[0]);
+    w1 = _mm512_cvtne2ps_pbh((__m512)f[3], (__m512)f[2]);
   }
 };
 #endif
