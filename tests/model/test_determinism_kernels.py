@@ -12,6 +12,7 @@ import torch
 from conveyor.model.kernels.paged_attention import attention_kernel_available, kernel_attention
 from conveyor.model.kernels.panel_gemm import pack_panels, panel_gemm, panel_gemm_available
 from conveyor.model.layers.quantized import Int4Blocks, pack_blocks
+from gguf_blocks import file_blocks
 from torch_threads import torch_threads
 
 CPU = torch.device("cpu")
@@ -120,28 +121,17 @@ def test_attention_fast_path_differs(dtype, cache_dtype) -> None:
     assert torch.equal(same, decodes)
 
 
-def _file_blocks(bits: int, n: int, k: int, gen: torch.Generator):
-    """Random blocks as a GGUF file holds them: fp16 scales and minima, widened to float32."""
-    from conveyor.model.layers.quantized import Int8Blocks
-
-    scale = (torch.rand(n, k // 32, generator=gen) * 0.02 + 1e-4).half().float()
-    if bits == 8:
-        return Int8Blocks(torch.randint(-128, 128, (n, k), generator=gen, dtype=torch.int8), scale)
-    low = (-torch.rand(n, k // 32, generator=gen) * 0.2).half().float()
-    return Int4Blocks(torch.randint(0, 16, (n, k), generator=gen, dtype=torch.uint8), scale, low)
-
-
 @pytest.mark.parametrize("dtype", _gemm_dtypes())
 @pytest.mark.parametrize("bits", [4, 8])
 def test_block_panels_equal_the_dense_panels(dtype, bits) -> None:
     """Small batches on the file's blocks give the dense panels' bits, row for row."""
     from conveyor.model.layers.quantized import BlockPanels
 
-    if not BlockPanels.fits(_file_blocks(bits, 32, 32, torch.Generator()), dtype):
+    if not BlockPanels.fits(file_blocks(bits, 32, 32, torch.Generator()), dtype):
         pytest.skip("no block panel kernel for this dtype here")
     gen = torch.Generator().manual_seed(bits)
     n, k = 96, 576
-    blocks = _file_blocks(bits, n, k, gen)
+    blocks = file_blocks(bits, n, k, gen)
     packed = pack_blocks(blocks, dtype, deterministic=True)
     assert isinstance(packed, BlockPanels) and packed.max_tokens > 0
     panels = pack_panels(blocks.dequantize().to(dtype))

@@ -22,10 +22,10 @@ from conveyor.model.layers.quantized import (
     GROUP,
     BlockPanels,
     Int4Blocks,
-    Int8Blocks,
     Int8Panels,
     NibbleInt4,
 )
+from gguf_blocks import file_blocks
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(
     platform.machine() not in ("x86_64", "AMD64"), reason="the targets are x86-64 levels")]
@@ -112,22 +112,12 @@ def test_block_matmul(ops) -> None:
         _close(got, x.double() @ blocks.dequantize().double().T, dtype, 4)
 
 
-def _file_blocks(bits: int, n: int, k: int, seed: int) -> Int4Blocks | Int8Blocks:
-    """Blocks as a GGUF file holds them: fp16 scales and minima (so ``q * d`` is exact)."""
-    g = torch.Generator().manual_seed(seed)
-    scale = (torch.rand(n, k // GROUP, generator=g) * 0.02 + 1e-4).half().float()
-    if bits == 8:
-        return Int8Blocks(torch.randint(-128, 128, (n, k), dtype=torch.int8, generator=g), scale)
-    low = (-torch.rand(n, k // GROUP, generator=g) * 0.2).half().float()
-    return Int4Blocks(torch.randint(0, 16, (n, k), dtype=torch.uint8, generator=g), scale, low)
-
-
 @pytest.mark.parametrize("bits", [4, 8])
 def test_block_panel_gemm_equals_the_panels(ops, bits) -> None:
     """Every build with AVX2 multiplies BlockPanels to the dense panels' bits, at every row count
     (the deterministic mode's small batches); a build without AVX2 refuses them."""
     width = ops.panel_width()
-    blocks = _file_blocks(bits, 3 * width, 96, seed=bits)
+    blocks = file_blocks(bits, 3 * width, 96, torch.Generator().manual_seed(bits))
     for dtype in _dtypes(ops):
         packed = BlockPanels.pack(blocks, dtype, width)
         x = _randn(13, 96, seed=1).to(dtype)
