@@ -14,6 +14,8 @@ import torch
 
 from conveyor.core.sequence import Sequence
 
+SCORE_ROWS = 128  # logits rows scored at once
+
 
 @dataclass
 class PromptScoring:
@@ -40,24 +42,33 @@ def positions_to_score(entry: int, seq: Sequence, start: int, count: int) -> Pro
 def score(logits: torch.Tensor, scorings: list[PromptScoring]
           ) -> dict[int, tuple[int, list[dict[int, tuple[float, int]]]]]:
     """``logits``: one row per target of ``scorings``, in order. Per entry: (first target
-    position, per target {token_id: (logprob, rank)} for the target and the top-N)."""
-    logprobs = torch.log_softmax(logits.float(), dim=-1)
-    targets = torch.tensor([t for s in scorings for t in s.targets], device=logprobs.device)
-    target_lp = logprobs.gather(1, targets[:, None])
-    ranks = ((logprobs > target_lp).sum(dim=-1) + 1).tolist()
-    target_lp = target_lp[:, 0].tolist()
+    position, per target {token_id: (logprob, rank)} for the target and the top-N).
+
+    Rows are scored ``SCORE_ROWS`` at a time, and only the asked-for numbers leave a slice: the
+    memory beyond the logits stays ``SCORE_ROWS`` x vocabulary however long the prompt."""
+    targets = torch.tensor([t for s in scorings for t in s.targets], device=logits.device)
     top_n = max(s.top_n for s in scorings)
-    top_vals, top_idx = logprobs.topk(top_n, dim=-1) if top_n else (None, None)
+    target_lps: list[float] = []
+    ranks: list[int] = []
+    top_ids: list[list[int]] = []
+    top_lps: list[list[float]] = []
+    for first in range(0, logits.shape[0], SCORE_ROWS):
+        logprobs = torch.log_softmax(logits[first:first + SCORE_ROWS].float(), dim=-1)
+        target_lp = logprobs.gather(1, targets[first:first + SCORE_ROWS, None])
+        target_lps += target_lp[:, 0].tolist()
+        ranks += ((logprobs > target_lp).sum(dim=-1, dtype=torch.int32) + 1).tolist()
+        if top_n:
+            values, ids = logprobs.topk(top_n, dim=-1)
+            top_lps += values.tolist()
+            top_ids += ids.tolist()
     out = {}
     row = 0
     for s in scorings:
         entries = []
         for target in s.targets:
-            d = {target: (target_lp[row], ranks[row])}
-            if s.top_n:
-                for k, (t, lp) in enumerate(zip(top_idx[row, :s.top_n].tolist(),
-                                                top_vals[row, :s.top_n].tolist(), strict=True)):
-                    d.setdefault(t, (lp, k + 1))
+            d = {target: (target_lps[row], ranks[row])}
+            for k in range(s.top_n):
+                d.setdefault(top_ids[row][k], (top_lps[row][k], k + 1))
             entries.append(d)
             row += 1
         out[s.entry] = (s.first_target, entries)
