@@ -45,6 +45,8 @@ class EngineArgs:
     threads_per_rank: int | None = None  # None: this machine's cores / its ranks
     distributed_timeout: float = 120.0  # seconds a collective may wait on a rank
     deterministic: bool = True  # same bits whatever the batching (docs/determinism.md)
+    structured_outputs_compile_timeout: float = 10.0  # seconds one grammar compile may take
+    structured_outputs_cache_bytes: int = 256 * 2**20  # compiled grammars kept for reuse
     # speculative decoding (docs/speculative.md)
     speculative_method: str | None = None  # None: off | ngram | draft_model
     num_speculative_tokens: int = 4
@@ -106,6 +108,12 @@ _HELP = {
                      "chunked, cached or preempted, and with any thread count; "
                      "--no-deterministic takes the mixed kernels (prefill attention in tiles) "
                      "(docs/determinism.md)",
+    "structured_outputs_compile_timeout": "seconds a structured-output constraint (JSON schema, "
+                                          "regex, grammar) may take to compile; a slower one "
+                                          "fails its request (a 400 from the server)",
+    "structured_outputs_cache_bytes": "bytes of compiled constraints kept for reuse (least "
+                                      "recently used leave first); one constraint may take a "
+                                      "quarter of it",
     "speculative_method": "speculative decoding: ngram proposes tokens by looking the "
                           "sequence's last tokens up in its own prompt and output, draft_model "
                           "by running --speculative-model; the model verifies them in one step "

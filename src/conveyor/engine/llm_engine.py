@@ -89,8 +89,10 @@ class LLMEngine:
         self._generation_tokens_total = 0
 
     def shutdown(self) -> None:
-        """Stop the executor's tensor-parallel workers, if any (also done at garbage collection
-        and interpreter exit)."""
+        """Stop the executor's tensor-parallel workers and the grammar compile workers, if any
+        (also done at garbage collection and interpreter exit)."""
+        if self._grammar is not None:
+            self._grammar.compile_cache.shutdown()
         shutdown = getattr(self.executor, "shutdown", None)
         if shutdown is not None:
             shutdown()
@@ -143,7 +145,10 @@ class LLMEngine:
 
                 vocab = self.model_config.vocab_size
                 info = tokenizer_info(self.tokenizer, vocab, self.model_config.eos_token_ids)
-                self._grammar = StructuredOutputManager(GrammarCompileCache(info), vocab)
+                args = self.engine_args
+                cache = GrammarCompileCache(info, args.structured_outputs_compile_timeout,
+                                            args.structured_outputs_cache_bytes)
+                self._grammar = StructuredOutputManager(cache, vocab)
             return self._grammar
 
     def _tokenize(self, prompt: Prompt) -> tuple[str | None, list[int]]:

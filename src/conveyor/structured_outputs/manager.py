@@ -1,6 +1,7 @@
 """StructuredOutputManager: the grammar side of constrained requests, beside the scheduler.
 
-Per request: the future of its compiled grammar (``GrammarCompileCache``). Per sequence: an
+Per request: the future of its compiled grammar (``GrammarCompileCache``), held until the
+request is removed. Per sequence: an
 xgrammar ``GrammarMatcher`` and how many of the sequence's output tokens it has accepted.
 
 The matcher follows the sequence, not the other way round: before each use it is synced to the
@@ -52,6 +53,7 @@ class StructuredOutputManager:
         self.compile_cache = compile_cache
         self.vocab_size = vocab_size
         self._futures: dict[str, Future[xgr.CompiledGrammar]] = {}  # compiling, by request id
+        self._held: dict[str, Future[xgr.CompiledGrammar]] = {}  # cache entries held
         self._grammars: dict[str, xgr.CompiledGrammar] = {}  # compiled, by request id
         self._seqs: dict[int, _SeqGrammar] = {}  # by Sequence.seq_id
         self._seq_ids: dict[str, list[int]] = {}  # request id -> its matchers' seq ids
@@ -64,7 +66,7 @@ class StructuredOutputManager:
     def add_request(self, group: SequenceGroup) -> None:
         """Start compiling ``group``'s constraint (at once ready when it is cached)."""
         future = self.compile_cache.submit(group.sampling_params.structured_outputs)
-        self._futures[group.request_id] = future
+        self._futures[group.request_id] = self._held[group.request_id] = future
 
     def is_constrained(self, request_id: str) -> bool:
         return request_id in self._grammars
@@ -86,7 +88,7 @@ class StructuredOutputManager:
             if not future.done():
                 continue
             del self._futures[request_id]
-            error = future.exception()
+            error = "the compile was cancelled" if future.cancelled() else future.exception()
             if error is None:
                 self._grammars[request_id] = future.result()
                 ready.append(request_id)
@@ -95,8 +97,12 @@ class StructuredOutputManager:
         return ready, failed
 
     def remove(self, request_id: str) -> None:
-        """Forget a finished or aborted request (its compile, if still running, stays cached)."""
+        """Forget a finished or aborted request (its compile, if still running and wanted by
+        no other request, is cancelled)."""
         self._futures.pop(request_id, None)
+        held = self._held.pop(request_id, None)
+        if held is not None:
+            self.compile_cache.release(held)
         self._grammars.pop(request_id, None)
         for seq_id in self._seq_ids.pop(request_id, ()):
             self._seqs.pop(seq_id, None)

@@ -10,6 +10,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from conveyor.entrypoints.openai.access_log import AccessRecord, access_record
+from conveyor.entrypoints.openai.disconnect import cancel_on_disconnect
 from conveyor.entrypoints.openai.errors import APIError, bad_request
 from conveyor.entrypoints.openai.limits import ServerLimits
 from conveyor.entrypoints.openai.prompt_logprobs import (
@@ -21,7 +22,6 @@ from conveyor.entrypoints.openai.serving import (
     Choice,
     Job,
     TokenText,
-    cancel_on_disconnect,
     check_admission,
     check_model,
     check_not_cut,
@@ -84,21 +84,27 @@ async def create_chat_completion(state: ServerState, request: Request,
     except ValueError as e:
         raise bad_request(str(e), param="tool_choice" if req.tools else "tools") from e
     messages, template_tools = tools.prompt_messages(messages, template)
-    try:
-        prompt = await state.off_loop(state.encode_chat, messages, req.add_generation_prompt,
-                                      template_tools)
-    except Exception as e:  # a template that rejects the conversation (e.g. role order)
-        raise bad_request(f"the chat template rejected the messages: {e}",
-                          param="messages") from e
-    prompt_ids = prompt["prompt_token_ids"]
-    param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
-    max_tokens = resolve_max_tokens(state, len(prompt_ids), req.requested_max_tokens, param,
-                                    prompt_param="messages")
-    request_id = new_id("chatcmpl")
-    job = Job(request_id, prompt_ids, make_params(state, req, max_tokens), req.priority,
-              prompt["prompt"])
-    await compile_constraint(state.ready_engine(), job.params, constraint_param(req))
+    # admission first: a request the server cannot run now costs no templating or compiling
     engine = check_admission(state, 1)
+    reservation = state.admission.reserve(req.n)
+    try:
+        try:
+            prompt = await state.off_loop(state.encode_chat, messages, req.add_generation_prompt,
+                                          template_tools)
+        except Exception as e:  # a template that rejects the conversation (e.g. role order)
+            raise bad_request(f"the chat template rejected the messages: {e}",
+                              param="messages") from e
+        prompt_ids = prompt["prompt_token_ids"]
+        param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+        max_tokens = resolve_max_tokens(state, len(prompt_ids), req.requested_max_tokens, param,
+                                        prompt_param="messages")
+        request_id = new_id("chatcmpl")
+        job = Job(request_id, prompt_ids, make_params(state, req, max_tokens), req.priority,
+                  prompt["prompt"])
+        await compile_constraint(engine, job.params, constraint_param(req), request)
+    except BaseException:
+        reservation.release()
+        raise
     record = access_record(request)
     record.request_id = request_id
     record.prompt_tokens = len(prompt_ids)
@@ -107,7 +113,6 @@ async def create_chat_completion(state: ServerState, request: Request,
     head = {"id": request_id, "object": "chat.completion", "created": now_s(),
             "model": req.model or state.model_names[0]}
     tok = TokenText(state.tokenizer)
-    reservation = state.admission.reserve(req.n)
     if req.stream:
         return sse_response(_stream(state, engine, req, job, head, tok, record, tools),
                             on_close=reservation.release)

@@ -10,6 +10,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from conveyor.entrypoints.openai.access_log import AccessRecord, access_record
+from conveyor.entrypoints.openai.disconnect import cancel_on_disconnect
 from conveyor.entrypoints.openai.errors import APIError, bad_request
 from conveyor.entrypoints.openai.limits import ServerLimits
 from conveyor.entrypoints.openai.prompt_logprobs import (
@@ -23,7 +24,6 @@ from conveyor.entrypoints.openai.serving import (
     Choice,
     Job,
     TokenText,
-    cancel_on_disconnect,
     check_admission,
     check_model,
     check_not_cut,
@@ -49,6 +49,13 @@ if TYPE_CHECKING:
     from conveyor.engine.async_engine import AsyncEngine
     from conveyor.engine.outputs import Logprob
     from conveyor.entrypoints.openai.state import ServerState
+
+
+def _num_prompts(prompt: Any) -> int:
+    """How many prompts the prompt field holds (a string or token ids are one)."""
+    if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
+        return len(prompt)
+    return 1
 
 
 def _prompts(state: ServerState, prompt: Any, echo: bool) -> list[tuple[list[int], str | None]]:
@@ -103,15 +110,21 @@ async def create_completion(state: ServerState, request: Request,
     if req.best_of is not None and req.best_of != req.n:
         raise bad_request("'best_of' must equal 'n' (or be omitted)", param="best_of")
     check_prompt_logprobs(req)
-    prompts = await state.off_loop(_prompts, state, req.prompt, req.echo)
-    base_id = new_id("cmpl")
-    jobs = []
-    for i, (ids, text) in enumerate(prompts):
-        max_tokens = resolve_max_tokens(state, len(ids), req.max_tokens, "max_tokens")
-        jobs.append(Job(f"{base_id}-{i}", ids, make_params(state, req, max_tokens),
-                        req.priority, text, fairness_key=base_id))
-    await compile_constraint(state.ready_engine(), jobs[0].params, constraint_param(req))
-    engine = check_admission(state, len(jobs))
+    # admission first: a request the server cannot run now costs no tokenizing or compiling
+    engine = check_admission(state, _num_prompts(req.prompt))
+    reservation = state.admission.reserve(_num_prompts(req.prompt) * req.n)
+    try:
+        prompts = await state.off_loop(_prompts, state, req.prompt, req.echo)
+        base_id = new_id("cmpl")
+        jobs = []
+        for i, (ids, text) in enumerate(prompts):
+            max_tokens = resolve_max_tokens(state, len(ids), req.max_tokens, "max_tokens")
+            jobs.append(Job(f"{base_id}-{i}", ids, make_params(state, req, max_tokens),
+                            req.priority, text, fairness_key=base_id))
+        await compile_constraint(engine, jobs[0].params, constraint_param(req), request)
+    except BaseException:
+        reservation.release()
+        raise
     record = access_record(request)
     record.request_id = base_id
     record.prompt_tokens = sum(len(job.prompt_token_ids) for job in jobs)
@@ -121,7 +134,6 @@ async def create_completion(state: ServerState, request: Request,
     head = {"id": base_id, "object": "text_completion", "created": now_s(),
             "model": req.model or state.model_names[0]}
     tok = TokenText(state.tokenizer)
-    reservation = state.admission.reserve(len(jobs) * req.n)
     if req.stream:
         return sse_response(_stream(state, engine, req, jobs, head, echo_text, tok, record),
                             on_close=reservation.release)

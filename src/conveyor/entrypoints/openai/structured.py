@@ -1,7 +1,8 @@
 """The OpenAI server's structured outputs: ``response_format`` (``json_object``, ``json_schema``)
 and vLLM's ``structured_outputs`` extra field become a StructuredOutputsParams; before a request
-reaches the engine its constraint is compiled (through the engine's compile cache, off the event
-loop), so a schema, regex or grammar the compiler rejects is a 400 with the compiler's reason.
+reaches the engine its constraint is compiled (through the engine's compile cache, in its worker
+processes), so a schema, regex or grammar the compiler rejects, or one that takes longer than
+``--structured-outputs-compile-timeout``, is a 400 with the reason.
 """
 
 from __future__ import annotations
@@ -10,9 +11,12 @@ import asyncio
 from typing import TYPE_CHECKING, Any
 
 from conveyor.core.structured_outputs_params import StructuredOutputsParams
+from conveyor.entrypoints.openai.disconnect import until_disconnect
 from conveyor.entrypoints.openai.errors import bad_request
 
 if TYPE_CHECKING:
+    from starlette.requests import Request
+
     from conveyor.core.sampling_params import SamplingParams
     from conveyor.engine.async_engine import AsyncEngine
 
@@ -36,16 +40,23 @@ def structured_outputs_params(req: Any) -> StructuredOutputsParams | None:
     return StructuredOutputsParams(json=fmt.json_schema.schema_)
 
 
-async def compile_constraint(engine: AsyncEngine, params: SamplingParams, param: str) -> None:
-    """Compile ``params``' constraint now (cached for the engine); a 400 when it cannot be."""
+async def compile_constraint(engine: AsyncEngine, params: SamplingParams, param: str,
+                             request: Request) -> None:
+    """Compile ``params``' constraint now (cached for the engine); a 400 naming ``param`` when
+    it cannot be, or not within the time limit. A client that leaves first ends the wait (499),
+    and the compile stops unless another request waits for the same constraint."""
     constraint = params.structured_outputs
     if constraint is None:
         return
     cache = await asyncio.to_thread(engine.structured_outputs_compile_cache)
+    future = cache.submit(constraint)
     try:
-        await asyncio.wrap_future(cache.submit(constraint))
+        # shielded: cancelling this wait must not cancel a compile other requests share
+        await until_disconnect(request, asyncio.shield(asyncio.wrap_future(future)))
     except ValueError as e:
         raise bad_request(str(e), param=param) from e
+    finally:
+        cache.release(future)
 
 
 def constraint_param(req: Any) -> str:
