@@ -2,8 +2,8 @@
 
 A job waits in one queue for the next free worker (``compile_worker.py``). A compile that runs
 past ``timeout_s``, or whose job is cancelled because no request waits for it any more, is
-stopped by killing its process, which returns every byte it held; the next job starts a fresh
-one. The compiled grammar comes back as xgrammar's JSON and is rebuilt here, off the engine's
+stopped by killing its process, which returns every byte it held; a fresh one takes its place
+at once. The compiled grammar comes back as xgrammar's JSON and is rebuilt here, off the engine's
 thread. Processes start when the pool is made, so the first compile does not wait for them.
 """
 
@@ -98,14 +98,14 @@ class CompilePool:
         return [w.proc.pid for w in list(self._workers.values()) if w.alive()]
 
     def _serve(self, index: int) -> None:
-        worker: _Worker | None = self._start(index)
+        worker = self._start(index)
         while True:
             job = self._jobs.get()
             if job is None:
                 break
             if job.cancelled.is_set() or not job.future.set_running_or_notify_cancel():
                 continue
-            if worker is None or not worker.alive():
+            if not worker.alive():
                 worker = self._start(index)
             try:
                 worker.wait_ready()
@@ -115,16 +115,15 @@ class CompilePool:
                                      f"compiler failed ({type(e).__name__}: {e})")
             if isinstance(outcome, Exception):
                 worker.kill()
-                worker = None
                 job.future.set_exception(outcome)
+                worker = self._start(index)  # ready before the next job comes
                 continue
             status, payload = outcome
             if status == "ok":
                 job.future.set_result(xgr.CompiledGrammar.deserialize_json(payload, self.info))
             else:
                 job.future.set_exception(ValueError(payload))
-        if worker is not None:
-            worker.kill()
+        worker.kill()
 
     def _start(self, index: int) -> _Worker:
         worker = self._workers[index] = _Worker(self._info_json)
