@@ -99,6 +99,47 @@ def test_huge_prompts_delay_no_stream_and_not_health(hardened) -> None:
         assert max(during) < before + 0.5, (before, max(during))
 
 
+@pytest.mark.slow
+def test_long_lists_are_refused_by_their_length_without_stalling_streams(hardened) -> None:
+    """8 MB of 4 million token ids, 900,000 stop_token_ids and a logit_bias larger than the
+    vocabulary are 400s naming the field, found from the lists' lengths; a full-vocabulary
+    logit_bias is served. Meanwhile no stream's gap grows by more than 0.5 s."""
+    base = hardened.base_url
+    arrivals: list[list[float]] = [[] for _ in range(2)]
+    threads = [threading.Thread(target=_stream_gaps, args=(base, a, 160)) for a in arrivals]
+    for t in threads:
+        t.start()
+    while min(len(a) for a in arrivals) < 10:
+        time.sleep(0.05)
+    quiet_end = time.monotonic()
+    bodies = {
+        "prompt": {"prompt": [1] * 4_000_000, "max_tokens": 1},
+        "stop_token_ids": {"prompt": "hi", "max_tokens": 1, "stop_token_ids": [5] * 900_000},
+        "logit_bias": {"prompt": "hi", "max_tokens": 1,
+                       "logit_bias": {str(i): 0 for i in range(60_000)}},
+        "full_vocab_bias": {"prompt": "hi", "max_tokens": 2,
+                            "logit_bias": {str(i): -1 for i in range(49152)}},
+    }
+    encoded = {k: json.dumps(b, separators=(",", ":")).encode() for k, b in bodies.items()}
+    assert len(encoded["prompt"]) > 7_000_000
+    start = time.monotonic()
+    results = {k: httpx.post(base + "/v1/completions", content=body, timeout=120,
+                             headers={"content-type": "application/json"})
+               for k, body in encoded.items()}
+    end = time.monotonic()
+    for t in threads:
+        t.join(300)
+    for field in ("prompt", "stop_token_ids", "logit_bias"):
+        assert results[field].status_code == 400, results[field].text[:300]
+        assert results[field].json()["error"]["param"] == field
+    assert results["full_vocab_bias"].status_code == 200, results["full_vocab_bias"].text[:300]
+    for times in arrivals:
+        gaps = [(b, b - a) for a, b in zip(times, times[1:], strict=False)]
+        before = max(g for stamp, g in gaps if stamp <= quiet_end)
+        during = [g for stamp, g in gaps if start <= stamp <= end + 0.5]
+        assert during and max(during) < before + 0.5, (before, max(during))
+
+
 def _error(resp: httpx.Response, status: int, flag: str) -> dict[str, Any]:
     assert resp.status_code == status, resp.text
     err = resp.json()["error"]

@@ -101,7 +101,8 @@ def _logprobs(tok: TokenText, token_ids: list[int], entries: list[dict[int, Logp
 async def create_completion(state: ServerState, request: Request,
                             limits: ServerLimits | None = None) -> Response:
     req: CompletionRequest = await state.off_loop(parse_body, await request.body(),
-                                                  CompletionRequest, limits)
+                                                  CompletionRequest, limits,
+                                                  state.list_limits())
     state.ready_engine()
     check_model(state, req.model)
     check_priority(state, req.priority)

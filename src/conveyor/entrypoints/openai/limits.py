@@ -33,6 +33,16 @@ class ServerLimits:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
 
 
+@dataclass(frozen=True)
+class ListLimits:
+    """The model's bounds on a request's long lists, checked on the parsed JSON before anything
+    walks them: a token-id prompt (or all messages) cannot exceed the context, ``logit_bias``
+    and ``stop_token_ids`` cannot name more tokens than the vocabulary has."""
+
+    max_model_len: int
+    vocab_size: int
+
+
 class JSONContentTypeMiddleware:
     """415 for a POST to ``/v1/*`` whose Content-Type is not ``application/json``: a browser
     may send a cross-origin "simple" request (text/plain, form data) without a preflight, and
@@ -124,16 +134,41 @@ def _content_length(scope: Scope) -> int | None:
         return None  # the HTTP server itself rejects a malformed Content-Length
 
 
-def check_sizes(req: Any, limits: ServerLimits) -> None:
-    """Stop strings, short string fields, ``n`` and the number of prompts of a validated
-    request within ``limits``."""
-    prompt = getattr(req, "prompt", None)
+def check_list_sizes(body: dict[str, Any], limits: ServerLimits,
+                     lists: ListLimits | None) -> None:
+    """The lengths of a parsed body's long lists (prompts, token ids, messages, logit_bias,
+    stop_token_ids), each a constant-time check, so that validating what passes takes time in
+    proportion to what the model can use."""
+    prompt = body.get("prompt")
     if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
         if len(prompt) > limits.max_prompts:
             raise bad_request(f"'prompt' has {len(prompt)} prompts; at most "
                               f"{limits.max_prompts} are allowed in one request "
                               "(--max-prompts-per-request)", param="prompt",
                               code="too_many_prompts")
+    if lists is None:
+        return
+    token_lists = [prompt] if isinstance(prompt, list) and prompt \
+        and isinstance(prompt[0], int) else prompt if isinstance(prompt, list) else []
+    for ids in token_lists:
+        if isinstance(ids, list) and len(ids) > lists.max_model_len:
+            raise bad_request(f"a 'prompt' of {len(ids)} token ids is longer than the model's "
+                              f"context of {lists.max_model_len} tokens (--max-model-len)",
+                              param="prompt", code="context_length_exceeded")
+    messages = body.get("messages")
+    if isinstance(messages, list) and len(messages) > lists.max_model_len:
+        raise bad_request(f"'messages' has {len(messages)} messages, more than the model's "
+                          f"context of {lists.max_model_len} tokens can hold (--max-model-len)",
+                          param="messages", code="context_length_exceeded")
+    for field in ("logit_bias", "stop_token_ids"):
+        value = body.get(field)
+        if isinstance(value, (list, dict)) and len(value) > lists.vocab_size:
+            raise bad_request(f"'{field}' has {len(value)} entries; the vocabulary has "
+                              f"{lists.vocab_size} tokens", param=field)
+
+
+def check_sizes(req: Any, limits: ServerLimits) -> None:
+    """Stop strings, short string fields and ``n`` of a validated request within ``limits``."""
     if req.n > limits.max_n:
         raise bad_request(f"'n' is {req.n}; at most {limits.max_n} samples per prompt are "
                           "allowed (--max-n)", param="n", code="n_too_large")

@@ -21,7 +21,12 @@ from starlette.types import Receive, Scope, Send
 from conveyor.core.json_depth import json_depth_exceeds
 from conveyor.core.sampling_params import SamplingParams
 from conveyor.entrypoints.openai.errors import APIError, bad_request, from_validation_error
-from conveyor.entrypoints.openai.limits import ServerLimits, check_sizes
+from conveyor.entrypoints.openai.limits import (
+    ListLimits,
+    ServerLimits,
+    check_list_sizes,
+    check_sizes,
+)
 from conveyor.entrypoints.openai.structured import constraint_param
 
 if TYPE_CHECKING:
@@ -77,8 +82,10 @@ def now_s() -> int:
     return int(time.time())
 
 
-def parse_body(raw: bytes, model_cls: type[Any], limits: ServerLimits | None = None) -> Any:
-    """Bytes -> validated request model, each failure a 400 that says what is wrong."""
+def parse_body(raw: bytes, model_cls: type[Any], limits: ServerLimits | None = None,
+               lists: ListLimits | None = None) -> Any:
+    """Bytes -> validated request model, each failure a 400 that says what is wrong. The JSON
+    is parsed once; list lengths are checked before anything walks the lists."""
     limits = limits or ServerLimits()
     if not raw.strip():
         raise bad_request("the request body is empty; expected a JSON object")
@@ -99,10 +106,11 @@ def parse_body(raw: bytes, model_cls: type[Any], limits: ServerLimits | None = N
         raise bad_request(f"the request body is not valid JSON: {e}") from e
     if not isinstance(obj, dict):
         raise bad_request(f"the request body must be a JSON object, got {type(obj).__name__}")
+    check_list_sizes(obj, limits, lists)
     if json_depth_exceeds(obj, limits.max_json_depth):
         raise too_deep
     try:
-        req = model_cls.model_validate_json(text)
+        req = model_cls.model_validate(obj)
     except ValidationError as e:
         raise from_validation_error(e) from e
     check_sizes(req, limits)

@@ -19,6 +19,7 @@ from conveyor.engine.args import EngineArgs
 from conveyor.engine.async_engine import AsyncEngine, EngineStoppedError
 from conveyor.entrypoints.openai.admission import SequenceAdmission
 from conveyor.entrypoints.openai.errors import APIError
+from conveyor.entrypoints.openai.limits import ListLimits
 from conveyor.entrypoints.openai.metrics import ServerMetrics
 
 logger = logging.getLogger("conveyor.serve")
@@ -125,6 +126,12 @@ class ServerState:
     def tokenizer(self) -> Any:
         assert self.engine is not None
         return self.engine.tokenizer
+
+    def list_limits(self) -> ListLimits | None:
+        """The loaded model's bounds on a request's lists (None while it loads)."""
+        if self.engine is None:
+            return None
+        return ListLimits(self.engine.max_model_len, self.engine.model_config.vocab_size)
 
     @property
     def vocab_size(self) -> int:
