@@ -28,8 +28,11 @@ GROUPS, ROUNDS, PREFIX_BLOCKS = 5, 3, 8
 
 
 def _start(tmp_path_factory, router: str) -> ServerProcess:
+    # Ray's router then asks each replica its queue length before every choice instead of
+    # using a cached one (as after 10 s idle): the slow path where choices could be swapped.
     s = ServerProcess(FLEET_FLAGS + ["--router", router] + engine_flags(),
-                      tmp_path_factory.mktemp("fleet") / "log")
+                      tmp_path_factory.mktemp("fleet") / "log",
+                      env={"RAY_SERVE_QUEUE_LENGTH_CACHE_TIMEOUT_S": "0"})
     s.wait_ready(timeout=400)
     return s
 
@@ -94,6 +97,42 @@ def test_health_and_metrics_cover_every_replica(fleet) -> None:
         assert f"conveyor:num_requests_running{{replica={replica}}}" in m
         assert f"conveyor:router_requests_total{{replica={replica}}}" in m
     assert m["conveyor:replicas_live"] == 2
+
+
+def _served_per_replica(fleet) -> dict[str, tuple[float, float]]:
+    """Per replica: (requests the router sent it, requests its engine finished)."""
+    m = fleet.metrics()
+    replicas = httpx.get(fleet.base_url + "/health", timeout=30).json()["replicas"]
+    return {r: (m[f"conveyor:router_requests_total{{replica={r}}}"],
+                sum(v for k, v in m.items() if k.startswith("conveyor:request_success_total{")
+                    and f"replica={r}" in k)) for r in replicas}
+
+
+def test_each_call_reaches_the_replica_it_names(fleet) -> None:
+    """Idle, the fleet answers /health 25 times with each replica's own PID (two distinct PIDs,
+    the same one per replica every time); busy with concurrent requests, each replica's engine
+    finished exactly the requests the router sent it."""
+    pids: dict[str, set[int]] = {}
+    for _ in range(25):
+        replicas = httpx.get(fleet.base_url + "/health", timeout=30).json()["replicas"]
+        assert len({r["pid"] for r in replicas.values()}) == 2, replicas
+        for name, r in replicas.items():
+            pids.setdefault(name, set()).add(r["pid"])
+    assert all(len(p) == 1 for p in pids.values()), pids
+    before = _served_per_replica(fleet)
+    client = _client(fleet)
+    model = client.models.list().data[0].id
+    threads = [threading.Thread(target=client.completions.create, kwargs=dict(
+        model=model, prompt=f"Request {i}: name a colour.", max_tokens=4, temperature=0.0))
+        for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    after = _served_per_replica(fleet)
+    sent = {r: after[r][0] - before[r][0] for r in after}
+    served = {r: after[r][1] - before[r][1] for r in after}
+    assert sum(sent.values()) == 8 and sent == served, (sent, served)
 
 
 def test_client_disconnect_aborts_on_the_replica(fleet) -> None:

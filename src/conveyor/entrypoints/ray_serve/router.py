@@ -2,7 +2,7 @@
 
 It runs in the process that holds the deployment handle (the HTTP ingress). ``generate`` calls
 are routed by the policy over the replicas' in-flight counts (routed minus completed, kept here);
-calls that name a ``replica`` (metrics, info) go to that replica only. Counters for /metrics live
+calls that name a ``replica`` (metrics, health, info) go to that replica only, busy or idle. Counters for /metrics live
 in a RouterStats that the ingress reads: stats.py, because Ray Serve ships this module to the
 router pickled by value, with module globals of its own.
 """
@@ -10,7 +10,6 @@ router pickled by value, with module globals of its own.
 from __future__ import annotations
 
 from ray.serve.request_router import (
-    FIFOMixin,
     PendingRequest,
     ReplicaID,
     RequestRouter,
@@ -23,7 +22,11 @@ from conveyor.routing import make_router
 ROUTED_METHOD = "generate"
 
 
-class ConveyorRequestRouter(FIFOMixin, RequestRouter):
+class ConveyorRequestRouter(RequestRouter):
+    # No FIFOMixin: it hands the replica chosen for one request to whichever request waits
+    # longest, so a call naming a replica (or a prefix-affinity choice) could land elsewhere.
+    # Ray's default matching gives each request the replica chosen for it.
+
     def initialize_state(self, policy: str = "prefix_affinity", block_size: int = 16,
                          **policy_kwargs: object) -> None:
         self._policy = make_router(policy, block_size=block_size, **policy_kwargs)
