@@ -26,7 +26,9 @@ class EngineArgs:
     max_num_batched_tokens: int = 4096
     max_model_len: int | None = None  # None: the model's context length, capped at 8192
     block_size: int = 16
-    kv_cache_memory: float = 0.25  # bytes, or a fraction (<= 1) of available memory
+    kv_cache_memory: float | None = None  # bytes, a fraction (<= 1) of available memory, or
+    # None: on the CPU room for max_num_seqs full-length sequences, at most 4 GiB and a quarter
+    # of available memory; on CUDA gpu_memory_utilization
     num_gpu_blocks: int | None = None  # overrides kv_cache_memory
     gpu_memory_utilization: float = 0.9  # CUDA: fraction of the card the engine may fill
     enforce_eager: bool = False  # CUDA: no CUDA graphs for decode steps
@@ -83,7 +85,9 @@ _HELP = {
     "block_size": "tokens per KV-cache block",
     "kv_cache_memory": "KV cache size: bytes, or a fraction (<=1) of available memory; on the "
                        "CPU, shared by this machine's tensor-parallel ranks (on CUDA only "
-                       "bytes; see --gpu-memory-utilization)",
+                       "bytes; see --gpu-memory-utilization); default: room for "
+                       "--max-num-seqs sequences of --max-model-len tokens, at most 4 GiB and "
+                       "a quarter of available memory",
     "num_gpu_blocks": "exact number of KV-cache blocks (overrides --kv-cache-memory)",
     "gpu_memory_utilization": "on CUDA, the fraction of the GPU's memory the engine may use "
                               "(weights, activations and KV cache; unless --kv-cache-memory "
@@ -153,6 +157,8 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         kind = {"int": int, "float": float}.get(type(default).__name__, str)
         if f.name in ("max_model_len", "num_gpu_blocks", "master_port", "threads_per_rank"):
             kind = int
+        if f.name == "kv_cache_memory":
+            kind = float
         group.add_argument(flag, type=kind, default=default, choices=_CHOICES.get(f.name),
                            help=f"{_HELP[f.name]} (default: {default})")
 

@@ -7,6 +7,7 @@ schedule -> execute (skipped when nothing is scheduled) -> update -> outputs.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from typing import TYPE_CHECKING, Any
@@ -26,9 +27,13 @@ if TYPE_CHECKING:
     from conveyor.structured_outputs import StructuredOutputManager
 
 DEFAULT_MAX_MODEL_LEN_CAP = 8192
+DEFAULT_CPU_KV_CACHE_BYTES = 4 * 2**30  # as vLLM's CPU build
+DEFAULT_CPU_KV_CACHE_FRACTION = 0.25
 GRAMMAR_WAIT_S = 0.01  # an idle step waits this long for a compiling grammar
 
 Prompt = str | list[int] | dict[str, Any]
+
+logger = logging.getLogger("conveyor.engine")
 
 
 class LLMEngine:
@@ -50,7 +55,8 @@ class LLMEngine:
         self.tokenizer = self.executor.tokenizer
         self.model_config = self.executor.model_config
         self.max_model_len = _max_model_len(args, self.model_config.max_position_embeddings)
-        self.num_gpu_blocks, self.num_cpu_blocks = _num_blocks(args, self.executor)
+        self.num_gpu_blocks, self.num_cpu_blocks = _num_blocks(args, self.executor,
+                                                               self.max_model_len)
         self.executor.initialize_cache(args.block_size, self.num_gpu_blocks, self.num_cpu_blocks)
         self._clock = time.monotonic
         speculative, proposer = build_speculative(args, self.executor, self.num_gpu_blocks,
@@ -309,34 +315,56 @@ def _max_model_len(args: EngineArgs, max_positions: int) -> int:
     return args.max_model_len
 
 
-def _num_blocks(args: EngineArgs, executor: Any) -> tuple[int, int]:
+def _num_blocks(args: EngineArgs, executor: Any, max_model_len: int | None = None
+                ) -> tuple[int, int]:
     """(GPU-pool blocks, CPU swap-pool blocks) from the memory budgets in ``args``
-    (``bytes_per_block``: on one rank, for its share of the KV heads)."""
+    (``bytes_per_block``: on one rank, for its share of the KV heads). Without a budget, on the
+    CPU: room for ``max_num_seqs`` sequences of ``max_model_len`` tokens, at most
+    ``DEFAULT_CPU_KV_CACHE_BYTES`` and a quarter of the available memory."""
     bytes_per_block = executor.kv_cache_bytes_per_block(args.block_size)
     local_ranks = getattr(getattr(executor, "parallel", None), "local_ranks", 1)
+    on_cuda = str(getattr(executor, "device", "cpu")).startswith("cuda")
+    budget = args.kv_cache_memory
     if args.num_gpu_blocks is not None:
         if args.num_gpu_blocks < 1:
             raise ValueError(f"num_gpu_blocks must be >= 1, got {args.num_gpu_blocks}")
         num_gpu = args.num_gpu_blocks
-    else:
-        if args.kv_cache_memory <= 0:
-            raise ValueError(f"kv_cache_memory must be > 0, got {args.kv_cache_memory}")
-        budget = args.kv_cache_memory
-        on_cuda = str(getattr(executor, "device", "cpu")).startswith("cuda")
-        if budget <= 1 and on_cuda:
-            from conveyor.executor.gpu_memory import cuda_kv_cache_blocks
+        why = "--num-gpu-blocks"
+    elif on_cuda and (budget is None or budget <= 1):
+        from conveyor.executor.gpu_memory import cuda_kv_cache_blocks
 
-            num_gpu = cuda_kv_cache_blocks(executor, args.block_size, args.gpu_memory_utilization,
-                                           args.max_num_batched_tokens, args.max_num_seqs)
-            return num_gpu, _num_cpu_blocks(args, bytes_per_block, local_ranks)
-        if budget <= 1:
-            budget *= _available_memory(getattr(executor, "device", "cpu"))
-        if not str(getattr(executor, "device", "cpu")).startswith("cuda"):
+        num_gpu = cuda_kv_cache_blocks(executor, args.block_size, args.gpu_memory_utilization,
+                                       args.max_num_batched_tokens, args.max_num_seqs)
+        why = f"--gpu-memory-utilization {args.gpu_memory_utilization}"
+    else:
+        if budget is not None and budget <= 0:
+            raise ValueError(f"kv_cache_memory must be > 0, got {budget}")
+        available = None if budget is not None and budget > 1 \
+            else _available_memory(getattr(executor, "device", "cpu"))
+        if budget is None:
+            budget = min(DEFAULT_CPU_KV_CACHE_BYTES, DEFAULT_CPU_KV_CACHE_FRACTION * available)
+            why = (f"default: at most {DEFAULT_CPU_KV_CACHE_BYTES / 2**30:g} GiB and "
+                   f"{DEFAULT_CPU_KV_CACHE_FRACTION:.0%} of available memory "
+                   "(--kv-cache-memory)")
+        else:
+            why = f"--kv-cache-memory {args.kv_cache_memory:g}"
+            if budget <= 1:
+                budget *= available
+        if not on_cuda:
             budget /= local_ranks  # one machine's memory, shared by its ranks
         num_gpu = int(budget // bytes_per_block)
         if num_gpu < 1:
             raise ValueError(f"kv_cache_memory ({args.kv_cache_memory}) holds no KV block of "
                              f"{bytes_per_block} bytes")
+        if args.kv_cache_memory is None and max_model_len is not None:
+            needed = args.max_num_seqs * -(-max_model_len // args.block_size)
+            if needed < num_gpu:
+                num_gpu = needed
+                why = (f"default: room for --max-num-seqs {args.max_num_seqs} sequences of "
+                       f"{max_model_len} tokens (--kv-cache-memory)")
+    logger.info("KV cache: %d blocks of %d tokens (%d tokens, %.2f GiB per rank); %s",
+                num_gpu, args.block_size, num_gpu * args.block_size,
+                num_gpu * bytes_per_block / 2**30, why)
     return num_gpu, _num_cpu_blocks(args, bytes_per_block, local_ranks)
 
 
