@@ -9,6 +9,7 @@ import inspect
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from importlib.metadata import version
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -27,6 +28,7 @@ from conveyor.entrypoints.openai.limits import (
     JSONContentTypeMiddleware,
     ServerLimits,
 )
+from conveyor.entrypoints.openai.openapi import install_openapi
 from conveyor.entrypoints.openai.playground import register_playground
 from conveyor.entrypoints.openai.security import ServerSecurity, add_security
 from conveyor.entrypoints.openai.state import ServerState
@@ -51,7 +53,7 @@ def build_app(state: ServerState, security: ServerSecurity | None = None,
         await state.close()
 
     app = FastAPI(title="Conveyor", lifespan=lifespan, docs_url=None, redoc_url=None,
-                  openapi_url=None)
+                  openapi_url="/openapi.json")
     app.state.conveyor = state
     state.admission = SequenceAdmission(limits.max_sequences_in_flight)
     # Added innermost first: the access log sees every answer, CORS answers preflights before
@@ -109,4 +111,5 @@ def build_app(state: ServerState, security: ServerSecurity | None = None,
         return Response(body, media_type=CONTENT_TYPE_LATEST)
 
     register_playground(app, state)
+    install_openapi(app, version("conveyor"))
     return app

@@ -1,0 +1,33 @@
+"""The server's OpenAPI document (``/openapi.json``): FastAPI's routes plus the request bodies of
+the endpoints that parse their own JSON (their pydantic models' schemas), so that clients'
+generators and API fuzzers see every field the server reads."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import FastAPI
+from fastapi.openapi.utils import get_openapi
+
+from conveyor.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
+
+REQUEST_BODIES = {"/v1/completions": CompletionRequest,
+                  "/v1/chat/completions": ChatCompletionRequest}
+
+
+def install_openapi(app: FastAPI, version: str) -> None:
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            doc = get_openapi(title=app.title, version=version, routes=app.routes)
+            schemas = doc.setdefault("components", {}).setdefault("schemas", {})
+            for path, model in REQUEST_BODIES.items():
+                body = model.model_json_schema(ref_template="#/components/schemas/{model}")
+                schemas.update(body.pop("$defs", {}))
+                schemas[model.__name__] = body
+                doc["paths"][path]["post"]["requestBody"] = {"required": True, "content": {
+                    "application/json": {"schema": {"$ref": f"#/components/schemas/"
+                                                            f"{model.__name__}"}}}}
+            app.openapi_schema = doc
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
