@@ -35,6 +35,9 @@ import torch
 
 logger = logging.getLogger(__name__)
 
+BUILD_PROGRESS_S = 15.0
+BUILD_TIMEOUT_S = 900.0
+
 SOURCE = Path(__file__).with_name("ops.cpp")
 # Target name -> its -march flag: native is this CPU (what the model loads); the others are
 # what a machine without AVX-512 or without AVX2 builds, compiled here to test them.
@@ -132,16 +135,32 @@ def build_ops(target: str = "native", compiler: str | None = None) -> tuple[Path
         with tempfile.TemporaryDirectory(dir=library.parent) as tmp:
             partial = Path(tmp) / library.name
             try:
-                result = subprocess.run(_command(compiler, target, ns, partial),
-                                        capture_output=True, text=True, timeout=900)
+                returncode, stderr = _compile(_command(compiler, target, ns, partial), start)
             except (OSError, subprocess.SubprocessError) as exc:
                 raise KernelBuildError(f"building {SOURCE.name} failed: {exc}") from exc
-            if result.returncode != 0:
+            if returncode != 0:
                 raise KernelBuildError(f"building {SOURCE.name} for {target} failed:\n"
-                                       f"{result.stderr[-3000:]}")
+                                       f"{stderr[-3000:]}")
             os.replace(partial, library)
         seconds = time.perf_counter() - start
     return library, seconds
+
+
+def _compile(command: list[str], start: float) -> tuple[int, str]:
+    """Run the compiler, saying every ``BUILD_PROGRESS_S`` that it still runs; (exit code,
+    stderr)."""
+    with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                          text=True) as proc:
+        while True:
+            try:
+                _, stderr = proc.communicate(timeout=BUILD_PROGRESS_S)
+                return proc.returncode, stderr
+            except subprocess.TimeoutExpired:
+                elapsed = time.perf_counter() - start
+                if elapsed > BUILD_TIMEOUT_S:
+                    proc.kill()
+                    raise
+                logger.warning("... still building the C++ kernels (%.0f s)", elapsed)
 
 
 _loaded: dict[str, Path] = {}  # namespace -> the library that registered it
