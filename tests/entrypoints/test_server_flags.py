@@ -5,11 +5,13 @@ bearer check itself."""
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 
 import pytest
 
 from conveyor.entrypoints.cli import main
 from conveyor.entrypoints.openai.security import APIKeyMiddleware, ServerSecurity, load_api_keys
+from conveyor.model.loader import default_model_path
 
 
 def test_keys_from_flags_file_and_environment(tmp_path) -> None:
@@ -46,12 +48,16 @@ def test_bad_flags_stop_before_the_model_loads(flags, message) -> None:
 
 def test_a_wrong_model_stops_before_the_server_listens(tmp_path) -> None:
     junk, other, empty = tmp_path / "junk.gguf", tmp_path / "model.bin", tmp_path / "empty"
+    cut = tmp_path / "cut.gguf"  # a good header, the tensors cut short
+    data = Path(default_model_path()).read_bytes()
+    cut.write_bytes(data[: len(data) // 2])
     junk.write_bytes(b"not a gguf file")
     other.write_bytes(b"weights")
     empty.mkdir()
     for model, message in ((tmp_path / "missing.gguf", "not found"),
                            (junk, "is not a GGUF file"), (other, "neither a .gguf file"),
-                           (empty, "missing config.json")):
+                           (empty, "missing config.json"),
+                           (cut, f"{cut} is not a readable GGUF file")):
         with pytest.raises(SystemExit) as info:
             main(["serve", "--model", str(model), "--port", "1"])
         assert message in str(info.value.code), model

@@ -9,6 +9,7 @@ each tensor, cut from the file's bytes before anything is dequantized.
 
 from __future__ import annotations
 
+import os
 import re
 from struct import error as struct_error
 from typing import Any
@@ -42,18 +43,32 @@ _GLOBAL_NAMES = {
 }
 
 
-def open_gguf(path: str) -> Any:
+# A reader opened by a check before loading (``keep=True``), handed to the next open of the
+# same unchanged file, so that checking first costs no second parse of the metadata.
+_kept: dict[str, tuple[tuple[int, int], Any]] = {}
+
+
+def open_gguf(path: str, keep: bool = False) -> Any:
     """A ``gguf.GGUFReader`` over ``path``, or a ValueError naming the file and what is wrong
-    with it (not a GGUF file, a header or tensors cut short)."""
+    with it (not a GGUF file, a header or tensors cut short). ``keep``: the next call for this
+    file gets this reader instead of parsing it again."""
     import gguf
 
+    stat = os.stat(path)
+    version = (stat.st_size, stat.st_mtime_ns)
+    kept = _kept.pop(path, None)
+    if kept is not None and kept[0] == version:
+        return kept[1]
     # gguf's reader maps every tensor as it opens the file, so a file cut short fails here too
     # (with an array shape error that alone would not say which file or why).
     try:
-        return gguf.GGUFReader(path)
+        reader = gguf.GGUFReader(path)
     except (ValueError, IndexError, KeyError, OSError, struct_error) as e:
         raise ValueError(f"{path} is not a readable GGUF file ({e}): it may be truncated, "
                          "corrupt, or another format") from e
+    if keep:
+        _kept[path] = (version, reader)
+    return reader
 
 
 def _field(reader: Any, key: str, default: Any = None) -> Any:

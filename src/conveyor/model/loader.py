@@ -31,9 +31,10 @@ def default_model_path() -> str:
 
 
 def check_model(model: str | None) -> str:
-    """The model's path after the checks that take no time (it exists; a directory's
-    config.json names a supported architecture; a .gguf file starts as one), so that a server
-    can refuse a wrong ``--model`` before it listens; ValueError says what is wrong."""
+    """The model's path after the checks that need no weights (it exists; a directory's
+    config.json names a supported architecture; a .gguf file's metadata and tensor table read
+    whole and name a supported architecture), so that a server can refuse a wrong ``--model``
+    before it listens; ValueError says what is wrong. The GGUF reader is kept for the load."""
     path = model or default_model_path()
     if os.path.isdir(path):
         from conveyor.model.hf_loader import read_hf_config
@@ -48,6 +49,9 @@ def check_model(model: str | None) -> str:
     with open(path, "rb") as f:
         if f.read(4) != b"GGUF":
             raise ValueError(f"{path} is not a GGUF file (it does not start with 'GGUF')")
+    from conveyor.model.gguf_loader import open_gguf, read_gguf_config
+
+    read_gguf_config(open_gguf(path, keep=True), os.path.basename(path))
     return path
 
 
