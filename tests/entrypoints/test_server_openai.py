@@ -160,3 +160,28 @@ def test_logprobs(client, model_name, expected_completions, expected_chat) -> No
     assert len(content) == len(expected_chat.outputs[0].token_ids)
     assert all(len(t.top_logprobs) == 2 for t in content)
     assert "".join(t.token for t in content) == c.choices[0].message.content
+
+
+def test_usage_counts_the_prompt_tokens_the_prefix_cache_served(client, model_name) -> None:
+    """usage.prompt_tokens_details.cached_tokens: none for a prompt the server has not seen, its
+    full blocks (16 tokens each) when the same prompt comes again; in completions and chat,
+    whole and in the streamed final usage chunk."""
+    system = "You are a careful assistant. " + "Rules: " + " ".join(
+        f"rule {i} is to be kind;" for i in range(20)) + " (usage test)"
+    messages = [{"role": "system", "content": system}, {"role": "user", "content": "Hi"}]
+    first = client.chat.completions.create(model=model_name, messages=messages, max_tokens=2)
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    again = client.chat.completions.create(model=model_name, messages=messages, max_tokens=2)
+    cached = again.usage.prompt_tokens_details.cached_tokens
+    assert cached > 0 and cached % 16 == 0 and cached < again.usage.prompt_tokens
+    stream = client.chat.completions.create(model=model_name, messages=messages, max_tokens=2,
+                                            stream=True, stream_options={"include_usage": True})
+    final = [chunk for chunk in stream][-1]
+    assert final.usage.prompt_tokens_details.cached_tokens == cached
+    prompt = system + " Complete this:"
+    whole = client.completions.create(model=model_name, prompt=[prompt, prompt], max_tokens=2)
+    assert whole.usage.prompt_tokens_details.cached_tokens > 0  # the second shares the first's
+    streamed = list(client.completions.create(model=model_name, prompt=prompt, max_tokens=2,
+                                              stream=True,
+                                              stream_options={"include_usage": True}))
+    assert streamed[-1].usage.prompt_tokens_details.cached_tokens > 0

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from contextlib import aclosing
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from fastapi import Request
@@ -46,6 +47,7 @@ from conveyor.entrypoints.openai.tools import ToolMode, ToolStream, tool_calls_j
 if TYPE_CHECKING:
     from conveyor.engine.async_engine import AsyncEngine
     from conveyor.engine.outputs import Logprob
+    from conveyor.entrypoints.openai.admission import Reservation
     from conveyor.entrypoints.openai.state import ServerState
 
 
@@ -68,6 +70,35 @@ async def create_chat_completion(state: ServerState, request: Request,
     req: ChatCompletionRequest = await state.off_loop(parse_body, await request.body(),
                                                       ChatCompletionRequest, limits,
                                                       state.list_limits())
+    run = await start_chat(state, request, req, "chatcmpl")
+    head = {"id": run.job.request_id, "object": "chat.completion", "created": now_s(),
+            "model": req.model or state.model_names[0]}
+    tok = TokenText(state.tokenizer)
+    if req.stream:
+        return sse_response(_stream(state, run.engine, req, run.job, head, tok, run.record,
+                                    run.tools), on_close=run.reservation.release)
+    try:
+        return await cancel_on_disconnect(request, _whole(state, run.engine, req, run.job, head,
+                                                          tok, run.record, run.tools))
+    finally:
+        run.reservation.release()
+
+
+@dataclass
+class ChatRun:
+    """A chat request admitted and ready to run; whoever runs it releases ``reservation``."""
+
+    engine: AsyncEngine
+    job: Job
+    tools: ToolMode
+    reservation: Reservation
+    record: AccessRecord
+
+
+async def start_chat(state: ServerState, request: Request, req: ChatCompletionRequest,
+                     id_prefix: str) -> ChatRun:
+    """Check a parsed chat request, admit it, render its prompt and compile its constraint;
+    each failure an APIError (the reservation released)."""
     state.ready_engine()
     check_model(state, req.model)
     check_priority(state, req.priority)
@@ -99,29 +130,18 @@ async def create_chat_completion(state: ServerState, request: Request,
         param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         max_tokens = resolve_max_tokens(state, len(prompt_ids), req.requested_max_tokens, param,
                                         prompt_param="messages")
-        request_id = new_id("chatcmpl")
-        job = Job(request_id, prompt_ids, make_params(state, req, max_tokens), req.priority,
-                  prompt["prompt"])
+        job = Job(new_id(id_prefix), prompt_ids, make_params(state, req, max_tokens),
+                  req.priority, prompt["prompt"])
         await compile_constraint(engine, job.params, constraint_param(req), request)
     except BaseException:
         reservation.release()
         raise
     record = access_record(request)
-    record.request_id = request_id
+    record.request_id = job.request_id
     record.prompt_tokens = len(prompt_ids)
     record.output_tokens = 0
     record.prompt = prompt["prompt"]
-    head = {"id": request_id, "object": "chat.completion", "created": now_s(),
-            "model": req.model or state.model_names[0]}
-    tok = TokenText(state.tokenizer)
-    if req.stream:
-        return sse_response(_stream(state, engine, req, job, head, tok, record, tools),
-                            on_close=reservation.release)
-    try:
-        return await cancel_on_disconnect(request, _whole(state, engine, req, job, head, tok,
-                                                          record, tools))
-    finally:
-        reservation.release()
+    return ChatRun(engine, job, tools, reservation, record)
 
 
 def _message(m: ChatMessage) -> dict[str, Any]:
@@ -144,11 +164,13 @@ async def _whole(state: ServerState, engine: AsyncEngine, req: ChatCompletionReq
                  tools: ToolMode) -> Response:
     choices = [Choice() for _ in range(req.n)]
     scored = None
+    cached = 0  # prompt tokens served by the prefix cache
     try:
         async with aclosing(merged_deltas(engine, [job])) as deltas:
             async for _, d in deltas:
                 if (err := engine_error(d)) is not None:
                     raise err
+                cached = d.num_cached_tokens
                 scored = d.prompt_logprobs or scored
                 for c in d.outputs:
                     ch = choices[c.index]
@@ -175,7 +197,7 @@ async def _whole(state: ServerState, engine: AsyncEngine, req: ChatCompletionReq
     completion_tokens = sum(len(ch.token_ids) for ch in choices)
     record.output_tokens = completion_tokens
     return JSONResponse({**head, "choices": out,
-                         "usage": usage(len(job.prompt_token_ids), completion_tokens),
+                         "usage": usage(len(job.prompt_token_ids), completion_tokens, cached),
                          "system_fingerprint": None,
                          **({"prompt_logprobs": vllm_prompt_logprobs(scored)}
                             if req.prompt_logprobs is not None else {})})
@@ -197,6 +219,7 @@ async def _stream(state: ServerState, engine: AsyncEngine, req: ChatCompletionRe
     for j in range(req.n):
         yield chunk(j, {"role": "assistant", "content": "" if tools.kind != "named" else None})
     completion_tokens = 0
+    cached = 0  # prompt tokens served by the prefix cache
     streams = [ToolStream(tools) for _ in range(req.n)] if tools.kind is not None else None
     try:
         async with aclosing(merged_deltas(engine, [job])) as deltas:
@@ -204,6 +227,7 @@ async def _stream(state: ServerState, engine: AsyncEngine, req: ChatCompletionRe
                 if (err := engine_error(d)) is not None:
                     yield sse(err.body())
                     break
+                cached = d.num_cached_tokens
                 if any(c.finish_reason == "abort" for c in d.outputs):
                     yield sse(shutdown_cut().body())
                 for c in d.outputs:
@@ -224,7 +248,7 @@ async def _stream(state: ServerState, engine: AsyncEngine, req: ChatCompletionRe
         yield sse(state.api_error(e).body())
     if req.include_usage:
         yield sse({**head, "choices": [],
-                   "usage": usage(len(job.prompt_token_ids), completion_tokens)})
+                   "usage": usage(len(job.prompt_token_ids), completion_tokens, cached)})
     yield sse("[DONE]")
 
 

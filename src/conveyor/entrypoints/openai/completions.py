@@ -150,11 +150,13 @@ async def _whole(state: ServerState, engine: AsyncEngine, req: CompletionRequest
                  record: AccessRecord) -> Response:
     choices = {(i, j): Choice() for i in range(len(jobs)) for j in range(req.n)}
     scored: dict[int, Any] = {}  # job -> its prompt logprobs
+    cached: dict[int, int] = {}  # job -> its prompt tokens served by the prefix cache
     try:
         async with aclosing(merged_deltas(engine, jobs)) as deltas:
             async for i, d in deltas:
                 if (err := engine_error(d)) is not None:
                     raise err
+                cached[i] = d.num_cached_tokens
                 if d.prompt_logprobs is not None:
                     scored[i] = d.prompt_logprobs
                 for c in d.outputs:
@@ -184,7 +186,8 @@ async def _whole(state: ServerState, engine: AsyncEngine, req: CompletionRequest
     prompt_tokens = sum(len(job.prompt_token_ids) for job in jobs)
     completion_tokens = sum(len(ch.token_ids) for ch in choices.values())
     record.output_tokens = completion_tokens
-    return JSONResponse({**head, "choices": out, "usage": usage(prompt_tokens, completion_tokens),
+    return JSONResponse({**head, "choices": out,
+                         "usage": usage(prompt_tokens, completion_tokens, sum(cached.values())),
                          "system_fingerprint": None})
 
 
@@ -195,12 +198,14 @@ async def _stream(state: ServerState, engine: AsyncEngine, req: CompletionReques
     started: set[tuple[int, int]] = set()
     offsets: dict[tuple[int, int], int] = {}
     completion_tokens = 0
+    cached: dict[int, int] = {}  # job -> its prompt tokens served by the prefix cache
     try:
         async with aclosing(merged_deltas(engine, jobs)) as deltas:
             async for i, d in deltas:
                 if (err := engine_error(d)) is not None:
                     yield sse(err.body())
                     break
+                cached[i] = d.num_cached_tokens
                 if any(c.finish_reason == "abort" for c in d.outputs):
                     yield sse(shutdown_cut().body())
                 for c in d.outputs:
@@ -230,5 +235,6 @@ async def _stream(state: ServerState, engine: AsyncEngine, req: CompletionReques
         yield sse(state.api_error(e).body())
     if req.include_usage:
         prompt_tokens = sum(len(job.prompt_token_ids) for job in jobs)
-        yield sse({**head, "choices": [], "usage": usage(prompt_tokens, completion_tokens)})
+        yield sse({**head, "choices": [],
+                   "usage": usage(prompt_tokens, completion_tokens, sum(cached.values()))})
     yield sse("[DONE]")

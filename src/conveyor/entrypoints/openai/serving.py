@@ -83,9 +83,10 @@ def now_s() -> int:
 
 
 def parse_body(raw: bytes, model_cls: type[Any], limits: ServerLimits | None = None,
-               lists: ListLimits | None = None) -> Any:
+               lists: ListLimits | None = None, sizes: bool = True) -> Any:
     """Bytes -> validated request model, each failure a 400 that says what is wrong. The JSON
-    is parsed once; list lengths are checked before anything walks the lists."""
+    is parsed once; list lengths are checked before anything walks the lists; ``sizes``: the
+    OpenAI fields' sizes too (``check_sizes``)."""
     limits = limits or ServerLimits()
     if not raw.strip():
         raise bad_request("the request body is empty; expected a JSON object")
@@ -113,7 +114,8 @@ def parse_body(raw: bytes, model_cls: type[Any], limits: ServerLimits | None = N
         req = model_cls.model_validate(obj)
     except ValidationError as e:
         raise from_validation_error(e) from e
-    check_sizes(req, limits)
+    if sizes:
+        check_sizes(req, limits)
     return req
 
 
@@ -266,9 +268,11 @@ def engine_error(delta: RequestOutput) -> APIError | None:
     return None
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:
+    """OpenAI's usage object; ``cached_tokens``: the prompt tokens the prefix cache served."""
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
 
 
 class TokenText:
