@@ -20,6 +20,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from conveyor.entrypoints.openai.access_log import AccessLogMiddleware, AccessLogSettings
 from conveyor.entrypoints.openai.admission import SequenceAdmission
+from conveyor.entrypoints.openai.anthropic import create_message
 from conveyor.entrypoints.openai.chat import create_chat_completion
 from conveyor.entrypoints.openai.completions import create_completion
 from conveyor.entrypoints.openai.errors import APIError
@@ -66,20 +67,21 @@ def build_app(state: ServerState, security: ServerSecurity | None = None,
 
     @app.exception_handler(APIError)
     async def on_api_error(request: Request, exc: APIError) -> JSONResponse:
-        return exc.response()
+        return exc.response(request.url.path)
 
     @app.exception_handler(StarletteHTTPException)
     async def on_http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        return APIError(exc.status_code, str(exc.detail)).response()
+        return APIError(exc.status_code, str(exc.detail)).response(request.url.path)
 
     @app.exception_handler(RequestValidationError)
     async def on_validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
-        return APIError(400, f"invalid request: {exc.errors()[0].get('msg', 'bad input')}").response()
+        return APIError(400, f"invalid request: {exc.errors()[0].get('msg', 'bad input')}"
+                        ).response(request.url.path)
 
     @app.exception_handler(Exception)
     async def on_unexpected(request: Request, exc: Exception) -> JSONResponse:
         logger.exception("unhandled error")
-        return APIError(500, f"internal error: {exc}").response()
+        return APIError(500, f"internal error: {exc}").response(request.url.path)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
@@ -88,6 +90,10 @@ def build_app(state: ServerState, security: ServerSecurity | None = None,
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         return await create_chat_completion(state, request, limits)
+
+    @app.post("/v1/messages")
+    async def messages(request: Request) -> Response:
+        return await create_message(state, request, limits)
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:

@@ -11,6 +11,8 @@ from typing import Any
 from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 
+ANTHROPIC_PATH = "/v1/messages"  # errors there take Anthropic's shape
+
 
 class APIError(Exception):
     def __init__(self, status: int, message: str, param: str | None = None,
@@ -33,8 +35,19 @@ class APIError(Exception):
         return {"error": {"message": self.message, "type": self.type, "param": self.param,
                           "code": self.code}}
 
-    def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+    def anthropic_body(self) -> dict[str, Any]:
+        """The error in Anthropic's Messages API shape."""
+        kind = {401: "authentication_error", 403: "permission_error", 404: "not_found_error",
+                413: "request_too_large", 429: "rate_limit_error",
+                503: "overloaded_error"}.get(self.status)
+        if kind is None:
+            kind = "api_error" if self.status >= 500 else "invalid_request_error"
+        return {"type": "error", "error": {"type": kind, "message": self.message}}
+
+    def response(self, path: str = "") -> JSONResponse:
+        """The error's response; in Anthropic's shape on its API's paths (``path``)."""
+        body = self.anthropic_body() if path.startswith(ANTHROPIC_PATH) else self.body()
+        return JSONResponse(body, status_code=self.status, headers=self.headers)
 
 
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:

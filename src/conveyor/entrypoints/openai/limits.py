@@ -61,7 +61,7 @@ class JSONContentTypeMiddleware:
                 err = APIError(415, f"The request body must be JSON sent as 'Content-Type: "
                                f"application/json' (got {shown}).",
                                code="unsupported_media_type")
-                await err.response()(scope, receive, send)
+                await err.response(scope["path"])(scope, receive, send)
                 return
         await self.app(scope, receive, send)
 
@@ -96,7 +96,7 @@ class BodySizeLimitMiddleware:
             return
         declared = _content_length(scope)
         if declared is not None and declared > self.max_bytes:
-            await self._too_large().response()(scope, receive, send)
+            await self._too_large().response(scope["path"])(scope, receive, send)
             return
         received = 0
         response_started = False
@@ -121,7 +121,7 @@ class BodySizeLimitMiddleware:
         except _BodyTooLarge:
             if response_started:
                 raise
-            await self._too_large().response()(scope, receive, send)
+            await self._too_large().response(scope["path"])(scope, receive, send)
 
 
 def _content_length(scope: Scope) -> int | None:

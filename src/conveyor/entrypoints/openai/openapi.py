@@ -9,10 +9,12 @@ from typing import Any
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 
+from conveyor.entrypoints.openai.anthropic import MessagesRequest
 from conveyor.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
 
 REQUEST_BODIES = {"/v1/completions": CompletionRequest,
-                  "/v1/chat/completions": ChatCompletionRequest}
+                  "/v1/chat/completions": ChatCompletionRequest,
+                  "/v1/messages": MessagesRequest}
 
 
 def install_openapi(app: FastAPI, version: str) -> None:

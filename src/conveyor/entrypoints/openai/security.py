@@ -86,8 +86,9 @@ class APIKeyMiddleware:
             await self.app(scope, receive, send)
             return
         err = APIError(401, "Invalid or missing API key: send it as the header "
-                       "'Authorization: Bearer <key>'.", code="invalid_api_key")
-        response = err.response()
+                       "'Authorization: Bearer <key>' (or 'x-api-key: <key>').",
+                       code="invalid_api_key")
+        response = err.response(scope["path"])
         response.headers["WWW-Authenticate"] = "Bearer"
         await response(scope, receive, send)
 
@@ -97,13 +98,17 @@ def _digest(key: str) -> bytes:
 
 
 def _bearer_token(scope: Scope) -> bytes | None:
-    """The key of the Authorization header, as the bytes sent (UTF-8 for a non-ASCII key)."""
+    """The key of the Authorization header (or of Anthropic's ``x-api-key``), as the bytes sent
+    (UTF-8 for a non-ASCII key)."""
     for name, value in scope["headers"]:
         if name == b"authorization":
             scheme, _, token = value.partition(b" ")
             if scheme.lower() == b"bearer" and token.strip():
                 return token.strip()
             return None
+    for name, value in scope["headers"]:
+        if name == b"x-api-key" and value.strip():
+            return value.strip()
     return None
 
 

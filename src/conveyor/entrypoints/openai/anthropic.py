@@ -1,0 +1,280 @@
+"""Anthropic's Messages API (``POST /v1/messages``) on the chat path: the request becomes a chat
+completion request (system, text, ``tool_use`` and ``tool_result`` blocks become messages and
+tool calls; ``tools`` / ``tool_choice`` the chat's function tools), runs through ``start_chat``
+with the same limits, admission and engine, and the reply is rendered as Anthropic's message or
+its stream of events. Errors on this path take Anthropic's shape (``errors.APIError``)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from contextlib import aclosing
+from typing import TYPE_CHECKING, Any, Literal
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from conveyor.entrypoints.openai.chat import ChatRun, start_chat
+from conveyor.entrypoints.openai.disconnect import cancel_on_disconnect
+from conveyor.entrypoints.openai.errors import APIError, bad_request, from_validation_error
+from conveyor.entrypoints.openai.limits import ServerLimits, check_sizes
+from conveyor.entrypoints.openai.protocol import ChatCompletionRequest
+from conveyor.entrypoints.openai.serving import (
+    engine_error,
+    merged_deltas,
+    parse_body,
+    sse_response,
+)
+from conveyor.entrypoints.openai.tools import ToolStream
+
+if TYPE_CHECKING:
+    from conveyor.entrypoints.openai.state import ServerState
+    from conveyor.entrypoints.openai.tool_parsers import ToolCall
+
+
+class _Lenient(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+class AnthropicTool(_Lenient):
+    name: str = Field(min_length=1)
+    description: str | None = None
+    input_schema: dict[str, Any]
+
+
+class AnthropicMessage(_Lenient):
+    role: Literal["user", "assistant"]
+    content: str | list[dict[str, Any]]
+
+
+class MessagesRequest(_Lenient):
+    model: str
+    max_tokens: int = Field(ge=1)
+    messages: list[AnthropicMessage]
+    system: str | list[dict[str, Any]] | None = None
+    stop_sequences: list[str] | None = None
+    temperature: float | None = Field(None, ge=0, le=1)
+    top_p: float | None = Field(None, ge=0, le=1)
+    top_k: int | None = Field(None, ge=0)
+    stream: bool = False
+    tools: list[AnthropicTool] | None = None
+    tool_choice: dict[str, Any] | None = None
+    metadata: dict[str, Any] | None = None
+
+
+def _text(blocks: str | list[dict[str, Any]], where: str) -> str:
+    """The text of a string or of a list of text blocks."""
+    if isinstance(blocks, str):
+        return blocks
+    parts = []
+    for block in blocks:
+        if block.get("type") != "text" or not isinstance(block.get("text"), str):
+            raise bad_request(f"{where}: only text blocks are supported here, got "
+                              f"{block.get('type')!r}", param=where)
+        parts.append(block["text"])
+    return "".join(parts)
+
+
+def _chat_messages(req: MessagesRequest) -> list[dict[str, Any]]:
+    out: list[dict[str, Any]] = []
+    if req.system:
+        out.append({"role": "system", "content": _text(req.system, "system")})
+    for i, m in enumerate(req.messages):
+        where = f"messages.{i}.content"
+        if isinstance(m.content, str):
+            out.append({"role": m.role, "content": m.content})
+            continue
+        text, calls, results = [], [], []
+        for block in m.content:
+            kind = block.get("type")
+            if kind == "text" and isinstance(block.get("text"), str):
+                text.append(block["text"])
+            elif kind == "tool_use" and m.role == "assistant":
+                if not isinstance(block.get("input"), dict) or not block.get("name"):
+                    raise bad_request(f"{where}: a tool_use block needs a name and an object "
+                                      "input", param=where)
+                calls.append({"id": str(block.get("id", "")), "type": "function", "function": {
+                    "name": block["name"], "arguments": json.dumps(block["input"])}})
+            elif kind == "tool_result" and m.role == "user":
+                content = block.get("content", "")
+                results.append({"role": "tool", "tool_call_id": str(block.get("tool_use_id", "")),
+                                "content": _text(content, where)})
+            else:
+                raise bad_request(f"{where}: content blocks of type {kind!r} are not supported "
+                                  f"in a {m.role} message", param=where)
+        out += results
+        if text or calls or not results:
+            message: dict[str, Any] = {"role": m.role, "content": "".join(text)}
+            if calls:
+                message["tool_calls"] = calls
+            out.append(message)
+    return out
+
+
+def _tool_choice(choice: dict[str, Any] | None) -> Any:
+    if choice is None:
+        return None
+    kind = choice.get("type")
+    if kind == "tool" and isinstance(choice.get("name"), str):
+        return {"type": "function", "function": {"name": choice["name"]}}
+    named = {"auto": "auto", "any": "required", "none": "none"}
+    if kind not in named:
+        raise bad_request("tool_choice.type must be auto, any, tool (with a name) or none",
+                          param="tool_choice")
+    return named[kind]
+
+
+def chat_request(req: MessagesRequest) -> ChatCompletionRequest:
+    """The chat completion request that runs ``req``."""
+    body: dict[str, Any] = {
+        "model": req.model, "messages": _chat_messages(req), "max_tokens": req.max_tokens,
+        "stop": req.stop_sequences, "temperature": req.temperature, "top_p": req.top_p,
+        "top_k": req.top_k, "stream": req.stream, "tool_choice": _tool_choice(req.tool_choice)}
+    if req.tools:
+        body["tools"] = [{"type": "function", "function": {
+            "name": t.name, "description": t.description, "parameters": t.input_schema}}
+            for t in req.tools]
+    try:
+        return ChatCompletionRequest.model_validate({k: v for k, v in body.items()
+                                                     if v is not None})
+    except ValidationError as e:
+        raise from_validation_error(e) from e
+
+
+async def create_message(state: ServerState, request: Request,
+                         limits: ServerLimits | None = None) -> Response:
+    req: MessagesRequest = await state.off_loop(parse_body, await request.body(),
+                                                MessagesRequest, limits, state.list_limits(),
+                                                False)
+    chat = chat_request(req)
+    check_sizes(chat, limits or ServerLimits())
+    run = await start_chat(state, request, chat, "msg")
+    if req.stream:
+        return sse_response(_stream(state, req, run), on_close=run.reservation.release)
+    try:
+        return await cancel_on_disconnect(request, _whole(state, req, run))
+    finally:
+        run.reservation.release()
+
+
+def _stop_reason(finish_reason: str | None, stop: int | str | None, called: bool
+                 ) -> tuple[str, str | None]:
+    """Anthropic's (stop_reason, stop_sequence) of a finished reply."""
+    if called:
+        return "tool_use", None
+    if finish_reason == "length":
+        return "max_tokens", None
+    if isinstance(stop, str):
+        return "stop_sequence", stop
+    return "end_turn", None
+
+
+def _tool_use(call: ToolCall, index: int) -> dict[str, Any]:
+    try:
+        arguments = json.loads(call.arguments)
+    except json.JSONDecodeError:
+        arguments = {}
+    return {"type": "tool_use", "id": f"toolu_{index:02d}{id(call) & 0xFFFFFF:06x}",
+            "name": call.name, "input": arguments if isinstance(arguments, dict) else {}}
+
+
+def _usage(run: ChatRun, output_tokens: int, cached: int) -> dict[str, int]:
+    return {"input_tokens": len(run.job.prompt_token_ids), "output_tokens": output_tokens,
+            "cache_read_input_tokens": cached, "cache_creation_input_tokens": 0}
+
+
+async def _whole(state: ServerState, req: MessagesRequest, run: ChatRun) -> Response:
+    text, tokens, cached = "", 0, 0
+    finish, stop = None, None
+    try:
+        async with aclosing(merged_deltas(run.engine, [run.job])) as deltas:
+            async for _, d in deltas:
+                if (err := engine_error(d)) is not None:
+                    raise err
+                cached = d.num_cached_tokens
+                for c in d.outputs:
+                    text += c.text
+                    tokens += len(c.token_ids)
+                    finish = c.finish_reason or finish
+                    stop = c.stop_reason if c.stop_reason is not None else stop
+    except APIError:
+        raise
+    except Exception as e:
+        raise state.api_error(e) from e
+    content, calls = run.tools.parse(text)
+    blocks: list[dict[str, Any]] = [{"type": "text", "text": content}] if content else []
+    blocks += [_tool_use(call, k) for k, call in enumerate(calls)]
+    stop_reason, stop_sequence = _stop_reason(finish, stop, bool(calls))
+    run.record.output_tokens = tokens
+    return JSONResponse({"id": run.job.request_id, "type": "message", "role": "assistant",
+                         "model": req.model, "content": blocks, "stop_reason": stop_reason,
+                         "stop_sequence": stop_sequence, "usage": _usage(run, tokens, cached)})
+
+
+def _event(kind: str, data: dict[str, Any]) -> str:
+    return f"event: {kind}\ndata: {json.dumps({'type': kind, **data}, ensure_ascii=False)}\n\n"
+
+
+async def _stream(state: ServerState, req: MessagesRequest, run: ChatRun) -> AsyncIterator[str]:
+    """Anthropic's events: the text streams as a text block as it comes; tool calls, known once
+    the reply has ended, follow as tool_use blocks."""
+    yield _event("message_start", {"message": {
+        "id": run.job.request_id, "type": "message", "role": "assistant", "model": req.model,
+        "content": [], "stop_reason": None, "stop_sequence": None,
+        "usage": _usage(run, 0, 0)}})
+    tools = ToolStream(run.tools)
+    block = -1  # the open block's index
+    tokens, cached, finish, stop = 0, 0, None, None
+
+    def text_events(pieces: list[dict[str, Any]]) -> list[str]:
+        nonlocal block
+        out = []
+        for piece in pieces:
+            if not piece.get("content"):
+                continue
+            if block < 0:
+                block = 0
+                out.append(_event("content_block_start", {
+                    "index": 0, "content_block": {"type": "text", "text": ""}}))
+            out.append(_event("content_block_delta", {
+                "index": 0, "delta": {"type": "text_delta", "text": piece["content"]}}))
+        return out
+
+    try:
+        async with aclosing(merged_deltas(run.engine, [run.job])) as deltas:
+            async for _, d in deltas:
+                if (err := engine_error(d)) is not None:
+                    yield _event("error", {"error": err.anthropic_body()["error"]})
+                    return
+                cached = d.num_cached_tokens
+                for c in d.outputs:
+                    tokens += len(c.token_ids)
+                    run.record.output_tokens = tokens
+                    finish = c.finish_reason or finish
+                    stop = c.stop_reason if c.stop_reason is not None else stop
+                    for event in text_events(tools.feed(c.text) if c.text else []):
+                        yield event
+    except Exception as e:
+        yield _event("error", {"error": state.api_error(e).anthropic_body()["error"]})
+        return
+    rest, _ = tools.finish()
+    for event in text_events([piece for piece in rest if "content" in piece]):
+        yield event
+    _, calls = run.tools.parse(tools.text)
+    if block == 0:
+        yield _event("content_block_stop", {"index": 0})
+    for k, call in enumerate(calls):
+        index = block + 1 + k
+        use = _tool_use(call, k)
+        yield _event("content_block_start", {"index": index,
+                                             "content_block": {**use, "input": {}}})
+        yield _event("content_block_delta", {"index": index, "delta": {
+            "type": "input_json_delta", "partial_json": json.dumps(use["input"])}})
+        yield _event("content_block_stop", {"index": index})
+    stop_reason, stop_sequence = _stop_reason(finish, stop, bool(calls))
+    yield _event("message_delta", {"delta": {"stop_reason": stop_reason,
+                                             "stop_sequence": stop_sequence},
+                                   "usage": {"output_tokens": tokens,
+                                             "cache_read_input_tokens": cached}})
+    yield _event("message_stop", {})
