@@ -18,7 +18,7 @@ from long_runs import sized
 
 pytestmark = pytest.mark.timeout(sized(900, 7200))
 
-EXAMPLES = sized(300, 5000)  # per endpoint with a body, per generation mode
+EXAMPLES = sized(200, 5000)  # per endpoint with a body, per generation mode
 MAX_SEQS_IN_FLIGHT = 8
 # a short context and few samples keep every valid request quick on a CPU
 FLAGS = ["--max-model-len", "48", "--max-n", "2", "--max-prompts-per-request", "2",

@@ -1,21 +1,22 @@
 """CompilePool: grammar compiles in a few worker processes, each with a time limit.
 
-A job waits in one queue for the next free worker (``compile_worker.py``). A compile that runs
-past ``timeout_s``, or whose job is cancelled because no request waits for it any more, is
-stopped by killing its process, which returns every byte it held; a fresh one takes its place
-at once. The compiled grammar comes back as xgrammar's JSON and is rebuilt here, off the engine's
-thread. Processes start when the pool is made, so the first compile does not wait for them.
+A job waits in one queue for the first free slot. A slot's process (``compile_worker.py``)
+starts with its first job, the first slot's when the pool is made, so a second process exists
+only once compiles have overlapped. A compile that runs past ``timeout_s``, or whose job is
+cancelled because no request waits for it any more, is stopped by killing its process, which
+returns every byte it held; a fresh one takes its place at once. The compiled grammar comes
+back as xgrammar's JSON and is rebuilt here, off the engine's thread.
 """
 
 from __future__ import annotations
 
 import os
-import queue
 import socket
 import subprocess
 import sys
 import threading
 import time
+from collections import deque
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
@@ -76,8 +77,11 @@ class CompilePool:
         self.timeout_s = timeout_s
         self.max_grammar_bytes = max_grammar_bytes
         self._info_json = info.serialize_json()
-        self._jobs: queue.Queue[CompileJob | None] = queue.Queue()
-        self._workers: dict[int, _Worker] = {}  # by thread index
+        self._pending: deque[CompileJob] = deque()
+        self._busy = [False] * workers  # per slot
+        self._closed = False
+        self._cond = threading.Condition()
+        self._workers: dict[int, _Worker] = {}  # by slot
         self._threads = [threading.Thread(target=self._serve, args=(i,),
                                           name=f"grammar-compile-{i}", daemon=True)
                          for i in range(workers)]
@@ -86,44 +90,68 @@ class CompilePool:
 
     def submit(self, params: StructuredOutputsParams) -> CompileJob:
         job = CompileJob(params)
-        self._jobs.put(job)
+        with self._cond:
+            self._pending.append(job)
+            self._cond.notify_all()
         return job
 
     def shutdown(self) -> None:
-        for _ in self._threads:
-            self._jobs.put(None)
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+
+    def _next_job(self, index: int) -> CompileJob | None:
+        """The next job for slot ``index``: a slot takes one only while every slot before it is
+        busy, so the later processes start only when compiles overlap. None: shut down."""
+        with self._cond:
+            while not self._closed:
+                if self._pending and all(self._busy[:index]):
+                    self._busy[index] = True
+                    return self._pending.popleft()
+                self._cond.wait()
+            return None
+
+    def _done(self, index: int) -> None:
+        with self._cond:
+            self._busy[index] = False
+            self._cond.notify_all()
 
     def pids(self) -> list[int]:
         """The compile processes now running."""
         return [w.proc.pid for w in list(self._workers.values()) if w.alive()]
 
     def _serve(self, index: int) -> None:
-        worker = self._start(index)
-        while True:
-            job = self._jobs.get()
-            if job is None:
-                break
-            if job.cancelled.is_set() or not job.future.set_running_or_notify_cancel():
-                continue
-            if not worker.alive():
-                worker = self._start(index)
+        worker = self._start(index) if index == 0 else None
+        while (job := self._next_job(index)) is not None:
             try:
-                worker.wait_ready()
-                outcome = self._run(worker, job)
-            except (EOFError, OSError, RuntimeError) as e:
-                outcome = ValueError(f"structured_outputs.{job.params.kind}: the grammar "
-                                     f"compiler failed ({type(e).__name__}: {e})")
-            if isinstance(outcome, Exception):
-                worker.kill()
-                job.future.set_exception(outcome)
-                worker = self._start(index)  # ready before the next job comes
-                continue
-            status, payload = outcome
-            if status == "ok":
-                job.future.set_result(xgr.CompiledGrammar.deserialize_json(payload, self.info))
-            else:
-                job.future.set_exception(ValueError(payload))
-        worker.kill()
+                worker = self._compile(index, worker, job)
+            finally:
+                self._done(index)
+        if worker is not None:
+            worker.kill()
+
+    def _compile(self, index: int, worker: _Worker | None, job: CompileJob) -> _Worker | None:
+        """Run ``job`` on slot ``index``'s process (started if need be); the process after."""
+        if job.cancelled.is_set() or not job.future.set_running_or_notify_cancel():
+            return worker
+        if worker is None or not worker.alive():
+            worker = self._start(index)
+        try:
+            worker.wait_ready()
+            outcome = self._run(worker, job)
+        except (EOFError, OSError, RuntimeError) as e:
+            outcome = ValueError(f"structured_outputs.{job.params.kind}: the grammar "
+                                 f"compiler failed ({type(e).__name__}: {e})")
+        if isinstance(outcome, Exception):
+            worker.kill()
+            job.future.set_exception(outcome)
+            return self._start(index)  # ready before the next job comes
+        status, payload = outcome
+        if status == "ok":
+            job.future.set_result(xgr.CompiledGrammar.deserialize_json(payload, self.info))
+        else:
+            job.future.set_exception(ValueError(payload))
+        return worker
 
     def _start(self, index: int) -> _Worker:
         worker = self._workers[index] = _Worker(self._info_json)
