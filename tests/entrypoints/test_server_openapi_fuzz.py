@@ -18,7 +18,8 @@ from long_runs import sized
 
 pytestmark = pytest.mark.timeout(sized(900, 7200))
 
-EXAMPLES = sized(200, 5000)  # per endpoint with a body, per generation mode
+# per endpoint with a body: valid requests run the model, invalid ones are refused at once
+EXAMPLES = {GenerationMode.POSITIVE: sized(200, 5000), GenerationMode.NEGATIVE: sized(500, 5000)}
 MAX_SEQS_IN_FLIGHT = 8
 # a short context and few samples keep every valid request quick on a CPU
 FLAGS = ["--max-model-len", "48", "--max-n", "2", "--max-prompts-per-request", "2",
@@ -46,7 +47,7 @@ def test_no_generated_request_gets_a_5xx(fuzzed, mode) -> None:
         has_body = op.method.upper() == "POST"
         if mode == GenerationMode.NEGATIVE and not has_body:
             continue  # a GET without parameters has nothing to get wrong
-        examples = EXAMPLES if has_body else 10
+        examples = EXAMPLES[mode] if has_body else 10
 
         @settings(max_examples=examples, deadline=None, database=None,
                   suppress_health_check=list(HealthCheck))
@@ -67,7 +68,7 @@ def test_no_generated_request_gets_a_5xx(fuzzed, mode) -> None:
 
 def test_the_server_is_healthy_and_idle_afterwards(fuzzed) -> None:
     assert SEEN.get(200, 0) > 0 and sum(n for s, n in SEEN.items() if s >= 400) > 0, SEEN
-    assert sum(SEEN.values()) >= 6 * EXAMPLES, SEEN  # both modes, the three POST endpoints
+    assert sum(SEEN.values()) >= 3 * sum(EXAMPLES.values()), SEEN  # the three POST endpoints
     base = fuzzed.base_url
     assert httpx.get(base + "/health", timeout=10).status_code == 200
     for _ in range(100):
