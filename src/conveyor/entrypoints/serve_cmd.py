@@ -92,8 +92,9 @@ def _run(args: argparse.Namespace) -> int:
     from conveyor.entrypoints.openai.server import run_server
     from conveyor.model.loader import check_model
 
+    on_ray = args.data_parallel_size > 1 or args.ray_address is not None
     try:  # a wrong --model fails here, before the server listens
-        check_model(args.model)
+        check_model(args.model, keep_reader=not on_ray)  # a fleet loads it in its replicas
     except ValueError as e:
         raise SystemExit(str(e)) from e
     if args.max_queued_requests is not None and args.max_queued_requests < 1:
@@ -127,7 +128,7 @@ def _run(args: argparse.Namespace) -> int:
         limits=limits,
         access_log=AccessLogSettings(args.access_log, args.log_prompts),
         ssl_keyfile=args.ssl_keyfile, ssl_certfile=args.ssl_certfile)
-    if args.data_parallel_size > 1 or args.ray_address is not None:
+    if on_ray:
         from conveyor.entrypoints.ray_serve.launcher import FleetConfig, run_fleet
 
         fleet = FleetConfig(args.data_parallel_size, args.router, args.threads_per_replica,

@@ -30,33 +30,28 @@ def default_model_path() -> str:
     return path
 
 
-def check_model(model: str | None) -> str:
-    """The model's path after the checks that need no weights (it exists; a directory's
-    config.json names a supported architecture; a .gguf file's metadata and tensor table read
-    whole and name a supported architecture), so that a server can refuse a wrong ``--model``
-    before it listens; ValueError says what is wrong. The GGUF reader is kept for the load."""
+def check_model(model: str | None, keep_reader: bool = False) -> str:
+    """The model's path after the checks that need no weights (it exists, is a directory or a
+    file that starts as GGUF, and ``read_model_config`` reads it), so that a server can refuse a
+    wrong ``--model`` before it listens; ValueError says what is wrong. ``keep_reader``: the
+    GGUF reader is kept for this process's next load of the file."""
     path = model or default_model_path()
-    if os.path.isdir(path):
-        from conveyor.model.hf_loader import read_hf_config
-
-        read_hf_config(path)
-        return path
-    if not os.path.exists(path):
-        raise ValueError(f"model {path!r} not found (expected a .gguf file or an HF model "
-                         "directory)")
-    if not path.endswith(".gguf"):
-        raise ValueError(f"model {path!r} is neither a .gguf file nor a directory")
-    with open(path, "rb") as f:
-        if f.read(4) != b"GGUF":
-            raise ValueError(f"{path} is not a GGUF file (it does not start with 'GGUF')")
-    from conveyor.model.gguf_loader import open_gguf, read_gguf_config
-
-    read_gguf_config(open_gguf(path, keep=True), os.path.basename(path))
+    if not os.path.isdir(path):
+        if not os.path.exists(path):
+            raise ValueError(f"model {path!r} not found (expected a .gguf file or an HF model "
+                             "directory)")
+        if not path.endswith(".gguf"):
+            raise ValueError(f"model {path!r} is neither a .gguf file nor a directory")
+        with open(path, "rb") as f:
+            if f.read(4) != b"GGUF":
+                raise ValueError(f"{path} is not a GGUF file (it does not start with 'GGUF')")
+    read_model_config(path, keep_reader)
     return path
 
 
-def read_model_config(model: str | None) -> ModelConfig:
-    """The model's shape alone (no weights): to check a tensor-parallel split up front."""
+def read_model_config(model: str | None, keep_reader: bool = False) -> ModelConfig:
+    """The model's shape alone (no weights): to check a model or a tensor-parallel split up
+    front (``keep_reader``: see ``check_model``)."""
     path = model or default_model_path()
     if os.path.isdir(path):
         from conveyor.model.hf_loader import read_hf_config
@@ -65,7 +60,7 @@ def read_model_config(model: str | None) -> ModelConfig:
     if path.endswith(".gguf") and os.path.exists(path):
         from conveyor.model.gguf_loader import open_gguf, read_gguf_config
 
-        return read_gguf_config(open_gguf(path), os.path.basename(path))
+        return read_gguf_config(open_gguf(path, keep=keep_reader), os.path.basename(path))
     raise ValueError(f"model {path!r} not found (expected a .gguf file or an HF model directory)")
 
 

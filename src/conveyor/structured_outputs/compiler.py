@@ -4,9 +4,9 @@ the step loop, in a few worker processes (``CompilePool``) with a time limit.
 A compile's ``Future`` is cached by the constraint's key (``StructuredOutputsParams.key()``), so
 the same schema compiles once however many requests use it, and a request whose constraint is
 cached starts without waiting; a failed compile is not kept. Each user of an entry holds it from
-``submit`` to ``release``;
-a compile that nobody holds any more is cancelled (its process killed). Compiled grammars stay
-cached while they fit in ``max_bytes``; beyond it the least recently used leave.
+``submit`` to ``release``; a compile that nobody holds any more is cancelled (its process
+killed). Compiled grammars stay cached while they fit in ``max_bytes``; beyond it the least
+recently used leave.
 """
 
 from __future__ import annotations

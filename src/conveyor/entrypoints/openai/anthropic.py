@@ -26,7 +26,7 @@ from conveyor.entrypoints.openai.serving import (
     parse_body,
     sse_response,
 )
-from conveyor.entrypoints.openai.tools import ToolStream
+from conveyor.entrypoints.openai.tools import ToolStream, new_call_id
 
 if TYPE_CHECKING:
     from conveyor.entrypoints.openai.state import ServerState
@@ -170,13 +170,13 @@ def _stop_reason(finish_reason: str | None, stop: int | str | None, called: bool
     return "end_turn", None
 
 
-def _tool_use(call: ToolCall, index: int) -> dict[str, Any]:
+def _tool_use(call: ToolCall) -> dict[str, Any]:
     try:
         arguments = json.loads(call.arguments)
     except json.JSONDecodeError:
         arguments = {}
-    return {"type": "tool_use", "id": f"toolu_{index:02d}{id(call) & 0xFFFFFF:06x}",
-            "name": call.name, "input": arguments if isinstance(arguments, dict) else {}}
+    return {"type": "tool_use", "id": new_call_id("toolu"), "name": call.name,
+            "input": arguments if isinstance(arguments, dict) else {}}
 
 
 def _usage(run: ChatRun, output_tokens: int, cached: int) -> dict[str, int]:
@@ -204,7 +204,7 @@ async def _whole(state: ServerState, req: MessagesRequest, run: ChatRun) -> Resp
         raise state.api_error(e) from e
     content, calls = run.tools.parse(text)
     blocks: list[dict[str, Any]] = [{"type": "text", "text": content}] if content else []
-    blocks += [_tool_use(call, k) for k, call in enumerate(calls)]
+    blocks += [_tool_use(call) for call in calls]
     stop_reason, stop_sequence = _stop_reason(finish, stop, bool(calls))
     run.record.output_tokens = tokens
     return JSONResponse({"id": run.job.request_id, "type": "message", "role": "assistant",
@@ -266,7 +266,7 @@ async def _stream(state: ServerState, req: MessagesRequest, run: ChatRun) -> Asy
         yield _event("content_block_stop", {"index": 0})
     for k, call in enumerate(calls):
         index = block + 1 + k
-        use = _tool_use(call, k)
+        use = _tool_use(call)
         yield _event("content_block_start", {"index": index,
                                              "content_block": {**use, "input": {}}})
         yield _event("content_block_delta", {"index": index, "delta": {

@@ -112,8 +112,9 @@ async def create_completion(state: ServerState, request: Request,
         raise bad_request("'best_of' must equal 'n' (or be omitted)", param="best_of")
     check_prompt_logprobs(req)
     # admission first: a request the server cannot run now costs no tokenizing or compiling
-    engine = check_admission(state, _num_prompts(req.prompt))
-    reservation = state.admission.reserve(_num_prompts(req.prompt) * req.n)
+    num_prompts = _num_prompts(req.prompt)
+    engine = check_admission(state, num_prompts)
+    reservation = state.admission.reserve(num_prompts * req.n)
     try:
         prompts = await state.off_loop(_prompts, state, req.prompt, req.echo)
         base_id = new_id("cmpl")

@@ -141,8 +141,9 @@ def tool_calls_json(calls: list[ToolCall]) -> list[dict[str, Any]]:
              "function": {"name": c.name, "arguments": c.arguments}} for c in calls]
 
 
-def new_call_id() -> str:
-    return f"call_{uuid.uuid4().hex[:24]}"
+def new_call_id(prefix: str = "call") -> str:
+    """A fresh tool-call id (OpenAI's start with ``call_``, Anthropic's with ``toolu_``)."""
+    return f"{prefix}_{uuid.uuid4().hex[:24]}"
 
 
 class ToolStream:

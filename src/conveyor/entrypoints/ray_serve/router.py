@@ -2,9 +2,9 @@
 
 It runs in the process that holds the deployment handle (the HTTP ingress). ``generate`` calls
 are routed by the policy over the replicas' in-flight counts (routed minus completed, kept here);
-calls that name a ``replica`` (metrics, health, info) go to that replica only, busy or idle. Counters for /metrics live
-in a RouterStats that the ingress reads: stats.py, because Ray Serve ships this module to the
-router pickled by value, with module globals of its own.
+calls that name a ``replica`` (metrics, health, info) go to that replica only, busy or idle.
+Counters for /metrics live in a RouterStats that the ingress reads: stats.py, because Ray Serve
+ships this module to the router pickled by value, with module globals of its own.
 """
 
 from __future__ import annotations
