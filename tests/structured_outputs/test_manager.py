@@ -1,6 +1,7 @@
 """StructuredOutputManager and its compile cache on the real SmolLM2 tokenizer: one compile per
 constraint, a failed compile explains itself, and a matcher follows its sequence's tokens
-(replaying new ones, rolling back removed ones)."""
+(replaying new ones, rolling back removed ones), and a constraint that waits for the end of the
+reasoning starts after it."""
 
 from __future__ import annotations
 
@@ -87,3 +88,26 @@ def test_the_matcher_replays_and_rolls_back_with_its_sequence(tokenizer, cache) 
     assert _allowed(manager, seq) == first
     manager.remove("r")
     assert not manager.is_constrained("r")
+
+
+def test_a_constraint_waiting_for_the_end_of_reasoning_starts_after_it(tokenizer, cache) -> None:
+    manager = StructuredOutputManager(cache, VOCAB)
+    end = tuple(tokenizer.encode("</think>", add_special_tokens=False))
+    params = SamplingParams(structured_outputs=S(choice=["yes", "no"], reasoning_end=end))
+    group, seq = _group(tokenizer, params, [1, 2, 3])
+    manager.add_request(group)
+    assert manager.poll(wait_s=5.0) == (["r"], [])
+    out = SchedulerOutput(seqs=[seq], num_new_tokens=[1])
+    assert manager.bitmask(out) is None  # reasoning: unconstrained
+    seq.token_ids += tokenizer.encode("I think yes", add_special_tokens=False) + list(end[:-1])
+    assert manager.bitmask(out) is None and manager.advance([seq]) == []
+    seq.token_ids.append(end[-1])  # the reasoning has ended: the choice is constrained now
+    (yes,) = tokenizer.encode("yes", add_special_tokens=False)
+    assert yes in _allowed(manager, seq) and EOS not in _allowed(manager, seq)
+    seq.token_ids += [yes, EOS]
+    assert manager.advance([seq]) == [seq]
+    del seq.token_ids[-3:]  # taken back to before the marker's end: reasoning again
+    assert manager.bitmask(out) is None
+    seq.token_ids.append(end[-1])
+    allowed = _allowed(manager, seq)
+    assert yes in allowed and EOS not in allowed

@@ -9,6 +9,8 @@ sequence's output tokens (``_sync``), replaying the tokens it has not seen and r
 ones the sequence no longer has. So a forked sample (n > 1) gets its own matcher that replays
 its first token, and a sequence preempted by recompute or swap (which keeps its tokens) finds
 its matcher where it left it; nothing in the scheduler has to tell the grammar about either.
+A constraint with ``reasoning_end`` token ids starts after their first occurrence in the output:
+until then the sequence samples unconstrained and its matcher sees no token.
 
 Per step (``LLMEngine.step``): ``bitmask()`` fills one row of xgrammar's packed token bitmask
 per constrained sequence that samples, which the sampler applies to its logits; ``advance()``
@@ -46,6 +48,8 @@ class _SeqGrammar:
     matcher: xgr.GrammarMatcher
     num_accepted: int = 0
     rejected: bool = False  # a token the grammar does not allow reached the sequence
+    start: int | None = 0  # output tokens before the grammar's first; None: still reasoning
+    searched: int = 0  # output tokens searched for the end of the reasoning
 
 
 class StructuredOutputManager:
@@ -118,10 +122,13 @@ class StructuredOutputManager:
         if not seqs:
             return None
         start = time.perf_counter()
-        bitmask = xgr.allocate_token_bitmask(len(seqs), self.vocab_size)  # all allowed
+        states = [(seq, self._sync(seq)) for seq in seqs]
+        states = [(seq, state) for seq, state in states if state.start is not None]
+        if not states:  # all still reasoning
+            return None
+        bitmask = xgr.allocate_token_bitmask(len(states), self.vocab_size)  # all allowed
         row_of, matchers, rows = {}, [], []
-        for row, seq in enumerate(seqs):
-            state = self._sync(seq)
+        for row, (seq, state) in enumerate(states):
             row_of[seq.seq_id] = row
             if not (state.matcher.is_terminated() or state.rejected):  # else: it is finishing
                 matchers.append(state.matcher)
@@ -131,7 +138,7 @@ class StructuredOutputManager:
         elif matchers:
             matchers[0].fill_next_token_bitmask(bitmask, rows[0])
         self.mask_seconds += time.perf_counter() - start
-        self.num_masked_rows += len(seqs)
+        self.num_masked_rows += len(states)
         return GrammarBitmask(bitmask, row_of)
 
     def advance(self, seqs: list[Sequence]) -> list[Sequence]:
@@ -155,21 +162,45 @@ class StructuredOutputManager:
     # ------------------------------------------------------------------ matchers
 
     def _sync(self, seq: Sequence) -> _SeqGrammar:
-        """``seq``'s matcher, having accepted exactly its output tokens."""
+        """``seq``'s matcher, having accepted exactly its output tokens (those after the end
+        of its reasoning when its constraint waits for one)."""
         state = self._seqs.get(seq.seq_id)
+        reasoning_end = seq.group.sampling_params.structured_outputs.reasoning_end
         if state is None:
             grammar = self._grammars[seq.group.request_id]
-            state = self._seqs[seq.seq_id] = _SeqGrammar(xgr.GrammarMatcher(grammar))
+            state = self._seqs[seq.seq_id] = _SeqGrammar(xgr.GrammarMatcher(grammar),
+                                                         start=None if reasoning_end else 0)
             self._seq_ids.setdefault(seq.group.request_id, []).append(seq.seq_id)
         num_outputs = len(seq.token_ids) - seq.num_prompt_tokens
-        if state.num_accepted > num_outputs:
-            state.matcher.rollback(state.num_accepted - num_outputs)
-            state.num_accepted = num_outputs
+        if state.start is not None and state.start > num_outputs:  # the marker was taken back
+            state.matcher.reset()
+            state.start, state.num_accepted, state.rejected = None, 0, False
+        if state.start is None:
+            state.start = self._reasoning_ended(seq, state, reasoning_end, num_outputs)
+            if state.start is None:
+                return state
+        num_grammar = num_outputs - state.start
+        if state.num_accepted > num_grammar:
+            state.matcher.rollback(state.num_accepted - num_grammar)
+            state.num_accepted = num_grammar
             state.rejected = False
-        while state.num_accepted < num_outputs and not state.rejected:
-            token = seq.token_ids[seq.num_prompt_tokens + state.num_accepted]
+        while state.num_accepted < num_grammar and not state.rejected:
+            token = seq.token_ids[seq.num_prompt_tokens + state.start + state.num_accepted]
             if state.matcher.is_terminated() or not state.matcher.accept_token(token):
                 state.rejected = True
                 break
             state.num_accepted += 1
         return state
+
+    @staticmethod
+    def _reasoning_ended(seq: Sequence, state: _SeqGrammar, marker: tuple[int, ...],
+                         num_outputs: int) -> int | None:
+        """The output tokens up to the end of the first ``marker`` (None: not there yet),
+        searching only what earlier calls have not."""
+        begin = seq.num_prompt_tokens + max(0, min(state.searched, num_outputs) - len(marker) + 1)
+        tokens = seq.token_ids
+        for at in range(begin, len(tokens) - len(marker) + 1):
+            if tuple(tokens[at:at + len(marker)]) == marker:
+                return at + len(marker) - seq.num_prompt_tokens
+        state.searched = num_outputs
+        return None
