@@ -12,22 +12,7 @@ from conveyor.executor.model_executor import ModelExecutor
 from conveyor.model.device import select_kernels
 from conveyor.model.kv_cache import KVCache
 from conveyor.model.layers.attention import build_attention_metadata
-
-VOCAB = 96
-
-
-def _save_tokenizer(path: str) -> None:
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2}
-    for i in range(3, VOCAB):
-        vocab[f"w{i}"] = i
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>",
-                                   unk_token="<unk>")
-    fast.save_pretrained(path)
+from tiny_models import VOCAB, randomize, save_word_tokenizer
 
 
 def _build(kind: str, path: str):
@@ -50,13 +35,10 @@ def _build(kind: str, path: str):
     else:
         cfg = transformers.Qwen3Config(**common, head_dim=24, tie_word_embeddings=False)
         model = transformers.Qwen3ForCausalLM(cfg)
-    torch.manual_seed(0)
-    with torch.no_grad():
-        for name, p in model.named_parameters():  # random everything, biases and norms included
-            p.copy_(1.0 + 0.2 * torch.randn_like(p) if "norm" in name else 0.2 * torch.randn_like(p))
+    randomize(model)  # random everything, biases and norms included
     model.eval()
     model.save_pretrained(path)
-    _save_tokenizer(path)
+    save_word_tokenizer(path)
     return model
 
 

@@ -42,8 +42,11 @@ class BlockManager:
     def find_cached_prefix(self, seq: Sequence) -> list[int]:
         """Registered blocks matching ``seq``'s leading full blocks, stopping short of its last
         token (which is always computed, so the step has logits to sample from). No hits for a
-        request that wants prompt logprobs: each prompt position must be computed for them."""
-        if not self.enable_prefix_caching or seq.group.sampling_params.prompt_logprobs is not None:
+        request that wants prompt logprobs, or pools over every position (mean, cls): each
+        prompt position must be computed for them."""
+        group = seq.group
+        if (not self.enable_prefix_caching or group.sampling_params.prompt_logprobs is not None
+                or (group.pooling_params is not None and group.pooling_params.needs_every_position)):
             return []
         bs = self.block_size
         tids = seq.token_ids

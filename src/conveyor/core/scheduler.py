@@ -32,6 +32,7 @@ from conveyor.core.block_manager import BlockManager
 from conveyor.core.chunked import schedule_chunked
 from conveyor.core.config import CacheConfig, SchedulerConfig
 from conveyor.core.lookahead import release_lookahead
+from conveyor.core.pooling_params import PoolingParams
 from conveyor.core.prefill_first import schedule_prefill_first
 from conveyor.core.request_queue import make_queue, priority_key
 from conveyor.core.sampling_params import SamplingParams
@@ -117,12 +118,15 @@ class Scheduler:
                     sampling_params: SamplingParams, priority: int = 0,
                     arrival_time: float | None = None,
                     fairness_key: str | None = None,
-                    wait_for_grammar: bool = False) -> SequenceGroup:
+                    wait_for_grammar: bool = False,
+                    pooling_params: PoolingParams | None = None) -> SequenceGroup:
         """Queue a request; ValueError (naming the field) on bad input, nothing queued then.
         Requests sharing a ``fairness_key`` are admitted round-robin with other keys' requests
         of their priority (``request_queue``); None: the request id.
 
         ``wait_for_grammar``: hold it as WAITING_FOR_GRAMMAR until ``grammar_ready()``.
+        ``pooling_params``: a pooling request; it finishes (FINISHED_STOPPED) in the step that
+        computes its last prompt token, sampling nothing.
 
         A prompt that can never run (longer than max_model_len, or needing more KV blocks than
         the whole cache) finishes at once as FINISHED_IGNORED with ``group.finish_message``;
@@ -139,12 +143,15 @@ class Scheduler:
                              f"got {type(sampling_params).__name__}")
         if not isinstance(priority, int) or isinstance(priority, bool):
             raise ValueError(f"priority must be an integer, got {priority!r}")
+        if pooling_params is not None and not isinstance(pooling_params, PoolingParams):
+            raise ValueError(f"pooling_params must be a PoolingParams or None, "
+                             f"got {type(pooling_params).__name__}")
         now = self.clock()
         if arrival_time is None:
             arrival_time = now
         prompt = list(prompt_token_ids)
         group = SequenceGroup(request_id, prompt, sampling_params, priority, arrival_time,
-                              fairness_key)
+                              fairness_key, pooling_params)
         seq = Sequence(self._new_seq_id(), group, 0, list(prompt), len(prompt))
         self._set_stop_limits(seq)
         group.seqs.append(seq)
@@ -435,13 +442,19 @@ class Scheduler:
                 continue
             seq.num_computed_tokens += num_new[i]
             toks = sampled[i]
-            if not toks:
+            if not toks and (seq.group.pooling_params is None
+                             or seq.num_computed_tokens < len(seq.token_ids)):
                 continue  # a prefill chunk short of the end
             metrics = seq.group.metrics
             if metrics.first_token_time is None:
                 if now is None:
                     now = self.clock()
                 metrics.first_token_time = now
+            if not toks:  # a pooling request's prompt is computed: its result is ready
+                self._finish(seq, FINISHED_STOPPED, None)
+                if self.chunked:
+                    completed.append(seq)
+                continue
             # chunked: a completed prefill leaves `prefilling` for `running`; fork children
             # join `running` (at its end) under both policies
             joins = self.chunked and i >= out.num_decodes

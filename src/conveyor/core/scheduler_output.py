@@ -12,7 +12,8 @@ does not change between ``Scheduler.schedule()`` and ``Scheduler.update()``:
   it samples ``seq.group.sampling_params.n`` tokens when this is the group's first sample
   (the prompt's prefill completing: the parent forks into ``n`` parallel samples), else 1.
   A decode with a proposal is verified instead: it returns the accepted proposed tokens plus
-  one more (1 to 1 + len(spec_token_ids) tokens).
+  one more (1 to 1 + len(spec_token_ids) tokens). A pooling request never samples: the chunk
+  that reaches the end of its prompt returns its pooled hidden state (``ExecutorOutput.pooled``).
 
 Block operations run before the forward, in the order swap out, swap in, copy. A prefix-cache
 hit may name a block that an earlier entry of the *same* step computes (identical prompts
@@ -69,6 +70,8 @@ class SchedulerOutput:
         if seq.num_computed_tokens + self.num_new_tokens[i] < len(seq.token_ids):
             return 0
         group = seq.group
+        if group.pooling_params is not None:
+            return 0
         if len(seq.token_ids) == seq.num_prompt_tokens and len(group.seqs) == 1:
             return group.sampling_params.n
         return 1
@@ -90,3 +93,5 @@ class ExecutorOutput:
     # {token_id: (logprob, rank)} with the actual token and the top-N), for the requests that
     # asked for prompt_logprobs
     prompt_logprobs: dict[int, tuple[int, list[dict[int, tuple[float, int]]]]] | None = None
+    # entry i -> the pooled vector of a pooling request whose prompt this step completed
+    pooled: dict[int, list[float]] | None = None

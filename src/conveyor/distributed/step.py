@@ -11,6 +11,7 @@ build the attention metadata, run the model.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -92,9 +93,12 @@ def _payload_sizes(h: list[int]) -> list[int]:
 
 def run_step(model: torch.nn.Module, cache: KVCache, msg: StepMessage,
              num_queries_per_kv: int, attention_kernel: bool, dtype: torch.dtype,
-             device: torch.device, deterministic: bool = True) -> torch.Tensor | None:
+             device: torch.device, deterministic: bool = True,
+             hidden_indices: list[int] | None = None) -> Any:
     """Apply the block operations and run the model: the logits of ``msg.logits_indices``
-    (None when nothing was computed, or off rank 0 under tensor parallelism)."""
+    (None when nothing was computed, or off rank 0 under tensor parallelism); with
+    ``hidden_indices`` (rank 0 only: every rank holds the whole hidden state), ``(logits,
+    hidden)`` as the model returns them."""
     cache.swap_out(msg.swap_out)
     cache.swap_in(msg.swap_in)
     cache.copy(msg.copy)
@@ -103,5 +107,6 @@ def run_step(model: torch.nn.Module, cache: KVCache, msg: StepMessage,
     meta = build_attention_metadata(msg.block_tables, msg.starts, msg.counts, cache.block_size,
                                     num_queries_per_kv, device, attention_kernel, dtype,
                                     deterministic)
+    hidden = None if hidden_indices is None else torch.tensor(hidden_indices, device=device)
     return model(torch.tensor(msg.input_ids, device=device), meta.positions, cache.layers, meta,
-                 torch.tensor(msg.logits_indices, device=device))
+                 torch.tensor(msg.logits_indices, device=device), hidden)

@@ -56,6 +56,7 @@ class EngineArgs:
     ngram_prompt_lookup_min: int = 1
     ngram_prompt_lookup_max: int = 4
     speculative_disable_by_batch_size: int = 4  # 0: never (crossover: docs/speculative.md)
+    pooling: str | None = None  # embeddings: last | mean | cls; None: the model's own config
 
     def parallel_config(self):
         """The ``ParallelConfig`` of these args (ValueError naming a bad field)."""
@@ -131,6 +132,8 @@ _HELP = {
                                          "sequences than this: verifying k + 1 rows per "
                                          "sequence then costs more than it saves "
                                          "(0: never; docs/speculative.md)",
+    "pooling": "how embedding requests pool hidden states: last, mean or cls (default: the "
+               "model's sentence-transformers pooling config, else last)",
 }
 
 _CHOICES = {
@@ -141,6 +144,7 @@ _CHOICES = {
     "queue": ["fcfs", "priority"],
     "preemption_mode": ["recompute", "swap"],
     "speculative_method": ["ngram", "draft_model"],
+    "pooling": ["last", "mean", "cls"],
 }
 
 

@@ -24,6 +24,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from conveyor.core.pooling_params import PoolingParams
 from conveyor.core.sampling_params import RequestOutputKind, SamplingParams
 from conveyor.engine.stats_stream import StatsPublisher
 
@@ -46,7 +47,7 @@ class EngineStoppedError(RuntimeError):
 class _NewRequest:
     request_id: str
     prompt: str | list[int] | dict[str, Any]
-    sampling_params: SamplingParams
+    sampling_params: SamplingParams | PoolingParams
     priority: int
     arrival_time: float
     fairness_key: str | None = None
@@ -128,7 +129,7 @@ class AsyncEngine:
 
     # ---------------------------------------------------------------- requests
     async def generate(self, prompt: str | list[int] | dict[str, Any],
-                       sampling_params: SamplingParams, request_id: str,
+                       sampling_params: SamplingParams | PoolingParams, request_id: str,
                        priority: int = 0,
                        fairness_key: str | None = None) -> AsyncIterator[RequestOutput]:
         """Submit one request and yield its RequestOutput deltas until it finishes.
@@ -166,6 +167,17 @@ class AsyncEngine:
             self._streams.pop(request_id, None)
             if not finished:
                 self.abort(request_id)
+
+    async def encode(self, prompt: str | list[int] | dict[str, Any],
+                     pooling_params: PoolingParams, request_id: str, priority: int = 0,
+                     fairness_key: str | None = None) -> RequestOutput:
+        """Run one pooling request; its final output (``embedding`` set unless it was ignored
+        or aborted: see ``finish_reason``). Raises as ``generate`` does."""
+        final = None
+        async for out in self.generate(prompt, pooling_params, request_id, priority, fairness_key):
+            final = out
+        assert final is not None and final.finished
+        return final
 
     def structured_outputs_compile_cache(self) -> Any:
         """The engine's grammar compile cache (thread-safe; building it the first time reads
@@ -294,7 +306,7 @@ class AsyncEngine:
                              prompt_token_ids=out.prompt_token_ids, outputs=changed,
                              finished=out.finished, metrics=out.metrics,
                              finish_message=out.finish_message,
-                             prompt_logprobs=out.prompt_logprobs)
+                             prompt_logprobs=out.prompt_logprobs, embedding=out.embedding)
 
     def _publish_stats(self) -> None:
         stats = self.engine.get_stats()

@@ -2,7 +2,8 @@
 
 ``LLM.generate`` queues every prompt on one LLMEngine and steps it until all are done, with a
 tqdm bar showing requests done and output tokens per second; ``LLM.chat`` renders
-conversations with the model's chat template first.
+conversations with the model's chat template first. ``LLM.embed`` runs pooling requests on the
+same engine (one vector per prompt) and ``LLM.score`` compares texts by their vectors.
 """
 
 from __future__ import annotations
@@ -12,11 +13,13 @@ import time
 from collections.abc import Sequence as Seq
 from typing import Any
 
+from conveyor.core.pooling_params import PoolingParams
 from conveyor.core.sampling_params import RequestOutputKind, SamplingParams
 from conveyor.engine.args import EngineArgs
 from conveyor.engine.chat import chat_prompt
 from conveyor.engine.llm_engine import LLMEngine, Prompt
 from conveyor.engine.outputs import RequestOutput
+from conveyor.engine.scoring import cosine, score_pairs
 
 
 class LLM:
@@ -34,7 +37,31 @@ class LLM:
                  use_tqdm: bool = True) -> list[RequestOutput]:
         """Generate for one prompt or a list (text, token ids, or ``{"prompt_token_ids": ...}``)."""
         prompts = _as_prompt_list(prompts)
-        params = _as_params_list(sampling_params, len(prompts))
+        return self._submit(prompts, _as_params_list(sampling_params, len(prompts)), use_tqdm)
+
+    def embed(self, prompts: Prompt | Seq[Prompt], pooling_params: PoolingParams | None = None,
+              use_tqdm: bool = True) -> list[list[float]]:
+        """One vector per prompt (the model's pooling unless ``pooling_params`` says otherwise).
+        ValueError when a prompt cannot run (e.g. longer than max_model_len)."""
+        prompts = _as_prompt_list(prompts)
+        outputs = self._submit(prompts, [pooling_params or PoolingParams()] * len(prompts),
+                               use_tqdm)
+        for out in outputs:
+            if out.embedding is None:
+                raise ValueError(out.finish_message or f"request {out.request_id} gave no vector")
+        return [out.embedding for out in outputs]
+
+    def score(self, text_1: str | Seq[str], text_2: str | Seq[str],
+              use_tqdm: bool = True) -> list[float]:
+        """Cosine similarity of ``text_1`` with each of ``text_2`` (or of two lists pairwise)."""
+        first = [text_1] if isinstance(text_1, str) else list(text_1)
+        second = [text_2] if isinstance(text_2, str) else list(text_2)
+        pairs = score_pairs(first, second)
+        vectors = self.embed(first + second, use_tqdm=use_tqdm)
+        return [cosine(vectors[i], vectors[len(first) + j]) for i, j in pairs]
+
+    def _submit(self, prompts: list[Prompt], params: list[SamplingParams | PoolingParams],
+                use_tqdm: bool) -> list[RequestOutput]:
         request_ids = []
         try:
             for prompt, p in zip(prompts, params, strict=True):

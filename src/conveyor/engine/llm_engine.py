@@ -13,6 +13,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from conveyor.core.config import CacheConfig, SchedulerConfig
+from conveyor.core.pooling_params import PoolingParams
 from conveyor.core.sampling_params import SamplingParams
 from conveyor.core.scheduler import Scheduler
 from conveyor.core.scheduler_output import SchedulerOutput
@@ -22,6 +23,7 @@ from conveyor.engine.output_processor import OutputProcessor
 from conveyor.engine.outputs import RequestOutput
 from conveyor.engine.speculative import build_speculative
 from conveyor.engine.stats import EngineStats
+from conveyor.model.pooling_config import PoolingConfig, read_pooling_config
 
 if TYPE_CHECKING:
     from conveyor.structured_outputs import StructuredOutputManager
@@ -30,6 +32,8 @@ DEFAULT_MAX_MODEL_LEN_CAP = 8192
 DEFAULT_CPU_KV_CACHE_BYTES = 4 * 2**30  # as vLLM's CPU build
 DEFAULT_CPU_KV_CACHE_FRACTION = 0.25
 GRAMMAR_WAIT_S = 0.01  # an idle step waits this long for a compiling grammar
+# what a pooling request's group carries as sampling params: nothing is sampled from them
+_POOLING_SAMPLING = SamplingParams(max_tokens=1)
 
 Prompt = str | list[int] | dict[str, Any]
 
@@ -41,6 +45,7 @@ class LLMEngine:
         """``executor``: an already loaded ModelExecutor-like object to use instead of loading
         ``engine_args.model`` (its KV cache is (re)initialized here)."""
         self.engine_args = args = engine_args or EngineArgs()
+        loads_model = executor is None
         if executor is None:
             from conveyor.executor.model_executor import ModelExecutor
 
@@ -88,6 +93,9 @@ class LLMEngine:
         self._outputs = OutputProcessor(self.tokenizer, self.scheduler.finish_sequence, self._clock)
         self._grammar: StructuredOutputManager | None = None  # built with the first constraint
         self._grammar_lock = threading.Lock()
+        self._pooling_config: PoolingConfig | None = None
+        if loads_model:
+            self.pooling_config  # noqa: B018 - a model's bad pooling config fails the load
         self._num_steps = 0
         self._scheduled_seqs_total = 0
         self._scheduled_tokens_total = 0
@@ -105,11 +113,14 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ requests
 
-    def add_request(self, request_id: str, prompt: Prompt, sampling_params: SamplingParams | None = None,
+    def add_request(self, request_id: str, prompt: Prompt,
+                    sampling_params: SamplingParams | PoolingParams | None = None,
                     priority: int = 0, arrival_time: float | None = None,
                     fairness_key: str | None = None) -> None:
         """Queue a request. ``prompt`` is text, token ids, or ``{"prompt_token_ids", "prompt"}``.
         Requests sharing a ``fairness_key`` (one client's) are admitted round-robin with others.
+        With ``PoolingParams`` it is a pooling request: its output's ``embedding`` is the pooled
+        hidden state (resolved against ``pooling_config``), and nothing is generated.
 
         Raises ValueError (naming the field) on bad input; nothing is queued then.
         """
@@ -117,6 +128,10 @@ class LLMEngine:
             raise ValueError(f"request_id must be a non-empty string, got {request_id!r}")
         if request_id in self._outputs:
             raise ValueError(f"request_id {request_id!r} is already in use")
+        pooling = None
+        if isinstance(sampling_params, PoolingParams):
+            pooling = self.pooling_config.resolve(sampling_params)
+            sampling_params = _POOLING_SAMPLING
         if sampling_params is None:
             sampling_params = SamplingParams()
         if not isinstance(sampling_params, SamplingParams):
@@ -132,10 +147,21 @@ class LLMEngine:
         grammar = self.structured_outputs if constrained else None
         group = self.scheduler.add_request(request_id, token_ids, sampling_params, priority=priority,
                                            arrival_time=arrival_time, fairness_key=fairness_key,
-                                           wait_for_grammar=constrained)
+                                           wait_for_grammar=constrained, pooling_params=pooling)
         self._outputs.add_request(group, text)
         if grammar is not None and not group.is_finished:
             grammar.add_request(group)
+
+    @property
+    def pooling_config(self) -> PoolingConfig:
+        """How this model pools embeddings by default (``--pooling`` or its own config)."""
+        if self._pooling_config is None:
+            from conveyor.model.loader import default_model_path
+
+            self._pooling_config = read_pooling_config(
+                self.engine_args.model or default_model_path(), self.model_config.hidden_size,
+                self.engine_args.pooling)
+        return self._pooling_config
 
     @property
     def structured_outputs(self) -> StructuredOutputManager:
@@ -211,6 +237,8 @@ class LLMEngine:
             sampled, logprobs = result.sampled_token_ids, result.logprobs
             for i, (first, entries) in (result.prompt_logprobs or {}).items():
                 self._outputs.add_prompt_logprobs(scheduled.seqs[i], first, entries)
+            for i, vector in (result.pooled or {}).items():
+                self._outputs.add_embedding(scheduled.seqs[i], vector)
             self._num_steps += 1
             self._scheduled_seqs_total += len(scheduled.seqs)
             self._scheduled_tokens_total += scheduled.num_batched_tokens

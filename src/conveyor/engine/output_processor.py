@@ -41,6 +41,7 @@ class _RequestState:
     prompt: str | None
     seqs: dict[int, _SeqState] = field(default_factory=dict)  # by Sequence.index
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    embedding: list[float] | None = None
 
 
 class OutputProcessor:
@@ -75,6 +76,12 @@ class OutputProcessor:
             if first + k == len(scored):
                 scored.append({t: Logprob(lp, self._text_of(t), rank)
                                for t, (lp, rank) in entry.items()})
+
+    def add_embedding(self, seq: Sequence, vector: list[float]) -> None:
+        """Record a pooling request's vector (called before ``process``)."""
+        request = self._requests.get(seq.group.request_id)
+        if request is not None:
+            request.embedding = vector
 
     def add_logprobs(self, seq: Sequence, token_id: int, logprobs: dict[int, float]) -> None:
         """Record the logprobs of ``seq``'s newest token (called before ``process``)."""
@@ -205,4 +212,5 @@ class OutputProcessor:
             prompt_logprobs=request.prompt_logprobs
             if request.prompt_logprobs is not None
             and len(request.prompt_logprobs) == len(group.prompt_token_ids) else None,
+            embedding=request.embedding,
         )

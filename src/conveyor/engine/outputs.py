@@ -52,6 +52,8 @@ class RequestOutput:
     # with SamplingParams.prompt_logprobs, once the prompt is computed: None for the first
     # token, then per prompt token {token_id: Logprob} with the token and the top-N
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    # a pooling request's vector once its prompt is computed (its one completion stays empty)
+    embedding: list[float] | None = None
 
     @property
     def num_cached_tokens(self) -> int:

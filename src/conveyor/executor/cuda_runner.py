@@ -8,6 +8,8 @@ runs on any device torch and Triton can drive; graphs are captured only on CUDA.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from conveyor.executor.cuda_graphs import (
@@ -61,11 +63,13 @@ class CudaModelRunner:
         return self.model(input_ids, positions, self.kv_cache.layers, meta, self.rows[:n])
 
     def forward(self, input_ids: list[int], block_tables: list[list[int]], starts: list[int],
-                counts: list[int], logits_indices: list[int]) -> torch.Tensor:
+                counts: list[int], logits_indices: list[int],
+                hidden_indices: list[int] | None = None) -> Any:
         flat = flatten_entries(block_tables, starts, counts, self.kv_cache.block_size)
         n = len(counts)
         width = max(len(t) for t in block_tables)
-        if self.graphs is not None and flat.num_decodes == n and self.graphs.serves(n, width):
+        if (self.graphs is not None and hidden_indices is None and flat.num_decodes == n
+                and self.graphs.serves(n, width)):
             inputs = prepare_decode_inputs(input_ids, flat.positions, flat.slot_mapping,
                                            block_tables, padded_batch_size(n, self.graphs.sizes),
                                            self.graphs.width)
@@ -75,6 +79,8 @@ class CudaModelRunner:
         meta = AttentionMetadata(torch.tensor(flat.slot_mapping, device=self.device),
                                  torch.tensor(flat.positions, device=self.device), None, [],
                                  triton=batch)
+        hidden = (None if hidden_indices is None
+                  else torch.tensor(hidden_indices, device=self.device))
         return self.model(torch.tensor(input_ids, device=self.device), meta.positions,
                           self.kv_cache.layers, meta,
-                          torch.tensor(logits_indices, device=self.device))
+                          torch.tensor(logits_indices, device=self.device), hidden)

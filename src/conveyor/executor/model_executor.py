@@ -2,7 +2,8 @@
 
 ``execute`` does the scheduler's block operations (swap out, swap in, copy), lays the step's
 tokens out flat (single-token entries first, then prefill chunks), runs the model once for the
-whole batch with logits only at sampling positions, and samples.
+whole batch with logits only at sampling positions, and samples; pooling requests get their
+vectors from the hidden states instead (``pooler.py``).
 
 With ``tensor_parallel_size`` N > 1 this process is rank 0 of N: it holds one shard of the model
 and its KV heads' cache, starts or meets the other ranks (``conveyor.distributed``), broadcasts
@@ -12,11 +13,14 @@ logits gathered onto it.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from conveyor.core.scheduler_output import ExecutorOutput, SchedulerOutput
 from conveyor.distributed.group import ParallelConfig
 from conveyor.distributed.step import INIT_CACHE, StepMessage, run_step
+from conveyor.executor.pooler import Pooler, PoolingEntry
 from conveyor.executor.prompt_logprobs import PromptScoring, positions_to_score, score
 from conveyor.executor.spec_verify import Proposal, proposal_rows, verify
 from conveyor.model.config import ModelConfig
@@ -66,6 +70,7 @@ class ModelExecutor:
         self.model_config: ModelConfig = loaded.config
         self.tokenizer = loaded.tokenizer
         self.sampler = Sampler(seed, self.model_config.eos_token_ids)
+        self.pooler = Pooler()
         layer = self.model.layers[0]  # this rank's shapes
         self.num_kv_heads, self.num_queries_per_kv = layer.num_kv_heads, layer.num_heads // layer.num_kv_heads
         self.attention_kernel = loaded.kernels.attention
@@ -146,6 +151,7 @@ class ModelExecutor:
         logits_indices: list[int] = []
         scorings: list[PromptScoring] = []
         scored_indices: list[int] = []  # their logits rows follow the sampling ones
+        pooling: list[PoolingEntry] = []
         for i in order:
             seq, count = so.seqs[i], so.num_new_tokens[i]
             start = seq.num_computed_tokens
@@ -166,6 +172,8 @@ class ModelExecutor:
                     scorings.append(scoring)
                     first = len(input_ids)
                     scored_indices.extend(range(first, first + len(scoring.targets)))
+                if seq.group.pooling_params is not None:
+                    pooling.append(PoolingEntry(i, seq, len(input_ids), start, count))
                 input_ids.extend(seq.token_ids[start:start + count])
                 if so.num_samples(i) > 0:
                     sample_entries.append(i)
@@ -178,7 +186,14 @@ class ModelExecutor:
         msg.logits_indices = (logits_indices + scored_indices) or [len(input_ids) - 1]
         sampled: list[list[int]] = [[] for _ in range(n)]
         logprobs: list[list[dict[int, float]]] = [[] for _ in range(n)]
-        logits = self._run(msg)
+        pooled = None
+        hidden_rows = self.pooler.rows(pooling)
+        if hidden_rows:
+            logits, hidden = self._run(msg, hidden_rows)
+        else:
+            logits, hidden = self._run(msg), None
+        if pooling:
+            pooled = self.pooler.pool(pooling, hidden)
         if self.trim_after_long_steps and len(input_ids) > TRIM_AFTER_TOKENS:
             return_freed_memory()  # the step's activations are freed by now
         prompt_lps = None
@@ -186,7 +201,8 @@ class ModelExecutor:
             prompt_lps = score(logits[len(logits_indices):], scorings)
             logits = logits[:len(logits_indices)]
         if not sample_entries:
-            return ExecutorOutput(sampled_token_ids=sampled, prompt_logprobs=prompt_lps)
+            return ExecutorOutput(sampled_token_ids=sampled, prompt_logprobs=prompt_lps,
+                                  pooled=pooled)
 
         rows, repeats = [], []
         proposals: list[Proposal] = []
@@ -232,13 +248,14 @@ class ModelExecutor:
             row += k
         return ExecutorOutput(sampled_token_ids=sampled,
                               logprobs=logprobs if out.logprobs is not None else None,
-                              prompt_logprobs=prompt_lps)
+                              prompt_logprobs=prompt_lps, pooled=pooled)
 
     def forward(self, msg: StepMessage) -> torch.Tensor | None:
         """``msg``'s block operations and one forward: the logits at ``msg.logits_indices``."""
         return self._run(msg)
 
-    def _run(self, msg: StepMessage) -> torch.Tensor | None:
+    def _run(self, msg: StepMessage, hidden_indices: list[int] | None = None) -> Any:
+        """The forward's result: logits, or ``(logits, hidden)`` with ``hidden_indices``."""
         if self.cuda_runner is not None:
             cache = self.kv_cache
             cache.swap_out(msg.swap_out)
@@ -247,12 +264,13 @@ class ModelExecutor:
             if not msg.input_ids:
                 return None
             return self.cuda_runner.forward(msg.input_ids, msg.block_tables, msg.starts,
-                                            msg.counts, msg.logits_indices)
+                                            msg.counts, msg.logits_indices, hidden_indices)
         if self.workers is not None:
             self.workers.send(msg)
         try:
             return run_step(self.model, self.kv_cache, msg, self.num_queries_per_kv,
-                            self.attention_kernel, self.dtype, self.device, self.deterministic)
+                            self.attention_kernel, self.dtype, self.device, self.deterministic,
+                            hidden_indices)
         except RuntimeError as e:
             if self.workers is None:
                 raise

@@ -32,23 +32,34 @@ def read_hf_config(path: str) -> ModelConfig:
 def read_hf_weights(path: str, plan: ShardPlan | None = None,
                     head_dim: int = 0) -> dict[str, torch.Tensor]:
     """Every tensor, or with a tensor-parallel ``plan`` this rank's slice of each (read through
-    ``get_slice``: the rest of a tensor is never read)."""
+    ``get_slice``: the rest of a tensor is never read).
+
+    A base-model checkpoint (names without ``model.``, as sentence-transformers saves an
+    embedding model) is read under the causal LM's names, its missing head being the
+    embedding."""
     from safetensors import safe_open
 
     files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
     if not files:
         raise ValueError(f"model directory {path} has no *.safetensors weight files")
     weights = {}
+    base = None
     for file in files:
         with safe_open(file, framework="pt") as f:
-            for name in f.keys():
+            keys = list(f.keys())
+            if base is None:
+                base = not any(k.startswith(("model.", "lm_head.")) for k in keys)
+            for key in keys:
+                name = "model." + key if base else key
                 sl = weight_slice(name, plan, head_dim)
                 if sl is None:
-                    weights[name] = f.get_tensor(name)
+                    weights[name] = f.get_tensor(key)
                 elif sl == ZERO_UNLESS_FIRST:
-                    weights[name] = torch.zeros(f.get_slice(name).get_shape())
+                    weights[name] = torch.zeros(f.get_slice(key).get_shape())
                 elif sl.axis == 0:
-                    weights[name] = f.get_slice(name)[sl.start:sl.stop]
+                    weights[name] = f.get_slice(key)[sl.start:sl.stop]
                 else:
-                    weights[name] = f.get_slice(name)[:, sl.start:sl.stop]
+                    weights[name] = f.get_slice(key)[:, sl.start:sl.stop]
+    if base and "model.embed_tokens.weight" in weights:
+        weights.setdefault("lm_head.weight", weights["model.embed_tokens.weight"])
     return weights

@@ -163,9 +163,12 @@ class LlamaForCausalLM(nn.Module):
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
         meta: AttentionMetadata,
         logits_indices: torch.Tensor,  # [S] flat token indices whose logits are wanted
-    ) -> torch.Tensor | None:
+        hidden_indices: torch.Tensor | None = None,  # [P] flat token indices to pool
+    ) -> torch.Tensor | tuple[torch.Tensor | None, torch.Tensor] | None:
         """Returns logits [S, vocab] in the model's dtype (the sampler upcasts when it must);
-        under tensor parallelism on rank 0 only (None on the others)."""
+        under tensor parallelism on rank 0 only (None on the others). With ``hidden_indices``:
+        ``(logits, hidden)``, ``hidden`` [P, hidden_size] the final-norm hidden states there
+        in float32 (what pooling reads)."""
         # Residual stream = residual + x, kept as two tensors so each norm can fuse the add.
         residual = self.embed(input_ids)
         x = torch.zeros_like(residual)
@@ -179,11 +182,14 @@ class LlamaForCausalLM(nn.Module):
         else:
             for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
                 x = layer(x, residual, cos, sin, k_cache, v_cache, meta)
+        hidden = None
+        if hidden_indices is not None:  # before the logits' norm, which writes over x
+            hidden = self.norm(x[hidden_indices], residual[hidden_indices]).float()
         x = self.norm(x[logits_indices], residual[logits_indices])
         logits = self.lm_head(x)
         if self.tp is not None:
-            return self.tp.gather_to_first(logits, self.config.vocab_size)
-        return logits
+            logits = self.tp.gather_to_first(logits, self.config.vocab_size)
+        return logits if hidden is None else (logits, hidden)
 
     @property
     def dtype(self) -> torch.dtype:

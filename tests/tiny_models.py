@@ -1,0 +1,78 @@
+"""Tiny random models built in a test (nothing is downloaded): a word-level tokenizer and
+sentence-transformers directories around a transformers decoder."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+
+VOCAB = 96
+
+
+def save_word_tokenizer(path: str, vocab_size: int = VOCAB, pad_token: str | None = None) -> None:
+    """A tokenizer whose words are ``w3`` ... ``w{vocab_size - 1}`` (plus <unk>, <s>, </s>);
+    ``pad_token``: one of those, for batches padded to one length."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2}
+    for i in range(3, vocab_size):
+        vocab[f"w{i}"] = i
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>",
+                                   unk_token="<unk>", pad_token=pad_token)
+    fast.save_pretrained(path)
+
+
+def randomize(model: torch.nn.Module) -> None:
+    """Random weights everywhere (norms near 1), seeded."""
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(1.0 + 0.2 * torch.randn_like(p) if "norm" in name else 0.2 * torch.randn_like(p))
+
+
+def save_sentence_transformer(path: str, pooling: str, normalize: bool,
+                              matryoshka_dimensions: list[int] | None = None) -> None:
+    """A sentence-transformers directory around a tiny random Qwen3 base model (saved as
+    sentence-transformers saves one: base weight names, no LM head); ``pooling``: the Pooling
+    module's mode (``lasttoken``, ``mean_tokens``, ``cls_token``)."""
+    import transformers
+
+    cfg = transformers.Qwen3Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=96,
+                                   num_hidden_layers=2, num_attention_heads=4,
+                                   num_key_value_heads=2, head_dim=16,
+                                   max_position_embeddings=256, bos_token_id=1, eos_token_id=2)
+    model = transformers.Qwen3Model(cfg)
+    randomize(model)
+    model.eval()
+    model.save_pretrained(path)
+    save_word_tokenizer(path, pad_token="<unk>")
+    if matryoshka_dimensions is not None:
+        with open(os.path.join(path, "config.json")) as f:
+            config = json.load(f)
+        config["matryoshka_dimensions"] = matryoshka_dimensions
+        with open(os.path.join(path, "config.json"), "w") as f:
+            json.dump(config, f)
+    modules = [{"idx": 0, "name": "0", "path": "",
+                "type": "sentence_transformers.models.Transformer"},
+               {"idx": 1, "name": "1", "path": "1_Pooling",
+                "type": "sentence_transformers.models.Pooling"}]
+    if normalize:
+        modules.append({"idx": 2, "name": "2", "path": "2_Normalize",
+                        "type": "sentence_transformers.models.Normalize"})
+        os.makedirs(os.path.join(path, "2_Normalize"), exist_ok=True)
+    with open(os.path.join(path, "modules.json"), "w") as f:
+        json.dump(modules, f)
+    with open(os.path.join(path, "sentence_bert_config.json"), "w") as f:
+        json.dump({"max_seq_length": 256, "do_lower_case": False}, f)
+    os.makedirs(os.path.join(path, "1_Pooling"), exist_ok=True)
+    modes = ("cls_token", "mean_tokens", "max_tokens", "mean_sqrt_len_tokens",
+             "weightedmean_tokens", "lasttoken")
+    with open(os.path.join(path, "1_Pooling", "config.json"), "w") as f:
+        json.dump({"word_embedding_dimension": 64,
+                   **{f"pooling_mode_{m}": m == pooling for m in modes},
+                   "include_prompt": True}, f)
