@@ -31,6 +31,7 @@ from conveyor.entrypoints.openai.limits import (
 )
 from conveyor.entrypoints.openai.openapi import install_openapi
 from conveyor.entrypoints.openai.playground import register_playground
+from conveyor.entrypoints.openai.pooling import create_embedding, create_rerank, create_score
 from conveyor.entrypoints.openai.security import ServerSecurity, add_security
 from conveyor.entrypoints.openai.state import ServerState
 
@@ -94,6 +95,21 @@ def build_app(state: ServerState, security: ServerSecurity | None = None,
     @app.post("/v1/messages")
     async def messages(request: Request) -> Response:
         return await create_message(state, request, limits)
+
+    @app.post("/v1/embeddings")
+    async def embeddings(request: Request) -> Response:
+        return await create_embedding(state, request, limits)
+
+    @app.post("/v1/score")
+    async def score(request: Request) -> Response:
+        return await create_score(state, request, limits)
+
+    @app.post("/v1/rerank")
+    async def rerank(request: Request) -> Response:
+        return await create_rerank(state, request, limits)
+
+    app.add_api_route("/rerank", rerank, methods=["POST"], include_in_schema=False)
+    app.add_api_route("/v2/rerank", rerank, methods=["POST"], include_in_schema=False)
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:

@@ -10,11 +10,15 @@ from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 
 from conveyor.entrypoints.openai.anthropic import MessagesRequest
+from conveyor.entrypoints.openai.pooling import EmbeddingRequest, RerankRequest, ScoreRequest
 from conveyor.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
 
 REQUEST_BODIES = {"/v1/completions": CompletionRequest,
                   "/v1/chat/completions": ChatCompletionRequest,
-                  "/v1/messages": MessagesRequest}
+                  "/v1/messages": MessagesRequest,
+                  "/v1/embeddings": EmbeddingRequest,
+                  "/v1/score": ScoreRequest,
+                  "/v1/rerank": RerankRequest}
 
 
 def install_openapi(app: FastAPI, version: str) -> None:
