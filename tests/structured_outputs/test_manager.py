@@ -111,3 +111,28 @@ def test_a_constraint_waiting_for_the_end_of_reasoning_starts_after_it(tokenizer
     seq.token_ids.append(end[-1])
     allowed = _allowed(manager, seq)
     assert yes in allowed and EOS not in allowed
+
+
+def test_a_reply_that_may_open_reasoning_is_constrained_unless_it_does(tokenizer, cache) -> None:
+    manager = StructuredOutputManager(cache, VOCAB)
+    start = tuple(tokenizer.encode("<think>", add_special_tokens=False))
+    end = tuple(tokenizer.encode("</think>", add_special_tokens=False))
+    (yes,) = tokenizer.encode("yes", add_special_tokens=False)
+    params = SamplingParams(structured_outputs=S(choice=["yes", "no"], reasoning_start=start,
+                                                 reasoning_end=end))
+    group, seq = _group(tokenizer, params, [1, 2, 3])
+    manager.add_request(group)
+    assert manager.poll(wait_s=5.0) == (["r"], [])
+    first = _allowed(manager, seq)
+    assert start[0] in first and yes in first  # the grammar's tokens or the marker's
+    seq.token_ids.append(start[0])
+    assert _allowed(manager, seq) == {start[1]}  # the grammar cannot follow "<": only the marker
+    assert manager.advance([seq]) == []
+    seq.token_ids += list(start[1:]) + tokenizer.encode("hmm", add_special_tokens=False)
+    out = SchedulerOutput(seqs=[seq], num_new_tokens=[1])
+    assert manager.bitmask(out) is None  # reasoning
+    seq.token_ids += list(end)
+    assert yes in _allowed(manager, seq) and start[0] not in _allowed(manager, seq)
+    del seq.token_ids[3:]  # another reply, without reasoning: constrained from its first token
+    seq.token_ids.append(yes)
+    assert _allowed(manager, seq) == {EOS}

@@ -4,6 +4,8 @@ Exactly one of ``json`` (a JSON schema), ``json_object`` (any JSON object), ``re
 ``choice`` (one of a list of strings) or ``grammar`` (EBNF, xgrammar's dialect of GBNF) is set.
 ``reasoning_end``: token ids that end a reasoning model's thinking (``</think>``); when given,
 the constraint applies to the output after their first occurrence, the reasoning is free.
+``reasoning_start`` (``<think>``), with it: only a reply that opens with these thinks; any other
+is constrained from its first token.
 Construction checks what pure Python can: the schema against its JSON Schema meta-schema
 (``jsonschema``), the regex with ``re``, the shape of the choices and of the grammar. The full
 compile against the tokenizer happens off the step loop (``conveyor.structured_outputs``);
@@ -32,14 +34,18 @@ class StructuredOutputsParams:
     regex: str | None = None
     choice: tuple[str, ...] | list[str] | None = None
     grammar: str | None = None
-    reasoning_end: tuple[int, ...] = ()  # not part of the grammar, nor of its cache key
+    reasoning_start: tuple[int, ...] = ()  # these two are not part of the grammar, nor of
+    reasoning_end: tuple[int, ...] = ()  # its cache key
 
     def __post_init__(self) -> None:
         if self.choice is not None and isinstance(self.choice, list):
             object.__setattr__(self, "choice", tuple(self.choice))
-        object.__setattr__(self, "reasoning_end", tuple(self.reasoning_end))
-        if not all(isinstance(t, int) and t >= 0 for t in self.reasoning_end):
-            raise ValueError("structured_outputs.reasoning_end must be token ids")
+        for name in ("reasoning_start", "reasoning_end"):
+            object.__setattr__(self, name, tuple(getattr(self, name)))
+            if not all(isinstance(t, int) and t >= 0 for t in getattr(self, name)):
+                raise ValueError(f"structured_outputs.{name} must be token ids")
+        if self.reasoning_start and not self.reasoning_end:
+            raise ValueError("structured_outputs.reasoning_start needs reasoning_end")
         if isinstance(self.json, str):
             object.__setattr__(self, "json", _parse_schema(self.json))
         set_kinds = [k for k in _KINDS if getattr(self, k) not in (None, False)]

@@ -9,8 +9,11 @@ sequence's output tokens (``_sync``), replaying the tokens it has not seen and r
 ones the sequence no longer has. So a forked sample (n > 1) gets its own matcher that replays
 its first token, and a sequence preempted by recompute or swap (which keeps its tokens) finds
 its matcher where it left it; nothing in the scheduler has to tell the grammar about either.
-A constraint with ``reasoning_end`` token ids starts after their first occurrence in the output:
-until then the sequence samples unconstrained and its matcher sees no token.
+A constraint with ``reasoning_end`` token ids applies to the answer after a reasoning model's
+thinking: it starts after their first occurrence in the output, and until then the sequence
+samples unconstrained. With ``reasoning_start`` too, the reply thinks only if it opens with
+those tokens: while it may still open, the grammar follows it and the marker's next token is
+allowed beside the grammar's; a reply that does not open them is constrained from its start.
 
 Per step (``LLMEngine.step``): ``bitmask()`` fills one row of xgrammar's packed token bitmask
 per constrained sequence that samples, which the sampler applies to its logits; ``advance()``
@@ -50,6 +53,12 @@ class _SeqGrammar:
     rejected: bool = False  # a token the grammar does not allow reached the sequence
     start: int | None = 0  # output tokens before the grammar's first; None: still reasoning
     searched: int = 0  # output tokens searched for the end of the reasoning
+    opening: int | None = None  # the reasoning_start token that may come next, if any
+
+    @property
+    def ended(self) -> bool:
+        """The grammar has ended, or cannot follow a reply that is not opening reasoning."""
+        return self.opening is None and (self.rejected or self.matcher.is_terminated())
 
 
 class StructuredOutputManager:
@@ -133,10 +142,17 @@ class StructuredOutputManager:
             if not (state.matcher.is_terminated() or state.rejected):  # else: it is finishing
                 matchers.append(state.matcher)
                 rows.append(row)
+            elif state.opening is not None:  # only the reasoning marker can go on
+                bitmask[row] = 0
         if len(matchers) > 1:  # xgrammar's threads fill the rows in parallel
             self._batch.batch_fill_next_token_bitmask(matchers, bitmask, rows)
         elif matchers:
             matchers[0].fill_next_token_bitmask(bitmask, rows[0])
+        for row, (_, state) in enumerate(states):
+            if state.opening is not None:
+                word, bit = divmod(state.opening, 32)
+                value = int(bitmask[row, word]) | 1 << bit
+                bitmask[row, word] = value - (1 << 32) if value >= 1 << 31 else value  # int32
         self.mask_seconds += time.perf_counter() - start
         self.num_masked_rows += len(states)
         return GrammarBitmask(bitmask, row_of)
@@ -154,8 +170,7 @@ class StructuredOutputManager:
             for seq in family:
                 if seq.status.is_finished:
                     continue
-                state = self._sync(seq)
-                if state.rejected or state.matcher.is_terminated():
+                if self._sync(seq).ended:
                     ended.append(seq)
         return ended
 
@@ -165,27 +180,24 @@ class StructuredOutputManager:
         """``seq``'s matcher, having accepted exactly its output tokens (those after the end
         of its reasoning when its constraint waits for one)."""
         state = self._seqs.get(seq.seq_id)
-        reasoning_end = seq.group.sampling_params.structured_outputs.reasoning_end
         if state is None:
             grammar = self._grammars[seq.group.request_id]
-            state = self._seqs[seq.seq_id] = _SeqGrammar(xgr.GrammarMatcher(grammar),
-                                                         start=None if reasoning_end else 0)
+            state = self._seqs[seq.seq_id] = _SeqGrammar(xgr.GrammarMatcher(grammar))
             self._seq_ids.setdefault(seq.group.request_id, []).append(seq.seq_id)
         num_outputs = len(seq.token_ids) - seq.num_prompt_tokens
-        if state.start is not None and state.start > num_outputs:  # the marker was taken back
+        start = self._grammar_start(seq, state, num_outputs)
+        if start != state.start:  # reasoning has begun, ended, or been taken back
             state.matcher.reset()
-            state.start, state.num_accepted, state.rejected = None, 0, False
-        if state.start is None:
-            state.start = self._reasoning_ended(seq, state, reasoning_end, num_outputs)
-            if state.start is None:
-                return state
-        num_grammar = num_outputs - state.start
+            state.start, state.num_accepted, state.rejected = start, 0, False
+        if start is None:
+            return state
+        num_grammar = num_outputs - start
         if state.num_accepted > num_grammar:
             state.matcher.rollback(state.num_accepted - num_grammar)
             state.num_accepted = num_grammar
             state.rejected = False
         while state.num_accepted < num_grammar and not state.rejected:
-            token = seq.token_ids[seq.num_prompt_tokens + state.start + state.num_accepted]
+            token = seq.token_ids[seq.num_prompt_tokens + start + state.num_accepted]
             if state.matcher.is_terminated() or not state.matcher.accept_token(token):
                 state.rejected = True
                 break
@@ -193,14 +205,29 @@ class StructuredOutputManager:
         return state
 
     @staticmethod
-    def _reasoning_ended(seq: Sequence, state: _SeqGrammar, marker: tuple[int, ...],
-                         num_outputs: int) -> int | None:
-        """The output tokens up to the end of the first ``marker`` (None: not there yet),
-        searching only what earlier calls have not."""
-        begin = seq.num_prompt_tokens + max(0, min(state.searched, num_outputs) - len(marker) + 1)
+    def _grammar_start(seq: Sequence, state: _SeqGrammar, num_outputs: int) -> int | None:
+        """How many output tokens precede the grammar's first: 0 without reasoning, the end of
+        the first ``reasoning_end`` marker after it, None while the reply reasons. Sets
+        ``state.opening``; searches only the tokens earlier calls have not."""
+        constraint = seq.group.sampling_params.structured_outputs
+        start, end = constraint.reasoning_start, constraint.reasoning_end
+        state.opening = None
+        if not end:
+            return 0
+        first = seq.num_prompt_tokens
         tokens = seq.token_ids
-        for at in range(begin, len(tokens) - len(marker) + 1):
-            if tuple(tokens[at:at + len(marker)]) == marker:
-                return at + len(marker) - seq.num_prompt_tokens
+        if start:
+            head = tuple(tokens[first:first + len(start)])
+            if head != start[:len(head)]:
+                return 0  # the reply does not open reasoning
+            if len(head) < len(start):
+                state.opening = start[len(head)]  # it may still open reasoning
+                return 0
+        if state.start and state.start <= num_outputs:
+            return state.start  # the end marker found earlier is still there
+        state.searched = max(len(start), min(state.searched, num_outputs) - len(end) + 1)
+        for at in range(first + state.searched, len(tokens) - len(end) + 1):
+            if tuple(tokens[at:at + len(end)]) == end:
+                return at + len(end) - first
         state.searched = num_outputs
         return None
