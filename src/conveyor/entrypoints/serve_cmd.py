@@ -9,6 +9,7 @@ import os
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     from conveyor.engine.args import add_cli_args
     from conveyor.entrypoints.openai.limits import ServerLimits
+    from conveyor.entrypoints.openai.reasoning_parsers import REASONING_PARSERS
 
     p = subparsers.add_parser("serve", help="OpenAI-compatible HTTP server",
                               description="Serve /v1/completions, /v1/chat/completions, "
@@ -29,6 +30,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                    "(default: on)")
     p.add_argument("--log-prompts", action="store_true",
                    help="add each request's prompt text to its access-log line")
+    p.add_argument("--reasoning-parser", default=None, choices=sorted(REASONING_PARSERS),
+                   help="split the model's <think> reasoning from its answer: reasoning_content "
+                   "in chat, reasoning items in responses, thinking blocks in messages "
+                   "(default: none, all text is the answer)")
 
     sec = p.add_argument_group("security")
     sec.add_argument("--api-key", action="append", default=[], metavar="KEY",
@@ -125,7 +130,7 @@ def _run(args: argparse.Namespace) -> int:
         host=args.host, port=args.port, served_model_name=args.served_model_name,
         max_queued_requests=args.max_queued_requests, shutdown_timeout=args.shutdown_timeout,
         log_level=args.log_level, security=security,
-        limits=limits,
+        limits=limits, reasoning_parser=args.reasoning_parser,
         access_log=AccessLogSettings(args.access_log, args.log_prompts),
         ssl_keyfile=args.ssl_keyfile, ssl_certfile=args.ssl_certfile)
     if on_ray:

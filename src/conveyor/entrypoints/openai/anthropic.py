@@ -2,7 +2,9 @@
 completion request (system, text, ``tool_use`` and ``tool_result`` blocks become messages and
 tool calls; ``tools`` / ``tool_choice`` the chat's function tools), runs through ``start_chat``
 with the same limits, admission and engine, and the reply is rendered as Anthropic's message or
-its stream of events. Errors on this path take Anthropic's shape (``errors.APIError``)."""
+its stream of events. With ``--reasoning-parser`` the reasoning comes first as a ``thinking``
+block (streamed as ``thinking_delta``); thinking blocks sent back in a conversation are dropped.
+Errors on this path take Anthropic's shape (``errors.APIError``)."""
 
 from __future__ import annotations
 
@@ -20,10 +22,12 @@ from conveyor.entrypoints.openai.disconnect import cancel_on_disconnect
 from conveyor.entrypoints.openai.errors import APIError, bad_request, from_validation_error
 from conveyor.entrypoints.openai.limits import ServerLimits, check_sizes
 from conveyor.entrypoints.openai.protocol import ChatCompletionRequest
+from conveyor.entrypoints.openai.reasoning_parsers import ReasoningStream, split_reasoning
 from conveyor.entrypoints.openai.serving import (
     engine_error,
     merged_deltas,
     parse_body,
+    sse_event,
     sse_response,
 )
 from conveyor.entrypoints.openai.tools import ToolStream, new_call_id
@@ -96,6 +100,8 @@ def _chat_messages(req: MessagesRequest) -> list[dict[str, Any]]:
                                       "input", param=where)
                 calls.append({"id": str(block.get("id", "")), "type": "function", "function": {
                     "name": block["name"], "arguments": json.dumps(block["input"])}})
+            elif kind in ("thinking", "redacted_thinking") and m.role == "assistant":
+                continue  # a reply's reasoning is not part of the next prompt
             elif kind == "tool_result" and m.role == "user":
                 content = block.get("content", "")
                 results.append({"role": "tool", "tool_call_id": str(block.get("tool_use_id", "")),
@@ -170,6 +176,9 @@ def _stop_reason(finish_reason: str | None, stop: int | str | None, called: bool
     return "end_turn", None
 
 
+_THINKING = {"type": "thinking", "thinking": "", "signature": ""}
+
+
 def _tool_use(call: ToolCall) -> dict[str, Any]:
     try:
         arguments = json.loads(call.arguments)
@@ -202,8 +211,10 @@ async def _whole(state: ServerState, req: MessagesRequest, run: ChatRun) -> Resp
         raise
     except Exception as e:
         raise state.api_error(e) from e
-    content, calls = run.tools.parse(text)
-    blocks: list[dict[str, Any]] = [{"type": "text", "text": content}] if content else []
+    reasoning, answer = split_reasoning(state.reasoning_parser, text)
+    content, calls = run.tools.parse(answer)
+    blocks: list[dict[str, Any]] = [_THINKING | {"thinking": reasoning}] if reasoning else []
+    blocks += [{"type": "text", "text": content}] if content else []
     blocks += [_tool_use(call) for call in calls]
     stop_reason, stop_sequence = _stop_reason(finish, stop, bool(calls))
     run.record.output_tokens = tokens
@@ -212,40 +223,67 @@ async def _whole(state: ServerState, req: MessagesRequest, run: ChatRun) -> Resp
                          "stop_sequence": stop_sequence, "usage": _usage(run, tokens, cached)})
 
 
-def _event(kind: str, data: dict[str, Any]) -> str:
-    return f"event: {kind}\ndata: {json.dumps({'type': kind, **data}, ensure_ascii=False)}\n\n"
+class _Blocks:
+    """A reply's content blocks as stream events: a thinking or text block opens with its first
+    text and closes when another block opens or the reply ends."""
+
+    def __init__(self) -> None:
+        self.index = -1  # the last opened block's
+        self.open: str | None = None  # its kind while open
+
+    def text(self, kind: str, text: str) -> list[str]:
+        if not text:
+            return []
+        out = []
+        if kind != self.open:
+            out += self.close()
+            self.index += 1
+            self.open = kind
+            out.append(sse_event("content_block_start", {"index": self.index, "content_block": (
+                _THINKING if kind == "thinking" else {"type": "text", "text": ""})}))
+        delta = ({"type": "thinking_delta", "thinking": text} if kind == "thinking"
+                 else {"type": "text_delta", "text": text})
+        out.append(sse_event("content_block_delta", {"index": self.index, "delta": delta}))
+        return out
+
+    def close(self) -> list[str]:
+        if self.open is None:
+            return []
+        self.open = None
+        return [sse_event("content_block_stop", {"index": self.index})]
+
+    def tool_use(self, call: ToolCall) -> list[str]:
+        out = self.close()
+        self.index += 1
+        use = _tool_use(call)
+        return out + [
+            sse_event("content_block_start", {"index": self.index,
+                                           "content_block": {**use, "input": {}}}),
+            sse_event("content_block_delta", {"index": self.index, "delta": {
+                "type": "input_json_delta", "partial_json": json.dumps(use["input"])}}),
+            sse_event("content_block_stop", {"index": self.index})]
 
 
 async def _stream(state: ServerState, req: MessagesRequest, run: ChatRun) -> AsyncIterator[str]:
-    """Anthropic's events: the text streams as a text block as it comes; tool calls, known once
-    the reply has ended, follow as tool_use blocks."""
-    yield _event("message_start", {"message": {
+    """Anthropic's events: thinking and text stream as blocks as they come; tool calls, known
+    once the reply has ended, follow as tool_use blocks."""
+    yield sse_event("message_start", {"message": {
         "id": run.job.request_id, "type": "message", "role": "assistant", "model": req.model,
         "content": [], "stop_reason": None, "stop_sequence": None,
         "usage": _usage(run, 0, 0)}})
     tools = ToolStream(run.tools)
-    block = -1  # the open block's index
+    thoughts = ReasoningStream(state.reasoning_parser)
+    blocks = _Blocks()
     tokens, cached, finish, stop = 0, 0, None, None
 
     def text_events(pieces: list[dict[str, Any]]) -> list[str]:
-        nonlocal block
-        out = []
-        for piece in pieces:
-            if not piece.get("content"):
-                continue
-            if block < 0:
-                block = 0
-                out.append(_event("content_block_start", {
-                    "index": 0, "content_block": {"type": "text", "text": ""}}))
-            out.append(_event("content_block_delta", {
-                "index": 0, "delta": {"type": "text_delta", "text": piece["content"]}}))
-        return out
+        return [e for piece in pieces for e in blocks.text("text", piece.get("content") or "")]
 
     try:
         async with aclosing(merged_deltas(run.engine, [run.job])) as deltas:
             async for _, d in deltas:
                 if (err := engine_error(d)) is not None:
-                    yield _event("error", {"error": err.anthropic_body()["error"]})
+                    yield sse_event("error", {"error": err.anthropic_body()["error"]})
                     return
                 cached = d.num_cached_tokens
                 for c in d.outputs:
@@ -253,28 +291,22 @@ async def _stream(state: ServerState, req: MessagesRequest, run: ChatRun) -> Asy
                     run.record.output_tokens = tokens
                     finish = c.finish_reason or finish
                     stop = c.stop_reason if c.stop_reason is not None else stop
-                    for event in text_events(tools.feed(c.text) if c.text else []):
+                    reasoning, text = thoughts.feed(c.text, c.finish_reason is not None)
+                    for event in (blocks.text("thinking", reasoning)
+                                  + text_events(tools.feed(text) if text else [])):
                         yield event
     except Exception as e:
-        yield _event("error", {"error": state.api_error(e).anthropic_body()["error"]})
+        yield sse_event("error", {"error": state.api_error(e).anthropic_body()["error"]})
         return
     rest, _ = tools.finish()
     for event in text_events([piece for piece in rest if "content" in piece]):
         yield event
     _, calls = run.tools.parse(tools.text)
-    if block == 0:
-        yield _event("content_block_stop", {"index": 0})
-    for k, call in enumerate(calls):
-        index = block + 1 + k
-        use = _tool_use(call)
-        yield _event("content_block_start", {"index": index,
-                                             "content_block": {**use, "input": {}}})
-        yield _event("content_block_delta", {"index": index, "delta": {
-            "type": "input_json_delta", "partial_json": json.dumps(use["input"])}})
-        yield _event("content_block_stop", {"index": index})
+    for event in blocks.close() + [e for call in calls for e in blocks.tool_use(call)]:
+        yield event
     stop_reason, stop_sequence = _stop_reason(finish, stop, bool(calls))
-    yield _event("message_delta", {"delta": {"stop_reason": stop_reason,
+    yield sse_event("message_delta", {"delta": {"stop_reason": stop_reason,
                                              "stop_sequence": stop_sequence},
                                    "usage": {"output_tokens": tokens,
                                              "cache_read_input_tokens": cached}})
-    yield _event("message_stop", {})
+    yield sse_event("message_stop", {})

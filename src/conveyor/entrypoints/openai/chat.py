@@ -1,10 +1,12 @@
-"""POST /v1/chat/completions: messages through the model's chat template, then one engine request."""
+"""POST /v1/chat/completions: messages through the model's chat template, then one engine request.
+With ``--reasoning-parser`` the reply's reasoning is ``reasoning_content`` (whole, and streamed as
+deltas), apart from the ``content`` that tool calls are parsed from and a constraint applies to."""
 
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from contextlib import aclosing
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from fastapi import Request
@@ -19,6 +21,7 @@ from conveyor.entrypoints.openai.prompt_logprobs import (
     vllm_prompt_logprobs,
 )
 from conveyor.entrypoints.openai.protocol import ChatCompletionRequest, ChatMessage
+from conveyor.entrypoints.openai.reasoning_parsers import ReasoningStream, split_reasoning
 from conveyor.entrypoints.openai.serving import (
     Choice,
     Job,
@@ -132,6 +135,10 @@ async def start_chat(state: ServerState, request: Request, req: ChatCompletionRe
                                         prompt_param="messages")
         job = Job(new_id(id_prefix), prompt_ids, make_params(state, req, max_tokens),
                   req.priority, prompt["prompt"])
+        constraint = job.params.structured_outputs
+        if constraint is not None and state.reasoning_parser is not None:  # the answer only
+            job.params.structured_outputs = replace(
+                constraint, **state.reasoning_parser.constraint_markers(state.tokenizer))
         await compile_constraint(engine, job.params, constraint_param(req), request)
     except BaseException:
         reservation.release()
@@ -186,8 +193,11 @@ async def _whole(state: ServerState, engine: AsyncEngine, req: ChatCompletionReq
     top_n = req.top_logprobs or 0
     out = []
     for j, ch in enumerate(choices):
-        content, calls = tools.parse(ch.text)
+        reasoning, answer = split_reasoning(state.reasoning_parser, ch.text)
+        content, calls = tools.parse(answer)
         message: dict[str, Any] = {"role": "assistant", "content": content}
+        if state.reasoning_parser is not None:
+            message["reasoning_content"] = reasoning
         if calls:
             message["tool_calls"] = tool_calls_json(calls)
         out.append({"index": j, "message": message,
@@ -221,6 +231,7 @@ async def _stream(state: ServerState, engine: AsyncEngine, req: ChatCompletionRe
     completion_tokens = 0
     cached = 0  # prompt tokens served by the prefix cache
     streams = [ToolStream(tools) for _ in range(req.n)] if tools.kind is not None else None
+    thoughts = [ReasoningStream(state.reasoning_parser) for _ in range(req.n)]
     try:
         async with aclosing(merged_deltas(engine, [job])) as deltas:
             async for _, d in deltas:
@@ -237,11 +248,17 @@ async def _stream(state: ServerState, engine: AsyncEngine, req: ChatCompletionRe
                         continue
                     lp = _logprobs(tok, c.token_ids, c.logprobs or [], top_n) if req.logprobs \
                         else None
+                    reasoning, text = thoughts[c.index].feed(c.text, c.finish_reason is not None)
+                    if reasoning:
+                        yield chunk(c.index, {"reasoning_content": reasoning}, None, lp)
+                        lp = None
+                        if not text and c.finish_reason is None:
+                            continue
                     if streams is None:
-                        yield chunk(c.index, {"content": c.text} if c.text else {},
+                        yield chunk(c.index, {"content": text} if text else {},
                                     c.finish_reason, lp)
                         continue
-                    for event in _tool_stream_chunks(streams[c.index], c.text, c.finish_reason):
+                    for event in _tool_stream_chunks(streams[c.index], text, c.finish_reason):
                         yield chunk(c.index, *event, lp)
                         lp = None
     except Exception as e:
@@ -255,7 +272,8 @@ async def _stream(state: ServerState, engine: AsyncEngine, req: ChatCompletionRe
 def _tool_stream_chunks(stream: ToolStream, text: str,
                         finish_reason: str | None) -> list[tuple[dict[str, Any], str | None]]:
     """(delta, finish_reason) of one engine delta of a choice that may call tools."""
-    events: list[tuple[dict[str, Any], str | None]] = [(d, None) for d in stream.feed(text)]
+    fed = stream.feed(text) if text or finish_reason is not None else []  # not mid-reasoning
+    events: list[tuple[dict[str, Any], str | None]] = [(d, None) for d in fed]
     if finish_reason is not None:
         tail, called = stream.finish()
         events += [(d, None) for d in tail]

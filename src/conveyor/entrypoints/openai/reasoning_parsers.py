@@ -26,10 +26,15 @@ class ReasoningParser:
     start: str = "<think>"
     end: str = "</think>"
 
-    def end_token_ids(self, tokenizer: Any) -> tuple[int, ...]:
-        """The tokens of the end marker, after which a structured-output constraint starts
-        (one special token for Qwen3 and DeepSeek-R1)."""
-        return tuple(tokenizer.encode(self.end, add_special_tokens=False))
+    def constraint_markers(self, tokenizer: Any) -> dict[str, tuple[int, ...]]:
+        """``StructuredOutputsParams``' fields that keep a constraint off the reasoning: the
+        markers' tokens (one special token each for Qwen3 and DeepSeek-R1); no start marker
+        when the reply starts inside the reasoning."""
+        def ids(text: str) -> tuple[int, ...]:
+            return tuple(tokenizer.encode(text, add_special_tokens=False))
+
+        return {"reasoning_start": () if self.opens_in_prompt else ids(self.start),
+                "reasoning_end": ids(self.end)}
 
 
 REASONING_PARSERS = {"qwen3": ReasoningParser("qwen3", opens_in_prompt=False),

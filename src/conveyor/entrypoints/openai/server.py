@@ -20,6 +20,7 @@ from conveyor.engine.args import EngineArgs
 from conveyor.entrypoints.openai.access_log import AccessLogSettings
 from conveyor.entrypoints.openai.app import build_app
 from conveyor.entrypoints.openai.limits import ServerLimits
+from conveyor.entrypoints.openai.reasoning_parsers import REASONING_PARSERS
 from conveyor.entrypoints.openai.security import ServerSecurity
 from conveyor.entrypoints.openai.state import ServerState
 
@@ -131,15 +132,17 @@ def run_server(engine_args: EngineArgs, host: str = "127.0.0.1", port: int = 800
                shutdown_timeout: float = 30.0, log_level: str = "info",
                security: ServerSecurity | None = None, limits: ServerLimits | None = None,
                access_log: AccessLogSettings | None = None, ssl_keyfile: str | None = None,
-               ssl_certfile: str | None = None, state: ServerState | None = None) -> int:
+               ssl_certfile: str | None = None, state: ServerState | None = None,
+               reasoning_parser: str | None = None) -> int:
     """Serve until a signal; returns the process exit status. HTTPS when both ssl files are
     given. ``state``: serve over another engine (a fleet of replicas) instead of one built
-    from ``engine_args``."""
+    from ``engine_args``. ``reasoning_parser``: a name in ``REASONING_PARSERS``."""
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if not (security and security.api_keys) and host not in ("127.0.0.1", "localhost", "::1"):
         logger.warning("serving on %s without an API key: anyone who can reach it may use it "
                        "(--api-key)", host)
     state = state or ServerState(engine_args, served_model_name, max_queued_requests)
+    state.reasoning_parser = REASONING_PARSERS[reasoning_parser] if reasoning_parser else None
     app = build_app(state, security, limits, access_log)
     # uvicorn's own access log is off: Conveyor's (access_log.py) has the token counts.
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=False,

@@ -307,6 +307,12 @@ def sse(obj: dict[str, Any] | str) -> str:
     return f"data: {payload}\n\n"
 
 
+def sse_event(kind: str, data: dict[str, Any]) -> str:
+    """A named server-sent event whose data carries its name as ``type`` (Anthropic's and the
+    Responses API's streams)."""
+    return f"event: {kind}\ndata: {json.dumps({'type': kind, **data}, ensure_ascii=False)}\n\n"
+
+
 class _StreamThenRelease(StreamingResponse):
     """A stream that calls ``on_close`` once it has ended, however it ended."""
 

@@ -21,6 +21,7 @@ from conveyor.entrypoints.openai.admission import SequenceAdmission
 from conveyor.entrypoints.openai.errors import APIError
 from conveyor.entrypoints.openai.limits import ListLimits
 from conveyor.entrypoints.openai.metrics import ServerMetrics
+from conveyor.entrypoints.openai.reasoning_parsers import ReasoningParser
 
 logger = logging.getLogger("conveyor.serve")
 
@@ -56,6 +57,7 @@ class ServerState:
         self.created = int(time.time())
         self.on_fatal: Callable[[], None] = lambda: None
         self.admission = SequenceAdmission()  # build_app sets the configured limit
+        self.reasoning_parser: ReasoningParser | None = None  # --reasoning-parser
         self._preprocess = ThreadPoolExecutor(PREPROCESS_THREADS,
                                               thread_name_prefix="conveyor-preprocess",
                                               initializer=_lower_priority)
