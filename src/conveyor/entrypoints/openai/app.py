@@ -32,6 +32,7 @@ from conveyor.entrypoints.openai.limits import (
 from conveyor.entrypoints.openai.openapi import install_openapi
 from conveyor.entrypoints.openai.playground import register_playground
 from conveyor.entrypoints.openai.pooling import create_embedding, create_rerank, create_score
+from conveyor.entrypoints.openai.responses import create_response
 from conveyor.entrypoints.openai.security import ServerSecurity, add_security
 from conveyor.entrypoints.openai.state import ServerState
 
@@ -95,6 +96,10 @@ def build_app(state: ServerState, security: ServerSecurity | None = None,
     @app.post("/v1/messages")
     async def messages(request: Request) -> Response:
         return await create_message(state, request, limits)
+
+    @app.post("/v1/responses")
+    async def responses(request: Request) -> Response:
+        return await create_response(state, request, limits)
 
     @app.post("/v1/embeddings")
     async def embeddings(request: Request) -> Response:

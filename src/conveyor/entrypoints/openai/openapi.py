@@ -12,10 +12,12 @@ from fastapi.openapi.utils import get_openapi
 from conveyor.entrypoints.openai.anthropic import MessagesRequest
 from conveyor.entrypoints.openai.pooling import EmbeddingRequest, RerankRequest, ScoreRequest
 from conveyor.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
+from conveyor.entrypoints.openai.responses import ResponsesRequest
 
 REQUEST_BODIES = {"/v1/completions": CompletionRequest,
                   "/v1/chat/completions": ChatCompletionRequest,
                   "/v1/messages": MessagesRequest,
+                  "/v1/responses": ResponsesRequest,
                   "/v1/embeddings": EmbeddingRequest,
                   "/v1/score": ScoreRequest,
                   "/v1/rerank": RerankRequest}
