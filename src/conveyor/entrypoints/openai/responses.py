@@ -251,6 +251,7 @@ class _Reply:
         self.tools = ToolStream(run.tools)
         self.items: list[dict[str, Any]] = []
         self.open: dict[str, Any] | None = None  # the item whose text still grows
+        self.text = ""  # the open reasoning or message item's text so far
         self.sequence_number = 0
         self.tokens = self.reasoning_tokens = self.cached = 0
         self.finish_reason: str | None = None
@@ -307,11 +308,10 @@ class _Reply:
             else:
                 out += self._add({"type": "message", "id": new_call_id("msg"),
                                   "role": "assistant", "content": [], "status": "in_progress"})
-            self.open["text"] = ""
+            self.text = ""
             out.append(self.event("response.content_part.added", **self._where(),
                                   content_index=0, part=_part(kind, "")))
-        assert self.open is not None
-        self.open["text"] += text
+        self.text += text
         if kind == "reasoning":
             out.append(self.event("response.reasoning_text.delta", **self._where(),
                                   content_index=0, delta=text))
@@ -349,13 +349,12 @@ class _Reply:
                                name=item["name"], arguments=item["arguments"]),
                     self.event("response.output_item.done", output_index=where["output_index"],
                                item=item)]
-        text = item.pop("text")
-        part = _part(item["type"], text)
+        part = _part(item["type"], self.text)
         item["content"] = [part]
         done = ("response.reasoning_text.done" if item["type"] == "reasoning"
                 else "response.output_text.done")
         extra = {} if item["type"] == "reasoning" else {"logprobs": []}
-        return [self.event(done, **where, content_index=0, text=text, **extra),
+        return [self.event(done, **where, content_index=0, text=self.text, **extra),
                 self.event("response.content_part.done", **where, content_index=0, part=part),
                 self.event("response.output_item.done", output_index=where["output_index"],
                            item=item)]
