@@ -1,6 +1,6 @@
 """The ``<think>`` reasoning parsers: a whole reply's split, the same split however the reply is
 cut into streamed deltas (markers split across them), replies without markers, and reasoning
-cut short before ``</think>``."""
+cut short before ``</think>``; ``conveyor serve`` refuses an unknown parser."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import itertools
 
 import pytest
 
+from conveyor.entrypoints.cli import main
 from conveyor.entrypoints.openai.reasoning_parsers import (
     REASONING_PARSERS,
     ReasoningStream,
@@ -80,3 +81,10 @@ def test_held_text_that_is_no_marker_is_sent_when_it_proves_not_to_be() -> None:
     assert stream.feed("a </") == ("a", "")
     assert stream.feed("b>") == (" </b>", "")
     assert stream.feed(" c", last=True) == (" c", "")
+
+
+def test_serve_refuses_an_unknown_parser_before_the_model_loads(capsys) -> None:
+    with pytest.raises(SystemExit) as info:
+        main(["serve", "--reasoning-parser", "nope"])
+    assert info.value.code == 2
+    assert "invalid choice: 'nope'" in capsys.readouterr().err
