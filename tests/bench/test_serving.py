@@ -130,3 +130,26 @@ def test_client_against_a_spawned_server(tmp_path, capsys):
     assert cli_main(["bench", "serve", "--from-json", str(out), str(out), "--plot",
                      str(merged)]) == 0
     assert merged.exists()
+
+
+@pytest.mark.slow
+def test_embeddings_against_sentence_transformers(tmp_path, capsys):
+    out = tmp_path / "embed.json"
+    rc = cli_main(["bench", "serve", "--spawn", "--endpoint", "embeddings", "--num-prompts", "4",
+                   "--compare", "sentence-transformers", "--repeats", "1",
+                   "--embed-batch-size", "2", "--json", str(out), "--max-model-len", "512",
+                   "--num-gpu-blocks", "96", "--max-num-seqs", "4"])
+    assert rc == 0
+    runs = json.loads(out.read_text())["runs"]
+    assert [r["label"] for r in runs] == ["conveyor", "sentence-transformers"]
+    for r in runs:
+        assert r["completed"] == r["sent"] == 4
+        assert r["request_throughput"] > 0 and r["total_token_throughput"] > 0
+        assert r["output_throughput"] == 0
+    # both sides tokenize the same texts with the same tokenizer
+    assert runs[0]["total_token_throughput"] * runs[0]["duration_s"] == pytest.approx(
+        runs[1]["total_token_throughput"] * runs[1]["duration_s"])
+    table = capsys.readouterr().out
+    assert "| conveyor | inf | 4/4 |" in table and "| sentence-transformers | - | 4/4 |" in table
+    with pytest.raises(SystemExit, match="unknown peer 'vllm' for --endpoint embeddings"):
+        cli_main(["bench", "serve", "--spawn", "--endpoint", "embeddings", "--compare", "vllm"])

@@ -179,6 +179,7 @@ BAD = [
                                          "schema": {"type": "nonsense"}}}}, "text.format"),
     ({"input": "hi", "model": "other"}, "model"),
     ({"input": "hi", "conversation": "conv_1"}, "conversation"),
+    ({"input": [{"role": "user", "content": "hi"}] * 600}, "input"),  # > max_model_len 512
 ]
 
 

@@ -6,6 +6,8 @@ below 1 burstier, above 1 steadier) at each ``--request-rate`` of a sweep, at mo
 streams from ``/v1/completions`` over loopback; the client timestamps every chunk and reports
 TTFT, TPOT, ITL and end-to-end latency, throughput, goodput under ``--slo``, and the
 preemptions the server's ``/metrics`` counted. ``--spawn`` starts ``conveyor serve`` itself.
+``--endpoint embeddings`` sends the prompts as text to ``/v1/embeddings`` instead
+(``bench/embeddings.py``).
 """
 
 from __future__ import annotations
@@ -26,6 +28,12 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from conveyor.bench.embeddings import (
+    EMBEDDING_PEERS,
+    format_embedding_table,
+    run_sentence_transformers,
+    workload_texts,
+)
 from conveyor.bench.report import (
     format_serving_table,
     percentiles,
@@ -191,6 +199,29 @@ class ServeClient:
         text = await self.metrics_text()
         return None if text is None else preemptions_from_metrics(text)
 
+    async def send(self, request: Any) -> RequestResult:
+        """A text is an embedding request; a workload request a streamed completion."""
+        if isinstance(request, str):
+            return await self.embed(request)
+        return await self.complete(request.prompt_token_ids, request.max_tokens)
+
+    async def embed(self, text: str) -> RequestResult:
+        body = {"model": await self.model_name(), "input": text, "encoding_format": "base64"}
+        result = RequestResult(ok=False, prompt_tokens=0)
+        start = result.send_time = time.perf_counter()
+        try:
+            resp = await self.client.post("/v1/embeddings", json=body)
+        except Exception as e:  # a failed request is counted, never fatal to the run
+            result.error = f"{type(e).__name__}: {e}"[:200]
+            return result
+        if resp.status_code != 200:
+            result.error = f"HTTP {resp.status_code}: {resp.text[:200]}"
+            return result
+        result.e2e = result.ttft = time.perf_counter() - start
+        result.prompt_tokens = resp.json()["usage"]["prompt_tokens"]
+        result.ok = True
+        return result
+
     async def complete(self, prompt: list[int], max_tokens: int) -> RequestResult:
         body = {"model": await self.model_name(), "prompt": prompt, "max_tokens": max_tokens,
                 "temperature": 0.0, "ignore_eos": True, "stream": True,
@@ -252,9 +283,9 @@ async def run_rate(client: ServeClient, requests: list, rate: float, burstiness:
         if duration_limit is not None and time.perf_counter() - start > duration_limit:
             return None
         if gate is None:
-            return await client.complete(req.prompt_token_ids, req.max_tokens)
+            return await client.send(req)
         async with gate:
-            return await client.complete(req.prompt_token_ids, req.max_tokens)
+            return await client.send(req)
 
     results = await asyncio.gather(*(one(r, o) for r, o in zip(requests, offsets, strict=True)))
     sent = [r for r in results if r is not None]
@@ -354,16 +385,19 @@ async def run_sweep(base_url: str, args: argparse.Namespace) -> list[dict[str, A
         workload = dataclasses.replace(workload, requests=[
             dataclasses.replace(r, max_tokens=args.output_len) for r in workload.requests])
     slo = parse_slo(args.slo)
+    requests: list[Any] = workload.requests
+    if args.endpoint == "embeddings":
+        requests = workload_texts([r.prompt_token_ids for r in requests], args.model)
     client = ServeClient(base_url, timeout=args.request_timeout)
     runs = []
     try:
         for rate in parse_rates(args.request_rate):
-            summary = await run_rate(client, workload.requests, rate, args.burstiness,
+            summary = await run_rate(client, requests, rate, args.burstiness,
                                      args.max_concurrency, args.duration, args.seed, slo)
             summary["label"] = args.label
             summary["workload"] = workload.name
             runs.append(summary)
-            print(format_serving_table([summary]).splitlines()[-1], flush=True)
+            print(_table(args, [summary]).splitlines()[-1], flush=True)
     finally:
         await client.close()
     return runs
@@ -390,12 +424,19 @@ def _with_label(args: argparse.Namespace, label: str) -> argparse.Namespace:
 SERVING_PEERS = ("vllm",)
 
 
+def _table(args: argparse.Namespace, runs: list[dict[str, Any]]) -> str:
+    if getattr(args, "endpoint", "completions") == "embeddings":
+        return format_embedding_table(runs)
+    return format_serving_table(runs)
+
+
 def compare_peers(args: argparse.Namespace) -> list[str]:
     names = [c.strip() for c in (args.compare or "").split(",") if c.strip()]
+    known = EMBEDDING_PEERS if args.endpoint == "embeddings" else SERVING_PEERS
     for name in names:
-        if name not in SERVING_PEERS:
-            raise SystemExit(f"bench serve: --compare: unknown peer {name!r}; known: "
-                             f"{', '.join(SERVING_PEERS)}")
+        if name not in known:
+            raise SystemExit(f"bench serve: --compare: unknown peer {name!r} for --endpoint "
+                             f"{args.endpoint}; known: {', '.join(known)}")
     if names and not args.spawn:
         raise SystemExit("bench serve: --compare needs --spawn (the bench starts both servers)")
     return names
@@ -464,9 +505,18 @@ def main(args: argparse.Namespace) -> int:
         else:
             runs = asyncio.run(run_sweep(args.base_url, args))
         for name in peers:  # one after the other, never beside Conveyor's server
+            if name == "sentence-transformers":
+                workload = make_workload(args.workload, args.vocab_size, args.seed,
+                                         args.num_prompts)
+                texts = workload_texts([r.prompt_token_ids for r in workload.requests],
+                                       args.model)
+                runs.append(run_sentence_transformers(args, texts))
+                peer_info[name] = {"batch_size": args.embed_batch_size,
+                                   "repeats": args.repeats}
+                continue
             peer_runs, peer_info[name] = run_vllm_sweep(args)
             runs += peer_runs
-    print(format_serving_table(runs))
+    print(_table(args, runs))
     for name, info in peer_info.items():
         if "skipped" in info:
             print(f"{name}: {info['skipped']}")
@@ -509,9 +559,19 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--from-json", nargs="+",
                    help="plot/print these saved runs together instead of running")
     p.add_argument("--server-log", default=None, help="with --spawn: write the server's output here")
+    p.add_argument("--endpoint", default="completions", choices=["completions", "embeddings"],
+                   help="what each request asks for: a streamed completion of its prompt, or "
+                        "the embedding of its prompt's text (default: completions)")
     p.add_argument("--compare", default="",
-                   help="with --spawn: then run the same sweep against this peer's server "
-                        f"({', '.join(SERVING_PEERS)}), same model and max_num_seqs")
+                   help="with --spawn: then run the same requests against this peer "
+                        f"(completions: {', '.join(SERVING_PEERS)}'s server, same model and "
+                        f"max_num_seqs; embeddings: {', '.join(EMBEDDING_PEERS)} in this "
+                        "process, same model and pooling)")
+    p.add_argument("--embed-batch-size", type=int, default=32,
+                   help="--compare sentence-transformers: texts per encode call (default: 32)")
+    p.add_argument("--repeats", type=int, default=3,
+                   help="--compare sentence-transformers: timed passes over the texts; the "
+                        "median is reported (default: 3)")
     p.add_argument("--vllm-server-log", default=None,
                    help="with --compare vllm: write vLLM's server output here")
     d = p.add_argument_group("data-parallel replicas (with --spawn)")

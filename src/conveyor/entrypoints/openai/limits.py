@@ -155,11 +155,13 @@ def check_list_sizes(body: dict[str, Any], limits: ServerLimits,
             raise bad_request(f"a 'prompt' of {len(ids)} token ids is longer than the model's "
                               f"context of {lists.max_model_len} tokens (--max-model-len)",
                               param="prompt", code="context_length_exceeded")
-    messages = body.get("messages")
-    if isinstance(messages, list) and len(messages) > lists.max_model_len:
-        raise bad_request(f"'messages' has {len(messages)} messages, more than the model's "
-                          f"context of {lists.max_model_len} tokens can hold (--max-model-len)",
-                          param="messages", code="context_length_exceeded")
+    for field in ("messages", "input"):  # chat / Messages turns, Responses items
+        turns = body.get(field)
+        if (isinstance(turns, list) and len(turns) > lists.max_model_len
+                and (field == "messages" or isinstance(turns[0], dict))):
+            raise bad_request(f"'{field}' has {len(turns)} items, more than the model's "
+                              f"context of {lists.max_model_len} tokens can hold "
+                              "(--max-model-len)", param=field, code="context_length_exceeded")
     for field in ("logit_bias", "stop_token_ids"):
         value = body.get(field)
         if isinstance(value, (list, dict)) and len(value) > lists.vocab_size:
