@@ -13,6 +13,7 @@ import time
 import pytest
 import torch
 
+from conveyor.core.pooling_params import PoolingParams
 from conveyor.core.sampling_params import SamplingParams
 from conveyor.distributed.group import free_port
 from conveyor.engine.args import EngineArgs
@@ -43,6 +44,17 @@ def _run(engine: LLMEngine, prompts: list, params: list[SamplingParams]) -> list
             if out.finished:
                 done[out.request_id] = [list(c.token_ids) for c in out.outputs]
     return [done[f"r{i}"] for i in range(len(prompts))]
+
+
+def _embed(engine: LLMEngine, prompts: list) -> list[torch.Tensor]:
+    for i, p in enumerate(prompts):
+        engine.add_request(f"e{i}", p, PoolingParams(method="mean"))
+    done = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = torch.tensor(out.embedding)
+    return [done[f"e{i}"] for i in range(len(prompts))]
 
 
 def _smollm2_cases(executor: ModelExecutor) -> dict[str, list[list[list[int]]]]:
@@ -83,15 +95,19 @@ def test_smollm2_tp3_equals_tp1() -> None:
 @pytest.mark.parametrize("model", ["tiny_llama", "tiny_qwen3"])
 def test_tiny_models_tp2_equal_tp1(model: str, request) -> None:
     """8 query heads; the Llama has 2 KV heads (one a rank), the Qwen3 4 (two a rank, q/k norms,
-    a tied LM head)."""
+    a tied LM head). Embeddings (pooled on rank 0) agree too."""
     path = request.getfixturevalue(model)
     prompts = random_prompts(6)
     params = [GREEDY] * len(prompts)
     args = EngineArgs(model=path, dtype="float32", num_gpu_blocks=64, block_size=8)
-    expected = _run(LLMEngine(args), prompts, params)
+    one = LLMEngine(args)
+    expected = _run(one, prompts, params)
+    vectors = _embed(one, prompts)
     engine = LLMEngine(args.replace(tensor_parallel_size=2, threads_per_rank=1))
     try:
         assert _run(engine, prompts, params) == expected
+        for got, want in zip(_embed(engine, prompts), vectors, strict=True):
+            assert torch.allclose(got, want, atol=1e-4)
     finally:
         engine.shutdown()
 
