@@ -3,12 +3,14 @@ LLMEngine to the end."""
 
 from __future__ import annotations
 
+from conveyor.core.pooling_params import PoolingParams
 from conveyor.core.sampling_params import SamplingParams
 from conveyor.engine.llm_engine import LLMEngine
 from conveyor.engine.outputs import RequestOutput
 
 
-def run_to_end(engine: LLMEngine, requests: list[tuple[list[int], SamplingParams]],
+def run_to_end(engine: LLMEngine,
+               requests: list[tuple[object, SamplingParams | PoolingParams]],
                prefix: str = "") -> list[RequestOutput]:
     """Adds every request at once (ids ``prefix + index``), steps the engine until nothing is
     left, and returns each request's finished output, in order."""

@@ -20,6 +20,7 @@ from conveyor.engine.args import EngineArgs
 from conveyor.engine.llm import LLM
 from conveyor.engine.llm_engine import LLMEngine
 from conveyor.executor.model_executor import ModelExecutor
+from engine_runs import run_to_end
 
 VOCAB = 96  # the tiny models' (conftest.py)
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
@@ -47,14 +48,8 @@ def _run(engine: LLMEngine, prompts: list, params: list[SamplingParams]) -> list
 
 
 def _embed(engine: LLMEngine, prompts: list) -> list[torch.Tensor]:
-    for i, p in enumerate(prompts):
-        engine.add_request(f"e{i}", p, PoolingParams(method="mean"))
-    done = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = torch.tensor(out.embedding)
-    return [done[f"e{i}"] for i in range(len(prompts))]
+    outputs = run_to_end(engine, [(p, PoolingParams(method="mean")) for p in prompts], "e")
+    return [torch.tensor(out.embedding) for out in outputs]
 
 
 def _smollm2_cases(executor: ModelExecutor) -> dict[str, list[list[list[int]]]]:

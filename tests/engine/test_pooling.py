@@ -14,6 +14,7 @@ from conveyor.core.pooling_params import PoolingParams
 from conveyor.core.sampling_params import SamplingParams
 from conveyor.engine.llm import LLM
 from conveyor.model.loader import default_model_path
+from engine_runs import run_to_end
 from tiny_models import save_sentence_transformer
 
 TEXTS = ["The capital of France is Paris, known for the Eiffel tower.",
@@ -23,17 +24,6 @@ TEXTS = ["The capital of France is Paris, known for the Eiffel tower.",
 
 def _cos(a: list[float], b: torch.Tensor) -> float:
     return F.cosine_similarity(torch.tensor(a), b, dim=0).item()
-
-
-def _run(engine, requests: dict[str, tuple[object, object]]) -> dict[str, object]:
-    for rid, (prompt, params) in requests.items():
-        engine.add_request(rid, prompt, params)
-    done = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = out
-    return done
 
 
 @pytest.mark.slow
@@ -71,23 +61,21 @@ def test_pooling_beside_generation_changes_neither(llm, engine) -> None:
     greedy = SamplingParams(temperature=0.0, max_tokens=12)
     alone_text = llm.generate(TEXTS[1], greedy, use_tqdm=False)[0].outputs[0].token_ids
     alone_vecs = [llm.embed(t, PoolingParams(method="mean"), use_tqdm=False)[0] for t in TEXTS]
-    requests = {f"e{i}": (t, PoolingParams(method="mean")) for i, t in enumerate(TEXTS)}
-    requests["g"] = (TEXTS[1], greedy)
-    done = _run(engine, requests)
-    assert done["g"].outputs[0].token_ids == alone_text
-    for i in range(len(TEXTS)):
-        out = done[f"e{i}"]
+    *pooled, generated = run_to_end(
+        engine, [(t, PoolingParams(method="mean")) for t in TEXTS] + [(TEXTS[1], greedy)])
+    assert generated.outputs[0].token_ids == alone_text
+    for i, out in enumerate(pooled):
         assert out.outputs[0].finish_reason == "stop" and out.outputs[0].token_ids == []
         assert _cos(out.embedding, torch.tensor(alone_vecs[i])) > 0.99999
 
 
 def test_last_token_pooling_takes_prefix_cache_hits_mean_does_not(llm, engine) -> None:
     text = " ".join([TEXTS[0]] * 6)  # several full blocks
-    first = _run(engine, {"a": (text, PoolingParams(method="last"))})["a"]
-    again = _run(engine, {"b": (text, PoolingParams(method="last"))})["b"]
+    (first,) = run_to_end(engine, [(text, PoolingParams(method="last"))], "a")
+    (again,) = run_to_end(engine, [(text, PoolingParams(method="last"))], "b")
     assert again.num_cached_tokens > 0
     assert _cos(again.embedding, torch.tensor(first.embedding)) > 0.99999
-    mean = _run(engine, {"c": (text, PoolingParams(method="mean"))})["c"]
+    (mean,) = run_to_end(engine, [(text, PoolingParams(method="mean"))], "c")
     assert mean.num_cached_tokens == 0
 
 
@@ -101,10 +89,10 @@ def test_chunked_prefill_pools_across_chunks(llm) -> None:
     for method in ("mean", "cls", "last"):
         params = PoolingParams(method=method, normalize=False)
         expected = torch.tensor(whole.embed(text, params, use_tqdm=False)[0])
-        done = _run(engine, {"p": (text, params),
-                             "g": (TEXTS[2], SamplingParams(max_tokens=20, ignore_eos=True))})
-        assert _cos(done["p"].embedding, expected) > 0.99999, method
-        assert len(done["g"].outputs[0].token_ids) == 20
+        pooled, generated = run_to_end(
+            engine, [(text, params), (TEXTS[2], SamplingParams(max_tokens=20, ignore_eos=True))])
+        assert _cos(pooled.embedding, expected) > 0.99999, method
+        assert len(generated.outputs[0].token_ids) == 20
     assert not engine.executor.pooler._partial
     stats = engine.get_stats()
     assert stats.num_free_blocks == stats.num_total_blocks
@@ -119,7 +107,7 @@ def test_abort_mid_prompt_frees_everything() -> None:
     assert engine.executor.pooler._partial
     out = engine.abort_request("p")
     assert out.finished and out.embedding is None and out.outputs[0].finish_reason == "abort"
-    _run(engine, {"q": (TEXTS[2], PoolingParams(method="mean"))})
+    run_to_end(engine, [(TEXTS[2], PoolingParams(method="mean"))], "q")
     assert not engine.executor.pooler._partial
     stats = engine.get_stats()
     assert stats.num_free_blocks == stats.num_total_blocks

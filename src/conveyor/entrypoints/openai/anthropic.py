@@ -15,11 +15,11 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field
 
-from conveyor.entrypoints.openai.chat import ChatRun, start_chat
+from conveyor.entrypoints.openai.chat import ChatRun, chat_request_from, start_chat
 from conveyor.entrypoints.openai.disconnect import cancel_on_disconnect
-from conveyor.entrypoints.openai.errors import APIError, bad_request, from_validation_error
+from conveyor.entrypoints.openai.errors import APIError, bad_request
 from conveyor.entrypoints.openai.limits import ServerLimits, check_sizes
 from conveyor.entrypoints.openai.protocol import ChatCompletionRequest
 from conveyor.entrypoints.openai.reasoning_parsers import ReasoningStream, split_reasoning
@@ -141,11 +141,7 @@ def chat_request(req: MessagesRequest) -> ChatCompletionRequest:
         body["tools"] = [{"type": "function", "function": {
             "name": t.name, "description": t.description, "parameters": t.input_schema}}
             for t in req.tools]
-    try:
-        return ChatCompletionRequest.model_validate({k: v for k, v in body.items()
-                                                     if v is not None})
-    except ValidationError as e:
-        raise from_validation_error(e) from e
+    return chat_request_from(body)
 
 
 async def create_message(state: ServerState, request: Request,

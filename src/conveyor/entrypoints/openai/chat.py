@@ -11,10 +11,11 @@ from typing import TYPE_CHECKING, Any
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
+from pydantic import ValidationError
 
 from conveyor.entrypoints.openai.access_log import AccessRecord, access_record
 from conveyor.entrypoints.openai.disconnect import cancel_on_disconnect
-from conveyor.entrypoints.openai.errors import APIError, bad_request
+from conveyor.entrypoints.openai.errors import APIError, bad_request, from_validation_error
 from conveyor.entrypoints.openai.limits import ServerLimits
 from conveyor.entrypoints.openai.prompt_logprobs import (
     check_prompt_logprobs,
@@ -85,6 +86,16 @@ async def create_chat_completion(state: ServerState, request: Request,
                                                           tok, run.record, run.tools))
     finally:
         run.reservation.release()
+
+
+def chat_request_from(body: dict[str, Any]) -> ChatCompletionRequest:
+    """The chat request another API's request translates to (fields set to None left out);
+    a 400 naming the field where it does not validate."""
+    try:
+        return ChatCompletionRequest.model_validate({k: v for k, v in body.items()
+                                                     if v is not None})
+    except ValidationError as e:
+        raise from_validation_error(e) from e
 
 
 @dataclass
