@@ -36,13 +36,14 @@ def randomize(model: torch.nn.Module) -> None:
 
 
 def save_sentence_transformer(path: str, pooling: str, normalize: bool,
-                              matryoshka_dimensions: list[int] | None = None) -> None:
+                              matryoshka_dimensions: list[int] | None = None,
+                              vocab_size: int = VOCAB) -> None:
     """A sentence-transformers directory around a tiny random Qwen3 base model (saved as
     sentence-transformers saves one: base weight names, no LM head); ``pooling``: the Pooling
     module's mode (``lasttoken``, ``mean_tokens``, ``cls_token``)."""
     import transformers
 
-    cfg = transformers.Qwen3Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=96,
+    cfg = transformers.Qwen3Config(vocab_size=vocab_size, hidden_size=64, intermediate_size=96,
                                    num_hidden_layers=2, num_attention_heads=4,
                                    num_key_value_heads=2, head_dim=16,
                                    max_position_embeddings=256, bos_token_id=1, eos_token_id=2)
@@ -50,7 +51,7 @@ def save_sentence_transformer(path: str, pooling: str, normalize: bool,
     randomize(model)
     model.eval()
     model.save_pretrained(path)
-    save_word_tokenizer(path, pad_token="<unk>")
+    save_word_tokenizer(path, vocab_size, pad_token="<unk>")
     if matryoshka_dimensions is not None:
         with open(os.path.join(path, "config.json")) as f:
             config = json.load(f)

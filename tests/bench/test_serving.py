@@ -134,11 +134,17 @@ def test_client_against_a_spawned_server(tmp_path, capsys):
 
 @pytest.mark.slow
 def test_embeddings_against_sentence_transformers(tmp_path, capsys):
+    """On a tiny sentence-transformers directory whose words are token ids (w256 ... w511), so
+    the workload's prompts come back from text as they were."""
+    from tiny_models import save_sentence_transformer
+
+    model = tmp_path / "model"
+    save_sentence_transformer(str(model), "mean_tokens", True, vocab_size=512)
     out = tmp_path / "embed.json"
     rc = cli_main(["bench", "serve", "--spawn", "--endpoint", "embeddings", "--num-prompts", "4",
-                   "--compare", "sentence-transformers", "--repeats", "1",
-                   "--embed-batch-size", "2", "--json", str(out), "--max-model-len", "512",
-                   "--num-gpu-blocks", "96", "--max-num-seqs", "4"])
+                   "--compare", "sentence-transformers", "--repeats", "1", "--model", str(model),
+                   "--vocab-size", "512", "--embed-batch-size", "2", "--json", str(out),
+                   "--max-model-len", "256", "--num-gpu-blocks", "96", "--max-num-seqs", "4"])
     assert rc == 0
     runs = json.loads(out.read_text())["runs"]
     assert [r["label"] for r in runs] == ["conveyor", "sentence-transformers"]
