@@ -77,3 +77,20 @@ def save_sentence_transformer(path: str, pooling: str, normalize: bool,
         json.dump({"word_embedding_dimension": 64,
                    **{f"pooling_mode_{m}": m == pooling for m in modes},
                    "include_prompt": True}, f)
+
+
+def save_tiny_llama(path: str):
+    """A tiny random Llama causal LM (2 layers, 4 heads over 2 KV heads) and its tokenizer;
+    returns the transformers model."""
+    import transformers
+
+    cfg = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=96,
+                                   num_hidden_layers=2, num_attention_heads=4,
+                                   num_key_value_heads=2, max_position_embeddings=256,
+                                   bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
+    model = transformers.LlamaForCausalLM(cfg)
+    randomize(model)
+    model.eval()
+    model.save_pretrained(path)
+    save_word_tokenizer(path)
+    return model

@@ -9,9 +9,9 @@ hands them to the step's SchedulerOutput.
 
 from __future__ import annotations
 
-from conveyor.core.block_pool import ROOT_IDENTITY, BlockPool, CpuBlockPool
+from conveyor.core.block_pool import BlockPool, CpuBlockPool, root_identity
 from conveyor.core.config import CacheConfig
-from conveyor.core.prefix_hash import extend_block_hashes
+from conveyor.core.prefix_hash import extend_block_hashes, root_hash
 from conveyor.core.sequence import Sequence
 
 
@@ -53,10 +53,11 @@ class BlockManager:
         max_blocks = (len(tids) - 1) // bs
         if max_blocks == 0:
             return []
-        hashes = extend_block_hashes(seq.block_hashes, tids, bs, max_blocks)
+        lora_id = group.lora_id
+        hashes = extend_block_hashes(seq.block_hashes, tids, bs, max_blocks, root_hash(lora_id))
         gpu = self.gpu
         hits: list[int] = []
-        parent = ROOT_IDENTITY
+        parent = root_identity(lora_id)
         for j in range(max_blocks):
             block = gpu.lookup(hashes[j], parent, tids[j * bs:(j + 1) * bs])
             if block is None:
@@ -106,8 +107,9 @@ class BlockManager:
         gpu = self.gpu
         table = seq.block_table
         tids = seq.token_ids
-        hashes = extend_block_hashes(seq.block_hashes, tids, bs, end)
-        parent = gpu.identity(table[start - 1]) if start else ROOT_IDENTITY
+        lora_id = seq.group.lora_id
+        hashes = extend_block_hashes(seq.block_hashes, tids, bs, end, root_hash(lora_id))
+        parent = gpu.identity(table[start - 1]) if start else root_identity(lora_id)
         for j in range(start, end):
             if parent is None:  # the parent lost its identity (overwritten): stop the chain
                 return

@@ -20,7 +20,12 @@ from __future__ import annotations
 from collections import OrderedDict
 
 Identity = tuple[int, int]  # (block id, generation)
-ROOT_IDENTITY: Identity = (-1, 0)  # the parent of every first block
+ROOT_IDENTITY: Identity = (-1, 0)  # the parent of every first block (on the base model)
+
+
+def root_identity(lora_id: int) -> Identity:
+    """The parent of a first block computed under LoRA adapter ``lora_id`` (0: none)."""
+    return (-1, lora_id)
 
 
 class BlockPool:

@@ -164,11 +164,12 @@ def _admit_new(sched: SchedulerInterface, step: _Step) -> None:
     waiting = sched.waiting
     now = None
     retry = False  # the head just preempted lower-priority sequences: try it again
+    loras = sched.active_loras()
     while step.budget > 0 and len(step.seqs) < max_seqs:
         if sched.swapped and not retry:  # victims swapped out for a head resume before others
             break
         seq = waiting.peek()
-        if seq is None:
+        if seq is None or not sched.lora_fits(seq, loras):
             break
         hits = bm.find_cached_prefix(seq)
         cached = len(hits) * bs
@@ -196,6 +197,8 @@ def _admit_new(sched: SchedulerInterface, step: _Step) -> None:
             now = sched.clock()
         sched.admit(seq, hits, cached + chunk, now)
         sched.prefilling.append(seq)
+        if loras is not None and group.lora_id:
+            loras.add(group.lora_id)
         step.seqs.append(seq)
         step.num_new.append(chunk)
         step.budget -= chunk

@@ -35,6 +35,8 @@ class SchedulerConfig:
     ``priority`` (lower value first). ``preemption_mode``: ``recompute`` or ``swap``.
     ``long_prefill_token_threshold`` caps one request's prefill chunk per step (chunked; 0: no cap);
     ``max_num_partial_prefills`` caps how many requests may be part-way through their prompt.
+    ``max_loras`` caps the distinct LoRA adapters of the running requests: a request of another
+    adapter waits at the head of the queue until one of them has no request left running.
     """
 
     max_num_seqs: int
@@ -45,6 +47,7 @@ class SchedulerConfig:
     preemption_mode: str = "recompute"
     long_prefill_token_threshold: int = 0
     max_num_partial_prefills: int = 1
+    max_loras: int = 0  # most distinct LoRA adapters running at once; 0: no limit (no LoRA)
 
     def __post_init__(self) -> None:
         owner = "SchedulerConfig"
@@ -56,6 +59,7 @@ class SchedulerConfig:
         _require_choice(owner, "preemption_mode", self.preemption_mode, PREEMPTION_MODES)
         _require_int(owner, "long_prefill_token_threshold", self.long_prefill_token_threshold, 0)
         _require_int(owner, "max_num_partial_prefills", self.max_num_partial_prefills, 1)
+        _require_int(owner, "max_loras", self.max_loras, 0)
         if self.max_num_batched_tokens < self.max_num_seqs:
             raise ValueError(
                 f"{owner}.max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= "

@@ -119,14 +119,16 @@ class Scheduler:
                     arrival_time: float | None = None,
                     fairness_key: str | None = None,
                     wait_for_grammar: bool = False,
-                    pooling_params: PoolingParams | None = None) -> SequenceGroup:
+                    pooling_params: PoolingParams | None = None,
+                    lora_id: int = 0) -> SequenceGroup:
         """Queue a request; ValueError (naming the field) on bad input, nothing queued then.
         Requests sharing a ``fairness_key`` are admitted round-robin with other keys' requests
         of their priority (``request_queue``); None: the request id.
 
         ``wait_for_grammar``: hold it as WAITING_FOR_GRAMMAR until ``grammar_ready()``.
         ``pooling_params``: a pooling request; it finishes (FINISHED_STOPPED) in the step that
-        computes its last prompt token, sampling nothing.
+        computes its last prompt token, sampling nothing. ``lora_id``: the LoRA adapter it runs
+        under (0: none); it keys its prefix-cache blocks and counts toward ``max_loras``.
 
         A prompt that can never run (longer than max_model_len, or needing more KV blocks than
         the whole cache) finishes at once as FINISHED_IGNORED with ``group.finish_message``;
@@ -146,12 +148,14 @@ class Scheduler:
         if pooling_params is not None and not isinstance(pooling_params, PoolingParams):
             raise ValueError(f"pooling_params must be a PoolingParams or None, "
                              f"got {type(pooling_params).__name__}")
+        if not isinstance(lora_id, int) or isinstance(lora_id, bool) or lora_id < 0:
+            raise ValueError(f"lora_id must be an integer >= 0, got {lora_id!r}")
         now = self.clock()
         if arrival_time is None:
             arrival_time = now
         prompt = list(prompt_token_ids)
         group = SequenceGroup(request_id, prompt, sampling_params, priority, arrival_time,
-                              fairness_key, pooling_params)
+                              fairness_key, pooling_params, lora_id)
         seq = Sequence(self._new_seq_id(), group, 0, list(prompt), len(prompt))
         self._set_stop_limits(seq)
         group.seqs.append(seq)
@@ -328,6 +332,20 @@ class Scheduler:
 
     def blocks_to_swap_in(self, seq: Sequence) -> int:
         return self.block_manager.num_blocks_to_swap_in(seq, self._resume_tokens(seq))
+
+    def active_loras(self) -> set[int] | None:
+        """The LoRA adapters of the running and prefilling sequences, for admission to add to;
+        None when ``max_loras`` limits nothing."""
+        if not self.config.max_loras:
+            return None
+        return {s.group.lora_id for s in (*self.running, *self.prefilling)
+                if s.group.lora_id and s.status is RUNNING}
+
+    def lora_fits(self, seq: Sequence, loras: set[int] | None) -> bool:
+        """Admitting ``seq`` keeps the running adapters (``loras``, from ``active_loras``)
+        within ``max_loras``; the caller adds its adapter to ``loras`` once admitted."""
+        lora = seq.group.lora_id
+        return loras is None or lora == 0 or lora in loras or len(loras) < self.config.max_loras
 
     def lowest_priority(self, candidates: list[Sequence]) -> Sequence | None:
         best = None

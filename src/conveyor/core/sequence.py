@@ -3,7 +3,8 @@
 Fields read by executors and the engine (the contract; keep their names and meaning):
 ``Sequence.seq_id, group, index, token_ids, num_prompt_tokens, num_computed_tokens,
 block_table, status, stop_reason`` and ``SequenceGroup.request_id, prompt_token_ids,
-sampling_params, pooling_params, priority, arrival_time, seqs, metrics, finish_message``.
+sampling_params, pooling_params, lora_id, priority, arrival_time, seqs, metrics,
+finish_message``.
 """
 
 from __future__ import annotations
@@ -131,6 +132,7 @@ class SequenceGroup:
         "prompt_token_ids",
         "sampling_params",
         "pooling_params",
+        "lora_id",
         "priority",
         "arrival_time",
         "seqs",
@@ -141,7 +143,7 @@ class SequenceGroup:
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams,
                  priority: int, arrival_time: float, fairness_key: str | None = None,
-                 pooling_params: PoolingParams | None = None) -> None:
+                 pooling_params: PoolingParams | None = None, lora_id: int = 0) -> None:
         self.request_id = request_id
         # requests sharing a key (one client's) are admitted round-robin with other keys
         self.fairness_key = request_id if fairness_key is None else fairness_key
@@ -149,6 +151,7 @@ class SequenceGroup:
         self.sampling_params = sampling_params
         # a pooling request (an embedding): prefilled, never sampled (core/pooling_params.py)
         self.pooling_params = pooling_params
+        self.lora_id = lora_id  # the LoRA adapter it runs under (its int id); 0: the base model
         self.priority = priority
         self.arrival_time = arrival_time
         self.seqs: list[Sequence] = []

@@ -57,6 +57,9 @@ class EngineArgs:
     ngram_prompt_lookup_max: int = 4
     speculative_disable_by_batch_size: int = 4  # 0: never (crossover: docs/speculative.md)
     pooling: str | None = None  # embeddings: last | mean | cls; None: the model's own config
+    enable_lora: bool = False  # serve LoRA adapters (docs/lora.md)
+    max_loras: int = 1  # most distinct adapters running at once
+    max_lora_rank: int = 16  # adapters of a higher rank are refused
 
     def parallel_config(self):
         """The ``ParallelConfig`` of these args (ValueError naming a bad field)."""
@@ -132,6 +135,11 @@ _HELP = {
                                          "sequences than this: verifying k + 1 rows per "
                                          "sequence then costs more than it saves "
                                          "(0: never; docs/speculative.md)",
+    "enable_lora": "serve LoRA adapters (PEFT format) on the base model: a request names "
+                   "its adapter (LLM.generate(..., lora_request=...))",
+    "max_loras": "with --enable-lora: most distinct adapters whose requests run at once; a "
+                 "request of another adapter waits its turn",
+    "max_lora_rank": "with --enable-lora: the highest adapter rank accepted",
     "pooling": "how embedding requests pool hidden states: last, mean or cls (default: the "
                "model's sentence-transformers pooling config, else last)",
 }

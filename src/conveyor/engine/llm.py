@@ -20,6 +20,7 @@ from conveyor.engine.chat import chat_prompt
 from conveyor.engine.llm_engine import LLMEngine, Prompt
 from conveyor.engine.outputs import RequestOutput
 from conveyor.engine.scoring import cosine, score_pairs
+from conveyor.lora.request import LoRARequest
 
 
 class LLM:
@@ -34,10 +35,18 @@ class LLM:
 
     def generate(self, prompts: Prompt | Seq[Prompt],
                  sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
-        """Generate for one prompt or a list (text, token ids, or ``{"prompt_token_ids": ...}``)."""
+                 use_tqdm: bool = True,
+                 lora_request: LoRARequest | Seq[LoRARequest | None] | None = None,
+                 ) -> list[RequestOutput]:
+        """Generate for one prompt or a list (text, token ids, or ``{"prompt_token_ids": ...}``);
+        ``lora_request``: one adapter for every prompt, or one (or None) per prompt."""
         prompts = _as_prompt_list(prompts)
-        return self._submit(prompts, _as_params_list(sampling_params, len(prompts)), use_tqdm)
+        loras = (list(lora_request) if isinstance(lora_request, (list, tuple))
+                 else [lora_request] * len(prompts))
+        if len(loras) != len(prompts):
+            raise ValueError(f"lora_request: got {len(loras)} for {len(prompts)} prompts")
+        return self._submit(prompts, _as_params_list(sampling_params, len(prompts)), use_tqdm,
+                            loras)
 
     def embed(self, prompts: Prompt | Seq[Prompt], pooling_params: PoolingParams | None = None,
               use_tqdm: bool = True) -> list[list[float]]:
@@ -61,12 +70,14 @@ class LLM:
         return [cosine(vectors[i], vectors[len(first) + j]) for i, j in pairs]
 
     def _submit(self, prompts: list[Prompt], params: list[SamplingParams | PoolingParams],
-                use_tqdm: bool) -> list[RequestOutput]:
+                use_tqdm: bool, loras: list[LoRARequest | None] | None = None
+                ) -> list[RequestOutput]:
         request_ids = []
+        loras = loras or [None] * len(prompts)
         try:
-            for prompt, p in zip(prompts, params, strict=True):
+            for prompt, p, lora in zip(prompts, params, loras, strict=True):
                 request_id = f"llm-{next(self._ids)}"
-                self.llm_engine.add_request(request_id, prompt, p)
+                self.llm_engine.add_request(request_id, prompt, p, lora_request=lora)
                 request_ids.append(request_id)
             return self._run(request_ids, use_tqdm)
         except BaseException:

@@ -23,6 +23,8 @@ from conveyor.engine.output_processor import OutputProcessor
 from conveyor.engine.outputs import RequestOutput
 from conveyor.engine.speculative import build_speculative
 from conveyor.engine.stats import EngineStats
+from conveyor.lora.adapter import load_adapter
+from conveyor.lora.request import LoRARequest
 from conveyor.model.pooling_config import PoolingConfig, read_pooling_config
 
 if TYPE_CHECKING:
@@ -78,6 +80,7 @@ class LLMEngine:
                 preemption_mode=args.preemption_mode,
                 long_prefill_token_threshold=args.long_prefill_token_threshold,
                 max_num_partial_prefills=args.max_num_partial_prefills,
+                max_loras=args.max_loras if args.enable_lora else 0,
             ),
             CacheConfig(
                 block_size=args.block_size,
@@ -94,6 +97,7 @@ class LLMEngine:
         self._grammar: StructuredOutputManager | None = None  # built with the first constraint
         self._grammar_lock = threading.Lock()
         self._pooling_config: PoolingConfig | None = None
+        self._loras: dict[int, LoRARequest] = {}  # adapters served, by int id
         if loads_model:
             self.pooling_config  # noqa: B018 - a model's bad pooling config fails the load
         self._num_steps = 0
@@ -116,11 +120,14 @@ class LLMEngine:
     def add_request(self, request_id: str, prompt: Prompt,
                     sampling_params: SamplingParams | PoolingParams | None = None,
                     priority: int = 0, arrival_time: float | None = None,
-                    fairness_key: str | None = None) -> None:
+                    fairness_key: str | None = None,
+                    lora_request: LoRARequest | None = None) -> None:
         """Queue a request. ``prompt`` is text, token ids, or ``{"prompt_token_ids", "prompt"}``.
         Requests sharing a ``fairness_key`` (one client's) are admitted round-robin with others.
         With ``PoolingParams`` it is a pooling request: its output's ``embedding`` is the pooled
         hidden state (resolved against ``pooling_config``), and nothing is generated.
+        ``lora_request``: the LoRA adapter it runs under (loaded on first use; the engine must
+        have ``enable_lora``).
 
         Raises ValueError (naming the field) on bad input; nothing is queued then.
         """
@@ -142,15 +149,40 @@ class LLMEngine:
         if sampling_params.logit_bias and max(sampling_params.logit_bias) >= vocab:
             raise ValueError(f"logit_bias: token ids must be in [0, {vocab}), got "
                              f"{[t for t in sampling_params.logit_bias if t >= vocab][:5]}")
+        lora_id = self._lora_id(lora_request)
         text, token_ids = self._tokenize(prompt)
         constrained = sampling_params.structured_outputs is not None
         grammar = self.structured_outputs if constrained else None
         group = self.scheduler.add_request(request_id, token_ids, sampling_params, priority=priority,
                                            arrival_time=arrival_time, fairness_key=fairness_key,
-                                           wait_for_grammar=constrained, pooling_params=pooling)
+                                           wait_for_grammar=constrained, pooling_params=pooling,
+                                           lora_id=lora_id)
         self._outputs.add_request(group, text)
         if grammar is not None and not group.is_finished:
             grammar.add_request(group)
+
+    def _lora_id(self, lora_request: LoRARequest | None) -> int:
+        """The adapter's id, loading it the first time; ValueError for a bad adapter or one the
+        engine cannot serve."""
+        if lora_request is None:
+            return 0
+        if not isinstance(lora_request, LoRARequest):
+            raise ValueError(f"lora_request must be a LoRARequest, got "
+                             f"{type(lora_request).__name__}")
+        if not self.engine_args.enable_lora:
+            raise ValueError("lora_request needs an engine started with enable_lora=True "
+                             "(--enable-lora)")
+        known = self._loras.get(lora_request.lora_int_id)
+        if known is not None:
+            if known != lora_request:
+                raise ValueError(f"lora_int_id {lora_request.lora_int_id} is already "
+                                 f"{known.lora_name!r} at {known.lora_path}")
+            return known.lora_int_id
+        adapter = load_adapter(lora_request.lora_name, lora_request.lora_path,
+                               self.model_config, self.engine_args.max_lora_rank)
+        self.executor.add_lora(lora_request.lora_int_id, adapter.weights, adapter.scale)
+        self._loras[lora_request.lora_int_id] = lora_request
+        return lora_request.lora_int_id
 
     @property
     def pooling_config(self) -> PoolingConfig:

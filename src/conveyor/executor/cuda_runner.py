@@ -68,7 +68,9 @@ class CudaModelRunner:
         flat = flatten_entries(block_tables, starts, counts, self.kv_cache.block_size)
         n = len(counts)
         width = max(len(t) for t in block_tables)
+        lora = self.model.lora
         if (self.graphs is not None and hidden_indices is None and flat.num_decodes == n
+                and (lora is None or not lora.groups)
                 and self.graphs.serves(n, width)):
             inputs = prepare_decode_inputs(input_ids, flat.positions, flat.slot_mapping,
                                            block_tables, padded_batch_size(n, self.graphs.sizes),

@@ -106,6 +106,16 @@ class ModelExecutor:
             self.workers = None
             torch.set_num_threads(self._threads_before)
 
+    def add_lora(self, adapter_id: int, weights: dict, scale: float) -> None:
+        """Serve LoRA adapter ``adapter_id`` (its A and B per layer and module, as
+        ``conveyor.lora.adapter`` reads them) from now on."""
+        if self.workers is not None:
+            raise ValueError("LoRA is not supported with tensor_parallel_size > 1")
+        self.model.add_lora(adapter_id, weights, scale)
+
+    def remove_lora(self, adapter_id: int) -> None:
+        self.model.remove_lora(adapter_id)
+
     def kv_cache_bytes_per_block(self, block_size: int) -> int:
         """Bytes of one block on this rank (its KV heads)."""
         c = self.model_config
@@ -152,9 +162,13 @@ class ModelExecutor:
         scorings: list[PromptScoring] = []
         scored_indices: list[int] = []  # their logits rows follow the sampling ones
         pooling: list[PoolingEntry] = []
+        lora_rows: dict[int, list[int]] = {}  # adapter id -> its flat rows
         for i in order:
             seq, count = so.seqs[i], so.num_new_tokens[i]
             start = seq.num_computed_tokens
+            if seq.group.lora_id:
+                lora_rows.setdefault(seq.group.lora_id, []).extend(
+                    range(len(input_ids), len(input_ids) + count))
             if seq.spec_token_ids:  # a decode and its proposal: logits at every token
                 input_ids.extend(so.token_ids(i))
                 logits_indices.extend(range(len(input_ids) - count, len(input_ids)))
@@ -183,6 +197,9 @@ class ModelExecutor:
             tables.append(seq.block_table)
 
         msg.input_ids, msg.starts, msg.counts, msg.block_tables = input_ids, starts, counts, tables
+        if self.model.lora is not None:
+            self.model.lora.set_rows([(lid, torch.tensor(rows, device=self.device))
+                                      for lid, rows in lora_rows.items()])
         msg.logits_indices = (logits_indices + scored_indices) or [len(input_ids) - 1]
         sampled: list[list[int]] = [[] for _ in range(n)]
         logprobs: list[list[dict[int, float]]] = [[] for _ in range(n)]

@@ -25,6 +25,7 @@ from conveyor.model.kernels.decode_layer import (
 from conveyor.model.layers.activation import silu_and_mul
 from conveyor.model.layers.attention import AttentionMetadata, paged_attention
 from conveyor.model.layers.linear import Linear, LinearMethod
+from conveyor.model.layers.lora import LoRAContext, LoRALayer
 from conveyor.model.layers.norm import RMSNorm
 from conveyor.model.layers.parallel import (
     RowParallelLinear,
@@ -125,7 +126,9 @@ class DecoderLayer(nn.Module):
         return self.o_proj(paged_attention(q, k, v, k_cache, v_cache, meta, out=h))
 
     def _mlp(self, h: torch.Tensor) -> torch.Tensor:
-        if h.shape[0] <= MLP_CHUNK_TOKENS:
+        lora = self.gate_up_proj.lora
+        if h.shape[0] <= MLP_CHUNK_TOKENS or (lora is not None and lora.context.groups):
+            # (LoRA rows are numbered over the whole step)
             return self.down_proj(silu_and_mul(self.gate_up_proj(h)))
         # A long prefill's [T, 2 * intermediate] activations are the step's largest; a chunk at a
         # time bounds them (peak RSS) at no cost: the panel GEMM works in blocks of 192 rows
@@ -154,6 +157,7 @@ class LlamaForCausalLM(nn.Module):
         self.rotary = RotaryEmbedding(rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling,
                                                     rope_freq_factors))
         self.fused_decode: DecodeLayers | None = None  # see fuse_decode_layers
+        self.lora: LoRAContext | None = None  # see enable_lora
 
     @torch.inference_mode()
     def forward(
@@ -174,6 +178,8 @@ class LlamaForCausalLM(nn.Module):
         x = torch.zeros_like(residual)
         cos, sin = self.rotary.cos_sin(positions, residual.dtype)
         fused = self.fused_decode
+        if self.lora is not None and self.lora.groups:
+            fused = None  # the one-call decode kernel has no LoRA
         if (fused is not None and meta.decode_only and fused.serves(x.shape[0])
                 and kv_caches[0][0].dtype == x.dtype):  # a float32 model's cache may be bf16
             x = decode_layers(fused, x, residual, cos, sin, kv_caches, meta.slot_mapping,
@@ -194,6 +200,45 @@ class LlamaForCausalLM(nn.Module):
     @property
     def dtype(self) -> torch.dtype:
         return self.norm.weight.dtype
+
+    def enable_lora(self) -> LoRAContext:
+        """Give every projection a ``LoRALayer`` over one shared context (the step's rows per
+        adapter); adapters come with ``add_lora``."""
+        if self.tp is not None:
+            raise ValueError("LoRA is not supported with tensor_parallel_size > 1")
+        if self.lora is None:
+            self.lora = LoRAContext()
+            for layer in self.layers:
+                q, kv = layer.q_size, layer.kv_size
+                inter = layer.gate_up_proj.out_features // 2
+                layer.qkv_proj.lora = LoRALayer(self.lora, {
+                    "q_proj": (0, q), "k_proj": (q, q + kv), "v_proj": (q + kv, q + 2 * kv)})
+                layer.o_proj.lora = LoRALayer(self.lora, {"o_proj": (0, layer.o_proj.out_features)})
+                layer.gate_up_proj.lora = LoRALayer(self.lora, {
+                    "gate_proj": (0, inter), "up_proj": (inter, 2 * inter)})
+                layer.down_proj.lora = LoRALayer(self.lora, {
+                    "down_proj": (0, layer.down_proj.out_features)})
+        return self.lora
+
+    def add_lora(self, adapter_id: int,
+                 weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]],
+                 scale: float) -> None:
+        """Hold an adapter's updates under ``adapter_id``: per (layer, module name) its A
+        [r, in] and B [out, r] (``conveyor.lora.adapter``), ``scale`` folded into B."""
+        self.enable_lora()
+        for (i, module), (a, b) in weights.items():
+            layer = self.layers[i]
+            target = {"q_proj": layer.qkv_proj, "k_proj": layer.qkv_proj,
+                      "v_proj": layer.qkv_proj, "o_proj": layer.o_proj,
+                      "gate_proj": layer.gate_up_proj, "up_proj": layer.gate_up_proj,
+                      "down_proj": layer.down_proj}[module]
+            target.lora.add(adapter_id, module, a, b * scale, self.dtype)
+
+    def remove_lora(self, adapter_id: int) -> None:
+        for layer in self.layers:
+            for p in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj):
+                if p.lora is not None:
+                    p.lora.remove(adapter_id)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.embed_blocks is not None:

@@ -20,7 +20,8 @@ Each replaces the dense weight, so memory is not doubled; ``dense_weight()`` giv
 
 When the checkpoint stored the weight as blocks (GGUF Q4_0 / Q4_1 / Q8_0), ``quantized`` holds
 them too (``layers/quantized.py``) and serves calls of up to its ``max_tokens`` rows, where
-reading the weight dominates and the blocks are fewer bytes.
+reading the weight dominates and the blocks are fewer bytes. ``lora`` adds LoRA adapters'
+updates to the output (``layers/lora.py``).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from conveyor.model.kernels.panel_gemm import pack_panels, panel_gemm, unpack_panels
+from conveyor.model.layers.lora import LoRALayer
 from conveyor.model.layers.quantized import (
     BlockPanels,
     Int4Blocks,
@@ -176,12 +178,16 @@ class Linear(nn.Module):
         self.method: LinearMethod = DenseMethod(self.weight)
         # serves up to its max_tokens rows (BlockPanels: deterministic inference)
         self.quantized: NibbleInt4 | Int8Blocks | BlockPanels | None = None
+        self.lora: LoRALayer | None = None  # LoRA adapters' updates (model.enable_lora)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.quantized is not None and x.shape[0] <= self.quantized.max_tokens:
             y = self.quantized.matmul(x)
-            return y if self.bias is None else y + self.bias
-        return self.method.apply(x, self.bias)
+            if self.bias is not None:
+                y = y + self.bias
+        else:
+            y = self.method.apply(x, self.bias)
+        return y if self.lora is None else self.lora.apply(x, y)
 
     def weight_bytes(self, rows: int) -> int:
         """Bytes of weight a call with ``rows`` rows reads."""
