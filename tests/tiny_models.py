@@ -94,3 +94,43 @@ def save_tiny_llama(path: str):
     model.save_pretrained(path)
     save_word_tokenizer(path)
     return model
+
+
+LORA_ADAPTERS = {  # name -> peft LoraConfig arguments
+    "qv8": {"r": 8, "lora_alpha": 16, "target_modules": ["q_proj", "v_proj"]},
+    "all16": {"r": 16, "lora_alpha": 8, "target_modules": ["q_proj", "k_proj", "v_proj",
+                                                           "o_proj", "gate_proj", "up_proj",
+                                                           "down_proj"]},
+    "mlp8rs": {"r": 8, "lora_alpha": 16, "use_rslora": True,
+               "target_modules": ["gate_proj", "up_proj", "down_proj"]},
+    "ko4": {"r": 4, "lora_alpha": 32, "target_modules": ["k_proj", "o_proj"]},
+}
+
+
+def save_lora_models(root: str) -> dict[str, str]:
+    """A tiny random Llama (``base``), a peft adapter per ``LORA_ADAPTERS`` entry with random A
+    and B (peft starts B at zero), and each adapter merged into a copy of the base
+    (``<name>_merged``, with the tokenizer): their directories under ``root``."""
+    import shutil
+
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    paths = {"base": os.path.join(root, "base")}
+    save_tiny_llama(paths["base"])
+    for k, (name, config) in enumerate(LORA_ADAPTERS.items()):
+        base = AutoModelForCausalLM.from_pretrained(paths["base"], dtype=torch.float32)
+        peft_model = get_peft_model(base, LoraConfig(**config))
+        torch.manual_seed(10 + k)
+        with torch.no_grad():
+            for pname, p in peft_model.named_parameters():
+                if "lora_" in pname:
+                    p.copy_(0.2 * torch.randn_like(p))
+        paths[name] = os.path.join(root, name)
+        peft_model.save_pretrained(paths[name])
+        merged = os.path.join(root, name + "_merged")
+        peft_model.merge_and_unload().save_pretrained(merged)
+        for f in ("tokenizer.json", "tokenizer_config.json"):
+            shutil.copy(os.path.join(paths["base"], f), merged)
+        paths[name + "_merged"] = merged
+    return paths

@@ -21,7 +21,8 @@ pytestmark = pytest.mark.timeout(sized(900, 7200))
 # per endpoint with a body: valid requests run the model, invalid ones are refused at once
 EXAMPLES = {GenerationMode.POSITIVE: sized(100, 5000), GenerationMode.NEGATIVE: sized(250, 5000)}
 POST_ENDPOINTS = {"/v1/completions", "/v1/chat/completions", "/v1/messages", "/v1/responses",
-                  "/v1/embeddings", "/v1/score", "/v1/rerank"}
+                  "/v1/embeddings", "/v1/score", "/v1/rerank", "/v1/load_lora_adapter",
+                  "/v1/unload_lora_adapter"}
 MAX_SEQS_IN_FLIGHT = 8
 # a short context and few samples keep every valid request quick on a CPU
 FLAGS = ["--max-model-len", "48", "--max-n", "2", "--max-prompts-per-request", "2",

@@ -14,18 +14,10 @@ import torch
 from conveyor.core.sampling_params import SamplingParams
 from conveyor.engine.llm import LLM
 from conveyor.lora.request import LoRARequest
-from tiny_models import VOCAB, save_tiny_llama
+from tiny_models import LORA_ADAPTERS as ADAPTERS
+from tiny_models import VOCAB, save_lora_models
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
-ADAPTERS = {  # name -> peft LoraConfig arguments
-    "qv8": {"r": 8, "lora_alpha": 16, "target_modules": ["q_proj", "v_proj"]},
-    "all16": {"r": 16, "lora_alpha": 8, "target_modules": ["q_proj", "k_proj", "v_proj",
-                                                           "o_proj", "gate_proj", "up_proj",
-                                                           "down_proj"]},
-    "mlp8rs": {"r": 8, "lora_alpha": 16, "use_rslora": True,
-               "target_modules": ["gate_proj", "up_proj", "down_proj"]},
-    "ko4": {"r": 4, "lora_alpha": 32, "target_modules": ["k_proj", "o_proj"]},
-}
 ENGINE = {"dtype": "float32", "num_gpu_blocks": 64, "block_size": 8, "max_model_len": 128}
 
 
@@ -37,32 +29,7 @@ def _prompts(n: int) -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory) -> dict[str, str]:
-    """The base model, each adapter, and each adapter merged into a copy of the base."""
-    from peft import LoraConfig, get_peft_model
-
-    root = tmp_path_factory.mktemp("lora")
-    paths = {"base": str(root / "base")}
-    save_tiny_llama(paths["base"])
-    from transformers import AutoModelForCausalLM
-
-    for k, (name, config) in enumerate(ADAPTERS.items()):
-        base = AutoModelForCausalLM.from_pretrained(paths["base"], dtype=torch.float32)
-        peft_model = get_peft_model(base, LoraConfig(**config))
-        torch.manual_seed(10 + k)
-        with torch.no_grad():
-            for pname, p in peft_model.named_parameters():
-                if "lora_" in pname:  # peft starts B at zero: make every adapter matter
-                    p.copy_(0.2 * torch.randn_like(p))
-        paths[name] = str(root / name)
-        peft_model.save_pretrained(paths[name])
-        merged = peft_model.merge_and_unload()
-        paths[name + "_merged"] = str(root / (name + "_merged"))
-        merged.save_pretrained(paths[name + "_merged"])
-        for f in ("tokenizer.json", "tokenizer_config.json"):
-            with open(os.path.join(paths["base"], f)) as src, \
-                    open(os.path.join(paths[name + "_merged"], f), "w") as dst:
-                dst.write(src.read())
-    return paths
+    return save_lora_models(str(tmp_path_factory.mktemp("lora")))
 
 
 def _tokens(outputs) -> list[list[int]]:

@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 from conveyor.core.pooling_params import PoolingParams
 from conveyor.core.sampling_params import RequestOutputKind, SamplingParams
 from conveyor.engine.stats_stream import StatsPublisher
+from conveyor.lora.request import LoRARequest
 
 if TYPE_CHECKING:
     from conveyor.engine.llm_engine import LLMEngine
@@ -37,6 +38,14 @@ logger = logging.getLogger(__name__)
 # Called in the engine thread after each step with that step's deltas and its end time
 # (time.monotonic()); the server's Prometheus metrics hang off this.
 OutputObserver = Callable[[list["RequestOutput"], float], None]
+
+
+def _settle(future: asyncio.Future[Any], result: Any, error: BaseException | None) -> None:
+    if not future.done():
+        if error is not None:
+            future.set_exception(error)
+        else:
+            future.set_result(result)
 
 
 class EngineStoppedError(RuntimeError):
@@ -51,6 +60,7 @@ class _NewRequest:
     priority: int
     arrival_time: float
     fairness_key: str | None = None
+    lora_request: LoRARequest | None = None
 
 
 @dataclass
@@ -76,6 +86,7 @@ class AsyncEngine:
         self._wake = threading.Event()
         self._inbox: list[_NewRequest] = []
         self._aborts: list[str] = []
+        self._calls: list[tuple[Callable[..., Any], tuple[Any, ...], asyncio.Future[Any]]] = []
         self._stopping = False
         self._error: BaseException | None = None
         self._thread: threading.Thread | None = None
@@ -131,9 +142,10 @@ class AsyncEngine:
     async def generate(self, prompt: str | list[int] | dict[str, Any],
                        sampling_params: SamplingParams | PoolingParams, request_id: str,
                        priority: int = 0,
-                       fairness_key: str | None = None) -> AsyncIterator[RequestOutput]:
+                       fairness_key: str | None = None,
+                       lora_request: LoRARequest | None = None) -> AsyncIterator[RequestOutput]:
         """Submit one request and yield its RequestOutput deltas until it finishes.
-        ``fairness_key``: see ``LLMEngine.add_request``.
+        ``fairness_key``, ``lora_request``: see ``LLMEngine.add_request``.
 
         ``prompt`` is anything ``LLMEngine.add_request`` takes. Raises ValueError when the engine
         rejects the request (bad prompt or parameters) and EngineStoppedError when the engine no
@@ -152,7 +164,7 @@ class AsyncEngine:
                 raise EngineStoppedError("the engine is shutting down") from self._error
             self._streams[request_id] = queue
             self._inbox.append(_NewRequest(request_id, prompt, sampling_params, priority,
-                                           time.monotonic(), fairness_key))
+                                           time.monotonic(), fairness_key, lora_request))
         self._wake.set()
         finished = False
         try:
@@ -178,6 +190,29 @@ class AsyncEngine:
             final = out
         assert final is not None and final.finished
         return final
+
+    async def add_lora(self, lora_request: LoRARequest) -> None:
+        """Serve an adapter: its files are read on a worker thread, then the engine thread
+        installs it between steps, so the running batch never waits for the disk. ValueError
+        for a bad adapter."""
+        adapter = await asyncio.to_thread(self.engine.read_lora, lora_request)
+        await self._in_engine_thread(self.engine.add_lora, lora_request, adapter)
+
+    async def remove_lora(self, lora_int_id: int) -> bool:
+        """Stop serving an adapter (its running requests finish under it); False if unknown."""
+        return await self._in_engine_thread(self.engine.remove_lora, lora_int_id)
+
+    async def _in_engine_thread(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """``fn(*args)`` on the engine thread between two steps; its result or exception."""
+        if self._loop is None:
+            raise RuntimeError("AsyncEngine.start() was not called")
+        future: asyncio.Future[Any] = self._loop.create_future()
+        with self._lock:
+            if self._stopping or self._error is not None:
+                raise EngineStoppedError("the engine is shutting down") from self._error
+            self._calls.append((fn, args, future))
+        self._wake.set()
+        return await future
 
     def structured_outputs_compile_cache(self) -> Any:
         """The engine's grammar compile cache (thread-safe; building it the first time reads
@@ -205,7 +240,9 @@ class AsyncEngine:
                 with self._lock:
                     inbox, self._inbox = self._inbox, []
                     aborts, self._aborts = self._aborts, []
+                    calls, self._calls = self._calls, []
                     stopping = self._stopping
+                self._run_calls(calls)
                 self._admit(inbox)
                 if stopping:
                     aborts.extend(self._sent)
@@ -230,12 +267,22 @@ class AsyncEngine:
             if self._on_dead is not None:
                 self._on_dead(e)
 
+    def _run_calls(self, calls: list[tuple[Callable[..., Any], tuple[Any, ...],
+                                           asyncio.Future[Any]]]) -> None:
+        for fn, args, future in calls:
+            try:
+                result, error = fn(*args), None
+            except Exception as e:  # handed to the caller
+                result, error = None, e
+            self._call_in_loop(_settle, future, result, error)
+
     def _admit(self, inbox: list[_NewRequest]) -> None:
         for req in inbox:
             try:
                 self.engine.add_request(req.request_id, req.prompt, req.sampling_params,
                                         priority=req.priority, arrival_time=req.arrival_time,
-                                        fairness_key=req.fairness_key)
+                                        fairness_key=req.fairness_key,
+                                        lora_request=req.lora_request)
             except ValueError as e:
                 self._post(req.request_id, e)
                 continue
@@ -318,9 +365,14 @@ class AsyncEngine:
         self._call_in_loop(self._dispatch_one, request_id, item)
 
     def _fail_all(self, error: BaseException) -> None:
+        with self._lock:
+            calls, self._calls = self._calls, []
+
         def fail() -> None:
             for queue in self._streams.values():
                 queue.put_nowait(EngineStoppedError(f"the engine stopped: {error}"))
+            for _fn, _args, future in calls:
+                _settle(future, None, EngineStoppedError(f"the engine stopped: {error}"))
 
         self._call_in_loop(fail)
 

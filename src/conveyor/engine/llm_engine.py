@@ -23,7 +23,7 @@ from conveyor.engine.output_processor import OutputProcessor
 from conveyor.engine.outputs import RequestOutput
 from conveyor.engine.speculative import build_speculative
 from conveyor.engine.stats import EngineStats
-from conveyor.lora.adapter import load_adapter
+from conveyor.lora.adapter import LoRAAdapter, load_adapter
 from conveyor.lora.request import LoRARequest
 from conveyor.model.pooling_config import PoolingConfig, read_pooling_config
 
@@ -98,6 +98,7 @@ class LLMEngine:
         self._grammar_lock = threading.Lock()
         self._pooling_config: PoolingConfig | None = None
         self._loras: dict[int, LoRARequest] = {}  # adapters served, by int id
+        self._retiring_loras: set[int] = set()  # removed, their weights kept while they run
         if loads_model:
             self.pooling_config  # noqa: B018 - a model's bad pooling config fails the load
         self._num_steps = 0
@@ -172,17 +173,45 @@ class LLMEngine:
         if not self.engine_args.enable_lora:
             raise ValueError("lora_request needs an engine started with enable_lora=True "
                              "(--enable-lora)")
+        if self._loras.get(lora_request.lora_int_id) != lora_request:
+            self.add_lora(lora_request)
+        return lora_request.lora_int_id
+
+    def read_lora(self, lora_request: LoRARequest) -> LoRAAdapter:
+        """Read and check an adapter's files (any thread: it changes nothing)."""
+        if not self.engine_args.enable_lora:
+            raise ValueError("LoRA adapters need an engine started with enable_lora=True "
+                             "(--enable-lora)")
+        return load_adapter(lora_request.lora_name, lora_request.lora_path, self.model_config,
+                            self.engine_args.max_lora_rank)
+
+    def add_lora(self, lora_request: LoRARequest, adapter: LoRAAdapter | None = None) -> None:
+        """Serve ``lora_request``'s adapter (``adapter``: its files as ``read_lora`` read them);
+        ValueError for a bad adapter, or an id already serving another one."""
         known = self._loras.get(lora_request.lora_int_id)
-        if known is not None:
-            if known != lora_request:
-                raise ValueError(f"lora_int_id {lora_request.lora_int_id} is already "
-                                 f"{known.lora_name!r} at {known.lora_path}")
-            return known.lora_int_id
-        adapter = load_adapter(lora_request.lora_name, lora_request.lora_path,
-                               self.model_config, self.engine_args.max_lora_rank)
+        if known is not None and known != lora_request:
+            raise ValueError(f"lora_int_id {lora_request.lora_int_id} is already "
+                             f"{known.lora_name!r} at {known.lora_path}")
+        if adapter is None:
+            adapter = self.read_lora(lora_request)
+        self._retiring_loras.discard(lora_request.lora_int_id)
         self.executor.add_lora(lora_request.lora_int_id, adapter.weights, adapter.scale)
         self._loras[lora_request.lora_int_id] = lora_request
-        return lora_request.lora_int_id
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        """Stop serving an adapter: new requests may no longer name it; its weights go once
+        its running requests have finished (they finish under it). False if unknown."""
+        if self._loras.pop(lora_int_id, None) is None:
+            return False
+        self._retiring_loras.add(lora_int_id)
+        self._retire_loras()
+        return True
+
+    def _retire_loras(self) -> None:
+        busy = {g.lora_id for g in self.scheduler.unfinished_groups()}
+        for lora_id in [i for i in self._retiring_loras if i not in busy]:
+            self._retiring_loras.discard(lora_id)
+            self.executor.remove_lora(lora_id)
 
     @property
     def pooling_config(self) -> PoolingConfig:
@@ -244,6 +273,8 @@ class LLMEngine:
             return None
         if self._grammar is not None:
             self._grammar.remove(request_id)
+        if self._retiring_loras:
+            self._retire_loras()
         return self._outputs.finish_aborted(group)
 
     def has_unfinished_requests(self) -> bool:
@@ -283,6 +314,8 @@ class LLMEngine:
             self._record_logprobs(parents, num_samples, sampled, logprobs)
         groups = [seq.group for seq in parents] + list(finished)
         outputs = failed + self._outputs.process(groups)
+        if self._retiring_loras and finished:
+            self._retire_loras()
         if grammar is not None:
             for out in outputs:
                 if out.finished:

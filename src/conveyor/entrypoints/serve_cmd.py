@@ -31,6 +31,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                    "(default: on)")
     p.add_argument("--log-prompts", action="store_true",
                    help="add each request's prompt text to its access-log line")
+    p.add_argument("--lora-modules", nargs="+", default=[], metavar="NAME=PATH",
+                   help="with --enable-lora: LoRA adapters (PEFT directories) to serve from the "
+                   "start, each under the model name clients send (docs/lora.md)")
     p.add_argument("--reasoning-parser", default=None, choices=sorted(REASONING_PARSERS),
                    help="split the model's <think> reasoning from its answer: reasoning_content "
                    "in chat, reasoning items in responses, thinking blocks in messages "
@@ -94,6 +97,7 @@ def _run(args: argparse.Namespace) -> int:
     from conveyor.engine.args import from_cli_args
     from conveyor.entrypoints.openai.access_log import AccessLogSettings
     from conveyor.entrypoints.openai.limits import DEFAULT_MAX_REQUEST_BYTES, ServerLimits
+    from conveyor.entrypoints.openai.lora import parse_lora_modules
     from conveyor.entrypoints.openai.security import ServerSecurity, load_api_keys
     from conveyor.entrypoints.openai.server import run_server
     from conveyor.model.loader import check_model
@@ -127,6 +131,15 @@ def _run(args: argparse.Namespace) -> int:
                               allowed_origins=_split(args.allowed_origins),
                               allowed_methods=_split(args.allowed_methods, ("*",)),
                               allowed_headers=_split(args.allowed_headers, ("*",)))
+    try:
+        lora_modules = parse_lora_modules(args.lora_modules)
+    except ValueError as e:
+        raise SystemExit(str(e)) from e
+    if (lora_modules or args.enable_lora) and on_ray:
+        raise SystemExit("LoRA adapters are not served by a Ray fleet yet: drop --enable-lora "
+                         "or --data-parallel-size / --ray-address")
+    if lora_modules and not args.enable_lora:
+        raise SystemExit("--lora-modules needs --enable-lora")
     server_kwargs = dict(
         host=args.host, port=args.port, served_model_name=args.served_model_name,
         max_queued_requests=args.max_queued_requests, shutdown_timeout=args.shutdown_timeout,
@@ -140,4 +153,4 @@ def _run(args: argparse.Namespace) -> int:
         fleet = FleetConfig(args.data_parallel_size, args.router, args.threads_per_replica,
                             args.ray_address, args.ray_num_cpus)
         return run_fleet(from_cli_args(args), fleet, **server_kwargs)
-    return run_server(from_cli_args(args), **server_kwargs)
+    return run_server(from_cli_args(args), lora_modules=lora_modules, **server_kwargs)

@@ -224,8 +224,10 @@ class LlamaForCausalLM(nn.Module):
                  weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]],
                  scale: float) -> None:
         """Hold an adapter's updates under ``adapter_id``: per (layer, module name) its A
-        [r, in] and B [out, r] (``conveyor.lora.adapter``), ``scale`` folded into B."""
+        [r, in] and B [out, r] (``conveyor.lora.adapter``), ``scale`` folded into B; replaces
+        what ``adapter_id`` held."""
         self.enable_lora()
+        self.remove_lora(adapter_id)
         for (i, module), (a, b) in weights.items():
             layer = self.layers[i]
             target = {"q_proj": layer.qkv_proj, "k_proj": layer.qkv_proj,

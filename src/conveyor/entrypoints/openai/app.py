@@ -29,6 +29,7 @@ from conveyor.entrypoints.openai.limits import (
     JSONContentTypeMiddleware,
     ServerLimits,
 )
+from conveyor.entrypoints.openai.lora import load_lora_adapter, unload_lora_adapter
 from conveyor.entrypoints.openai.openapi import install_openapi
 from conveyor.entrypoints.openai.playground import register_playground
 from conveyor.entrypoints.openai.pooling import create_embedding, create_rerank, create_score
@@ -116,12 +117,25 @@ def build_app(state: ServerState, security: ServerSecurity | None = None,
     app.add_api_route("/rerank", rerank, methods=["POST"], include_in_schema=False)
     app.add_api_route("/v2/rerank", rerank, methods=["POST"], include_in_schema=False)
 
+    @app.post("/v1/load_lora_adapter")
+    async def load_lora(request: Request) -> Response:
+        return await load_lora_adapter(state, request, limits)
+
+    @app.post("/v1/unload_lora_adapter")
+    async def unload_lora(request: Request) -> Response:
+        return await unload_lora_adapter(state, request, limits)
+
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
         engine = state.ready_engine()
-        return {"object": "list", "data": [
-            {"id": name, "object": "model", "created": state.created, "owned_by": "conveyor",
-             "max_model_len": engine.max_model_len} for name in state.model_names]}
+        base = [{"id": name, "object": "model", "created": state.created, "owned_by": "conveyor",
+                 "root": name, "parent": None, "max_model_len": engine.max_model_len}
+                for name in state.model_names]
+        adapters = [{"id": name, "object": "model", "created": state.created,
+                     "owned_by": "conveyor", "root": lora.lora_path,
+                     "parent": state.model_names[0], "max_model_len": engine.max_model_len}
+                    for name, lora in state.loras.items()]
+        return {"object": "list", "data": base + adapters}
 
     @app.get("/health")
     async def health() -> dict[str, Any]:

@@ -145,7 +145,7 @@ async def start_chat(state: ServerState, request: Request, req: ChatCompletionRe
         max_tokens = resolve_max_tokens(state, len(prompt_ids), req.requested_max_tokens, param,
                                         prompt_param="messages")
         job = Job(new_id(id_prefix), prompt_ids, make_params(state, req, max_tokens),
-                  req.priority, prompt["prompt"])
+                  req.priority, prompt["prompt"], lora_request=state.lora_request(req.model))
         constraint = job.params.structured_outputs
         if constraint is not None and state.reasoning_parser is not None:  # the answer only
             job.params.structured_outputs = replace(

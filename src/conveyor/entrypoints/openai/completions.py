@@ -122,7 +122,8 @@ async def create_completion(state: ServerState, request: Request,
         for i, (ids, text) in enumerate(prompts):
             max_tokens = resolve_max_tokens(state, len(ids), req.max_tokens, "max_tokens")
             jobs.append(Job(f"{base_id}-{i}", ids, make_params(state, req, max_tokens),
-                            req.priority, text, fairness_key=base_id))
+                            req.priority, text, fairness_key=base_id,
+                            lora_request=state.lora_request(req.model)))
         await compile_constraint(engine, jobs[0].params, constraint_param(req), request)
     except BaseException:
         reservation.release()

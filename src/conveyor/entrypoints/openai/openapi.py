@@ -10,6 +10,7 @@ from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 
 from conveyor.entrypoints.openai.anthropic import MessagesRequest
+from conveyor.entrypoints.openai.lora import LoadLoRARequest, UnloadLoRARequest
 from conveyor.entrypoints.openai.pooling import EmbeddingRequest, RerankRequest, ScoreRequest
 from conveyor.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
 from conveyor.entrypoints.openai.responses import ResponsesRequest
@@ -20,7 +21,9 @@ REQUEST_BODIES = {"/v1/completions": CompletionRequest,
                   "/v1/responses": ResponsesRequest,
                   "/v1/embeddings": EmbeddingRequest,
                   "/v1/score": ScoreRequest,
-                  "/v1/rerank": RerankRequest}
+                  "/v1/rerank": RerankRequest,
+                  "/v1/load_lora_adapter": LoadLoRARequest,
+                  "/v1/unload_lora_adapter": UnloadLoRARequest}
 
 
 def install_openapi(app: FastAPI, version: str) -> None:

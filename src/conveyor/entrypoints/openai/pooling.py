@@ -114,8 +114,9 @@ async def _embed(state: ServerState, request: Request, limits: ServerLimits | No
     try:
         prompts = await state.off_loop(_prompts, state, texts, param)
         base_id = new_id(kind)
-        jobs = [Job(f"{base_id}-{i}", ids, params, req.priority, text, fairness_key=base_id)
-                for i, (ids, text) in enumerate(prompts)]
+        lora = state.lora_request(req.model)
+        jobs = [Job(f"{base_id}-{i}", ids, params, req.priority, text, fairness_key=base_id,
+                    lora_request=lora) for i, (ids, text) in enumerate(prompts)]
         record = access_record(request)
         record.request_id = base_id
         record.prompt_tokens = sum(len(job.prompt_token_ids) for job in jobs)

@@ -33,6 +33,7 @@ if TYPE_CHECKING:
     from conveyor.engine.async_engine import AsyncEngine
     from conveyor.engine.outputs import Logprob, RequestOutput
     from conveyor.entrypoints.openai.state import ServerState
+    from conveyor.lora.request import LoRARequest
 
 
 @dataclass
@@ -45,6 +46,7 @@ class Job:
     priority: int
     prompt_text: str | None = None
     fairness_key: str | None = None  # the HTTP request's id: its prompts share one turn
+    lora_request: LoRARequest | None = None  # the adapter its ``model`` names
 
     def prompt(self) -> dict[str, Any]:
         """The prompt as LLMEngine.add_request takes it (token ids, with the text if known)."""
@@ -143,9 +145,11 @@ def check_prompt_chars(state: ServerState, chars: int, param: str) -> None:
 
 
 def check_model(state: ServerState, model: str | None) -> None:
-    if model is not None and model not in state.model_names:
+    """``model`` is the served model or one of its LoRA adapters (or unset): else a 404."""
+    if model is not None and model not in state.model_names and model not in state.loras:
+        served = [*state.model_names, *state.loras]
         raise APIError(404, f"The model `{model}` does not exist. Served: "
-                       f"{', '.join(state.model_names)}", param="model", code="model_not_found")
+                       f"{', '.join(served)}", param="model", code="model_not_found")
 
 
 def check_priority(state: ServerState, priority: int) -> None:
@@ -224,7 +228,8 @@ async def merged_deltas(engine: AsyncEngine,
     if len(jobs) == 1:
         job = jobs[0]
         async with aclosing(engine.generate(job.prompt(), job.params, job.request_id,
-                                            job.priority, job.fairness_key)) as gen:
+                                            job.priority, job.fairness_key,
+                                            job.lora_request)) as gen:
             async for delta in gen:
                 yield 0, delta
         return
@@ -234,7 +239,8 @@ async def merged_deltas(engine: AsyncEngine,
     async def pump(i: int, job: Job) -> None:
         try:
             async with aclosing(engine.generate(job.prompt(), job.params, job.request_id,
-                                                job.priority, job.fairness_key)) as gen:
+                                                job.priority, job.fairness_key,
+                                                job.lora_request)) as gen:
                 async for delta in gen:
                     queue.put_nowait((i, delta))
         except Exception as e:  # handed to the consumer, which raises it

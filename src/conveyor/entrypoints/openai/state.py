@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import itertools
 import logging
 import os
 import threading
@@ -22,6 +23,7 @@ from conveyor.entrypoints.openai.errors import APIError
 from conveyor.entrypoints.openai.limits import ListLimits
 from conveyor.entrypoints.openai.metrics import ServerMetrics
 from conveyor.entrypoints.openai.reasoning_parsers import ReasoningParser
+from conveyor.lora.request import LoRARequest
 
 logger = logging.getLogger("conveyor.serve")
 
@@ -58,6 +60,9 @@ class ServerState:
         self.on_fatal: Callable[[], None] = lambda: None
         self.admission = SequenceAdmission()  # build_app sets the configured limit
         self.reasoning_parser: ReasoningParser | None = None  # --reasoning-parser
+        self.lora_modules: dict[str, str] = {}  # --lora-modules: loaded with the model
+        self.loras: dict[str, LoRARequest] = {}  # adapters served, by the name clients send
+        self._lora_ids = itertools.count(1)
         self._preprocess = ThreadPoolExecutor(PREPROCESS_THREADS,
                                               thread_name_prefix="conveyor-preprocess",
                                               initializer=_lower_priority)
@@ -80,6 +85,14 @@ class ServerState:
         metrics.attach(async_engine)
         async_engine.start(asyncio.get_running_loop())
         self.metrics, self.engine = metrics, async_engine
+        for name, path in self.lora_modules.items():
+            try:
+                await self.add_lora(name, path)
+            except ValueError as e:
+                logger.error("cannot load LoRA adapter %r: %s", name, e)
+                self.load_error = e
+                self.on_fatal()
+                return
         logger.info("model %s loaded; max_model_len=%d; serving", self.model_names[0],
                     engine.max_model_len)
 
@@ -123,6 +136,23 @@ class ServerState:
     def model_names(self) -> list[str]:
         assert self.engine is not None
         return [self._model_name(self.engine.engine)]
+
+    async def add_lora(self, name: str, path: str) -> LoRARequest:
+        """Serve the adapter at ``path`` as ``name``: ValueError for a bad adapter, a name
+        already taken, or a server without --enable-lora."""
+        if not self.engine_args.enable_lora:
+            raise ValueError("this server does not serve LoRA adapters: start it with "
+                             "--enable-lora")
+        if name in self.loras or name in self.model_names:
+            raise ValueError(f"the name {name!r} is already served")
+        lora = LoRARequest(name, next(self._lora_ids), path)
+        await self.ready_engine().add_lora(lora)
+        self.loras[name] = lora
+        return lora
+
+    def lora_request(self, model: str | None) -> LoRARequest | None:
+        """The adapter a request's ``model`` names (None: the base model)."""
+        return self.loras.get(model) if model is not None else None
 
     @property
     def tokenizer(self) -> Any:

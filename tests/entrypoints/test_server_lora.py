@@ -1,0 +1,112 @@
+"""LoRA adapters on a real `conveyor serve` over a tiny random Llama: adapters from
+``--lora-modules`` and from ``/v1/load_lora_adapter`` answer as their merged models do, through
+the official ``openai`` client naming them as ``model``; ``/v1/models`` lists them; unloading
+while requests run loses none; bad adapters and unknown names are clear 4xx."""
+
+from __future__ import annotations
+
+import json
+import threading
+
+import httpx
+import openai
+import pytest
+
+from conveyor.engine.llm import LLM
+from tiny_models import save_lora_models
+
+PROMPT = "w5 w9 w17 w40 w41 w7"
+ENGINE = {"dtype": "float32", "num_gpu_blocks": 64, "block_size": 8, "max_model_len": 128}
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory) -> dict[str, str]:
+    return save_lora_models(str(tmp_path_factory.mktemp("lora")))
+
+
+@pytest.fixture(scope="module")
+def served(start_server, models):
+    return start_server(["--model", models["base"], "--dtype", "float32", "--enable-lora",
+                         "--max-loras", "2", "--lora-modules", f"qv8={models['qv8']}",
+                         f"all16={models['all16']}", "--max-model-len", "128"])
+
+
+def _merged_text(models: dict[str, str], name: str, max_tokens: int = 10) -> str:
+    from conveyor.core.sampling_params import SamplingParams
+
+    llm = LLM(models[name + "_merged"], **ENGINE)
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    return llm.generate(PROMPT, params, use_tqdm=False)[0].outputs[0].text
+
+
+def test_adapters_answer_as_their_merged_models(served, models) -> None:
+    client = openai.OpenAI(base_url=served.base_url + "/v1", api_key="x", max_retries=0,
+                           timeout=60)
+    listed = {m.id: m for m in client.models.list().data}
+    base = next(m for m in listed.values() if m.model_extra.get("parent") is None).id
+    assert {"qv8", "all16"} <= set(listed) and listed["qv8"].model_extra["parent"] == base
+    loaded = httpx.post(served.base_url + "/v1/load_lora_adapter", timeout=60,
+                        json={"lora_name": "ko4", "lora_path": models["ko4"]})
+    assert loaded.status_code == 200, loaded.text
+    texts = {}
+    for name in ("qv8", "all16", "ko4"):
+        r = client.completions.create(model=name, prompt=PROMPT, max_tokens=10, temperature=0,
+                                      extra_body={"ignore_eos": True})
+        texts[name] = r.choices[0].text
+        assert texts[name] == _merged_text(models, name), name
+    assert len(set(texts.values())) == 3
+
+
+def test_unloading_while_requests_run_loses_none(served, models) -> None:
+    chunks: list[list[str]] = [[] for _ in range(4)]
+    started = [threading.Event() for _ in range(4)]
+
+    def ask(k: int) -> None:
+        with httpx.stream("POST", served.base_url + "/v1/completions", timeout=120, json={
+                "model": "all16", "prompt": PROMPT, "max_tokens": 40, "ignore_eos": True,
+                "temperature": 0, "stream": True}) as resp:
+            for line in resp.iter_lines():
+                if line.startswith("data: {"):
+                    chunks[k].append(line)
+                    started[k].set()
+
+    threads = [threading.Thread(target=ask, args=(k,)) for k in range(4)]
+    for t in threads:
+        t.start()
+    assert all(e.wait(60) for e in started)  # every request is running under the adapter
+    gone = httpx.post(served.base_url + "/v1/unload_lora_adapter", timeout=60,
+                      json={"lora_name": "all16"})
+    assert gone.status_code == 200, gone.text
+    for t in threads:
+        t.join(120)
+    assert [len(c) for c in chunks] == [40] * 4  # each ran to its end under the adapter
+    expected = _merged_text(models, "all16", 40)
+    for c in chunks:
+        assert "".join(json.loads(line[6:])["choices"][0]["text"] for line in c) == expected
+    missing = httpx.post(served.base_url + "/v1/completions", timeout=60,
+                         json={"model": "all16", "prompt": PROMPT, "max_tokens": 2})
+    assert missing.status_code == 404 and missing.json()["error"]["param"] == "model"
+    back = httpx.post(served.base_url + "/v1/load_lora_adapter", timeout=60,
+                      json={"lora_name": "all16", "lora_path": models["all16"]})
+    assert back.status_code == 200, back.text
+
+
+def test_bad_adapters_are_clear_errors(served, models, tmp_path) -> None:
+    url = served.base_url
+    cases = [({"lora_name": "bad", "lora_path": str(tmp_path)}, 400, "adapter_config.json"),
+             ({"lora_name": "qv8", "lora_path": models["qv8"]}, 400, "already served"),
+             ({"lora_name": "x"}, 400, "lora_path")]
+    for body, status, text in cases:
+        r = httpx.post(url + "/v1/load_lora_adapter", json=body, timeout=60)
+        assert r.status_code == status and text in r.json()["error"]["message"], r.text
+    r = httpx.post(url + "/v1/unload_lora_adapter", json={"lora_name": "nope"}, timeout=60)
+    assert r.status_code == 404
+    ok = httpx.post(url + "/v1/completions", json={"model": "qv8", "prompt": PROMPT,
+                                                   "max_tokens": 2}, timeout=60)
+    assert ok.status_code == 200
+
+
+def test_a_server_without_lora_refuses_adapters(server) -> None:
+    r = httpx.post(server.base_url + "/v1/load_lora_adapter", timeout=60,
+                   json={"lora_name": "a", "lora_path": "/nowhere"})
+    assert r.status_code == 400 and "--enable-lora" in r.json()["error"]["message"]
