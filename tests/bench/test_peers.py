@@ -1,5 +1,6 @@
 """Peers: a missing one is reported as skipped, never dropped; unknown names are refused."""
 
+import dataclasses
 import importlib.util
 
 import pytest
@@ -125,3 +126,32 @@ def test_bad_compare_or_also_with_exit_with_a_message():
         args = throughput_parser().parse_args(["throughput", "--no-roofline", *argv])
         with pytest.raises(SystemExit, match="conveyor bench throughput: --"):
             throughput.main(args)
+
+
+def test_lora_adds_a_conveyor_row_with_adapters(monkeypatch):
+    jobs = []
+
+    def fake_worker(job, system, config):
+        jobs.append(job)
+        return throughput.SystemResult(system, config, skipped="failed (test)")
+
+    monkeypatch.setattr(throughput, "run_worker", fake_worker)
+    args = throughput_parser().parse_args(["throughput", "--workload", "W1", "--no-roofline",
+                                           "--lora", "8", "--lora-rank", "32"])
+    throughput.run_all(args)
+    assert [j["lora"] for j in jobs] == [None, {"count": 8, "rank": 32}]
+    lora_args = jobs[1]["engine_args"]
+    assert lora_args["enable_lora"] and lora_args["max_loras"] == 8
+    assert lora_args["max_lora_rank"] == 32 and not jobs[0]["engine_args"]["enable_lora"]
+
+
+@pytest.mark.slow
+def test_a_lora_run_generates_every_token_under_random_adapters():
+    from conveyor.engine.args import EngineArgs
+
+    ea = EngineArgs(enable_lora=True, max_loras=3, num_gpu_blocks=128, max_model_len=512)
+    result = throughput.run_conveyor({
+        "system": "conveyor", "workload": "W1", "seed": 0, "num_requests": 4, "repeats": 1,
+        "engine_args": dataclasses.asdict(ea), "lora": {"count": 3, "rank": 4}})
+    assert "3 LoRA adapters of rank 4 (max_loras 3)" in result.config
+    assert result.repeats[0].output_tokens == 4 * 128

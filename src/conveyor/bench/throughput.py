@@ -153,14 +153,19 @@ def _profile_summary(steps: list[dict[str, float]]) -> dict[str, Any]:
 
 # ----------------------------------------------------------------------------- conveyor worker
 
-def _conveyor_generate(llm, workload: Workload, structured: str | None = None) -> list:
+def _conveyor_generate(llm, workload: Workload, structured: str | None = None,
+                       loras: list | None = None) -> list:
+    """``loras``: LoRA requests, given to the requests round robin."""
     from conveyor.bench.structured import structured_outputs
     from conveyor.core.sampling_params import SamplingParams
 
     constraint = structured_outputs(structured)
     params = [SamplingParams(max_tokens=r.max_tokens, temperature=0.0, ignore_eos=True,
                              structured_outputs=constraint) for r in workload.requests]
-    return llm.generate([r.prompt_token_ids for r in workload.requests], params, use_tqdm=False)
+    lora_requests = ([loras[i % len(loras)] for i in range(len(workload.requests))]
+                     if loras else None)
+    return llm.generate([r.prompt_token_ids for r in workload.requests], params, use_tqdm=False,
+                        lora_request=lora_requests)
 
 
 def _measure(workload: Workload, outputs: list, wall: float) -> Measurement:
@@ -215,8 +220,9 @@ def run_conveyor(job: dict[str, Any]) -> SystemResult:
     vocab = config.vocab_size
     name, seed, n = job["workload"], job["seed"], job["num_requests"]
     structured = job.get("structured")
+    loras = _lora_requests(config, job.get("lora"))
     _conveyor_generate(llm, warmup_workload(make_workload(name, vocab, seed + WARMUP_SEED_OFFSET, n)),
-                       structured)
+                       structured, loras)
     repeats = []
     tp = llm.llm_engine.executor.tp
     if tp is not None:
@@ -225,7 +231,7 @@ def run_conveyor(job: dict[str, Any]) -> SystemResult:
     for k in range(job["repeats"]):
         workload = make_workload(name, vocab, seed + k, n)
         t0 = time.perf_counter()
-        outputs = _conveyor_generate(llm, workload, structured)
+        outputs = _conveyor_generate(llm, workload, structured, loras)
         repeats.append(_measure(workload, outputs, time.perf_counter() - t0))
         wall += repeats[-1].wall_s
     steps = llm.llm_engine.get_stats().num_steps - steps_before
@@ -240,6 +246,9 @@ def run_conveyor(job: dict[str, Any]) -> SystemResult:
         label += ", prefix caching " + ("on" if engine_args.enable_prefix_caching else "off")
     if structured:
         label += f", structured {structured}"
+    if loras:
+        label += (f", {len(loras)} LoRA adapters of rank {job['lora']['rank']} (max_loras "
+                  f"{engine_args.max_loras})")
     extra: dict[str, Any] = {
         "dtype": dtype,
         "kv_cache_dtype": kv_dtype,
@@ -263,6 +272,21 @@ def run_conveyor(job: dict[str, Any]) -> SystemResult:
         extra["profile"] = profile_engine(llm.llm_engine,
                                           lambda: _conveyor_generate(llm, workload, structured))
     return SystemResult("conveyor", label, repeats, load_s=load_s, peak_rss_mb=rss, extra=extra)
+
+
+def _lora_requests(config, lora: dict[str, int] | None) -> list | None:
+    """``lora`` ({"count", "rank"}): that many random adapters, written to a temporary
+    directory that lives as long as this worker."""
+    if not lora:
+        return None
+    import tempfile
+
+    from conveyor.bench.lora_adapters import write_random_adapters
+    from conveyor.lora.request import LoRARequest
+
+    root = tempfile.mkdtemp(prefix="conveyor-bench-lora-")
+    paths = write_random_adapters(config, lora["count"], lora["rank"], root)
+    return [LoRARequest(f"adapter{k}", k + 1, p) for k, p in enumerate(paths)]
 
 
 def worker_main(job_path: str, out_path: str) -> int:
@@ -382,6 +406,13 @@ def run_all(args: argparse.Namespace) -> dict[str, Any]:
                   f"tensor_parallel_size {size}", "") for size in tp_sizes[1:]]
     if args.structured:  # the same engine, every request under a JSON schema
         variants.insert(1, (engine_args, f"structured {args.structured}", ""))
+    if args.lora:  # the same engine with LoRA on, requests spread over --lora adapters
+        max_loras = args.max_loras if args.max_loras > 1 else min(args.lora, args.max_num_seqs)
+        variants.insert(1, (dataclasses.replace(engine_args, enable_lora=True,
+                                                max_loras=max_loras,
+                                                max_lora_rank=max(args.lora_rank,
+                                                                  engine_args.max_lora_rank)),
+                            f"{args.lora} LoRA adapters", ""))
 
     rates = None
     if not args.no_roofline:
@@ -398,7 +429,9 @@ def run_all(args: argparse.Namespace) -> dict[str, Any]:
     for i, (ea, what, note) in enumerate(variants):
         structured = args.structured if what.startswith("structured ") else None
         job = {**base, "engine_args": dataclasses.asdict(ea), "structured": structured,
-               "profile": args.profile and (i == 0 or structured is not None)}
+               "profile": args.profile and (i == 0 or structured is not None),
+               "lora": ({"count": args.lora, "rank": args.lora_rank}
+                        if what.endswith("LoRA adapters") else None)}
         result = run_worker(job, "conveyor", what)
         result.config += note
         results.append(result)
@@ -589,6 +622,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--structured", choices=["json"], default=None,
                    help="also run the workload with every request under a JSON schema (one more "
                         "Conveyor row; prints the ratio and, with --profile, the mask time)")
+    p.add_argument("--lora", type=int, default=0, metavar="N",
+                   help="also run the engine with LoRA on and the requests spread round robin "
+                        "over N random adapters of --lora-rank on every projection "
+                        "(max_loras: --max-loras if above 1, else N)")
+    p.add_argument("--lora-rank", type=int, default=8, help="rank of the --lora adapters")
     p.add_argument("--no-roofline", action="store_true", help="skip the machine micro-benchmarks")
     p.add_argument("--json", help="write all results here")
     p.add_argument("--plot", help="bar chart PNG of the table")

@@ -70,7 +70,7 @@ class CudaModelRunner:
         width = max(len(t) for t in block_tables)
         lora = self.model.lora
         if (self.graphs is not None and hidden_indices is None and flat.num_decodes == n
-                and (lora is None or not lora.groups)
+                and (lora is None or not lora.active)
                 and self.graphs.serves(n, width)):
             inputs = prepare_decode_inputs(input_ids, flat.positions, flat.slot_mapping,
                                            block_tables, padded_batch_size(n, self.graphs.sizes),

@@ -198,8 +198,7 @@ class ModelExecutor:
 
         msg.input_ids, msg.starts, msg.counts, msg.block_tables = input_ids, starts, counts, tables
         if self.model.lora is not None:
-            self.model.lora.set_rows([(lid, torch.tensor(rows, device=self.device))
-                                      for lid, rows in lora_rows.items()])
+            self.model.lora.set_rows(list(lora_rows.items()), self.device)
         msg.logits_indices = (logits_indices + scored_indices) or [len(input_ids) - 1]
         sampled: list[list[int]] = [[] for _ in range(n)]
         logprobs: list[list[dict[int, float]]] = [[] for _ in range(n)]

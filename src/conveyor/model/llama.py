@@ -127,7 +127,7 @@ class DecoderLayer(nn.Module):
 
     def _mlp(self, h: torch.Tensor) -> torch.Tensor:
         lora = self.gate_up_proj.lora
-        if h.shape[0] <= MLP_CHUNK_TOKENS or (lora is not None and lora.context.groups):
+        if h.shape[0] <= MLP_CHUNK_TOKENS or (lora is not None and lora.context.active):
             # (LoRA rows are numbered over the whole step)
             return self.down_proj(silu_and_mul(self.gate_up_proj(h)))
         # A long prefill's [T, 2 * intermediate] activations are the step's largest; a chunk at a
@@ -178,7 +178,7 @@ class LlamaForCausalLM(nn.Module):
         x = torch.zeros_like(residual)
         cos, sin = self.rotary.cos_sin(positions, residual.dtype)
         fused = self.fused_decode
-        if self.lora is not None and self.lora.groups:
+        if self.lora is not None and self.lora.active:
             fused = None  # the one-call decode kernel has no LoRA
         if (fused is not None and meta.decode_only and fused.serves(x.shape[0])
                 and kv_caches[0][0].dtype == x.dtype):  # a float32 model's cache may be bf16
@@ -211,13 +211,14 @@ class LlamaForCausalLM(nn.Module):
             for layer in self.layers:
                 q, kv = layer.q_size, layer.kv_size
                 inter = layer.gate_up_proj.out_features // 2
+                hidden = layer.o_proj.out_features
                 layer.qkv_proj.lora = LoRALayer(self.lora, {
-                    "q_proj": (0, q), "k_proj": (q, q + kv), "v_proj": (q + kv, q + 2 * kv)})
-                layer.o_proj.lora = LoRALayer(self.lora, {"o_proj": (0, layer.o_proj.out_features)})
+                    "q_proj": (0, q), "k_proj": (q, q + kv), "v_proj": (q + kv, q + 2 * kv)},
+                    hidden)
+                layer.o_proj.lora = LoRALayer(self.lora, {"o_proj": (0, hidden)}, q)
                 layer.gate_up_proj.lora = LoRALayer(self.lora, {
-                    "gate_proj": (0, inter), "up_proj": (inter, 2 * inter)})
-                layer.down_proj.lora = LoRALayer(self.lora, {
-                    "down_proj": (0, layer.down_proj.out_features)})
+                    "gate_proj": (0, inter), "up_proj": (inter, 2 * inter)}, hidden)
+                layer.down_proj.lora = LoRALayer(self.lora, {"down_proj": (0, hidden)}, inter)
         return self.lora
 
     def add_lora(self, adapter_id: int,
@@ -234,7 +235,7 @@ class LlamaForCausalLM(nn.Module):
                       "v_proj": layer.qkv_proj, "o_proj": layer.o_proj,
                       "gate_proj": layer.gate_up_proj, "up_proj": layer.gate_up_proj,
                       "down_proj": layer.down_proj}[module]
-            target.lora.add(adapter_id, module, a, b * scale, self.dtype)
+            target.lora.add(adapter_id, module, a, b * scale)
 
     def remove_lora(self, adapter_id: int) -> None:
         for layer in self.layers:
