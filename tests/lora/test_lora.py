@@ -110,3 +110,18 @@ def test_bad_adapters_are_refused_and_change_nothing(models, tmp_path) -> None:
     with pytest.raises(ValueError, match="enable_lora"):
         plain.generate(prompt, GREEDY, use_tqdm=False,
                        lora_request=LoRARequest("qv8", 1, models["qv8"]))
+
+
+def test_speculative_decoding_under_adapters_keeps_their_tokens(models) -> None:
+    """n-gram proposals verified under each request's adapter: greedy tokens unchanged."""
+    prompts = [p * 3 for p in _prompts(5)]  # repeats give the n-gram proposer matches
+    names = [None, *ADAPTERS]
+    requests = {name: LoRARequest(name, k + 1, models[name]) for k, name in enumerate(ADAPTERS)}
+    loras = [None if n is None else requests[n] for n in names]
+    plain = LLM(models["base"], enable_lora=True, max_loras=4, **ENGINE)
+    spec = LLM(models["base"], enable_lora=True, max_loras=4, speculative_method="ngram",
+               num_speculative_tokens=3, speculative_disable_by_batch_size=0, **ENGINE)
+    expected = _tokens(plain.generate(prompts, GREEDY, use_tqdm=False, lora_request=loras))
+    got = _tokens(spec.generate(prompts, GREEDY, use_tqdm=False, lora_request=loras))
+    assert got == expected
+    assert spec.llm_engine.get_stats().spec_draft_tokens > 0
