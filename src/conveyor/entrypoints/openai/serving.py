@@ -229,7 +229,7 @@ async def merged_deltas(engine: AsyncEngine,
         job = jobs[0]
         async with aclosing(engine.generate(job.prompt(), job.params, job.request_id,
                                             job.priority, job.fairness_key,
-                                            job.lora_request)) as gen:
+                                            lora_request=job.lora_request)) as gen:
             async for delta in gen:
                 yield 0, delta
         return
@@ -240,7 +240,7 @@ async def merged_deltas(engine: AsyncEngine,
         try:
             async with aclosing(engine.generate(job.prompt(), job.params, job.request_id,
                                                 job.priority, job.fairness_key,
-                                                job.lora_request)) as gen:
+                                                lora_request=job.lora_request)) as gen:
                 async for delta in gen:
                     queue.put_nowait((i, delta))
         except Exception as e:  # handed to the consumer, which raises it

@@ -56,8 +56,14 @@ class FleetEngine:
 
     async def generate(self, prompt: dict[str, Any], sampling_params: SamplingParams,
                        request_id: str, priority: int = 0,
-                       fairness_key: str | None = None) -> AsyncIterator[Any]:
+                       fairness_key: str | None = None,
+                       lora_request: Any = None) -> AsyncIterator[Any]:
+        """``AsyncEngine.generate`` over the replicas (no LoRA adapters: ``conveyor serve``
+        refuses them for a fleet)."""
         from ray.exceptions import RayActorError, RayTaskError
+
+        if lora_request is not None:
+            raise ValueError("LoRA adapters are not served by a Ray fleet")
 
         got_output = finished = False
         self._waiting_first_output += 1
