@@ -19,7 +19,7 @@ from conveyor.engine.args import EngineArgs
 from conveyor.engine.chat import chat_prompt
 from conveyor.engine.llm_engine import LLMEngine, Prompt
 from conveyor.engine.outputs import RequestOutput
-from conveyor.engine.scoring import cosine, score_pairs
+from conveyor.engine.scoring import pair_scores, score_inputs
 from conveyor.lora.request import LoRARequest
 
 
@@ -63,11 +63,8 @@ class LLM:
     def score(self, text_1: str | Seq[str], text_2: str | Seq[str],
               use_tqdm: bool = True) -> list[float]:
         """Cosine similarity of ``text_1`` with each of ``text_2`` (or of two lists pairwise)."""
-        first = [text_1] if isinstance(text_1, str) else list(text_1)
-        second = [text_2] if isinstance(text_2, str) else list(text_2)
-        pairs = score_pairs(first, second)
-        vectors = self.embed(first + second, use_tqdm=use_tqdm)
-        return [cosine(vectors[i], vectors[len(first) + j]) for i, j in pairs]
+        texts, pairs = score_inputs(text_1, text_2)
+        return pair_scores(self.embed(texts, use_tqdm=use_tqdm), pairs)
 
     def _submit(self, prompts: list[Prompt], params: list[SamplingParams | PoolingParams],
                 use_tqdm: bool, loras: list[LoRARequest | None] | None = None

@@ -10,19 +10,27 @@ from __future__ import annotations
 import math
 
 
-def score_pairs(text_1: str | list[str], text_2: str | list[str]) -> list[tuple[int, int]]:
-    """Index pairs into (``text_1`` as a list, ``text_2`` as a list): one against each, or two
-    lists of one length pairwise. ValueError for anything else."""
+def score_inputs(text_1: str | list[str],
+                 text_2: str | list[str]) -> tuple[list[str], list[tuple[int, int]]]:
+    """The texts to embed (``text_1``'s, then ``text_2``'s) and the pairs of their indices to
+    score: one ``text_1`` against each ``text_2``, or two lists of one length pairwise.
+    ValueError for anything else."""
     first = [text_1] if isinstance(text_1, str) else list(text_1)
     second = [text_2] if isinstance(text_2, str) else list(text_2)
     if not first or not second:
         raise ValueError("text_1 and text_2 must each hold at least one text")
-    if len(first) == 1:
-        return [(0, j) for j in range(len(second))]
-    if len(first) != len(second):
-        raise ValueError(f"text_1 has {len(first)} texts and text_2 {len(second)}: give one "
+    n = len(first)
+    if n == 1:
+        return first + second, [(0, n + j) for j in range(len(second))]
+    if n != len(second):
+        raise ValueError(f"text_1 has {n} texts and text_2 {len(second)}: give one "
                          "text_1, or as many as text_2 (scored pairwise)")
-    return [(j, j) for j in range(len(second))]
+    return first + second, [(j, n + j) for j in range(len(second))]
+
+
+def pair_scores(vectors: list[list[float]], pairs: list[tuple[int, int]]) -> list[float]:
+    """The cosine similarity of each pair of ``vectors``."""
+    return [cosine(vectors[i], vectors[j]) for i, j in pairs]
 
 
 def cosine(a: list[float], b: list[float]) -> float:

@@ -28,13 +28,13 @@ from conveyor.entrypoints.openai.serving import (
     check_model,
     check_not_cut,
     check_priority,
-    check_prompt_chars,
     engine_error,
     make_params,
     merged_deltas,
     new_id,
     now_s,
     parse_body,
+    prompt_token_ids,
     resolve_max_tokens,
     sampled_logprob,
     shutdown_cut,
@@ -67,18 +67,9 @@ def _prompts(state: ServerState, prompt: Any, echo: bool) -> list[tuple[list[int
         prompt = [prompt]
     if not prompt:
         raise bad_request("'prompt' must not be empty", param="prompt")
-    vocab = state.vocab_size
     out = []
     for p in prompt:
-        if isinstance(p, str):
-            check_prompt_chars(state, len(p), "prompt")
-        ids = state.encode(p) if isinstance(p, str) else list(p)
-        if not ids:
-            raise bad_request("'prompt' must not be empty", param="prompt")
-        bad = [t for t in ids if not 0 <= t < vocab]
-        if bad:
-            raise bad_request(f"'prompt' has token ids outside the vocabulary [0, {vocab}): "
-                              f"{bad[:5]}", param="prompt")
+        ids = prompt_token_ids(state, p, "prompt")
         text = p if isinstance(p, str) else (state.tokenizer.decode(ids) if echo else None)
         out.append((ids, text))
     return out

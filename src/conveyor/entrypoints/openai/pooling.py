@@ -17,7 +17,7 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field
 
 from conveyor.core.pooling_params import PoolingParams
-from conveyor.engine.scoring import cosine, score_pairs
+from conveyor.engine.scoring import pair_scores, score_inputs
 from conveyor.entrypoints.openai.access_log import access_record
 from conveyor.entrypoints.openai.disconnect import cancel_on_disconnect
 from conveyor.entrypoints.openai.errors import APIError, bad_request
@@ -28,12 +28,12 @@ from conveyor.entrypoints.openai.serving import (
     check_model,
     check_not_cut,
     check_priority,
-    check_prompt_chars,
     engine_error,
     merged_deltas,
     new_id,
     now_s,
     parse_body,
+    prompt_token_ids,
 )
 
 if TYPE_CHECKING:
@@ -77,18 +77,9 @@ def _prompts(state: ServerState, texts: Texts, param: str) -> list[tuple[list[in
         raise bad_request(f"'{param}' must not be empty", param=param)
     limit = state.engine.max_model_len
     capacity = state.engine.stats.num_total_blocks * state.engine_args.block_size
-    vocab = state.vocab_size
     out = []
     for t in texts:
-        if isinstance(t, str):
-            check_prompt_chars(state, len(t), param)
-        ids = state.encode(t) if isinstance(t, str) else list(t)
-        if not ids:
-            raise bad_request(f"'{param}' must not hold an empty text", param=param)
-        bad = [i for i in ids if not 0 <= i < vocab]
-        if bad:
-            raise bad_request(f"'{param}' has token ids outside the vocabulary [0, {vocab}): "
-                              f"{bad[:5]}", param=param)
+        ids = prompt_token_ids(state, t, param)
         if len(ids) > limit or (capacity and len(ids) > capacity):
             raise bad_request(f"This model's maximum context length is "
                               f"{min(limit, capacity or limit)} tokens, and an input of '{param}' "
@@ -105,10 +96,11 @@ async def _embed(state: ServerState, request: Request, limits: ServerLimits | No
     state.ready_engine()
     check_model(state, req.model)
     check_priority(state, req.priority)
-    if len(texts) > (limits or ServerLimits()).max_prompts:
-        raise bad_request(f"'{param}' has {len(texts)} inputs; at most "
-                          f"{(limits or ServerLimits()).max_prompts} are allowed in one request "
-                          "(--max-prompts-per-request)", param=param, code="too_many_prompts")
+    max_prompts = (limits or ServerLimits()).max_prompts
+    if len(texts) > max_prompts:
+        raise bad_request(f"'{param}' has {len(texts)} inputs; at most {max_prompts} are "
+                          "allowed in one request (--max-prompts-per-request)", param=param,
+                          code="too_many_prompts")
     engine = check_admission(state, len(texts))
     reservation = state.admission.reserve(len(texts))
     try:
@@ -171,24 +163,17 @@ async def create_embedding(state: ServerState, request: Request,
                          "usage": {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens}})
 
 
-def _similarities(vectors: list[list[float]], pairs: list[tuple[int, int]],
-                  num_first: int) -> list[float]:
-    return [cosine(vectors[i], vectors[num_first + j]) for i, j in pairs]
-
-
 async def create_score(state: ServerState, request: Request,
                        limits: ServerLimits | None = None) -> Response:
     req: ScoreRequest = await state.off_loop(parse_body, await request.body(), ScoreRequest,
                                              limits, state.list_limits(), False)
-    first = [req.text_1] if isinstance(req.text_1, str) else req.text_1
-    second = [req.text_2] if isinstance(req.text_2, str) else req.text_2
     try:
-        pairs = score_pairs(first, second)
+        texts, pairs = score_inputs(req.text_1, req.text_2)
     except ValueError as e:
         raise bad_request(str(e), param="text_2") from e
-    vectors, prompt_tokens = await _embed(state, request, limits, req, first + second, "text_1",
+    vectors, prompt_tokens = await _embed(state, request, limits, req, texts, "text_1",
                                           PoolingParams(), "score")
-    scores = _similarities(vectors, pairs, len(first))
+    scores = pair_scores(vectors, pairs)
     return JSONResponse({"id": new_id("score"), "object": "list", "created": now_s(),
                          "model": req.model or state.model_names[0],
                          "data": [{"index": k, "object": "score", "score": s}
@@ -202,10 +187,10 @@ async def create_rerank(state: ServerState, request: Request,
                                               limits, state.list_limits(), False)
     if not req.documents:
         raise bad_request("'documents' must hold at least one document", param="documents")
-    vectors, prompt_tokens = await _embed(state, request, limits, req,
-                                          [req.query, *req.documents], "documents",
+    texts, pairs = score_inputs(req.query, req.documents)
+    vectors, prompt_tokens = await _embed(state, request, limits, req, texts, "documents",
                                           PoolingParams(), "rerank")
-    scores = _similarities(vectors, score_pairs(req.query, req.documents), 1)
+    scores = pair_scores(vectors, pairs)
     order = sorted(range(len(scores)), key=lambda k: -scores[k])
     if req.top_n:
         order = order[:req.top_n]

@@ -144,6 +144,23 @@ def check_prompt_chars(state: ServerState, chars: int, param: str) -> None:
                           code="context_length_exceeded")
 
 
+def prompt_token_ids(state: ServerState, prompt: str | list[int], param: str) -> list[int]:
+    """One prompt (text, or token ids) as token ids: a 400 naming ``param`` for a text too long
+    to tokenize, an empty prompt, or ids outside the vocabulary. Runs on a preprocessing
+    thread."""
+    if isinstance(prompt, str):
+        check_prompt_chars(state, len(prompt), param)
+    ids = state.encode(prompt) if isinstance(prompt, str) else list(prompt)
+    if not ids:
+        raise bad_request(f"'{param}' must not be empty", param=param)
+    vocab = state.vocab_size
+    bad = [t for t in ids if not 0 <= t < vocab]
+    if bad:
+        raise bad_request(f"'{param}' has token ids outside the vocabulary [0, {vocab}): "
+                          f"{bad[:5]}", param=param)
+    return ids
+
+
 def check_model(state: ServerState, model: str | None) -> None:
     """``model`` is the served model or one of its LoRA adapters (or unset): else a 404."""
     if model is not None and model not in state.model_names and model not in state.loras:
