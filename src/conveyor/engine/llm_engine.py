@@ -170,9 +170,6 @@ class LLMEngine:
         if not isinstance(lora_request, LoRARequest):
             raise ValueError(f"lora_request must be a LoRARequest, got "
                              f"{type(lora_request).__name__}")
-        if not self.engine_args.enable_lora:
-            raise ValueError("lora_request needs an engine started with enable_lora=True "
-                             "(--enable-lora)")
         if self._loras.get(lora_request.lora_int_id) != lora_request:
             self.add_lora(lora_request)
         return lora_request.lora_int_id

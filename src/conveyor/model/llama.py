@@ -228,20 +228,21 @@ class LlamaForCausalLM(nn.Module):
         [r, in] and B [out, r] (``conveyor.lora.adapter``), ``scale`` folded into B; replaces
         what ``adapter_id`` held."""
         self.enable_lora()
-        self.remove_lora(adapter_id)
+        fused = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj",
+                 "o_proj": "o_proj", "gate_proj": "gate_up_proj", "up_proj": "gate_up_proj",
+                 "down_proj": "down_proj"}
+        parts: dict[tuple[int, str], dict[str, tuple[torch.Tensor, torch.Tensor]]] = {}
         for (i, module), (a, b) in weights.items():
-            layer = self.layers[i]
-            target = {"q_proj": layer.qkv_proj, "k_proj": layer.qkv_proj,
-                      "v_proj": layer.qkv_proj, "o_proj": layer.o_proj,
-                      "gate_proj": layer.gate_up_proj, "up_proj": layer.gate_up_proj,
-                      "down_proj": layer.down_proj}[module]
-            target.lora.add(adapter_id, module, a, b * scale)
+            parts.setdefault((i, fused[module]), {})[module] = (a, b * scale)
+        for i, layer in enumerate(self.layers):
+            for name in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"):
+                getattr(layer, name).lora.set(adapter_id, parts.get((i, name), {}))
 
     def remove_lora(self, adapter_id: int) -> None:
         for layer in self.layers:
             for p in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj):
                 if p.lora is not None:
-                    p.lora.remove(adapter_id)
+                    p.lora.set(adapter_id, {})
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.embed_blocks is not None:

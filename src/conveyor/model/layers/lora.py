@@ -62,13 +62,14 @@ class LoRALayer:
         self.b: torch.Tensor | None = None  # [slots, R, out], float32
         self._gathered: tuple[list[int], torch.Tensor, torch.Tensor] | None = None
 
-    def add(self, adapter_id: int, module: str, a: torch.Tensor, b: torch.Tensor) -> None:
-        self.parts.setdefault(adapter_id, {})[module] = (a.float(), b.float())
+    def set(self, adapter_id: int, parts: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """What ``adapter_id`` updates here: per module its A [r, in] and B [cols, r] * scale
+        (none: it leaves this projection alone); replaces what it held."""
+        if parts:
+            self.parts[adapter_id] = {m: (a.float(), b.float()) for m, (a, b) in parts.items()}
+        elif self.parts.pop(adapter_id, None) is None:
+            return
         self._stack()
-
-    def remove(self, adapter_id: int) -> None:
-        if self.parts.pop(adapter_id, None) is not None:
-            self._stack()
 
     def _stack(self) -> None:
         self._gathered = None
