@@ -38,6 +38,8 @@ def _tokens(outputs) -> list[list[int]]:
 
 @pytest.mark.parametrize("max_loras", [4, 2])
 def test_a_mixed_batch_equals_the_merged_models(models, max_loras: int) -> None:
+    """With 2 slots and 2 adapters in host memory (the default), the four adapters take turns
+    and are read again from their files: the pool swaps, the tokens stay the merged models'."""
     prompts = _prompts(15)
     names = [None, *ADAPTERS]  # prompt i runs under names[i % 5]
     expected = {}
@@ -53,6 +55,10 @@ def test_a_mixed_batch_equals_the_merged_models(models, max_loras: int) -> None:
     assert len(set(map(tuple, (expected[n][0] for n in names)))) == 5  # every adapter matters
     stats = llm.llm_engine.get_stats()
     assert stats.num_free_blocks == stats.num_total_blocks
+    pool = llm.llm_engine.lora_pool
+    assert len(pool.host) <= max_loras and len(pool.slot_of) <= max_loras
+    assert (pool.num_reads > 0) == (max_loras < len(ADAPTERS))
+    assert pool.num_installs >= len(ADAPTERS)
 
 
 def test_adapters_never_share_prefix_cache_blocks(models) -> None:
@@ -110,6 +116,26 @@ def test_bad_adapters_are_refused_and_change_nothing(models, tmp_path) -> None:
     with pytest.raises(ValueError, match="enable_lora"):
         plain.generate(prompt, GREEDY, use_tqdm=False,
                        lora_request=LoRARequest("qv8", 1, models["qv8"]))
+
+
+def test_an_adapter_whose_files_went_fails_its_requests_only(models, tmp_path) -> None:
+    llm = LLM(models["base"], enable_lora=True, max_loras=1, **ENGINE)
+    gone = _broken(tmp_path, models, "gone", lambda p: None)
+    first, second = LoRARequest("gone", 1, gone), LoRARequest("ko4", 2, models["ko4"])
+    prompts = _prompts(2)
+    llm.generate(prompts[:1], GREEDY, use_tqdm=False, lora_request=first)
+    llm.generate(prompts[:1], GREEDY, use_tqdm=False, lora_request=second)  # evicts "gone"
+    for f in os.listdir(gone):
+        os.remove(os.path.join(gone, f))
+    outs = llm.generate(prompts, GREEDY, use_tqdm=False, lora_request=[first, None])
+    assert outs[0].outputs[0].finish_reason == "abort"
+    assert len(outs[1].outputs[0].token_ids) == GREEDY.max_tokens
+    stats = llm.llm_engine.get_stats()
+    assert stats.num_free_blocks == stats.num_total_blocks
+    with pytest.raises(ValueError, match="adapter_config.json is missing"):
+        llm.generate(prompts[:1], GREEDY, use_tqdm=False, lora_request=first)
+    with pytest.raises(ValueError, match="max_cpu_loras"):
+        LLM(models["base"], enable_lora=True, max_loras=2, max_cpu_loras=1, **ENGINE)
 
 
 def test_speculative_decoding_under_adapters_keeps_their_tokens(models) -> None:

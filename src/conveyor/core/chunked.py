@@ -164,12 +164,12 @@ def _admit_new(sched: SchedulerInterface, step: _Step) -> None:
     waiting = sched.waiting
     now = None
     retry = False  # the head just preempted lower-priority sequences: try it again
-    loras = sched.active_loras()
+    loras = sched.lora_admission()
     while step.budget > 0 and len(step.seqs) < max_seqs:
         if sched.swapped and not retry:  # victims swapped out for a head resume before others
             break
-        seq = waiting.peek()
-        if seq is None or not sched.lora_fits(seq, loras):
+        seq = sched.next_waiting(loras)
+        if seq is None:
             break
         hits = bm.find_cached_prefix(seq)
         cached = len(hits) * bs
@@ -192,13 +192,13 @@ def _admit_new(sched: SchedulerInterface, step: _Step) -> None:
                 continue
             break
         retry = False
-        waiting.pop()
+        waiting.take(seq)
         if now is None:
             now = sched.clock()
         sched.admit(seq, hits, cached + chunk, now)
         sched.prefilling.append(seq)
-        if loras is not None and group.lora_id:
-            loras.add(group.lora_id)
+        if loras is not None:
+            loras.admitted(seq)
         step.seqs.append(seq)
         step.num_new.append(chunk)
         step.budget -= chunk

@@ -36,7 +36,8 @@ class SchedulerConfig:
     ``long_prefill_token_threshold`` caps one request's prefill chunk per step (chunked; 0: no cap);
     ``max_num_partial_prefills`` caps how many requests may be part-way through their prompt.
     ``max_loras`` caps the distinct LoRA adapters of the running requests: a request of another
-    adapter waits at the head of the queue until one of them has no request left running.
+    adapter waits, letting the requests behind it by, until one of them has drained
+    (``core/lora_admission.py``).
     """
 
     max_num_seqs: int

@@ -4,10 +4,10 @@ A step is all-prefill or all-decode:
 
 * prefill: admit from the head of ``waiting`` while the step has fewer than ``max_num_seqs``
   sequences, its *uncached* prompt tokens stay within ``max_num_batched_tokens`` and the blocks
-  can be allocated; stop at the first request that does not fit (no skipping). Under the
+  can be allocated; stop at the first request that does not fit (no skipping, except past
+  requests whose LoRA adapter may not start yet: ``core/lora_admission.py``). Under the
   priority queue, a head that lacks blocks may preempt strictly lower-priority running ones.
-  Nothing is admitted while sequences are swapped out (they resume first), nor a request whose
-  LoRA adapter would make more than ``max_loras`` run at once.
+  Nothing is admitted while sequences are swapped out (they resume first).
 * decode: take ``running`` in order; a sequence that cannot get a slot preempts the *last*
   running sequence (fcfs) or the lowest-priority one (priority) and retries, or preempts itself
   when no other is left. Scheduled sequences keep their order at the front of ``running``.
@@ -42,12 +42,12 @@ def _prefill_step(sched: SchedulerInterface) -> SchedulerOutput | None:
     num_new: list[int] = []
     total = 0
     now = sched.clock()
-    loras = sched.active_loras()
+    loras = sched.lora_admission()
     while len(seqs) < max_seqs:
         if sched.swapped:  # a victim of this step's priority preemption: it resumes first
             break
-        seq = waiting.peek()
-        if seq is None or not sched.lora_fits(seq, loras):
+        seq = sched.next_waiting(loras)
+        if seq is None:
             break
         hits = bm.find_cached_prefix(seq)
         num_tokens = len(seq.token_ids)
@@ -61,11 +61,11 @@ def _prefill_step(sched: SchedulerInterface) -> SchedulerOutput | None:
         if not fits:
             break
         uncached = num_tokens - len(hits) * block_size
-        waiting.pop()
+        waiting.take(seq)
         sched.admit(seq, hits, num_tokens, now)
         sched.join_running(seq)
-        if loras is not None and seq.group.lora_id:
-            loras.add(seq.group.lora_id)
+        if loras is not None:
+            loras.admitted(seq)
         seqs.append(seq)
         num_new.append(uncached)
         total += uncached

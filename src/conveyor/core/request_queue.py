@@ -88,6 +88,19 @@ class _FairQueue:
         self._forget(seq)
         return seq
 
+    def take(self, seq: Sequence) -> None:
+        """Remove ``seq`` (still in the queue's status) from wherever it is: the head cheaply,
+        another entry by a search of the heap."""
+        if self.peek() is seq:
+            self.pop()
+            return
+        heap = self._heap
+        k = next(k for k, e in enumerate(heap) if e[-1] is seq)
+        heap[k] = heap[-1]
+        heap.pop()
+        heapq.heapify(heap)
+        self._forget(seq)
+
     def peek(self) -> Sequence | None:
         heap = self._heap
         while heap:

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import time
 from bisect import bisect_left
+from collections import Counter
 from collections.abc import Callable
 from operator import attrgetter
 
@@ -32,6 +33,7 @@ from conveyor.core.block_manager import BlockManager
 from conveyor.core.chunked import schedule_chunked
 from conveyor.core.config import CacheConfig, SchedulerConfig
 from conveyor.core.lookahead import release_lookahead
+from conveyor.core.lora_admission import LoRAAdmission
 from conveyor.core.pooling_params import PoolingParams
 from conveyor.core.prefill_first import schedule_prefill_first
 from conveyor.core.request_queue import make_queue, priority_key
@@ -83,6 +85,8 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.prefilling: list[Sequence] = []
         self.waiting_for_grammar: dict[str, Sequence] = {}
+        # LoRA adapters whose weights are loaded (the engine's LoRAPool); None: all of them
+        self.loaded_loras: set[int] | None = None
         self.seqs_needing_block: list[Sequence] = []  # running ones whose next slot needs a block
         # sequences that stopped running (finished or aborted) since the last schedule(); those
         # still in `running` are dropped from it lazily
@@ -227,7 +231,8 @@ class Scheduler:
         self._detached_since_schedule = False
         self.preempted_this_step = False
         out = self._policy(self)
-        if not out.seqs and (self.running or self.prefilling or self.waiting or self.swapped):
+        if (not out.seqs and (self.running or self.prefilling or self.waiting or self.swapped)
+                and not self._waits_for_loras()):
             # Every policy admits a request that fits the empty cache (anything larger was
             # ignored at add_request), so this is a scheduler bug: say so rather than spin.
             raise RuntimeError(f"scheduler made no progress with work queued: {self.stats}")
@@ -243,6 +248,13 @@ class Scheduler:
             self.step_swap_in = []
             bm.end_step()
         return out
+
+    def _waits_for_loras(self) -> bool:
+        """Every waiting request waits for its LoRA adapter's weights (the engine is loading
+        them): an empty step is no scheduler bug then."""
+        admission = self.lora_admission()
+        return (admission is not None and not (self.running or self.prefilling or self.swapped)
+                and self.next_waiting(admission) is None and admission.skipped_unloaded)
 
     def _stopped_positions(self) -> list[int] | None:
         """Where the sequences of ``_stopped_running`` sit in ``running``, highest first (some
@@ -333,19 +345,24 @@ class Scheduler:
     def blocks_to_swap_in(self, seq: Sequence) -> int:
         return self.block_manager.num_blocks_to_swap_in(seq, self._resume_tokens(seq))
 
-    def active_loras(self) -> set[int] | None:
-        """The LoRA adapters of the running and prefilling sequences, for admission to add to;
-        None when ``max_loras`` limits nothing."""
-        if not self.config.max_loras:
+    def lora_admission(self) -> LoRAAdmission | None:
+        """This step's gate on waiting requests by LoRA adapter (core/lora_admission.py);
+        None when adapters limit nothing."""
+        if not self.config.max_loras and self.loaded_loras is None:
             return None
-        return {s.group.lora_id for s in (*self.running, *self.prefilling)
-                if s.group.lora_id and s.status is RUNNING}
+        running = Counter(s.group.lora_id for s in (*self.running, *self.prefilling,
+                                                    *self.swapped)
+                          if s.group.lora_id and not s.status.is_finished)
+        return LoRAAdmission(self.config.max_loras or len(running) + 1, running,
+                             self.loaded_loras)
 
-    def lora_fits(self, seq: Sequence, loras: set[int] | None) -> bool:
-        """Admitting ``seq`` keeps the running adapters (``loras``, from ``active_loras``)
-        within ``max_loras``; the caller adds its adapter to ``loras`` once admitted."""
-        lora = seq.group.lora_id
-        return loras is None or lora == 0 or lora in loras or len(loras) < self.config.max_loras
+    def next_waiting(self, admission: LoRAAdmission | None) -> Sequence | None:
+        """The first waiting sequence that may start: the queue's head, or under
+        ``admission`` the first in queue order whose adapter it allows."""
+        head = self.waiting.peek()
+        if admission is None or head is None or admission.allows(head):
+            return head
+        return next((s for s in self.waiting if s is not head and admission.allows(s)), None)
 
     def lowest_priority(self, candidates: list[Sequence]) -> Sequence | None:
         best = None

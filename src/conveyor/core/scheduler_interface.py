@@ -15,6 +15,7 @@ from conveyor.core.scheduler_output import SchedulerOutput
 if TYPE_CHECKING:
     from conveyor.core.block_manager import BlockManager
     from conveyor.core.config import SchedulerConfig
+    from conveyor.core.lora_admission import LoRAAdmission
     from conveyor.core.request_queue import RequestQueue
     from conveyor.core.sequence import Sequence
     from conveyor.core.spec_decode.config import SpeculativeConfig
@@ -50,9 +51,9 @@ class SchedulerInterface(Protocol):
 
     def lowest_priority(self, candidates: list[Sequence]) -> Sequence | None: ...
 
-    def active_loras(self) -> set[int] | None: ...
+    def lora_admission(self) -> LoRAAdmission | None: ...
 
-    def lora_fits(self, seq: Sequence, loras: set[int] | None) -> bool: ...
+    def next_waiting(self, admission: LoRAAdmission | None) -> Sequence | None: ...
 
     def set_next_check_len(self, seq: Sequence) -> None: ...
 

@@ -60,6 +60,7 @@ class EngineArgs:
     enable_lora: bool = False  # serve LoRA adapters (docs/lora.md)
     max_loras: int = 1  # most distinct adapters running at once
     max_lora_rank: int = 16  # adapters of a higher rank are refused
+    max_cpu_loras: int | None = None  # adapters kept read in host memory; None: max_loras
 
     def parallel_config(self):
         """The ``ParallelConfig`` of these args (ValueError naming a bad field)."""
@@ -140,6 +141,9 @@ _HELP = {
     "max_loras": "with --enable-lora: most distinct adapters whose requests run at once; a "
                  "request of another adapter waits its turn",
     "max_lora_rank": "with --enable-lora: the highest adapter rank accepted",
+    "max_cpu_loras": "with --enable-lora: most adapters kept read in host memory (least "
+                     "recently used leave first and are read again when needed, off the "
+                     "engine's loop); at least --max-loras (default: --max-loras)",
     "pooling": "how embedding requests pool hidden states: last, mean or cls (default: the "
                "model's sentence-transformers pooling config, else last)",
 }

@@ -24,6 +24,7 @@ from conveyor.engine.outputs import RequestOutput
 from conveyor.engine.speculative import build_speculative
 from conveyor.engine.stats import EngineStats
 from conveyor.lora.adapter import LoRAAdapter, load_adapter
+from conveyor.lora.pool import LoRAPool
 from conveyor.lora.request import LoRARequest
 from conveyor.model.pooling_config import PoolingConfig, read_pooling_config
 
@@ -34,6 +35,7 @@ DEFAULT_MAX_MODEL_LEN_CAP = 8192
 DEFAULT_CPU_KV_CACHE_BYTES = 4 * 2**30  # as vLLM's CPU build
 DEFAULT_CPU_KV_CACHE_FRACTION = 0.25
 GRAMMAR_WAIT_S = 0.01  # an idle step waits this long for a compiling grammar
+LORA_WAIT_S = 0.01  # an idle step waits this long for an adapter being read
 # what a pooling request's group carries as sampling params: nothing is sampled from them
 _POOLING_SAMPLING = SamplingParams(max_tokens=1)
 
@@ -61,6 +63,11 @@ class LLMEngine:
         self.executor = executor
         self.tokenizer = self.executor.tokenizer
         self.model_config = self.executor.model_config
+        self.lora_pool: LoRAPool | None = None
+        if args.enable_lora:  # its slots take memory before the KV cache is sized
+            self.executor.enable_lora(args.max_loras, args.max_lora_rank)
+            self.lora_pool = LoRAPool(args.max_loras, args.max_cpu_loras or args.max_loras,
+                                       self.read_lora, self.executor.set_lora_slot)
         self.max_model_len = _max_model_len(args, self.model_config.max_position_embeddings)
         self.num_gpu_blocks, self.num_cpu_blocks = _num_blocks(args, self.executor,
                                                                self.max_model_len)
@@ -112,6 +119,8 @@ class LLMEngine:
         (also done at garbage collection and interpreter exit)."""
         if self._grammar is not None:
             self._grammar.compile_cache.shutdown()
+        if self.lora_pool is not None:
+            self.lora_pool.shutdown()
         shutdown = getattr(self.executor, "shutdown", None)
         if shutdown is not None:
             shutdown()
@@ -191,8 +200,9 @@ class LLMEngine:
                              f"{known.lora_name!r} at {known.lora_path}")
         if adapter is None:
             adapter = self.read_lora(lora_request)
+        assert self.lora_pool is not None  # read_lora checked enable_lora
         self._retiring_loras.discard(lora_request.lora_int_id)
-        self.executor.add_lora(lora_request.lora_int_id, adapter.weights, adapter.scale)
+        self.lora_pool.add(lora_request, adapter, self._pinned_loras())
         self._loras[lora_request.lora_int_id] = lora_request
 
     def remove_lora(self, lora_int_id: int) -> bool:
@@ -208,7 +218,40 @@ class LLMEngine:
         busy = {g.lora_id for g in self.scheduler.unfinished_groups()}
         for lora_id in [i for i in self._retiring_loras if i not in busy]:
             self._retiring_loras.discard(lora_id)
-            self.executor.remove_lora(lora_id)
+            if self.lora_pool is not None:
+                self.lora_pool.remove(lora_id)
+
+    def _pinned_loras(self) -> set[int]:
+        """The adapters of the requests holding a slot: their weights stay in host memory."""
+        s = self.scheduler
+        return {seq.group.lora_id for seq in (*s.running, *s.prefilling, *s.swapped)
+                if seq.group.lora_id}
+
+    def _feed_loras(self, pool: LoRAPool) -> list[RequestOutput]:
+        """Before scheduling: take in the adapters read since the last step, start reading the
+        ones the queue needs next, and tell the scheduler which are loaded. Requests of an
+        adapter whose files can no longer be read finish aborted (the error is logged)."""
+        s = self.scheduler
+        if len(pool.known) <= pool.max_host and not pool.loading:
+            s.loaded_loras = None  # every adapter served stays read
+            return []
+        idle = not (s.running or s.prefilling or s.swapped)
+        aborted = []
+        for lora_id, error in pool.poll(LORA_WAIT_S if idle else 0.0).items():
+            logger.error("LoRA adapter %d can no longer be read; its requests are aborted: %s",
+                         lora_id, error)
+            self._loras.pop(lora_id, None)
+            self._retiring_loras.discard(lora_id)
+            pool.remove(lora_id)
+            for group in list(s.unfinished_groups()):
+                if group.lora_id == lora_id:
+                    out = self.abort_request(group.request_id)
+                    if out is not None:
+                        aborted.append(out)
+        wanted = dict.fromkeys(seq.group.lora_id for seq in s.waiting if seq.group.lora_id)
+        pool.prefetch(wanted, self._pinned_loras())
+        s.loaded_loras = set(pool.host)
+        return aborted
 
     @property
     def pooling_config(self) -> PoolingConfig:
@@ -283,7 +326,12 @@ class LLMEngine:
         """Run one engine iteration; one cumulative output per request that progressed or finished."""
         grammar = self._grammar
         failed = self._admit_compiled(grammar) if grammar is not None else []
+        pool = self.lora_pool
+        if pool is not None:
+            failed += self._feed_loras(pool)
         scheduled = self.scheduler.schedule()
+        if pool is not None:
+            pool.place({seq.group.lora_id for seq in scheduled.seqs if seq.group.lora_id})
         if grammar is not None:
             scheduled.grammar_bitmask = grammar.bitmask(scheduled)
         num_samples = [scheduled.num_samples(i) for i in range(len(scheduled.seqs))]

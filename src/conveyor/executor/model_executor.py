@@ -23,6 +23,7 @@ from conveyor.distributed.step import INIT_CACHE, StepMessage, run_step
 from conveyor.executor.pooler import Pooler, PoolingEntry
 from conveyor.executor.prompt_logprobs import PromptScoring, positions_to_score, score
 from conveyor.executor.spec_verify import Proposal, proposal_rows, verify
+from conveyor.lora.adapter import LoRAAdapter
 from conveyor.model.config import ModelConfig
 from conveyor.model.device import (
     TRIM_AFTER_TOKENS,
@@ -53,6 +54,7 @@ class ModelExecutor:
         self.parallel = parallel or ParallelConfig()
         self.deterministic = deterministic  # see docs/determinism.md
         self.workers = None
+        self._lora_slot_of: dict[int, int] | None = None  # adapter -> slot (enable_lora)
         self.tp: TensorParallel | None = None
         if self.parallel.tensor_parallel_size > 1:
             self._start_workers(model, int8_activations)
@@ -106,15 +108,19 @@ class ModelExecutor:
             self.workers = None
             torch.set_num_threads(self._threads_before)
 
-    def add_lora(self, adapter_id: int, weights: dict, scale: float) -> None:
-        """Serve LoRA adapter ``adapter_id`` (its A and B per layer and module, as
-        ``conveyor.lora.adapter`` reads them) from now on."""
+    def enable_lora(self, num_slots: int, max_rank: int) -> None:
+        """Hold up to ``num_slots`` LoRA adapters of rank up to ``max_rank`` in the model."""
         if self.workers is not None:
             raise ValueError("LoRA is not supported with tensor_parallel_size > 1")
-        self.model.add_lora(adapter_id, weights, scale)
+        self.model.enable_lora(num_slots, max_rank)
+        self._lora_slot_of = {}
 
-    def remove_lora(self, adapter_id: int) -> None:
-        self.model.remove_lora(adapter_id)
+    def set_lora_slot(self, slot: int, lora_id: int, adapter: LoRAAdapter) -> None:
+        """Compute adapter ``lora_id``'s requests with ``adapter`` (its weights as
+        ``conveyor.lora.adapter`` reads them) in ``slot``, in place of what the slot held."""
+        self.model.set_lora_slot(slot, adapter.weights, adapter.scale)
+        self._lora_slot_of = {i: s for i, s in self._lora_slot_of.items() if s != slot}
+        self._lora_slot_of[lora_id] = slot
 
     def kv_cache_bytes_per_block(self, block_size: int) -> int:
         """Bytes of one block on this rank (its KV heads)."""
@@ -162,13 +168,14 @@ class ModelExecutor:
         scorings: list[PromptScoring] = []
         scored_indices: list[int] = []  # their logits rows follow the sampling ones
         pooling: list[PoolingEntry] = []
-        lora_rows: dict[int, list[int]] = {}  # adapter id -> its flat rows
+        lora_slot_of = self._lora_slot_of  # None: no LoRA
+        row_slots: list[int] = []  # each flat row's adapter slot (0: the base model)
         for i in order:
             seq, count = so.seqs[i], so.num_new_tokens[i]
             start = seq.num_computed_tokens
-            if seq.group.lora_id:
-                lora_rows.setdefault(seq.group.lora_id, []).extend(
-                    range(len(input_ids), len(input_ids) + count))
+            if lora_slot_of is not None:
+                lora_id = seq.group.lora_id
+                row_slots.extend([lora_slot_of[lora_id] if lora_id else 0] * count)
             if seq.spec_token_ids:  # a decode and its proposal: logits at every token
                 input_ids.extend(so.token_ids(i))
                 logits_indices.extend(range(len(input_ids) - count, len(input_ids)))
@@ -197,8 +204,8 @@ class ModelExecutor:
             tables.append(seq.block_table)
 
         msg.input_ids, msg.starts, msg.counts, msg.block_tables = input_ids, starts, counts, tables
-        if self.model.lora is not None:
-            self.model.lora.set_rows(list(lora_rows.items()), self.device)
+        if lora_slot_of is not None:
+            self.model.lora.set_slots(row_slots, self.device)
         msg.logits_indices = (logits_indices + scored_indices) or [len(input_ids) - 1]
         sampled: list[list[int]] = [[] for _ in range(n)]
         logprobs: list[list[dict[int, float]]] = [[] for _ in range(n)]

@@ -201,33 +201,40 @@ class LlamaForCausalLM(nn.Module):
     def dtype(self) -> torch.dtype:
         return self.norm.weight.dtype
 
-    def enable_lora(self) -> LoRAContext:
-        """Give every projection a ``LoRALayer`` over one shared context (the step's rows per
-        adapter); adapters come with ``add_lora``."""
+    def enable_lora(self, num_slots: int, max_rank: int) -> LoRAContext:
+        """Give every projection a ``LoRALayer`` of ``num_slots`` adapter slots of rank up to
+        ``max_rank``, over one shared context (the step's slot per row); adapters come with
+        ``set_lora_slot``."""
+        if self.lora is not None:
+            raise ValueError("LoRA is already enabled on this model")
         if self.tp is not None:
             raise ValueError("LoRA is not supported with tensor_parallel_size > 1")
-        if self.lora is None:
-            self.lora = LoRAContext()
-            for layer in self.layers:
-                q, kv = layer.q_size, layer.kv_size
-                inter = layer.gate_up_proj.out_features // 2
-                hidden = layer.o_proj.out_features
-                layer.qkv_proj.lora = LoRALayer(self.lora, {
-                    "q_proj": (0, q), "k_proj": (q, q + kv), "v_proj": (q + kv, q + 2 * kv)},
-                    hidden)
-                layer.o_proj.lora = LoRALayer(self.lora, {"o_proj": (0, hidden)}, q)
-                layer.gate_up_proj.lora = LoRALayer(self.lora, {
-                    "gate_proj": (0, inter), "up_proj": (inter, 2 * inter)}, hidden)
-                layer.down_proj.lora = LoRALayer(self.lora, {"down_proj": (0, hidden)}, inter)
+        self.lora = LoRAContext(num_slots)
+        device = self.norm.weight.device
+        for layer in self.layers:
+            q, kv = layer.q_size, layer.kv_size
+            inter = layer.gate_up_proj.out_features // 2
+            hidden = layer.o_proj.out_features
+            layer.qkv_proj.lora = LoRALayer(self.lora, {
+                "q_proj": (0, q), "k_proj": (q, q + kv), "v_proj": (q + kv, q + 2 * kv)},
+                hidden, max_rank, device)
+            layer.o_proj.lora = LoRALayer(self.lora, {"o_proj": (0, hidden)}, q, max_rank,
+                                          device)
+            layer.gate_up_proj.lora = LoRALayer(self.lora, {
+                "gate_proj": (0, inter), "up_proj": (inter, 2 * inter)}, hidden, max_rank,
+                device)
+            layer.down_proj.lora = LoRALayer(self.lora, {"down_proj": (0, hidden)}, inter,
+                                             max_rank, device)
         return self.lora
 
-    def add_lora(self, adapter_id: int,
-                 weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]],
-                 scale: float) -> None:
-        """Hold an adapter's updates under ``adapter_id``: per (layer, module name) its A
+    def set_lora_slot(self, slot: int,
+                      weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]],
+                      scale: float) -> None:
+        """Hold an adapter in ``slot`` (after ``enable_lora``): per (layer, module name) its A
         [r, in] and B [out, r] (``conveyor.lora.adapter``), ``scale`` folded into B; replaces
-        what ``adapter_id`` held."""
-        self.enable_lora()
+        what the slot held (empty ``weights``: clears it)."""
+        if self.lora is None:
+            raise ValueError("LoRA is not enabled on this model (enable_lora)")
         fused = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj",
                  "o_proj": "o_proj", "gate_proj": "gate_up_proj", "up_proj": "gate_up_proj",
                  "down_proj": "down_proj"}
@@ -236,13 +243,7 @@ class LlamaForCausalLM(nn.Module):
             parts.setdefault((i, fused[module]), {})[module] = (a, b * scale)
         for i, layer in enumerate(self.layers):
             for name in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"):
-                getattr(layer, name).lora.set(adapter_id, parts.get((i, name), {}))
-
-    def remove_lora(self, adapter_id: int) -> None:
-        for layer in self.layers:
-            for p in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj):
-                if p.lora is not None:
-                    p.lora.set(adapter_id, {})
+                getattr(layer, name).lora.set_slot(slot, parts.get((i, name), {}))
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.embed_blocks is not None:
