@@ -138,6 +138,24 @@ def test_an_adapter_whose_files_went_fails_its_requests_only(models, tmp_path) -
         LLM(models["base"], enable_lora=True, max_loras=2, max_cpu_loras=1, **ENGINE)
 
 
+@pytest.mark.slow
+def test_tensor_parallel_adapters_equal_one_process(models) -> None:
+    """Two ranks over gloo, each holding its shard of every adapter (B's rows of q/k/v/gate/up,
+    A's columns of o/down), with the pool swapping 4 adapters through 2 slots."""
+    prompts = _prompts(10)
+    requests = [None, *(LoRARequest(n, k + 1, models[n]) for k, n in enumerate(ADAPTERS))]
+    loras = [requests[i % 5] for i in range(10)]
+    one = LLM(models["base"], enable_lora=True, max_loras=2, **ENGINE)
+    expected = _tokens(one.generate(prompts, GREEDY, use_tqdm=False, lora_request=loras))
+    tp = LLM(models["base"], enable_lora=True, max_loras=2, tensor_parallel_size=2,
+             threads_per_rank=1, **ENGINE)
+    try:
+        assert _tokens(tp.generate(prompts, GREEDY, use_tqdm=False, lora_request=loras)) \
+            == expected
+    finally:
+        tp.llm_engine.shutdown()
+
+
 def test_speculative_decoding_under_adapters_keeps_their_tokens(models) -> None:
     """n-gram proposals verified under each request's adapter: greedy tokens unchanged."""
     prompts = [p * 3 for p in _prompts(5)]  # repeats give the n-gram proposer matches

@@ -16,11 +16,13 @@ from typing import Any
 import torch
 
 from conveyor.distributed.group import LONG_WAIT_S, broadcast
+from conveyor.lora.adapter import MODULES as LORA_MODULES
 from conveyor.model.kv_cache import KVCache
 from conveyor.model.layers.attention import build_attention_metadata
 
-STEP, INIT_CACHE, SHUTDOWN = 0, 1, 2
-_HEADER = 9  # kind, tokens, entries, table width, logits rows, swap-out, swap-in, copy, extra
+STEP, INIT_CACHE, SHUTDOWN, ENABLE_LORA, LORA_SLOT = 0, 1, 2, 3, 4
+# kind, tokens, entries, table width, logits rows, swap-out, swap-in, copy, extra, LoRA slots
+_HEADER = 10
 
 
 @dataclass
@@ -34,25 +36,28 @@ class StepMessage:
     swap_out: list[tuple[int, int]] = field(default_factory=list)
     swap_in: list[tuple[int, int]] = field(default_factory=list)
     copy: list[tuple[int, int]] = field(default_factory=list)
-    extra: list[int] = field(default_factory=list)  # INIT_CACHE: block size, device, CPU blocks
+    # INIT_CACHE: block size, GPU blocks, CPU blocks; ENABLE_LORA: slots, max rank;
+    # LORA_SLOT: slot, then (layer, module, rank) per LoRA weight pair (``lora_slot_message``)
+    extra: list[int] = field(default_factory=list)
+    lora_slots: list[int] = field(default_factory=list)  # per entry: its adapter's slot (0: none)
 
     def pack(self) -> tuple[torch.Tensor, torch.Tensor]:
         width = max((len(t) for t in self.block_tables), default=0)
         header = [self.kind, len(self.input_ids), len(self.starts), width,
                   len(self.logits_indices), len(self.swap_out), len(self.swap_in),
-                  len(self.copy), len(self.extra)]
+                  len(self.copy), len(self.extra), len(self.lora_slots)]
         flat = list(self.input_ids) + list(self.starts) + list(self.counts)
         for t in self.block_tables:
             flat += list(t) + [0] * (width - len(t))
         flat += list(self.logits_indices)
         for pairs in (self.swap_out, self.swap_in, self.copy):
             flat += [x for pair in pairs for x in pair]
-        flat += list(self.extra)
+        flat += list(self.extra) + list(self.lora_slots)
         return torch.tensor(header, dtype=torch.int64), torch.tensor(flat, dtype=torch.int64)
 
     @staticmethod
     def unpack(header: torch.Tensor, payload: torch.Tensor) -> StepMessage:
-        kind, n_tok, n_ent, width, n_log, n_out, n_in, n_copy, n_extra = header.tolist()
+        kind, n_tok, n_ent, width, n_log, n_out, n_in, n_copy, n_extra, n_lora = header.tolist()
         flat = payload.tolist()
         pos = 0
 
@@ -68,7 +73,7 @@ class StepMessage:
         ids, starts, counts = take(n_tok), take(n_ent), take(n_ent)
         tables = [take(width) for _ in range(n_ent)]
         return StepMessage(kind, ids, starts, counts, tables, take(n_log), pairs(n_out),
-                           pairs(n_in), pairs(n_copy), take(n_extra))
+                           pairs(n_in), pairs(n_copy), take(n_extra), take(n_lora))
 
 
 def send_message(msg: StepMessage) -> None:
@@ -87,8 +92,45 @@ def receive_message() -> StepMessage:
 
 
 def _payload_sizes(h: list[int]) -> list[int]:
-    _kind, n_tok, n_ent, width, n_log, n_out, n_in, n_copy, n_extra = h
-    return [n_tok, 2 * n_ent, n_ent * width, n_log, 2 * (n_out + n_in + n_copy), n_extra]
+    _kind, n_tok, n_ent, width, n_log, n_out, n_in, n_copy, n_extra, n_lora = h
+    return [n_tok, 2 * n_ent, n_ent * width, n_log, 2 * (n_out + n_in + n_copy), n_extra, n_lora]
+
+
+def lora_slot_message(slot: int, weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]],
+                      scale: float) -> tuple[StepMessage, torch.Tensor]:
+    """Rank 0: the message that puts an adapter in ``slot`` on every rank, and the float32
+    payload broadcast after it (the scale, then each pair's whole A and B: every rank takes
+    its own shard, ``LlamaForCausalLM.set_lora_slot``)."""
+    extra, parts = [slot], [torch.tensor([scale])]
+    for (layer, module), (a, b) in sorted(weights.items()):
+        extra += [layer, LORA_MODULES.index(module), a.shape[0]]
+        parts += [a.float().flatten(), b.float().flatten()]
+    return StepMessage(kind=LORA_SLOT, extra=extra), torch.cat(parts)
+
+
+def receive_lora_slot(msg: StepMessage, shapes: dict[str, tuple[int, int]]) -> tuple[
+        int, dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]], float]:
+    """Other ranks: the float payload of a LORA_SLOT message -> (slot, weights, scale);
+    ``shapes``: each module's full (out, in)."""
+    entries = msg.extra[1:]
+    pairs = [(layer, LORA_MODULES[m], r) for layer, m, r in zip(*[iter(entries)] * 3, strict=True)]
+    size = 1 + sum(r * sum(shapes[module]) for _, module, r in pairs)
+    flat = broadcast(torch.zeros(size), 0)
+    scale, pos, weights = float(flat[0]), 1, {}
+    for layer, module, r in pairs:
+        out, inp = shapes[module]
+        a = flat[pos:pos + r * inp].view(r, inp)
+        b = flat[pos + r * inp:pos + r * (inp + out)].view(out, r)
+        pos += r * (inp + out)
+        weights[(layer, module)] = (a, b)
+    return msg.extra[0], weights, scale
+
+
+def set_lora_slots(model: torch.nn.Module, msg: StepMessage, device: torch.device) -> None:
+    """Give a LoRA model each flat row's adapter slot (from each entry's)."""
+    if model.lora is not None:
+        model.lora.set_slots([slot for slot, count in zip(msg.lora_slots, msg.counts, strict=True)
+                              for _ in range(count)] if msg.lora_slots else [], device)
 
 
 def run_step(model: torch.nn.Module, cache: KVCache, msg: StepMessage,
@@ -104,6 +146,7 @@ def run_step(model: torch.nn.Module, cache: KVCache, msg: StepMessage,
     cache.copy(msg.copy)
     if not msg.input_ids:
         return None
+    set_lora_slots(model, msg, device)
     meta = build_attention_metadata(msg.block_tables, msg.starts, msg.counts, cache.block_size,
                                     num_queries_per_kv, device, attention_kernel, dtype,
                                     deterministic)

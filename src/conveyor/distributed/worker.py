@@ -52,7 +52,16 @@ def run_worker(spec: WorkerSpec) -> int:
         exchange_errors,
         init_group,
     )
-    from conveyor.distributed.step import INIT_CACHE, SHUTDOWN, receive_message, run_step
+    from conveyor.distributed.step import (
+        ENABLE_LORA,
+        INIT_CACHE,
+        LORA_SLOT,
+        SHUTDOWN,
+        receive_lora_slot,
+        receive_message,
+        run_step,
+    )
+    from conveyor.lora.adapter import module_shapes
     from conveyor.model.device import (
         TRIM_AFTER_TOKENS,
         configure_cpu_allocator,
@@ -104,6 +113,12 @@ def run_worker(spec: WorkerSpec) -> int:
                     cache = None  # the old one's memory goes first
                     cache = KVCache(len(model.layers), layer.num_kv_heads, layer.head_dim,
                                     block_size, num_blocks, num_cpu_blocks, kv_dtype, device)
+                    continue
+                if msg.kind == ENABLE_LORA:
+                    model.enable_lora(*msg.extra)
+                    continue
+                if msg.kind == LORA_SLOT:
+                    model.set_lora_slot(*receive_lora_slot(msg, module_shapes(model.config)))
                     continue
                 run_step(model, cache, msg, layer.num_heads // layer.num_kv_heads,
                          attention_kernel, dtype, device, deterministic)

@@ -18,9 +18,12 @@ import time
 import weakref
 from typing import Any
 
+import torch
+
 from conveyor.distributed.group import (
     ParallelConfig,
     backend_for,
+    broadcast,
     broadcast_object,
     destroy_group,
     exchange_errors,
@@ -174,6 +177,13 @@ class TensorParallelWorkers:
             raise self.failure()
         try:
             send_message(msg)
+        except Exception as e:
+            raise self.failure(e) from e
+
+    def send_tensor(self, t: torch.Tensor) -> None:
+        """Broadcast ``t`` after a message whose ranks expect it (LORA_SLOT)."""
+        try:
+            broadcast(t, 0)
         except Exception as e:
             raise self.failure(e) from e
 

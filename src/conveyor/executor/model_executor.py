@@ -19,7 +19,14 @@ import torch
 
 from conveyor.core.scheduler_output import ExecutorOutput, SchedulerOutput
 from conveyor.distributed.group import ParallelConfig
-from conveyor.distributed.step import INIT_CACHE, StepMessage, run_step
+from conveyor.distributed.step import (
+    ENABLE_LORA,
+    INIT_CACHE,
+    StepMessage,
+    lora_slot_message,
+    run_step,
+    set_lora_slots,
+)
 from conveyor.executor.pooler import Pooler, PoolingEntry
 from conveyor.executor.prompt_logprobs import PromptScoring, positions_to_score, score
 from conveyor.executor.spec_verify import Proposal, proposal_rows, verify
@@ -111,13 +118,17 @@ class ModelExecutor:
     def enable_lora(self, num_slots: int, max_rank: int) -> None:
         """Hold up to ``num_slots`` LoRA adapters of rank up to ``max_rank`` in the model."""
         if self.workers is not None:
-            raise ValueError("LoRA is not supported with tensor_parallel_size > 1")
+            self.workers.send(StepMessage(kind=ENABLE_LORA, extra=[num_slots, max_rank]))
         self.model.enable_lora(num_slots, max_rank)
         self._lora_slot_of = {}
 
     def set_lora_slot(self, slot: int, lora_id: int, adapter: LoRAAdapter) -> None:
         """Compute adapter ``lora_id``'s requests with ``adapter`` (its weights as
         ``conveyor.lora.adapter`` reads them) in ``slot``, in place of what the slot held."""
+        if self.workers is not None:
+            msg, payload = lora_slot_message(slot, adapter.weights, adapter.scale)
+            self.workers.send(msg)
+            self.workers.send_tensor(payload)
         self.model.set_lora_slot(slot, adapter.weights, adapter.scale)
         self._lora_slot_of = {i: s for i, s in self._lora_slot_of.items() if s != slot}
         self._lora_slot_of[lora_id] = slot
@@ -169,13 +180,11 @@ class ModelExecutor:
         scored_indices: list[int] = []  # their logits rows follow the sampling ones
         pooling: list[PoolingEntry] = []
         lora_slot_of = self._lora_slot_of  # None: no LoRA
-        row_slots: list[int] = []  # each flat row's adapter slot (0: the base model)
+        entry_slots: list[int] = []  # each entry's adapter slot (0: the base model)
         for i in order:
             seq, count = so.seqs[i], so.num_new_tokens[i]
             start = seq.num_computed_tokens
-            if lora_slot_of is not None:
-                lora_id = seq.group.lora_id
-                row_slots.extend([lora_slot_of[lora_id] if lora_id else 0] * count)
+            lora_slot = lora_slot_of[seq.group.lora_id] if seq.group.lora_id else 0
             if seq.spec_token_ids:  # a decode and its proposal: logits at every token
                 input_ids.extend(so.token_ids(i))
                 logits_indices.extend(range(len(input_ids) - count, len(input_ids)))
@@ -186,6 +195,7 @@ class ModelExecutor:
                     starts.extend(range(start, start + count))
                     counts.extend([1] * count)
                     tables.extend([seq.block_table] * count)
+                    entry_slots.extend([lora_slot] * count)
                     continue
             else:
                 scoring = positions_to_score(i, seq, start, count)
@@ -202,10 +212,11 @@ class ModelExecutor:
             starts.append(start)
             counts.append(count)
             tables.append(seq.block_table)
+            entry_slots.append(lora_slot)
 
         msg.input_ids, msg.starts, msg.counts, msg.block_tables = input_ids, starts, counts, tables
-        if lora_slot_of is not None:
-            self.model.lora.set_slots(row_slots, self.device)
+        if any(entry_slots):
+            msg.lora_slots = entry_slots
         msg.logits_indices = (logits_indices + scored_indices) or [len(input_ids) - 1]
         sampled: list[list[int]] = [[] for _ in range(n)]
         logprobs: list[list[dict[int, float]]] = [[] for _ in range(n)]
@@ -286,6 +297,7 @@ class ModelExecutor:
             cache.copy(msg.copy)
             if not msg.input_ids:
                 return None
+            set_lora_slots(self.model, msg, self.device)
             return self.cuda_runner.forward(msg.input_ids, msg.block_tables, msg.starts,
                                             msg.counts, msg.logits_indices, hidden_indices)
         if self.workers is not None:

@@ -41,6 +41,7 @@ from conveyor.model.layers.quantized import (
     pack_blocks,
 )
 from conveyor.model.layers.rotary import RotaryEmbedding, apply_rotary, rope_inv_freq
+from conveyor.model.shard_weights import weight_slice
 
 logger = logging.getLogger(__name__)
 
@@ -207,8 +208,6 @@ class LlamaForCausalLM(nn.Module):
         ``set_lora_slot``."""
         if self.lora is not None:
             raise ValueError("LoRA is already enabled on this model")
-        if self.tp is not None:
-            raise ValueError("LoRA is not supported with tensor_parallel_size > 1")
         self.lora = LoRAContext(num_slots)
         device = self.norm.weight.device
         for layer in self.layers:
@@ -240,6 +239,14 @@ class LlamaForCausalLM(nn.Module):
                  "down_proj": "down_proj"}
         parts: dict[tuple[int, str], dict[str, tuple[torch.Tensor, torch.Tensor]]] = {}
         for (i, module), (a, b) in weights.items():
+            if self.plan is not None:  # B's rows of a column-parallel projection, else A's columns
+                block = "self_attn" if module in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp"
+                part = weight_slice(f"model.layers.{i}.{block}.{module}.weight", self.plan,
+                                    self.config.head_dim)
+                if part.axis == 0:
+                    b = b[part.start:part.stop]
+                else:
+                    a = a[:, part.start:part.stop]
             parts.setdefault((i, fused[module]), {})[module] = (a, b * scale)
         for i, layer in enumerate(self.layers):
             for name in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"):
