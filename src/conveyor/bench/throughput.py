@@ -247,8 +247,10 @@ def run_conveyor(job: dict[str, Any]) -> SystemResult:
     if structured:
         label += f", structured {structured}"
     if loras:
+        pool = llm.llm_engine.lora_pool
         label += (f", {len(loras)} LoRA adapters of rank {job['lora']['rank']} (max_loras "
-                  f"{engine_args.max_loras})")
+                  f"{engine_args.max_loras}, max_cpu_loras {pool.max_host}: "
+                  f"{pool.num_installs} slot installs, {pool.num_reads} re-reads)")
     extra: dict[str, Any] = {
         "dtype": dtype,
         "kv_cache_dtype": kv_dtype,
