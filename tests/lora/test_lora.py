@@ -156,6 +156,22 @@ def test_tensor_parallel_adapters_equal_one_process(models) -> None:
         tp.llm_engine.shutdown()
 
 
+def test_structured_outputs_under_an_adapter_follow_the_grammar(models) -> None:
+    """A constrained request under an adapter picks what the merged model picks."""
+    from conveyor.core.structured_outputs_params import StructuredOutputsParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=4, structured_outputs=(
+        StructuredOutputsParams(choice=["w5", "w17", "w40"])))
+    prompts = [" ".join(f"w{t}" for t in p) for p in _prompts(3)]
+    merged = LLM(models["qv8_merged"], **ENGINE).generate(prompts, params, use_tqdm=False)
+    llm = LLM(models["base"], enable_lora=True, **ENGINE)
+    got = llm.generate(prompts, params, use_tqdm=False,
+                       lora_request=LoRARequest("qv8", 1, models["qv8"]))
+    texts = [o.outputs[0].text for o in got]
+    assert all(t.strip() in ("w5", "w17", "w40") for t in texts), texts
+    assert texts == [o.outputs[0].text for o in merged]
+
+
 def test_speculative_decoding_under_adapters_keeps_their_tokens(models) -> None:
     """n-gram proposals verified under each request's adapter: greedy tokens unchanged."""
     prompts = [p * 3 for p in _prompts(5)]  # repeats give the n-gram proposer matches
