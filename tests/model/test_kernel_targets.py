@@ -167,6 +167,24 @@ def test_fused_ops(ops) -> None:
         assert torch.equal(ops.argmax(logits), logits.max(dim=-1).indices)
 
 
+
+def test_lora_apply(ops) -> None:
+    """Every dtype on every build (fp16 converted in software without F16C), over enough rows for
+    the threads; columns whose B is zero keep y's values exactly (special ones included)."""
+    a, b = _randn(3, 24, 64) * 0.1, _randn(3, 24, 96, seed=1) * 0.1
+    a[0], b[0], b[:, :, :16] = 0, 0, 0
+    slots = torch.arange(40, dtype=torch.int32) % 3
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        x, y = _randn(40, 64, seed=2).to(dtype), _randn(40, 96, seed=3).to(dtype)
+        y[:, :5] = torch.tensor([2.0 ** -20, 65504.0, float("inf"), -float("inf"), 1 / 3])
+        got = y.clone()
+        ops.lora_apply(got, x, a, b, slots, 20)
+        expected = y.double() + torch.stack([
+            (a[s, :20].double() @ x[t].double()) @ b[s, :20].double()
+            for t, s in enumerate(slots.tolist())])
+        _close(got[:, 16:], expected[:, 16:].to(dtype), dtype, 4)
+        assert torch.equal(got[:, :16], y[:, :16])
+
 def test_paged_attention(ops) -> None:
     for dtype in (torch.float32, torch.bfloat16):
         block_size, kv_heads, heads, head_dim = 4, 2, 4, 32

@@ -22,6 +22,6 @@ def test_kernels_compile_for_h100_and_a100():
         assert out.returncode == 0, out.stderr[-3000:]
         lines = out.stdout.splitlines()
         kernels = {"kv_write", "decode_split", "decode_reduce", "rms_norm", "rotary",
-                   "silu_mul", "prefill"}
+                   "silu_mul", "prefill", "lora_shrink", "lora_expand"}
         assert len(lines) == len(kernels) * flags.count("--dtype") * flags.count("--head-dim")
         assert {line.split()[1] for line in lines} == kernels

@@ -22,6 +22,7 @@
 #include "block_matmul.cpp"
 #include "fused_ops.cpp"
 #include "int8_gemm.cpp"
+#include "lora.cpp"
 #include "paged_attention.cpp"
 #include "panel_gemm.cpp"
 

@@ -391,6 +391,48 @@ Tensor argmax_op(const Tensor& x) {
   return out;
 }
 
+// ---- lora.cpp ----
+
+// y [T, out] += each row's adapter update (lora.cpp): x [T, in] in y's dtype, a [S, R, in] and
+// b [S, R, out] float32 stacks, slots [T] int32 in 0..S-1, the first `width` of R rows.
+void lora_apply_op(const Tensor& y, const Tensor& x_in, const Tensor& a, const Tensor& b,
+                   const Tensor& slots, int64_t width) {
+  check_cpu(y, "y");
+  TORCH_CHECK(y.scalar_type() == at::kFloat || y.scalar_type() == at::kBFloat16 ||
+                  y.scalar_type() == at::kHalf,
+              "y must be float32, bfloat16 or float16, got ", dtype_name(y.scalar_type()));
+  TORCH_CHECK(y.dim() == 2, "y must be 2-D [tokens, out], got shape ", y.sizes());
+  check_contiguous(y, "y");
+  check_cpu(x_in, "x");
+  check_dtype(x_in, "x", y.scalar_type());
+  const Tensor x = unit_stride_rows(x_in, "x");
+  const int64_t rows = y.size(0), in = x.size(1), out = y.size(1);
+  TORCH_CHECK(x.size(0) == rows, "x must have ", rows, " rows (y's), got ", x.size(0));
+  check_multiple(in, kLanes, "x's width");
+  check_multiple(out, kLanes, "y's width");
+  TORCH_CHECK(a.dim() == 3, "a must be 3-D [slots, rank, in], got shape ", a.sizes());
+  const int64_t num_slots = a.size(0), rank = a.size(1);
+  TORCH_CHECK(num_slots > 0, "a must hold at least one slot (slot 0: no adapter)");
+  check_tensor(a, "a", at::kFloat, {num_slots, rank, in});
+  check_tensor(b, "b", at::kFloat, {num_slots, rank, out});
+  check_tensor(slots, "slots", at::kInt, {rows});
+  TORCH_CHECK(width >= 0 && width <= rank, "width must be in 0..", rank, " (a's rank), got ",
+              width);
+  const int32_t* s = data<const int32_t>(slots);
+  for (int64_t t = 0; t < rows; ++t)
+    TORCH_CHECK(s[t] >= 0 && s[t] < num_slots, "slots[", t, "] = ", s[t], " is not a slot of a (",
+                num_slots, " slots)");
+  auto run = [&](auto* type) {
+    using T = std::remove_pointer_t<decltype(type)>;
+    lora_apply<T>(data<T>(y), data<const T>(x), x.stride(0), data<const float>(a),
+                  data<const float>(b), s, rows, in, out, num_slots, rank, width, threads());
+  };
+  if (y.scalar_type() == at::kHalf)
+    run(static_cast<Half*>(nullptr));
+  else
+    with_type(y, run);
+}
+
 // ---- paged_attention.cpp ----
 
 struct CacheShape {
@@ -680,6 +722,8 @@ TORCH_LIBRARY(CONVEYOR_OPS_NAMESPACE, m) {
   m.def("silu_mul(Tensor gate_up) -> Tensor", &silu_mul_op);
   m.def("rotary(Tensor x, Tensor cos, Tensor sin, Tensor(a!) out) -> ()", &rotary_op);
   m.def("argmax(Tensor x) -> Tensor", &argmax_op);
+  m.def("lora_apply(Tensor(a!) y, Tensor x, Tensor a, Tensor b, Tensor slots, int width) -> ()",
+        &lora_apply_op);
   m.def("paged_attention(Tensor q, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor block_tables, "
         "Tensor context_lens, Tensor? token_seqs, float scale, Tensor(c!) out, Tensor? new_k, "
         "Tensor? new_v, Tensor? slot_mapping, bool deterministic=False) -> ()",

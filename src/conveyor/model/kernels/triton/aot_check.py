@@ -42,6 +42,7 @@ def _builds(dtype: str, head_dim: int, group: int = 3, block_size: int = 16, num
         decode_attention,
         elementwise,
         kv_write,
+        lora,
         prefill_attention,
         rms_norm,
     )
@@ -74,6 +75,12 @@ def _builds(dtype: str, head_dim: int, group: int = 3, block_size: int = 16, num
         NUM_HEADS=12, HALF=head_dim // 2, BLOCK_H=16, BLOCK_D=block_d // 2)
     yield "silu_mul", elementwise._silu_mul_kernel, {
         "gate_up_ptr": f"*{t}", "out_ptr": f"*{t}"}, (), dict(N=1536, BLOCK=1024)
+    yield "lora_shrink", lora._lora_shrink_kernel, {
+        "x_ptr": f"*{t}", "a_ptr": "*fp32", "slot_ptr": "*i32", "u_ptr": "*fp32"}, (), dict(
+        IN=1536, BLOCK_R=lora.block_r(48), BLOCK_K=lora.BLOCK_K)
+    yield "lora_expand", lora._lora_expand_kernel, {
+        "y_ptr": f"*{t}", "b_ptr": "*fp32", "slot_ptr": "*i32", "u_ptr": "*fp32"}, (), dict(
+        OUT=3072, BLOCK_R=lora.block_r(48), BLOCK_N=lora.BLOCK_N)
     block_m, block_n = prefill_attention.prefill_tiles(torch_dtype)
     yield "prefill", prefill_attention._prefill_kernel, {
         "q_ptr": f"*{t}", **cache, "out_ptr": f"*{t}", **tables, "query_start_ptr": "*i32"}, (
