@@ -1,8 +1,9 @@
 """`conveyor serve --data-parallel-size 2`: two replicas on a local Ray instance (2 CPUs, one torch
 thread each) behind one OpenAI endpoint, exercised over real HTTP.
 
-One fleet serves the whole module (starting Ray and loading two replicas is the slow part); the
-router comparison starts a second, round_robin fleet; the replica-kill test runs last.
+One fleet serves the whole module (starting Ray and loading two replicas is the slow part), with
+LoRA enabled and one adapter from the start; the router comparison starts a second, round_robin
+fleet; the replica-kill test runs last.
 """
 
 from __future__ import annotations
@@ -18,28 +19,66 @@ import openai
 import pytest
 from test_server_errors import CASES, _check
 
-from conftest import ServerProcess, engine_flags
+from conftest import ENGINE_KWARGS, ServerProcess, engine_flags
 
 pytest.importorskip("ray.serve")
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 FLEET_FLAGS = ["--data-parallel-size", "2", "--ray-num-cpus", "2", "--threads-per-replica", "1"]
 GROUPS, ROUNDS, PREFIX_BLOCKS = 5, 3, 8
+LORA_ENGINE = {"enable_lora": True, "max_loras": 2, "max_lora_rank": 8}  # the fleet's flags
+LORA_PROMPT = "Once upon a time"
 
 
-def _start(tmp_path_factory, router: str) -> ServerProcess:
+def _start(tmp_path_factory, router: str, flags: list[str] | None = None) -> ServerProcess:
     # Ray's router then asks each replica its queue length before every choice instead of
     # using a cached one (as after 10 s idle): the slow path where choices could be swapped.
-    s = ServerProcess(FLEET_FLAGS + ["--router", router] + engine_flags(),
+    s = ServerProcess(FLEET_FLAGS + ["--router", router] + engine_flags() + (flags or []),
                       tmp_path_factory.mktemp("fleet") / "log",
                       env={"RAY_SERVE_QUEUE_LENGTH_CACHE_TIMEOUT_S": "0"})
     s.wait_ready(timeout=400)
     return s
 
 
+def _write_adapter(model_config, path: str, seed: int) -> str:
+    """A rank-4 PEFT adapter on every layer's q_proj and v_proj of the served model, large
+    enough to change its greedy text."""
+    import json
+
+    import torch
+    from safetensors.torch import save_file
+
+    from conveyor.lora.adapter import module_shapes
+
+    shapes = module_shapes(model_config)
+    gen = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for layer in range(model_config.num_layers):
+        for module in ("q_proj", "v_proj"):
+            out, inp = shapes[module]
+            name = f"base_model.model.model.layers.{layer}.self_attn.{module}"
+            tensors[f"{name}.lora_A.weight"] = 0.1 * torch.randn(4, inp, generator=gen)
+            tensors[f"{name}.lora_B.weight"] = 0.1 * torch.randn(out, 4, generator=gen)
+    os.makedirs(path)
+    save_file(tensors, os.path.join(path, "adapter_model.safetensors"))
+    with open(os.path.join(path, "adapter_config.json"), "w") as f:
+        json.dump({"peft_type": "LORA", "r": 4, "lora_alpha": 8, "bias": "none",
+                   "target_modules": ["q_proj", "v_proj"]}, f)
+    return path
+
+
 @pytest.fixture(scope="module")
-def fleet(tmp_path_factory):
-    s = _start(tmp_path_factory, "prefix_affinity")
+def lora_dirs(llm, tmp_path_factory) -> dict[str, str]:
+    root = tmp_path_factory.mktemp("lora")
+    return {name: _write_adapter(llm.llm_engine.model_config, str(root / name), seed)
+            for seed, name in enumerate(("sql", "chat"))}
+
+
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory, lora_dirs):
+    s = _start(tmp_path_factory, "prefix_affinity",
+               ["--enable-lora", "--max-loras", "2", "--max-lora-rank", "8",
+                "--lora-modules", f"sql={lora_dirs['sql']}"])
     try:
         yield s
     finally:
@@ -153,6 +192,65 @@ def test_client_disconnect_aborts_on_the_replica(fleet) -> None:
         time.sleep(0.5)
 
 
+def test_lora_adapters_serve_from_every_replica_with_affinity(fleet, lora_dirs, one_thread,
+                                                             tmp_path) -> None:
+    """``--lora-modules`` and a run-time load reach both replicas (a bad adapter reaches none);
+    /v1/models lists them; each adapter's requests stay on one replica and answer as a
+    single-process engine does; an unloaded adapter is a 404 and leaves every replica."""
+    from conveyor.core.sampling_params import SamplingParams
+    from conveyor.engine.llm import LLM
+    from conveyor.lora.request import LoRARequest
+
+    url = fleet.base_url
+    loaded = httpx.post(url + "/v1/load_lora_adapter", timeout=60,
+                        json={"lora_name": "chat", "lora_path": lora_dirs["chat"]})
+    assert loaded.status_code == 200, loaded.text
+    bad = httpx.post(url + "/v1/load_lora_adapter", timeout=60,
+                     json={"lora_name": "bad", "lora_path": str(tmp_path)})
+    assert bad.status_code == 400 and "adapter_config.json" in bad.json()["error"]["message"]
+    models = {m["id"]: m for m in httpx.get(url + "/v1/models", timeout=30).json()["data"]}
+    base = next(name for name, m in models.items() if m["parent"] is None)
+    assert set(models) == {base, "sql", "chat"}
+    assert models["chat"]["parent"] == base and models["chat"]["root"] == lora_dirs["chat"]
+    replicas = httpx.get(url + "/health", timeout=30).json()["replicas"]
+    assert [r["loras"] for r in replicas.values()] == [["chat", "sql"]] * 2
+
+    before = fleet.metrics()
+    texts: dict[str, set[str]] = {}
+    for model in ("sql", "chat", base) * 2:
+        r = httpx.post(url + "/v1/completions", timeout=120, json={
+            "model": model, "prompt": LORA_PROMPT, "max_tokens": 6, "temperature": 0})
+        assert r.status_code == 200, r.text
+        texts.setdefault(model, set()).add(r.json()["choices"][0]["text"])
+    after = fleet.metrics()
+    for name in ("sql", "chat"):
+        key = "conveyor:router_lora_requests_total{{lora_name={},replica={}}}"
+        sent = sorted(after.get(key.format(name, r), 0) - before.get(key.format(name, r), 0)
+                      for r in replicas)
+        assert sent == [0, 2], (name, sent)  # both on the adapter's home
+
+    params = SamplingParams(max_tokens=6, temperature=0)
+    expected = {}
+    with one_thread():
+        llm = LLM(**ENGINE_KWARGS, **LORA_ENGINE)
+        for i, model in enumerate(("sql", "chat", base)):
+            lora = LoRARequest(model, i + 1, lora_dirs[model]) if model in lora_dirs else None
+            expected[model] = {llm.generate(LORA_PROMPT, params, lora_request=lora,
+                                            use_tqdm=False)[0].outputs[0].text}
+    assert texts == expected
+    assert len({t for ts in texts.values() for t in ts}) == 3  # the adapters change the text
+
+    gone = httpx.post(url + "/v1/unload_lora_adapter", json={"lora_name": "chat"}, timeout=60)
+    assert gone.status_code == 200, gone.text
+    missing = httpx.post(url + "/v1/completions", timeout=60,
+                         json={"model": "chat", "prompt": LORA_PROMPT, "max_tokens": 2})
+    assert missing.status_code == 404 and missing.json()["error"]["param"] == "model"
+    models = [m["id"] for m in httpx.get(url + "/v1/models", timeout=30).json()["data"]]
+    assert models == [base, "sql"]
+    replicas = httpx.get(url + "/health", timeout=30).json()["replicas"]
+    assert [r["loras"] for r in replicas.values()] == [["sql"]] * 2
+
+
 def _shared_prefix_hit_rate(server: ServerProcess) -> float:
     """GROUPS prompts sharing PREFIX_BLOCKS blocks each, ROUNDS requests per group, one request
     at a time (round_robin's order is then fixed: with an odd GROUPS a group alternates between
@@ -246,3 +344,9 @@ def test_killing_a_replica_loses_no_request_silently(fleet) -> None:
             break
         assert time.monotonic() < deadline, health
         time.sleep(2)
+    while True:  # the replacement gets the fleet's adapter
+        health = httpx.get(fleet.base_url + "/health", timeout=30).json()
+        if all(r.get("loras") == ["sql"] for r in health["replicas"].values()):
+            break
+        assert time.monotonic() < deadline, health
+        time.sleep(1)

@@ -71,3 +71,73 @@ def test_prefix_affinity_forgets_removed_replicas_and_short_prompts_balance() ->
 def test_unknown_router() -> None:
     with pytest.raises(ValueError, match="prefix_affinity"):
         make_router("random")
+
+
+def test_prefix_affinity_keeps_an_adapter_on_its_home() -> None:
+    """Short prompts (no prefix to match): an adapter's requests follow its home while the loads
+    stay within the margin; base-model requests still spread by load."""
+    r = make_router("prefix_affinity", block_size=4, balance_abs=2, balance_rel=1.5)
+    loads = {x: 0 for x in REPLICAS}
+    homes = {}
+    for adapter in ("sql", "chat"):
+        d = r.route(REPLICAS, [1, 2], loads, adapter=adapter)
+        assert not d.affinity_hit
+        homes[adapter] = d.replica
+        loads[d.replica] += 1
+    assert homes["sql"] != homes["chat"]  # a new adapter goes to the least loaded replica
+    for i in range(4):
+        for adapter in ("sql", "chat"):
+            d = r.route(REPLICAS, [3, i], loads, adapter=adapter)
+            assert d.replica == homes[adapter] and d.affinity_hit, (adapter, i, loads)
+        loads = {x: 0 for x in REPLICAS}  # their requests finished
+    base = [r.route(REPLICAS, [5, i], {}).replica for i in range(3)]
+    assert set(base) == set(REPLICAS)  # the base model keeps least_loaded's rotation
+    assert r.home("sql") == homes["sql"] and r.home("unseen") is None
+
+
+def test_prefix_affinity_moves_an_adapter_off_a_much_busier_home() -> None:
+    r = make_router("prefix_affinity", block_size=4, balance_abs=2, balance_rel=1.5)
+    home = r.route(REPLICAS, [1], {}, adapter=7).replica
+    loads = {x: 0 for x in REPLICAS}
+    loads[home] = 2  # least loaded + balance_abs: still home
+    assert r.route(REPLICAS, [1], loads, adapter=7).replica == home
+    loads[home] = 3  # over the margin: the least loaded replica, which becomes its home
+    d = r.route(REPLICAS, [1], loads, adapter=7)
+    assert d.replica != home and not d.affinity_hit
+    assert r.home(7) == d.replica
+    loads[d.replica] = 2
+    assert r.route(REPLICAS, [1], loads, adapter=7).replica == d.replica
+
+
+def test_prefix_affinity_matches_a_prefix_only_under_its_adapter() -> None:
+    """The same prompt under another adapter (or the base model) matches nothing: KV computed
+    under one adapter is not another's. A prefix held under the adapter beats its home."""
+    r = make_router("prefix_affinity", block_size=4)
+    base_home = r.route(REPLICAS, _prompt(3, 0), {}).replica
+    d = r.route(REPLICAS, _prompt(3, 1), {base_home: 1}, adapter="sql")
+    assert d.replica != base_home and d.matched_blocks == 0 and not d.affinity_hit
+    sql_prefix_home = d.replica
+    other = next(x for x in REPLICAS if x not in (base_home, sql_prefix_home))
+    loads = {base_home: 1, sql_prefix_home: 1, other: 0}
+    assert r.route(REPLICAS, [9], loads, adapter="sql").replica == sql_prefix_home  # home
+    d = r.route(REPLICAS, _prompt(3, 2), {}, adapter="sql")
+    assert d.replica == sql_prefix_home and d.matched_blocks == 3 and d.affinity_hit
+    d = r.route(REPLICAS, _prompt(3, 3), {}, adapter="chat")
+    assert d.matched_blocks == 0 and not d.affinity_hit
+
+
+def test_prefix_affinity_forgets_the_homes_on_a_removed_replica() -> None:
+    r = make_router("prefix_affinity", block_size=4)
+    home = r.route(REPLICAS, [1], {}, adapter="sql").replica
+    r.remove(home)
+    assert r.home("sql") is None
+    rest = [x for x in REPLICAS if x != home]
+    d = r.route(rest, [1], {}, adapter="sql")
+    assert d.replica in rest and r.home("sql") == d.replica
+
+
+@pytest.mark.parametrize("name", ["round_robin", "least_loaded"])
+def test_load_only_routers_ignore_adapters(name: str) -> None:
+    r = make_router(name)
+    picks = [r.route(REPLICAS, [1], {}, adapter="sql").replica for _ in range(3)]
+    assert sorted(picks) == sorted(REPLICAS)

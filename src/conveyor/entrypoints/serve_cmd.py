@@ -135,9 +135,6 @@ def _run(args: argparse.Namespace) -> int:
         lora_modules = parse_lora_modules(args.lora_modules)
     except ValueError as e:
         raise SystemExit(str(e)) from e
-    if (lora_modules or args.enable_lora) and on_ray:
-        raise SystemExit("LoRA adapters are not served by a Ray fleet yet: drop --enable-lora "
-                         "or --data-parallel-size / --ray-address")
     if lora_modules and not args.enable_lora:
         raise SystemExit("--lora-modules needs --enable-lora")
     server_kwargs = dict(
@@ -146,11 +143,12 @@ def _run(args: argparse.Namespace) -> int:
         log_level=args.log_level, security=security,
         limits=limits, reasoning_parser=args.reasoning_parser,
         access_log=AccessLogSettings(args.access_log, args.log_prompts),
-        ssl_keyfile=args.ssl_keyfile, ssl_certfile=args.ssl_certfile)
+        ssl_keyfile=args.ssl_keyfile, ssl_certfile=args.ssl_certfile,
+        lora_modules=lora_modules)
     if on_ray:
         from conveyor.entrypoints.ray_serve.launcher import FleetConfig, run_fleet
 
         fleet = FleetConfig(args.data_parallel_size, args.router, args.threads_per_replica,
                             args.ray_address, args.ray_num_cpus)
         return run_fleet(from_cli_args(args), fleet, **server_kwargs)
-    return run_server(from_cli_args(args), lora_modules=lora_modules, **server_kwargs)
+    return run_server(from_cli_args(args), **server_kwargs)

@@ -85,16 +85,22 @@ class ServerState:
         metrics.attach(async_engine)
         async_engine.start(asyncio.get_running_loop())
         self.metrics, self.engine = metrics, async_engine
+        if not await self.load_lora_modules():
+            return
+        logger.info("model %s loaded; max_model_len=%d; serving", self.model_names[0],
+                    engine.max_model_len)
+
+    async def load_lora_modules(self) -> bool:
+        """Serve the ``--lora-modules`` adapters; False (the server stops) if one fails."""
         for name, path in self.lora_modules.items():
             try:
                 await self.add_lora(name, path)
-            except ValueError as e:
+            except (ValueError, APIError) as e:
                 logger.error("cannot load LoRA adapter %r: %s", name, e)
                 self.load_error = e
                 self.on_fatal()
-                return
-        logger.info("model %s loaded; max_model_len=%d; serving", self.model_names[0],
-                    engine.max_model_len)
+                return False
+        return True
 
     def _build_engine(self) -> Any:
         if self.engine_factory is not None:

@@ -5,6 +5,11 @@ read), FleetState is the app's ServerState for it, FleetMetrics merges every rep
 A replica that dies before a request produced anything: the request is sent again (another
 replica, or Ray's replacement). One that dies mid-request: the request ends with a 503
 (streams: an error chunk, then [DONE]), never with a silently truncated answer.
+
+LoRA adapters load on every replica: FleetEngine.add_lora installs one on each live replica or,
+if any refuses it, on none; a replica that joins later (a replacement) gets the fleet's adapters
+from a background task within ``LORA_SYNC_PERIOD_S``, and until then its engine loads an adapter
+on the first request naming it.
 """
 
 from __future__ import annotations
@@ -25,11 +30,14 @@ from conveyor.engine.args import EngineArgs
 from conveyor.entrypoints.openai.errors import APIError
 from conveyor.entrypoints.openai.state import ServerState
 from conveyor.entrypoints.ray_serve.stats import RouterStats
+from conveyor.lora.request import LoRARequest
 
 logger = logging.getLogger("conveyor.serve")
 
 MAX_ATTEMPTS = 3  # sends of one request whose replica died before it produced any output
 REPLICA_CALL_TIMEOUT_S = 10.0
+LORA_CALL_TIMEOUT_S = 120.0  # a replica reading an adapter's files
+LORA_SYNC_PERIOD_S = 1.0  # how often replicas that joined are given the fleet's adapters
 
 
 @dataclass
@@ -49,6 +57,11 @@ class FleetEngine:
         self.error: BaseException | None = None
         self._responses: dict[str, Any] = {}  # request id -> its replica's response stream
         self._waiting_first_output = 0
+        self.loras: dict[int, LoRARequest] = {}  # adapters the fleet serves, by int id
+        self._installed: dict[str, set[int]] = {}  # replica -> adapters installed there
+        self._lora_lock = asyncio.Lock()  # one adapter change (or replica sync) at a time
+        self._sync_task: asyncio.Task[None] | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
 
     def num_queued_requests(self) -> int:
         """Requests accepted that have not produced their first output yet."""
@@ -57,13 +70,10 @@ class FleetEngine:
     async def generate(self, prompt: dict[str, Any], sampling_params: SamplingParams,
                        request_id: str, priority: int = 0,
                        fairness_key: str | None = None,
-                       lora_request: Any = None) -> AsyncIterator[Any]:
-        """``AsyncEngine.generate`` over the replicas (no LoRA adapters: ``conveyor serve``
-        refuses them for a fleet)."""
+                       lora_request: LoRARequest | None = None) -> AsyncIterator[Any]:
+        """``AsyncEngine.generate`` over the replicas; the router places a ``lora_request``'s
+        request with its adapter's affinity."""
         from ray.exceptions import RayActorError, RayTaskError
-
-        if lora_request is not None:
-            raise ValueError("LoRA adapters are not served by a Ray fleet")
 
         got_output = finished = False
         self._waiting_first_output += 1
@@ -71,7 +81,7 @@ class FleetEngine:
             for attempt in range(1, MAX_ATTEMPTS + 1):
                 response = self.handle.options(stream=True).generate.remote(
                     request_id=request_id, prompt=prompt, params=sampling_params,
-                    priority=priority, fairness_key=fairness_key)
+                    priority=priority, fairness_key=fairness_key, lora_request=lora_request)
                 self._responses[request_id] = response
                 try:
                     async for delta in response:
@@ -108,11 +118,106 @@ class FleetEngine:
         return len(responses)
 
     def stop(self) -> None:
+        if self._sync_task is not None and self._loop is not None:
+            self._loop.call_soon_threadsafe(self._sync_task.cancel)
         self.abort_all()
 
-    async def call_replica(self, method: str, replica: str) -> Any:
-        response = getattr(self.handle, method).remote(replica=replica)
-        return await asyncio.wait_for(response, REPLICA_CALL_TIMEOUT_S)
+    async def call_replica(self, method: str, replica: str, *args: Any,
+                           timeout: float = REPLICA_CALL_TIMEOUT_S) -> Any:
+        """``method(*args)`` on that replica; a ValueError it raised is raised as is."""
+        from ray.exceptions import RayTaskError
+
+        response = getattr(self.handle, method).remote(*args, replica=replica)
+        try:
+            return await asyncio.wait_for(response, timeout)
+        except RayTaskError as e:
+            if isinstance(e.cause, ValueError):
+                raise e.cause from None
+            raise
+
+    # ------------------------------------------------------------ LoRA adapters
+    def live_replicas(self) -> list[str]:
+        return self.router_stats.snapshot()["replicas"]
+
+    async def add_lora(self, lora_request: LoRARequest) -> None:
+        """Serve an adapter on every live replica. If one refuses it (ValueError: a bad
+        adapter) or fails, it is removed from those that took it, and the error raised."""
+        async with self._lora_lock:
+            replicas = self.live_replicas()
+            if not replicas:
+                raise APIError(503, "no replica is running to load the adapter",
+                               code="no_replicas")
+            results = await asyncio.gather(
+                *(self.call_replica("add_lora", r, lora_request, timeout=LORA_CALL_TIMEOUT_S)
+                  for r in replicas), return_exceptions=True)
+            errors = [(r, e) for r, e in zip(replicas, results, strict=True)
+                      if isinstance(e, BaseException)]
+            if errors:
+                # Every replica called, even one that timed out: it may have taken it since.
+                await self._remove_from(replicas, lora_request.lora_int_id)
+                replica, error = next(((r, e) for r, e in errors if isinstance(e, ValueError)),
+                                      errors[0])
+                if isinstance(error, ValueError):
+                    raise error
+                raise APIError(503, f"replica {replica} failed to load the adapter ({error!r}); "
+                               "no replica serves it", code="replica_failed") from None
+            self.loras[lora_request.lora_int_id] = lora_request
+            for r in replicas:
+                self._installed.setdefault(r, set()).add(lora_request.lora_int_id)
+
+    async def remove_lora(self, lora_int_id: int) -> bool:
+        """Stop serving an adapter on every replica (requests running under it finish under
+        it); False if the fleet did not serve it."""
+        async with self._lora_lock:
+            served = self.loras.pop(lora_int_id, None) is not None
+            await self._remove_from(self.live_replicas(), lora_int_id)
+        return served
+
+    async def _remove_from(self, replicas: list[str], lora_int_id: int) -> None:
+        results = await asyncio.gather(
+            *(self.call_replica("remove_lora", r, lora_int_id) for r in replicas),
+            return_exceptions=True)
+        for r, result in zip(replicas, results, strict=True):
+            self._installed.get(r, set()).discard(lora_int_id)
+            if isinstance(result, BaseException):
+                logger.warning("replica %s: removing LoRA adapter %d failed: %r", r,
+                               lora_int_id, result)
+
+    async def sync_loras(self) -> None:
+        """Install the fleet's adapters on replicas that joined since they were loaded."""
+        async with self._lora_lock:
+            live = self.live_replicas()
+            for gone in set(self._installed) - set(live):
+                del self._installed[gone]
+            for r in live:
+                installed = self._installed.setdefault(r, set())
+                for lora_int_id, lora in list(self.loras.items()):
+                    if lora_int_id in installed:
+                        continue
+                    try:
+                        await self.call_replica("add_lora", r, lora,
+                                                timeout=LORA_CALL_TIMEOUT_S)
+                    except Exception as e:  # noqa: BLE001 - its requests load it or fail
+                        logger.warning("replica %s: loading LoRA adapter %r failed: %r", r,
+                                       lora.lora_name, e)
+                    else:
+                        logger.info("replica %s: loaded LoRA adapter %r", r, lora.lora_name)
+                    installed.add(lora_int_id)  # tried: a refusal is not retried every period
+
+    def start_lora_sync(self) -> None:
+        """Keep the fleet's adapters on replicas that join (run on the server's event loop)."""
+        self._loop = asyncio.get_running_loop()
+        self._sync_task = self._loop.create_task(self._sync_loop())
+
+    async def _sync_loop(self) -> None:
+        while True:
+            await asyncio.sleep(LORA_SYNC_PERIOD_S)
+            if not self.loras:
+                continue
+            try:
+                await self.sync_loras()
+            except Exception:
+                logger.exception("installing LoRA adapters on new replicas failed")
 
 
 class FleetMetrics:
@@ -142,8 +247,14 @@ class FleetMetrics:
         requests = CounterMetricFamily("conveyor:router_requests",
                                        "Requests the router sent to each replica.", labels=labels)
         hits = CounterMetricFamily("conveyor:router_affinity_hits",
-                                   "Requests sent to a replica because it holds their prefix.",
-                                   labels=labels)
+                                   "Requests sent to a replica because it holds their prefix or "
+                                   "LoRA adapter.", labels=labels)
+        lora_requests = CounterMetricFamily(
+            "conveyor:router_lora_requests",
+            "Requests naming a LoRA adapter the router sent to each replica.",
+            labels=[*labels, "lora_name"])
+        for (r, lora_name), n in sorted(stats["lora_requests"].items()):
+            lora_requests.add_metric([self.model_name, r, lora_name], n)
         in_flight = GaugeMetricFamily("conveyor:router_in_flight_requests",
                                       "Requests routed to each replica and not finished.",
                                       labels=labels)
@@ -155,7 +266,7 @@ class FleetMetrics:
         live = GaugeMetricFamily("conveyor:replicas_live", "Replicas the router can route to.",
                                  labels=["model_name"])
         live.add_metric([self.model_name], len(replicas))
-        out = [*families.values(), requests, hits, in_flight, live]
+        out = [*families.values(), requests, hits, lora_requests, in_flight, live]
 
         class _Collected:
             def collect(self) -> list[Metric]:
@@ -190,6 +301,10 @@ class FleetState(ServerState):
         name = self.served_model_name or self.engine_args.model or info["model_name"]
         self.metrics = FleetMetrics(engine, name)  # type: ignore[assignment]
         self.engine = engine  # type: ignore[assignment]
+        if not await self.load_lora_modules():
+            return
+        if self.engine_args.enable_lora:
+            engine.start_lora_sync()
         logger.info("%d replica(s) of %s ready (router %s); serving",
                     len(router_stats.replicas), name, router_stats.policy)
 

@@ -1,8 +1,9 @@
 """One data-parallel replica: an LLMEngine driven by an AsyncEngine inside a Ray Serve replica.
 
 The ingress calls ``generate`` (streamed: one RequestOutput delta per item) through the
-ConveyorRequestRouter; ``info`` and ``metrics_text`` name the replica they want. Cancelling a
-``generate`` call (the client left) closes the stream, which aborts the engine request.
+ConveyorRequestRouter; ``info``, ``metrics_text``, ``health``, ``add_lora`` and ``remove_lora``
+name the replica they want. Cancelling a ``generate`` call (the client left) closes the stream,
+which aborts the engine request.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from typing import Any
 
 from conveyor.core.sampling_params import SamplingParams
 from conveyor.engine.args import EngineArgs
+from conveyor.lora.request import LoRARequest
 
 
 class ConveyorReplica:
@@ -36,6 +38,7 @@ class ConveyorReplica:
         self.model_name = served_model_name or engine_args.model or self.engine.model_config.name
         self.metrics = ServerMetrics(self.model_name)
         self._async_engine: Any = None
+        self._loras: dict[int, str] = {}  # adapters the ingress installed: int id -> name
 
     def _started(self) -> Any:
         """The AsyncEngine, started on the replica's event loop at the first call."""
@@ -49,11 +52,25 @@ class ConveyorReplica:
         return self._async_engine
 
     async def generate(self, request_id: str, prompt: dict[str, Any], params: SamplingParams,
-                       priority: int = 0, fairness_key: str | None = None) -> AsyncIterator[Any]:
-        async with aclosing(self._started().generate(prompt, params, request_id, priority,
-                                                     fairness_key)) as deltas:
+                       priority: int = 0, fairness_key: str | None = None,
+                       lora_request: LoRARequest | None = None) -> AsyncIterator[Any]:
+        # An adapter the ingress has not installed here yet (this replica just started) is
+        # loaded by the engine on its first request.
+        async with aclosing(self._started().generate(
+                prompt, params, request_id, priority, fairness_key,
+                lora_request=lora_request)) as deltas:
             async for delta in deltas:
                 yield delta
+
+    async def add_lora(self, lora_request: LoRARequest, replica: str | None = None) -> None:
+        """Serve an adapter (ValueError for a bad one, as ``AsyncEngine.add_lora``)."""
+        await self._started().add_lora(lora_request)
+        self._loras[lora_request.lora_int_id] = lora_request.lora_name
+
+    async def remove_lora(self, lora_int_id: int, replica: str | None = None) -> bool:
+        """Stop serving an adapter; its running requests finish under it."""
+        self._loras.pop(lora_int_id, None)
+        return await self._started().remove_lora(lora_int_id)
 
     async def info(self, replica: str | None = None) -> dict[str, Any]:
         engine = self._started()
@@ -68,7 +85,8 @@ class ConveyorReplica:
     async def health(self, replica: str | None = None) -> dict[str, Any]:
         s = self._started().stats
         return {"pid": os.getpid(), "node": os.uname().nodename, "running": s.num_running,
-                "waiting": s.num_waiting, "kv_usage": round(s.kv_usage, 4)}
+                "waiting": s.num_waiting, "kv_usage": round(s.kv_usage, 4),
+                "loras": sorted(self._loras.values())}
 
     def check_health(self) -> None:
         """Ray Serve calls this periodically; an exception marks the replica unhealthy and

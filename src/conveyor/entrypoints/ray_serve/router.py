@@ -1,8 +1,10 @@
 """A Ray Serve RequestRouter that places each engine request with a conveyor.routing policy.
 
 It runs in the process that holds the deployment handle (the HTTP ingress). ``generate`` calls
-are routed by the policy over the replicas' in-flight counts (routed minus completed, kept here);
-calls that name a ``replica`` (metrics, health, info) go to that replica only, busy or idle.
+are routed by the policy over the replicas' in-flight counts (routed minus completed, kept here)
+and the LoRA adapter they name (its ``lora_int_id``: an adapter loaded again under the same name
+starts afresh); calls that name a ``replica`` (metrics, health, info, adapter loads) go to that
+replica only, busy or idle.
 Counters for /metrics live in a RouterStats that the ingress reads: stats.py, because Ray Serve
 ships this module to the router pickled by value, with module globals of its own.
 """
@@ -32,7 +34,8 @@ class ConveyorRequestRouter(RequestRouter):
         self._policy = make_router(policy, block_size=block_size, **policy_kwargs)
         self._stats = stats_for(self._deployment_id.name)
         self._stats.policy = policy
-        self._decisions: dict[str, str | None] = {}  # request id -> replica chosen by prefix
+        # request id -> (replica chosen by prefix or adapter affinity, the adapter's name)
+        self._decisions: dict[str, tuple[str | None, str | None]] = {}
         self._routed_to: dict[str, str] = {}  # internal request id -> replica of a generate
 
     def update_replicas(self, replicas: list[RunningReplica]) -> None:
@@ -59,12 +62,15 @@ class ConveyorRequestRouter(RequestRouter):
         if pending_request.metadata.call_method != ROUTED_METHOD:
             return [candidate_replicas]
         prompt = pending_request.kwargs.get("prompt") or {}
+        lora = pending_request.kwargs.get("lora_request")
         ids = sorted(by_id)
         with self._stats.lock:
             loads = {rid: self._stats.in_flight.get(rid, 0) for rid in ids}
-        decision = self._policy.route(ids, prompt.get("prompt_token_ids") or [], loads)
+        decision = self._policy.route(ids, prompt.get("prompt_token_ids") or [], loads,
+                                      adapter=lora.lora_int_id if lora is not None else None)
         self._decisions[pending_request.metadata.internal_request_id] = (
-            decision.replica if decision.affinity_hit else None)
+            decision.replica if decision.affinity_hit else None,
+            lora.lora_name if lora is not None else None)
         chosen = by_id[decision.replica]
         # The rest are a fallback rank, used only if the chosen replica refuses (full or dying).
         return [[chosen], [r for r in candidate_replicas if r is not chosen]]
@@ -75,13 +81,15 @@ class ConveyorRequestRouter(RequestRouter):
             return
         request_id = pending_request.metadata.internal_request_id
         rid = replica_id.unique_id
-        hit = self._decisions.pop(request_id, None) == rid
+        affinity, lora_name = self._decisions.pop(request_id, (None, None))
         self._routed_to[request_id] = rid
         with self._stats.lock:
             self._stats.requests[rid] += 1
             self._stats.in_flight[rid] += 1
-            if hit:
+            if affinity == rid:
                 self._stats.affinity_hits[rid] += 1
+            if lora_name is not None:
+                self._stats.lora_requests[rid, lora_name] += 1
 
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
         rid = self._routed_to.pop(internal_request_id, None)

@@ -15,13 +15,15 @@ class RouterStats:
     lock: threading.Lock = field(default_factory=threading.Lock)
     replicas: list[str] = field(default_factory=list)  # live replica ids, as Serve reports them
     requests: Counter = field(default_factory=Counter)  # replica -> generate calls routed
-    affinity_hits: Counter = field(default_factory=Counter)  # replica -> of those, by prefix
+    affinity_hits: Counter = field(default_factory=Counter)  # replica -> of those, by affinity
+    lora_requests: Counter = field(default_factory=Counter)  # (replica, adapter name) -> calls
     in_flight: Counter = field(default_factory=Counter)  # replica -> routed, not completed
 
     def snapshot(self) -> dict:
         with self.lock:
             return {"policy": self.policy, "replicas": list(self.replicas),
                     "requests": dict(self.requests), "affinity_hits": dict(self.affinity_hits),
+                    "lora_requests": dict(self.lora_requests),
                     "in_flight": dict(self.in_flight)}
 
 
