@@ -62,6 +62,7 @@ class ServerState:
         self.reasoning_parser: ReasoningParser | None = None  # --reasoning-parser
         self.lora_modules: dict[str, str] = {}  # --lora-modules: loaded with the model
         self.loras: dict[str, LoRARequest] = {}  # adapters served, by the name clients send
+        self._adding_loras: set[str] = set()  # names whose adapter is being read
         self._lora_ids = itertools.count(1)
         self._preprocess = ThreadPoolExecutor(PREPROCESS_THREADS,
                                               thread_name_prefix="conveyor-preprocess",
@@ -149,10 +150,14 @@ class ServerState:
         if not self.engine_args.enable_lora:
             raise ValueError("this server does not serve LoRA adapters: start it with "
                              "--enable-lora")
-        if name in self.loras or name in self.model_names:
+        if name in self.loras or name in self._adding_loras or name in self.model_names:
             raise ValueError(f"the name {name!r} is already served")
         lora = LoRARequest(name, next(self._lora_ids), path)
-        await self.ready_engine().add_lora(lora)
+        self._adding_loras.add(name)  # a second load of the name while this one reads fails
+        try:
+            await self.ready_engine().add_lora(lora)
+        finally:
+            self._adding_loras.discard(name)
         self.loras[name] = lora
         return lora
 
