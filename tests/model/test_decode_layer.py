@@ -125,15 +125,16 @@ def test_fused_layers_equal_python_path(dtype, num_seqs, large, deterministic):
         assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1])
 
 
-def _tiny_model(dtype: torch.dtype = torch.float32, large: str | None = None) -> LlamaForCausalLM:
+def _tiny_model(dtype: torch.dtype = torch.float32, large: str | None = None,
+                deterministic: bool = False) -> LlamaForCausalLM:
     cfg = dataclasses.replace(CFG, num_layers=2)
     model = LlamaForCausalLM(cfg)
     g = torch.Generator().manual_seed(7)
     model.embed_tokens.data = torch.randn(cfg.vocab_size, cfg.hidden_size, generator=g)
     model.lm_head.weight.data = torch.randn(cfg.vocab_size, cfg.hidden_size, generator=g)
     model.to(dtype)
-    model.layers = torch.nn.ModuleList([quantized_layer(0, dtype, large),
-                                        quantized_layer(1, dtype, large)])
+    model.layers = torch.nn.ModuleList([quantized_layer(0, dtype, large, deterministic),
+                                        quantized_layer(1, dtype, large, deterministic)])
     return model
 
 
@@ -171,3 +172,61 @@ def test_fused_layers_are_used_only_where_they_apply(monkeypatch, dtype, large):
     partly = _tiny_model()
     partly.layers[1] = dense
     assert not partly.fuse_decode_layers() and partly.fused_decode is None
+
+
+def _adapter(cfg: ModelConfig, rank: int, modules: tuple[str, ...], seed: int):
+    """PEFT-shaped A [r, in] and B [out, r] per (layer, module)."""
+    g = torch.Generator().manual_seed(seed)
+    q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    shapes = {"q_proj": (cfg.hidden_size, q), "k_proj": (cfg.hidden_size, kv),
+              "v_proj": (cfg.hidden_size, kv), "o_proj": (q, cfg.hidden_size),
+              "gate_proj": (cfg.hidden_size, cfg.intermediate_size),
+              "up_proj": (cfg.hidden_size, cfg.intermediate_size),
+              "down_proj": (cfg.intermediate_size, cfg.hidden_size)}
+    return {(i, m): (torch.randn(rank, shapes[m][0], generator=g) * 0.1,
+                     torch.randn(shapes[m][1], rank, generator=g) * 0.1)
+            for i in range(cfg.num_layers) for m in modules}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("deterministic", [False, True], ids=["fast", "deterministic"])
+def test_fused_layers_add_lora_as_the_python_path(monkeypatch, dtype, deterministic):
+    """A decode step whose rows run under two adapters and the base model gives the Python path's
+    logits bit for bit through the one-call layers, also after a wider adapter is loaded."""
+    import conveyor.model.llama as llama
+
+    large = "panels" if panel_gemm_available(dtype) else None
+    model = _tiny_model(dtype, large, deterministic)
+    assert model.fuse_decode_layers()
+    if not model.fused_decode.serves(5):
+        pytest.skip(f"no block panels for {dtype} here: the fused layers serve no rows")
+    calls = []
+    real = llama.decode_layers
+    monkeypatch.setattr(llama, "decode_layers", lambda *a: calls.append(1) or real(*a))
+    cfg = model.config
+    model.enable_lora(num_slots=2, max_rank=8)
+    model.set_lora_slot(1, _adapter(cfg, 4, ("q_proj", "v_proj", "down_proj"), 1), 2.0)
+    model.set_lora_slot(2, _adapter(cfg, 2, ("k_proj", "o_proj", "gate_proj", "up_proj"), 2), 0.5)
+    x, residual, cos, sin, (k, v), meta = decode_step(5, dtype=dtype, deterministic=deterministic)
+    ids = torch.arange(5) % cfg.vocab_size
+
+    def logits(use_fused: bool, slots: list[int]) -> torch.Tensor:
+        fused = model.fused_decode
+        model.fused_decode = fused if use_fused else None
+        model.lora.set_slots(slots, torch.device("cpu"))
+        calls.clear()
+        out = model(ids, meta.positions, [(k.clone(), v.clone()) for _ in model.layers], meta,
+                    torch.arange(5))
+        model.fused_decode = fused
+        assert bool(calls) == use_fused
+        return out
+
+    slots = [1, 0, 2, 2, 1]
+    base = logits(True, [0] * 5)
+    got = logits(True, slots)
+    assert torch.equal(got, logits(False, slots))
+    assert torch.equal(got[1], base[1]) and not torch.equal(got[0], base[0])
+    model.set_lora_slot(2, _adapter(cfg, 8, ("q_proj", "k_proj", "v_proj", "o_proj", "up_proj"),
+                                    3), 1.0)  # widths grow: q/k/v to 24 rows
+    got = logits(True, slots)
+    assert torch.equal(got, logits(False, slots)) and torch.equal(got[1], base[1])

@@ -241,6 +241,25 @@ def test_decode_layers() -> None:
         fn(**{**run, "k_caches": [cache, cache]})
     refuses(fn, run, "slot_mapping", torch.tensor([0, 16]), "slot_mapping.1. = 16 is not a cache row")
 
+    # LoRA stacks (a, b per projection) and a step's slots
+    stack = lambda k: torch.zeros(3, 8, k)  # noqa: E731
+    stacks = [stack(hidden), stack((heads + 2 * kv_heads) * head_dim), stack(heads * head_dim),
+              stack(hidden), stack(hidden), stack(2 * inter), stack(inter), stack(hidden)]
+    lora = dict(lora_slots=torch.tensor([0, 2], dtype=torch.int32), lora_widths=[8, 0, 3, 8])
+    with pytest.raises(RuntimeError, match="weights holds no LoRA stacks"):
+        fn(**run, **lora)
+    with pytest.raises(RuntimeError, match="gate_up's b must have shape"):
+        layers.set_lora(0, stacks[:5] + [stack(inter)] + stacks[6:])
+    with pytest.raises(RuntimeError, match="down's a must be float32"):
+        layers.set_lora(0, stacks[:6] + [stack(inter).double(), stack(hidden)])
+    assert not layers.has_lora()
+    layers.set_lora(0, stacks)
+    fn(**run, **lora)
+    refuses(fn, {**run, **lora}, "lora_slots", torch.tensor([0, 3], dtype=torch.int32),
+            r"lora_slots\[1\] = 3 is not a slot")
+    refuses(fn, {**run, **lora}, "lora_widths", [8, 0, 9, 8], r"lora_widths\[2\] must be in 0..8")
+    refuses(fn, {**run, **lora}, "lora_widths", [8], "4 widths per layer")
+
 
 @pytest.mark.skipif("avx2" not in kernel_features(), reason="needs AVX2")
 def test_decode_layers_block_panels() -> None:

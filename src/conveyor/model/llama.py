@@ -107,6 +107,14 @@ class DecoderLayer(nn.Module):
             self.head_dim, self.input_norm.eps,
             [isinstance(p.quantized, BlockPanels) for p in projections])
 
+    def decode_lora(self) -> list[LoRALayer]:
+        """This layer's LoRA stacks for ``kernels/decode_layer.cpp``, per projection in its
+        order (after ``LlamaForCausalLM.enable_lora``)."""
+        projections = (self.qkv_proj, self.o_proj, self.gate_up_proj, self.down_proj)
+        if any(p.lora is None for p in projections):
+            raise ValueError("LoRA is not enabled on this layer")
+        return [p.lora for p in projections]
+
     def _attention(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                    k_cache: torch.Tensor, v_cache: torch.Tensor,
                    meta: AttentionMetadata) -> torch.Tensor:
@@ -179,13 +187,15 @@ class LlamaForCausalLM(nn.Module):
         x = torch.zeros_like(residual)
         cos, sin = self.rotary.cos_sin(positions, residual.dtype)
         fused = self.fused_decode
-        if self.lora is not None and self.lora.active:
-            fused = None  # the one-call decode kernel has no LoRA
         if (fused is not None and meta.decode_only and fused.serves(x.shape[0])
                 and kv_caches[0][0].dtype == x.dtype):  # a float32 model's cache may be bf16
+            lora_slots = self.lora.slots if self.lora is not None else None
+            if lora_slots is not None and fused.lora is None:
+                # enable_lora allocates the stacks after the layers were fused, once
+                fused.set_lora([layer.decode_lora() for layer in self.layers])
             x = decode_layers(fused, x, residual, cos, sin, kv_caches, meta.slot_mapping,
                               meta.kernel.block_tables, meta.kernel.context_lens,
-                              meta.kernel.deterministic)
+                              meta.kernel.deterministic, lora_slots)
         else:
             for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
                 x = layer(x, residual, cos, sin, k_cache, v_cache, meta)

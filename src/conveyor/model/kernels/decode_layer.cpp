@@ -10,6 +10,9 @@
 //   residual += a @ Wo^T; h = rms_norm(residual)       (post_norm)
 //   out = (silu(h @ Wgate^T) * (h @ Wup^T)) @ Wdown^T
 //
+// With a step's LoRA slots, each projection's output then gets its rows' adapter updates
+// (lora.cpp's lora_apply, as layers/lora.py adds them on the Python path).
+//
 // where each matmul is the 4-bit block kernel up to its max_block_rows rows and above them the
 // integer GEMM of int8_gemm.cpp where the weight has Int8Panels, else the panel GEMM (as Linear
 // picks), so its results equal the layer's Python path bit for bit (the tests check). The
@@ -39,13 +42,36 @@ struct Weight {  // a projection [n_out, k]: 4-bit as NibbleInt4 or BlockPanels 
   int64_t block_panels;  // nonzero: codes, scale and minimum are BlockPanels (panel_gemm.cpp)
 };
 
+struct LoraStack {  // a projection's adapters: lora.cpp's a [slots, rank, in], b [slots, rank, out]
+  const float* a = nullptr;  // null: no LoRA
+  const float* b = nullptr;
+  int64_t rank = 0;
+};
+
 struct LayerWeights {
   const void* input_norm;  // [hidden] in the activations' type, as post_norm
   const void* post_norm;
   Weight qkv, o, gate_up, down;
   int64_t hidden, num_heads, num_kv_heads, head_dim, intermediate;
   float eps;
+  LoraStack lora[4] = {};  // qkv, o, gate_up, down
 };
+
+struct LoraStep {  // a step's rows under adapters
+  const int32_t* slots = nullptr;  // [rows] slot of each row; null: no LoRA this step
+  const int64_t* widths = nullptr;  // of the layer's four stacks, the rows of rank in use
+  int64_t num_slots = 0;
+};
+
+// y [rows, out] += its rows' updates from projection p's stacks, x [rows, in] contiguous.
+template <typename T>
+void add_lora(T* y, const T* x, const LayerWeights* w, int p, const LoraStep& step,
+              int64_t rows, int64_t in, int64_t out, int num_threads) {
+  const LoraStack& s = w->lora[p];
+  if (step.slots && s.a)
+    lora_apply<T>(y, x, in, s.a, s.b, step.slots, rows, in, out, step.num_slots, s.rank,
+                  step.widths[p], num_threads);
+}
 
 void panel_matmul(float* y, const float* x, const void* panels, int64_t rows, int64_t n,
                   int64_t k, int num_threads) {
@@ -129,7 +155,7 @@ void decode_layer(const LayerWeights* w, T* out, const T* x, T* residual, int64_
                   const T* cos, const T* sin, T* k_cache, T* v_cache, int64_t block_size,
                   const int64_t* slot_mapping, const int32_t* block_tables,
                   const int32_t* context_lens, int64_t max_blocks, float scale,
-                  Activations<T>& a, int num_threads, bool deterministic) {
+                  Activations<T>& a, int num_threads, bool deterministic, const LoraStep& lora) {
   const int64_t hidden = w->hidden, hd = w->head_dim, inter = w->intermediate;
   const int64_t q_heads = w->num_heads, kv_heads = w->num_kv_heads;
   const int64_t qk_width = (q_heads + kv_heads) * hd;
@@ -141,6 +167,7 @@ void decode_layer(const LayerWeights* w, T* out, const T* x, T* residual, int64_
 
   rms_norm<T>(h, x, residual, input_norm, rows, hidden, hidden, w->eps, num_threads);
   matmul(qkv, h, w->qkv, rows, hidden, a.quantized, num_threads);
+  add_lora(qkv, h, w, 0, lora, rows, hidden, qkv_width, num_threads);
   rotary<T>(qk, qkv, cos, sin, rows, q_heads + kv_heads, hd, qkv_width, qk_width,
             num_threads);
   const NewKV<T> new_kv{qk + q_heads * hd, qkv + qk_width, qk_width, qkv_width,
@@ -149,11 +176,14 @@ void decode_layer(const LayerWeights* w, T* out, const T* x, T* residual, int64_
                      context_lens, rows, q_heads, kv_heads, hd, block_size, max_blocks, qk_width,
                      scale, num_threads, deterministic);
   matmul(proj, attn, w->o, rows, q_heads * hd, a.quantized, num_threads);
+  add_lora(proj, attn, w, 1, lora, rows, q_heads * hd, hidden, num_threads);
   rms_norm<T>(h, proj, residual, post_norm, rows, hidden, hidden, w->eps,
               num_threads);
   matmul(gate_up, h, w->gate_up, rows, hidden, a.quantized, num_threads);
+  add_lora(gate_up, h, w, 2, lora, rows, hidden, 2 * inter, num_threads);
   silu_mul<T>(act, gate_up, rows, inter, num_threads);
   matmul(out, act, w->down, rows, inter, a.quantized, num_threads);
+  add_lora(out, act, w, 3, lora, rows, inter, hidden, num_threads);
 }
 
 }  // namespace

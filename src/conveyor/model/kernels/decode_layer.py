@@ -5,12 +5,16 @@
 load time from each layer's ``DecodeLayerWeights``: the C++ side checks every tensor's dtype,
 shape and contiguity against the layer's sizes as it is added, and keeps the tensors alive.
 ``decode_layer_available()`` builds the kernels on first use (see ``build.py``);
-``CONVEYOR_KERNELS=off`` turns them off.
+``CONVEYOR_KERNELS=off`` turns them off. ``set_lora`` gives the layers a model's LoRA stacks:
+decode steps whose rows run under adapters then add their updates after each projection, as the
+Python path does (``kernels/lora_ops.py``).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -41,6 +45,15 @@ class DecodeLayerWeights:
     block_panels: list[bool] | None = None  # None: none are
 
 
+class LoRAStacks(Protocol):
+    """A projection's LoRA adapters (``layers/lora.LoRALayer``): ``a`` [slots, R, in] and ``b``
+    [slots, R, out], float32, written in place, and the rows of R in use, ``width``, which
+    grows when a wider adapter is loaded."""
+    a: torch.Tensor
+    b: torch.Tensor
+    width: int
+
+
 class DecodeLayers:
     """A model's layers for ``decode_layers``, in order, and the most rows (decode tokens) they
     serve: None for any number."""
@@ -59,20 +72,39 @@ class DecodeLayers:
         max_rows = self.weights.max_rows()
         self.max_rows = None if max_rows < 0 else max_rows
         self.run = ops.decode_layers.default
+        self.lora: list[LoRAStacks] | None = None  # every layer's, in PROJECTIONS order
 
     def serves(self, rows: int) -> bool:
         return self.max_rows is None or rows <= self.max_rows
+
+    def set_lora(self, stacks: Sequence[Sequence[LoRAStacks]]) -> None:
+        """Each layer's LoRA stacks, per projection in ``PROJECTIONS`` order. The C++ side checks
+        their shapes and holds the tensors: stacks allocated once and written in place serve
+        every later call, each call reading the widths."""
+        if len(stacks) != self.num_layers:
+            raise ValueError(f"need the stacks of {self.num_layers} layers, got {len(stacks)}")
+        for i, layer in enumerate(stacks):
+            self.weights.set_lora(i, [t for p in layer for t in (p.a, p.b)])
+        self.lora = [p for layer in stacks for p in layer]
 
 
 def decode_layers(layers: DecodeLayers, x: torch.Tensor, residual: torch.Tensor,
                   cos: torch.Tensor, sin: torch.Tensor,
                   kv_caches: list[tuple[torch.Tensor, torch.Tensor]], slot_mapping: torch.Tensor,
                   block_tables: torch.Tensor, context_lens: torch.Tensor,
-                  deterministic: bool = False) -> torch.Tensor:
+                  deterministic: bool = False,
+                  lora_slots: torch.Tensor | None = None) -> torch.Tensor:
     """Runs every layer on ``x`` [T, hidden] (one decode token per row) and returns the last
     layer's output, written over ``x``; ``residual`` is updated in place and each layer's K/V
     are written to their slots, as the Python path does. Every tensor but the index ones is in
-    the layers' dtype. ``deterministic``: attention as ``kernel_attention`` computes it so."""
+    the layers' dtype. ``deterministic``: attention as ``kernel_attention`` computes it so.
+    ``lora_slots`` [T] int32: each row's LoRA slot (0: none) in the stacks of ``set_lora``."""
+    widths = []
+    if lora_slots is not None:
+        if layers.lora is None:
+            raise ValueError("lora_slots need the layers' LoRA stacks (set_lora)")
+        widths = [p.width for p in layers.lora]
     layers.run(layers.weights, x, residual, cos, sin, [k for k, _ in kv_caches],
-               [v for _, v in kv_caches], slot_mapping, block_tables, context_lens, deterministic)
+               [v for _, v in kv_caches], slot_mapping, block_tables, context_lens, deterministic,
+               lora_slots, widths)
     return x

@@ -647,15 +647,57 @@ struct DecodeLayers : torch::CustomClassHolder {
     layers.push_back(w);
   }
 
+  // Layer `layer`'s LoRA stacks (layers/lora.py), a and b per projection in qkv, o, gate_up,
+  // down order: a [slots, rank, in] and b [slots, rank, out] float32, every layer's of one
+  // number of slots. Held by reference: written in place, they serve every later call.
+  void set_lora(int64_t layer, const std::vector<Tensor>& stacks) {
+    TORCH_CHECK(layer >= 0 && layer < num_layers(), "layer must be in 0..", num_layers() - 1,
+                ", got ", layer);
+    TORCH_CHECK(stacks.size() == 8, "stacks must hold a and b of 4 projections, got ",
+                stacks.size(), " tensors");
+    LayerWeights& w = layers[layer];
+    const int64_t q_size = w.num_heads * w.head_dim;
+    const int64_t sizes[4][2] = {{w.hidden, w.qkv.n_out}, {q_size, w.hidden},
+                                 {w.hidden, 2 * w.intermediate}, {w.intermediate, w.hidden}};
+    const char* names[4] = {"qkv", "o", "gate_up", "down"};
+    int64_t slots = lora_slots_;
+    for (int p = 0; p < 4; ++p) {
+      const std::string name = names[p];
+      const Tensor& a = stacks[2 * p];
+      const Tensor& b = stacks[2 * p + 1];
+      TORCH_CHECK(a.dim() == 3, name, "'s a must be 3-D [slots, rank, in], got shape ", a.sizes());
+      if (slots < 0) slots = a.size(0);
+      check_tensor(a, (name + "'s a").c_str(), at::kFloat, {slots, a.size(1), sizes[p][0]});
+      check_tensor(b, (name + "'s b").c_str(), at::kFloat, {slots, a.size(1), sizes[p][1]});
+    }
+    TORCH_CHECK(slots > 0, "the stacks must hold at least one slot (slot 0: no adapter)");
+    lora_slots_ = slots;
+    for (int p = 0; p < 4; ++p)
+      w.lora[p] = LoraStack{data<const float>(stacks[2 * p]), data<const float>(stacks[2 * p + 1]),
+                            stacks[2 * p].size(1)};
+    if (lora_tensors.size() < layers.size()) lora_tensors.resize(layers.size());
+    lora_tensors[layer] = stacks;
+  }
+
   int64_t max_rows() const { return max_rows_; }
   int64_t num_layers() const { return static_cast<int64_t>(layers.size()); }
+  bool has_lora() const {
+    for (const LayerWeights& w : layers)
+      if (!w.lora[0].a) return false;
+    return !layers.empty();
+  }
+
+  std::vector<std::vector<Tensor>> lora_tensors;  // per layer, what set_lora took
+  int64_t lora_slots_ = -1;  // the stacks' slots, once set
 };
 
 void decode_layers_op(const c10::intrusive_ptr<DecodeLayers>& weights, const Tensor& x,
                    const Tensor& residual, const Tensor& cos, const Tensor& sin,
                    const std::vector<Tensor>& k_caches, const std::vector<Tensor>& v_caches,
                    const Tensor& slot_mapping, const Tensor& block_tables,
-                   const Tensor& context_lens, bool deterministic) {
+                   const Tensor& context_lens, bool deterministic,
+                   const std::optional<Tensor>& lora_slots,
+                   const std::vector<int64_t>& lora_widths) {
   const auto& layers = weights->layers;
   TORCH_CHECK(!layers.empty(), "weights holds no layers");
   const LayerWeights& first = layers[0];
@@ -682,6 +724,25 @@ void decode_layers_op(const c10::intrusive_ptr<DecodeLayers>& weights, const Ten
     check_tensor(v_caches[i], v_name.c_str(), weights->dtype, k_caches[0].sizes());
   }
   check_indices(c, rows, block_tables, context_lens, std::nullopt, slot_mapping);
+  LoraStep lora;
+  if (lora_slots) {
+    TORCH_CHECK(weights->has_lora(), "lora_slots given, but weights holds no LoRA stacks "
+                "(set_lora)");
+    check_tensor(*lora_slots, "lora_slots", at::kInt, {rows});
+    lora.slots = data<const int32_t>(*lora_slots);
+    lora.num_slots = weights->lora_slots_;
+    for (int64_t t = 0; t < rows; ++t)
+      TORCH_CHECK(lora.slots[t] >= 0 && lora.slots[t] < lora.num_slots, "lora_slots[", t,
+                  "] = ", lora.slots[t], " is not a slot of the stacks (", lora.num_slots,
+                  " slots)");
+    TORCH_CHECK(static_cast<int64_t>(lora_widths.size()) == 4 * weights->num_layers(),
+                "lora_widths needs 4 widths per layer (", 4 * weights->num_layers(), "), got ",
+                lora_widths.size());
+    for (size_t i = 0; i < lora_widths.size(); ++i)
+      TORCH_CHECK(lora_widths[i] >= 0 && lora_widths[i] <= layers[i / 4].lora[i % 4].rank,
+                  "lora_widths[", i, "] must be in 0..", layers[i / 4].lora[i % 4].rank,
+                  " (its stacks' rank), got ", lora_widths[i]);
+  }
   // As Python's head_dim ** -0.5 (the same libm pow), rounded to float.
   const float scale = static_cast<float>(std::pow(static_cast<double>(first.head_dim), -0.5));
   with_type(x, [&](auto* type) {
@@ -694,7 +755,9 @@ void decode_layers_op(const c10::intrusive_ptr<DecodeLayers>& weights, const Ten
                       data<const T>(cos), data<const T>(sin), data<T>(k_caches[i]),
                       data<T>(v_caches[i]), c.block_size, data<const int64_t>(slot_mapping),
                       data<const int32_t>(block_tables), data<const int32_t>(context_lens),
-                      block_tables.size(1), scale, activations, threads(), deterministic);
+                      block_tables.size(1), scale, activations, threads(), deterministic,
+                      lora.slots ? LoraStep{lora.slots, lora_widths.data() + 4 * i, lora.num_slots}
+                                 : lora);
   });
 }
 
@@ -705,6 +768,8 @@ TORCH_LIBRARY(CONVEYOR_OPS_NAMESPACE, m) {
   m.class_<DecodeLayers>("DecodeLayers")
       .def(torch::init<>())
       .def("add_layer", &DecodeLayers::add_layer)
+      .def("set_lora", &DecodeLayers::set_lora)
+      .def("has_lora", &DecodeLayers::has_lora)
       .def("max_rows", &DecodeLayers::max_rows)
       .def("num_layers", &DecodeLayers::num_layers);
   m.def("features() -> str[]", &features_op);
@@ -732,6 +797,6 @@ TORCH_LIBRARY(CONVEYOR_OPS_NAMESPACE, m) {
         ".DecodeLayers weights, Tensor(a!) x, Tensor(b!) residual, "
         "Tensor cos, Tensor sin, Tensor(c!)[] k_caches, Tensor(d!)[] v_caches, "
         "Tensor slot_mapping, Tensor block_tables, Tensor context_lens, "
-        "bool deterministic=False) -> ()",
+        "bool deterministic=False, Tensor? lora_slots=None, int[] lora_widths=[]) -> ()",
         &CONVEYOR_OPS_NAMESPACE::decode_layers_op);
 }
