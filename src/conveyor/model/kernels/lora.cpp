@@ -139,7 +139,12 @@ inline void lora_expand(T* const* y, const float* const* u, const float* b, int6
   vfloat acc[G][V] = {};
   for (int64_t r = 0; r < width; ++r) {
     vfloat bv[V];
-    for (int v = 0; v < V; ++v) bv[v] = load(b + r * out + v * kLanes);
+    for (int v = 0; v < V; ++v) {
+      bv[v] = load(b + r * out + v * kLanes);
+      // The stacks come from memory in a decode step (every layer's adapters are read once),
+      // and the prefetchers do not follow `width` rows read a few lines at a time.
+      __builtin_prefetch(b + r * out + (V + v) * kLanes);
+    }
     for (int g = 0; g < G; ++g) {
       const vfloat ur = u[g][r] - vfloat{};  // a broadcast (see F32::broadcast)
       for (int v = 0; v < V; ++v) acc[g][v] += ur * bv[v];
@@ -180,12 +185,12 @@ void lora_apply(T* y, const T* x, int64_t ldx, const float* a, const float* b,
   const LoraGroup* group_of = groups.data();
 #pragma omp parallel num_threads(num_threads) if (active * width * (in + out) >= kLoraParallelWork)
   {
-    // A thread's tasks are a range of rank blocks (then columns) over every group: it reads
-    // its slice of each slot's stacks once per group of that slot, from cache after the first.
+    // Tasks go group by group, a thread's in one range: it streams through a[s, :width]
+    // (contiguous), then along b[s]'s rows.
 #pragma omp for schedule(static)
-    for (int64_t task = 0; task < rank_blocks * num_groups; ++task) {
-      const LoraGroup& g = group_of[task % num_groups];
-      const int64_t r0 = task / num_groups * kLoraRanks;
+    for (int64_t task = 0; task < num_groups * rank_blocks; ++task) {
+      const LoraGroup& g = group_of[task / rank_blocks];
+      const int64_t r0 = task % rank_blocks * kLoraRanks;
       const T* xs[kLoraGroupRows];
       float* us[kLoraGroupRows];
       for (int i = 0; i < g.count; ++i) {
@@ -201,9 +206,9 @@ void lora_apply(T* y, const T* x, int64_t ldx, const float* a, const float* b,
       });
     }
 #pragma omp for schedule(static)
-    for (int64_t task = 0; task < column_blocks * num_groups; ++task) {
-      const LoraGroup& g = group_of[task % num_groups];
-      const int64_t j = task / num_groups * kLoraVectors * kLanes;
+    for (int64_t task = 0; task < num_groups * column_blocks; ++task) {
+      const LoraGroup& g = group_of[task / column_blocks];
+      const int64_t j = task % column_blocks * kLoraVectors * kLanes;
       T* ys[kLoraGroupRows];
       const float* us[kLoraGroupRows];
       for (int i = 0; i < g.count; ++i) {
