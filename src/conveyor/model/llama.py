@@ -190,9 +190,6 @@ class LlamaForCausalLM(nn.Module):
         if (fused is not None and meta.decode_only and fused.serves(x.shape[0])
                 and kv_caches[0][0].dtype == x.dtype):  # a float32 model's cache may be bf16
             lora_slots = self.lora.slots if self.lora is not None else None
-            if lora_slots is not None and fused.lora is None:
-                # enable_lora allocates the stacks after the layers were fused, once
-                fused.set_lora([layer.decode_lora() for layer in self.layers])
             x = decode_layers(fused, x, residual, cos, sin, kv_caches, meta.slot_mapping,
                               meta.kernel.block_tables, meta.kernel.context_lens,
                               meta.kernel.deterministic, lora_slots)
@@ -234,6 +231,8 @@ class LlamaForCausalLM(nn.Module):
                 device)
             layer.down_proj.lora = LoRALayer(self.lora, {"down_proj": (0, hidden)}, inter,
                                              max_rank, device)
+        if self.fused_decode is not None:
+            self.fused_decode.set_lora([layer.decode_lora() for layer in self.layers])
         return self.lora
 
     def set_lora_slot(self, slot: int,
@@ -399,6 +398,8 @@ class LlamaForCausalLM(nn.Module):
         except RuntimeError as exc:  # sizes the kernel does not take: the per-layer path
             logger.info("decode layers stay separate: %s", exc)
             return False
+        if self.lora is not None:
+            self.fused_decode.set_lora([layer.decode_lora() for layer in self.layers])
         return True
 
     def num_params(self) -> int:
