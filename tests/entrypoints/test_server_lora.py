@@ -55,6 +55,10 @@ def test_adapters_answer_as_their_merged_models(served, models) -> None:
         texts[name] = r.choices[0].text
         assert texts[name] == _merged_text(models, name), name
     assert len(set(texts.values())) == 3
+    metrics = httpx.get(served.base_url + "/metrics", timeout=60).text
+    installs = next(line for line in metrics.splitlines()
+                    if line.startswith("conveyor:lora_slot_installs_total"))
+    assert float(installs.split()[-1]) >= 3  # three adapters through two slots
 
 
 def test_unloading_while_requests_run_loses_none(served, models) -> None:

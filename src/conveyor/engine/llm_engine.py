@@ -428,6 +428,11 @@ class LLMEngine:
         stats.prompt_tokens_total = self._prompt_tokens_total
         stats.generation_tokens_total = self._generation_tokens_total
         stats.finished_by_reason = dict(self._outputs.finished_by_reason)
+        pool = self.lora_pool
+        if pool is not None:
+            stats.lora_adapters_in_memory = len(pool.host)
+            stats.lora_slot_installs = pool.num_installs
+            stats.lora_adapter_reads = pool.num_reads
         return stats
 
 

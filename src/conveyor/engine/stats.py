@@ -27,6 +27,10 @@ class EngineStats:
     prompt_tokens_total: int = 0  # prompt (and recomputed) tokens run through the model
     generation_tokens_total: int = 0  # tokens sampled
     finished_by_reason: dict[str, int] = field(default_factory=dict)  # per finished sequence
+    # LoRA adapter pool (docs/lora.md); zero without --enable-lora
+    lora_adapters_in_memory: int = 0  # adapters whose weights are read into host memory
+    lora_slot_installs: int = 0  # adapters copied into a model slot
+    lora_adapter_reads: int = 0  # adapters read again from their files (host memory was full)
 
     SCHEDULER_FIELDS = ("num_running", "num_waiting", "num_swapped", "num_free_blocks",
                         "num_total_blocks", "kv_usage", "num_preemptions",

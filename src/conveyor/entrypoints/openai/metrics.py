@@ -69,6 +69,13 @@ class _EngineStatsCollector(Collector):
         yield counter("prompt_tokens", "Prompt tokens of finished and running requests.",
                       s.prompt_tokens_total)
         yield counter("generation_tokens", "Generated tokens.", s.generation_tokens_total)
+        yield gauge("lora_adapters_in_memory", "LoRA adapters read into host memory.",
+                    s.lora_adapters_in_memory)
+        yield counter("lora_slot_installs", "LoRA adapters copied into a model slot.",
+                      s.lora_slot_installs)
+        yield counter("lora_adapter_reads",
+                      "LoRA adapters read again from their files (host memory was full).",
+                      s.lora_adapter_reads)
         finished = CounterMetricFamily(PREFIX + "request_success",
                                        "Finished requests by finish reason.",
                                        labels=["model_name", "finished_reason"])
