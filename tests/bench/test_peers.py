@@ -153,5 +153,6 @@ def test_a_lora_run_generates_every_token_under_random_adapters():
     result = throughput.run_conveyor({
         "system": "conveyor", "workload": "W1", "seed": 0, "num_requests": 4, "repeats": 1,
         "engine_args": dataclasses.asdict(ea), "lora": {"count": 3, "rank": 4}})
-    assert "3 LoRA adapters of rank 4 (max_loras 3)" in result.config
+    assert "3 LoRA adapters of rank 4 (max_loras 3, max_cpu_loras 3: 3 slot installs" \
+        in result.config
     assert result.repeats[0].output_tokens == 4 * 128
