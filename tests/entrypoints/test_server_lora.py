@@ -78,6 +78,8 @@ def test_unloading_while_requests_run_loses_none(served, models) -> None:
     for t in threads:
         t.start()
     assert all(e.wait(60) for e in started)  # every request is running under the adapter
+    metrics = httpx.get(served.base_url + "/metrics", timeout=60).text
+    assert 'running_lora_adapters="all16"' in metrics and 'max_lora="2"' in metrics
     gone = httpx.post(served.base_url + "/v1/unload_lora_adapter", timeout=60,
                       json={"lora_name": "all16"})
     assert gone.status_code == 200, gone.text

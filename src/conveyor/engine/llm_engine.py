@@ -433,6 +433,15 @@ class LLMEngine:
             stats.lora_adapters_in_memory = len(pool.host)
             stats.lora_slot_installs = pool.num_installs
             stats.lora_adapter_reads = pool.num_reads
+            stats.max_loras = pool.max_slots
+            running = self._pinned_loras()
+            queued = {g.lora_id for g in self.scheduler.unfinished_groups() if g.lora_id}
+
+            def name(i: int) -> str:
+                return pool.known[i].lora_name if i in pool.known else str(i)
+
+            stats.lora_running_adapters = sorted(map(name, running))
+            stats.lora_waiting_adapters = sorted(map(name, queued - running))
         return stats
 
 

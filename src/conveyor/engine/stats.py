@@ -31,6 +31,9 @@ class EngineStats:
     lora_adapters_in_memory: int = 0  # adapters whose weights are read into host memory
     lora_slot_installs: int = 0  # adapters copied into a model slot
     lora_adapter_reads: int = 0  # adapters read again from their files (host memory was full)
+    max_loras: int = 0  # adapters that may run at once
+    lora_running_adapters: list[str] = field(default_factory=list)  # names, sorted
+    lora_waiting_adapters: list[str] = field(default_factory=list)  # with none running, sorted
 
     SCHEDULER_FIELDS = ("num_running", "num_waiting", "num_swapped", "num_free_blocks",
                         "num_total_blocks", "kv_usage", "num_preemptions",

@@ -7,6 +7,7 @@ step's output deltas (RequestMetrics timestamps and the step's end time, all tim
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
@@ -76,6 +77,15 @@ class _EngineStatsCollector(Collector):
         yield counter("lora_adapter_reads",
                       "LoRA adapters read again from their files (host memory was full).",
                       s.lora_adapter_reads)
+        if s.max_loras:  # vLLM's lora_requests_info: the labels carry the adapters' names
+            info = GaugeMetricFamily(PREFIX + "lora_requests_info",
+                                     "LoRA adapters with running and with only waiting "
+                                     "requests (the value: when this was read).",
+                                     labels=["max_lora", "running_lora_adapters",
+                                             "waiting_lora_adapters"])
+            info.add_metric([str(s.max_loras), ",".join(s.lora_running_adapters),
+                             ",".join(s.lora_waiting_adapters)], time.time())
+            yield info
         finished = CounterMetricFamily(PREFIX + "request_success",
                                        "Finished requests by finish reason.",
                                        labels=["model_name", "finished_reason"])
