@@ -345,14 +345,18 @@ class Scheduler:
     def blocks_to_swap_in(self, seq: Sequence) -> int:
         return self.block_manager.num_blocks_to_swap_in(seq, self._resume_tokens(seq))
 
+    def lora_holders(self) -> Counter[int]:
+        """Sequences per LoRA adapter that hold one of its slots: running, prefilling or
+        swapped out."""
+        return Counter(s.group.lora_id for s in (*self.running, *self.prefilling, *self.swapped)
+                       if s.group.lora_id and not s.status.is_finished)
+
     def lora_admission(self) -> LoRAAdmission | None:
         """This step's gate on waiting requests by LoRA adapter (core/lora_admission.py);
         None when adapters limit nothing."""
         if not self.config.max_loras and self.loaded_loras is None:
             return None
-        running = Counter(s.group.lora_id for s in (*self.running, *self.prefilling,
-                                                    *self.swapped)
-                          if s.group.lora_id and not s.status.is_finished)
+        running = self.lora_holders()
         return LoRAAdmission(self.config.max_loras or len(running) + 1, running,
                              self.loaded_loras)
 

@@ -65,9 +65,10 @@ class LLMEngine:
         self.model_config = self.executor.model_config
         self.lora_pool: LoRAPool | None = None
         if args.enable_lora:  # its slots take memory before the KV cache is sized
-            self.executor.enable_lora(args.max_loras, args.max_lora_rank)
             self.lora_pool = LoRAPool(args.max_loras, args.max_cpu_loras or args.max_loras,
-                                       self.read_lora, self.executor.set_lora_slot)
+                                      self.read_lora, self.executor.set_lora_slot)
+            self.executor.enable_lora(args.max_loras, args.max_lora_rank,
+                                      self.lora_pool.slot_of)
         self.max_model_len = _max_model_len(args, self.model_config.max_position_embeddings)
         self.num_gpu_blocks, self.num_cpu_blocks = _num_blocks(args, self.executor,
                                                                self.max_model_len)
@@ -104,7 +105,6 @@ class LLMEngine:
         self._grammar: StructuredOutputManager | None = None  # built with the first constraint
         self._grammar_lock = threading.Lock()
         self._pooling_config: PoolingConfig | None = None
-        self._loras: dict[int, LoRARequest] = {}  # adapters served, by int id
         self._retiring_loras: set[int] = set()  # removed, their weights kept while they run
         if loads_model:
             self.pooling_config  # noqa: B018 - a model's bad pooling config fails the load
@@ -179,9 +179,17 @@ class LLMEngine:
         if not isinstance(lora_request, LoRARequest):
             raise ValueError(f"lora_request must be a LoRARequest, got "
                              f"{type(lora_request).__name__}")
-        if self._loras.get(lora_request.lora_int_id) != lora_request:
+        if self._served_lora(lora_request.lora_int_id) != lora_request:
             self.add_lora(lora_request)
         return lora_request.lora_int_id
+
+    def _served_lora(self, lora_int_id: int) -> LoRARequest | None:
+        """The adapter served under ``lora_int_id`` (not one removed whose requests still
+        run)."""
+        pool = self.lora_pool
+        if pool is None or lora_int_id in self._retiring_loras:
+            return None
+        return pool.known.get(lora_int_id)
 
     def read_lora(self, lora_request: LoRARequest) -> LoRAAdapter:
         """Read and check an adapter's files (any thread: it changes nothing)."""
@@ -194,7 +202,7 @@ class LLMEngine:
     def add_lora(self, lora_request: LoRARequest, adapter: LoRAAdapter | None = None) -> None:
         """Serve ``lora_request``'s adapter (``adapter``: its files as ``read_lora`` read them);
         ValueError for a bad adapter, or an id already serving another one."""
-        known = self._loras.get(lora_request.lora_int_id)
+        known = self._served_lora(lora_request.lora_int_id)
         if known is not None and known != lora_request:
             raise ValueError(f"lora_int_id {lora_request.lora_int_id} is already "
                              f"{known.lora_name!r} at {known.lora_path}")
@@ -203,12 +211,11 @@ class LLMEngine:
         assert self.lora_pool is not None  # read_lora checked enable_lora
         self._retiring_loras.discard(lora_request.lora_int_id)
         self.lora_pool.add(lora_request, adapter, self._pinned_loras())
-        self._loras[lora_request.lora_int_id] = lora_request
 
     def remove_lora(self, lora_int_id: int) -> bool:
         """Stop serving an adapter: new requests may no longer name it; its weights go once
         its running requests have finished (they finish under it). False if unknown."""
-        if self._loras.pop(lora_int_id, None) is None:
+        if self._served_lora(lora_int_id) is None:
             return False
         self._retiring_loras.add(lora_int_id)
         self._retire_loras()
@@ -223,9 +230,7 @@ class LLMEngine:
 
     def _pinned_loras(self) -> set[int]:
         """The adapters of the requests holding a slot: their weights stay in host memory."""
-        s = self.scheduler
-        return {seq.group.lora_id for seq in (*s.running, *s.prefilling, *s.swapped)
-                if seq.group.lora_id}
+        return set(self.scheduler.lora_holders())
 
     def _feed_loras(self, pool: LoRAPool) -> list[RequestOutput]:
         """Before scheduling: take in the adapters read since the last step, start reading the
@@ -240,7 +245,6 @@ class LLMEngine:
         for lora_id, error in pool.poll(LORA_WAIT_S if idle else 0.0).items():
             logger.error("LoRA adapter %d can no longer be read; its requests are aborted: %s",
                          lora_id, error)
-            self._loras.pop(lora_id, None)
             self._retiring_loras.discard(lora_id)
             pool.remove(lora_id)
             for group in list(s.unfinished_groups()):

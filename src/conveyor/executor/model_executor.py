@@ -13,6 +13,7 @@ logits gathered onto it.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -61,7 +62,7 @@ class ModelExecutor:
         self.parallel = parallel or ParallelConfig()
         self.deterministic = deterministic  # see docs/determinism.md
         self.workers = None
-        self._lora_slot_of: dict[int, int] | None = None  # adapter -> slot (enable_lora)
+        self._lora_slot_of: Mapping[int, int] | None = None  # adapter -> slot (enable_lora)
         self.tp: TensorParallel | None = None
         if self.parallel.tensor_parallel_size > 1:
             self._start_workers(model, int8_activations)
@@ -115,23 +116,22 @@ class ModelExecutor:
             self.workers = None
             torch.set_num_threads(self._threads_before)
 
-    def enable_lora(self, num_slots: int, max_rank: int) -> None:
-        """Hold up to ``num_slots`` LoRA adapters of rank up to ``max_rank`` in the model."""
+    def enable_lora(self, num_slots: int, max_rank: int, slot_of: Mapping[int, int]) -> None:
+        """Hold up to ``num_slots`` LoRA adapters of rank up to ``max_rank`` in the model;
+        ``slot_of``: which slot each adapter sits in (the engine's ``LoRAPool`` keeps it)."""
         if self.workers is not None:
             self.workers.send(StepMessage(kind=ENABLE_LORA, extra=[num_slots, max_rank]))
         self.model.enable_lora(num_slots, max_rank)
-        self._lora_slot_of = {}
+        self._lora_slot_of = slot_of
 
-    def set_lora_slot(self, slot: int, lora_id: int, adapter: LoRAAdapter) -> None:
-        """Compute adapter ``lora_id``'s requests with ``adapter`` (its weights as
-        ``conveyor.lora.adapter`` reads them) in ``slot``, in place of what the slot held."""
+    def set_lora_slot(self, slot: int, adapter: LoRAAdapter) -> None:
+        """Put ``adapter`` (its weights as ``conveyor.lora.adapter`` reads them) in ``slot``,
+        in place of what the slot held."""
         if self.workers is not None:
             msg, payload = lora_slot_message(slot, adapter.weights, adapter.scale)
             self.workers.send(msg)
             self.workers.send_tensor(payload)
         self.model.set_lora_slot(slot, adapter.weights, adapter.scale)
-        self._lora_slot_of = {i: s for i, s in self._lora_slot_of.items() if s != slot}
-        self._lora_slot_of[lora_id] = slot
 
     def kv_cache_bytes_per_block(self, block_size: int) -> int:
         """Bytes of one block on this rank (its KV heads)."""

@@ -23,7 +23,7 @@ from concurrent.futures import Future, ThreadPoolExecutor, wait
 from conveyor.lora.adapter import LoRAAdapter
 from conveyor.lora.request import LoRARequest
 
-Install = Callable[[int, int, LoRAAdapter], None]  # (slot, adapter id, adapter)
+Install = Callable[[int, LoRAAdapter], None]  # put an adapter in a slot of the model
 
 
 class LoRAPool:
@@ -129,7 +129,7 @@ class LoRAPool:
             if free is None:
                 victim = next(i for i in self.slot_of if i not in lora_ids)
                 free = self.slot_of.pop(victim)
-            self._install(free, lora_id, self.host[lora_id])
+            self._install(free, self.host[lora_id])
             self.host.move_to_end(lora_id)
             self.slot_of[lora_id] = free
             self.num_installs += 1

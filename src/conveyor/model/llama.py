@@ -84,6 +84,11 @@ class DecoderLayer(nn.Module):
                                meta)
         return self._mlp(self.post_norm(attn, residual, out=attn))
 
+    @property
+    def projections(self) -> tuple[Linear, Linear, Linear, Linear]:
+        """qkv, o, gate_up, down: the order of ``kernels/decode_layer.PROJECTIONS``."""
+        return (self.qkv_proj, self.o_proj, self.gate_up_proj, self.down_proj)
+
     def decode_weights(self) -> DecodeLayerWeights | None:
         """This layer's weights for ``kernels/decode_layer.cpp``, which runs decode steps with
         the same kernels as the steps below without the Python around each layer's calls, as
@@ -92,7 +97,7 @@ class DecoderLayer(nn.Module):
         (``NibbleInt4``, or ``BlockPanels`` in deterministic inference). The
         kernel checks the rest as the layer is added. With every method's parts too it serves
         any batch, else up to the blocks' ``max_tokens``."""
-        projections = (self.qkv_proj, self.o_proj, self.gate_up_proj, self.down_proj)
+        projections = self.projections
         if (self.q_norm is not None or not decode_layer_available()
                 or any(p.bias is not None or not _four_bit(p.quantized)
                        for p in projections)):
@@ -110,10 +115,9 @@ class DecoderLayer(nn.Module):
     def decode_lora(self) -> list[LoRALayer]:
         """This layer's LoRA stacks for ``kernels/decode_layer.cpp``, per projection in its
         order (after ``LlamaForCausalLM.enable_lora``)."""
-        projections = (self.qkv_proj, self.o_proj, self.gate_up_proj, self.down_proj)
-        if any(p.lora is None for p in projections):
+        if any(p.lora is None for p in self.projections):
             raise ValueError("LoRA is not enabled on this layer")
-        return [p.lora for p in projections]
+        return [p.lora for p in self.projections]
 
     def _attention(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                    k_cache: torch.Tensor, v_cache: torch.Tensor,
