@@ -172,6 +172,33 @@ def test_structured_outputs_under_an_adapter_follow_the_grammar(models) -> None:
     assert texts == [o.outputs[0].text for o in merged]
 
 
+def test_stats_name_the_running_and_the_waiting_adapters(models) -> None:
+    """One slot, two adapters (both kept in host memory): the first runs, the second waits its
+    turn; EngineStats and /metrics' lora_requests_info (vLLM's gauge) name them."""
+    from types import SimpleNamespace
+
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from conveyor.entrypoints.openai.metrics import _EngineStatsCollector
+
+    llm = LLM(models["base"], enable_lora=True, max_loras=1, max_cpu_loras=2, **ENGINE)
+    engine = llm.llm_engine
+    for k, name in enumerate(("qv8", "ko4")):
+        engine.add_request(f"r{k}", _prompts(1)[0], GREEDY,
+                           lora_request=LoRARequest(name, k + 1, models[name]))
+    engine.step()
+    stats = engine.get_stats()
+    assert (stats.max_loras, stats.lora_running_adapters, stats.lora_waiting_adapters) == \
+        (1, ["qv8"], ["ko4"])
+    registry = CollectorRegistry()
+    registry.register(_EngineStatsCollector(SimpleNamespace(stats=stats), "m"))
+    assert ('conveyor:lora_requests_info{max_lora="1",running_lora_adapters="qv8",'
+            'waiting_lora_adapters="ko4"}') in generate_latest(registry).decode()
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert engine.get_stats().lora_running_adapters == []
+
+
 def test_speculative_decoding_under_adapters_keeps_their_tokens(models) -> None:
     """n-gram proposals verified under each request's adapter: greedy tokens unchanged."""
     prompts = [p * 3 for p in _prompts(5)]  # repeats give the n-gram proposer matches
