@@ -12,6 +12,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # read when the kernels are first imported
 
+from conveyor.distributed.step import StepMessage  # noqa: E402
 from conveyor.executor.cuda_graphs import (  # noqa: E402
     graph_batch_sizes,
     padded_batch_size,
@@ -21,8 +22,8 @@ from conveyor.executor.gpu_memory import (  # noqa: E402
     activation_bytes,
     gpu_kv_cache_blocks,
 )
+from conveyor.model.backends.triton_kernels import TritonBackend  # noqa: E402
 from conveyor.model.kv_cache import KVCache, contiguous_runs  # noqa: E402
-from conveyor.model.layers.triton_attention import flatten_entries  # noqa: E402
 
 GiB = 2**30
 
@@ -38,30 +39,33 @@ def test_graph_ladder_and_padding():
 
 
 def test_prepare_decode_inputs_pads_rows_that_neither_write_nor_attend():
-    inputs = prepare_decode_inputs([5, 6, 7], [16, 3, 40], [33, 3, 81], [[2, 1], [0], [9, 4, 5]],
-                                   batch_size=4, width=6)
+    inputs = prepare_decode_inputs([5, 6, 7], [16, 3, 40], [[2, 1], [0], [9, 4, 5]],
+                                   block_size=16, batch_size=4, width=6)
     assert inputs.input_ids.tolist() == [5, 6, 7, 0]
     assert inputs.positions.tolist() == [16, 3, 40, 0]
-    assert inputs.slot_mapping.tolist() == [33, 3, 81, -1]
+    assert inputs.slot_mapping.tolist() == [16, 3, 88, -1]
     assert inputs.seq_lens.tolist() == [17, 4, 41, 0]
     assert inputs.block_tables.tolist() == [[2, 1, 0, 0, 0, 0], [0] * 6, [9, 4, 5, 0, 0, 0],
                                             [0] * 6]
     with pytest.raises(ValueError, match="do not fit"):
-        prepare_decode_inputs([1, 2], [0, 0], [0, 1], [[0], [1]], batch_size=1, width=2)
+        prepare_decode_inputs([1, 2], [0, 0], [[0], [1]], 16, batch_size=1, width=2)
     with pytest.raises(ValueError, match="longer than"):
-        prepare_decode_inputs([1], [0], [0], [[0, 1, 2]], batch_size=1, width=2)
+        prepare_decode_inputs([1], [0], [[0, 1, 2]], 16, batch_size=1, width=2)
 
 
-def test_flatten_entries_decodes_then_chunks():
-    flat = flatten_entries([[3, 4], [1, 2], [7, 8, 9]], [5, 2, 9], [1, 4, 3], block_size=4)
-    assert flat.num_decodes == 1 and flat.max_query_len == 4
-    assert flat.positions == [5, 2, 3, 4, 5, 9, 10, 11]
-    assert flat.slot_mapping == [17, 6, 7, 8, 9, 37, 38, 39]
-    assert flat.seq_lens == [6, 6, 12]
-    assert flat.prefill_query_start == [0, 4, 7]
-    assert flat.block_tables == [[3, 4, 0], [1, 2, 0], [7, 8, 9]]
+def test_triton_metadata_decodes_then_chunks():
+    backend = TritonBackend(torch.device("cpu"))
+    backend.plan_decode(128, 1, graph_batch_sizes(4))
+    meta = backend.build_metadata([[3, 4], [1, 2], [7, 8, 9]], [5, 2, 9], [1, 4, 3], 4, 1,
+                                  torch.float32)
+    assert meta.num_decodes == 1 and meta.max_query_len == 4
+    assert meta.positions.tolist() == [5, 2, 3, 4, 5, 9, 10, 11]
+    assert meta.slot_mapping.tolist() == [17, 6, 7, 8, 9, 37, 38, 39]
+    assert meta.seq_lens.tolist() == [6, 6, 12]
+    assert meta.prefill_query_start.tolist() == [0, 4, 7]
+    assert meta.block_tables.tolist() == [[3, 4, 0], [1, 2, 0], [7, 8, 9]]
     with pytest.raises(ValueError, match="single-token entries first"):
-        flatten_entries([[0], [1]], [0, 0], [3, 1], block_size=4)
+        backend.build_metadata([[0], [1]], [0, 0], [3, 1], 4, 1, torch.float32)
 
 
 def test_gpu_memory_sizing():
@@ -116,21 +120,20 @@ def _tiny_llama(path):
 
 
 @pytest.mark.slow
-def test_eager_runner_matches_transformers(tmp_path):
-    """Chunked prefill, a mixed decode + chunk step and a decode-only step through the CUDA
-    runner's Triton attention (head_dim 64, GQA 2): each sampled row's logits equal
+def test_eager_runner_matches_transformers(tmp_path, monkeypatch):
+    """Chunked prefill, a mixed decode + chunk step and a decode-only step through the
+    runner on the Triton backend (head_dim 64, GQA 2): each sampled row's logits equal
     transformers' at that position."""
-    from conveyor.executor.cuda_runner import CudaModelRunner
     from conveyor.executor.model_executor import ModelExecutor
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # else interpreted
+    monkeypatch.setenv("CONVEYOR_BACKEND", "triton")
     ref = _tiny_llama(tmp_path)
-    ex = ModelExecutor(str(tmp_path), dtype="float32", device=device.type)
-    cfg = ex.model_config
-    cache = KVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, block_size=8, num_blocks=12,
-                    num_cpu_blocks=0, dtype=torch.float32, device=device)
-    runner = CudaModelRunner(ex.model, cfg, cache, max_num_seqs=4, enforce_eager=True,
-                             device=device)
+    ex = ModelExecutor(str(tmp_path), dtype="float32", device=device.type, max_num_seqs=4,
+                       enforce_eager=True)
+    ex.initialize_cache(block_size=8, num_gpu_blocks=12)
+    runner, cache = ex.runner, ex.kv_cache
+    assert isinstance(runner.backend, TritonBackend) and runner.graphs is None
     gen = torch.Generator().manual_seed(1)
     seq_a = torch.randint(3, 96, (22,), generator=gen).tolist()
     seq_b = torch.randint(3, 96, (16,), generator=gen).tolist()
@@ -145,8 +148,10 @@ def test_eager_runner_matches_transformers(tmp_path):
         for seq, _, start, count in entries:
             ids += seq[start:start + count]
             last.append(len(ids) - 1)
-        return runner.forward(ids, [e[1] for e in entries], [e[2] for e in entries],
-                              [e[3] for e in entries], last)
+        return runner.forward(StepMessage(input_ids=ids, starts=[e[2] for e in entries],
+                                          counts=[e[3] for e in entries],
+                                          block_tables=[e[1] for e in entries],
+                                          logits_indices=last))
 
     def check(got, wants):
         torch.testing.assert_close(got.cpu(), torch.stack(wants), atol=2e-4, rtol=2e-4)
@@ -157,9 +162,9 @@ def test_eager_runner_matches_transformers(tmp_path):
 
     # What a CUDA graph replays: the decode forward over inputs padded to a ladder size with
     # the graphs' fixed split count. Padded rows write no K/V and leave real rows alone.
-    flat = flatten_entries([table_a, table_b], [21, 15], [1, 1], block_size=8)
-    inputs = prepare_decode_inputs([seq_a[21], seq_b[15]], flat.positions, flat.slot_mapping,
-                                   [table_a, table_b], batch_size=4, width=16)
+    inputs = prepare_decode_inputs([seq_a[21], seq_b[15]], [21, 15], [table_a, table_b],
+                                   block_size=8, batch_size=4, width=16)
+    slots = [table_a[21 // 8] * 8 + 21 % 8, table_b[15 // 8] * 8 + 15 % 8]
     before = cache.cache.clone()
     logits = runner._decode_forward(*(t.to(device) for t in (
         inputs.input_ids, inputs.positions, inputs.slot_mapping, inputs.block_tables,
@@ -167,7 +172,7 @@ def test_eager_runner_matches_transformers(tmp_path):
     assert logits.shape[0] == 4
     check(logits[:2], [want_a[21], want_b[15]])
     changed = (cache.cache != before).flatten(4).any(-1).any(0).any(0).flatten()
-    assert sorted(changed.nonzero().flatten().cpu().tolist()) == sorted(flat.slot_mapping)
+    assert sorted(changed.nonzero().flatten().cpu().tolist()) == sorted(slots)
 
 
 def test_engine_sizes_a_cuda_cache_from_mem_get_info(monkeypatch):
@@ -205,13 +210,7 @@ def test_cpu_executor_keeps_the_cpu_path():
 def test_decode_splits_follow_the_padded_batch_with_or_without_graphs():
     """Eager decode uses the split count of the graph its batch would pad to, so graph replays
     and eager steps reduce alike (bit-equal tokens)."""
-    from types import SimpleNamespace
-
-    from conveyor.executor.cuda_runner import CudaModelRunner
-
-    config = SimpleNamespace(max_position_embeddings=8192, num_kv_heads=3)
-    runner = CudaModelRunner(torch.nn.Identity(), config, SimpleNamespace(block_size=16),
-                             max_num_seqs=64, enforce_eager=True, device=torch.device("cpu"))
-    assert runner.graphs is None
-    assert runner.decode_splits(12) == runner.decode_splits(16) != runner.decode_splits(4)
-    assert runner.decode_splits(1) == 16  # one long sequence alone: the most splits
+    backend = TritonBackend(torch.device("cpu"))
+    backend.plan_decode(8192, 3, graph_batch_sizes(64))
+    assert backend.decode_splits(12) == backend.decode_splits(16) != backend.decode_splits(4)
+    assert backend.decode_splits(1) == 16  # one long sequence alone: the most splits

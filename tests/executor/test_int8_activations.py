@@ -9,7 +9,6 @@ import torch
 
 from conveyor.executor.model_executor import ModelExecutor
 from conveyor.model.device import select_kernels
-from conveyor.model.layers.attention import build_attention_metadata
 from conveyor.model.layers.linear import Int8PanelMethod, PanelMethod
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(
@@ -26,9 +25,9 @@ def all_logits(ex: ModelExecutor, seqs: list[list[int]]) -> torch.Tensor:
         n = -(-len(s) // block_size)
         tables.append(list(range(first, first + n)))
         first += n
-    meta = build_attention_metadata(tables, [0] * len(seqs), [len(s) for s in seqs], block_size,
-                                    ex.model_config.num_queries_per_kv, ex.device,
-                                    ex.attention_kernel, ex.dtype)
+    meta = ex.model.backend.build_metadata(tables, [0] * len(seqs), [len(s) for s in seqs],
+                                           block_size, ex.model_config.num_queries_per_kv,
+                                           ex.dtype)
     ids = torch.tensor([t for s in seqs for t in s])
     with torch.inference_mode():
         return ex.model(ids, meta.positions, ex.kv_cache.layers, meta,

@@ -10,6 +10,7 @@ import torch
 
 from conveyor.core.sampling_params import SamplingParams
 from conveyor.engine.llm import LLM
+from conveyor.model.backends.triton_kernels import TritonBackend
 
 NUM_TOKENS = 32
 GREEDY = SamplingParams(temperature=0.0, max_tokens=NUM_TOKENS, ignore_eos=True)
@@ -75,7 +76,7 @@ def smollm2_fp32():
 
 def test_device_auto_picks_cuda_and_triton_attention(smollm2_fp32):
     ex = smollm2_fp32.llm_engine.executor
-    assert ex.device.type == "cuda" and ex.cuda_runner is not None
+    assert ex.device.type == "cuda" and isinstance(ex.runner.backend, TritonBackend)
     auto = LLM(dtype="bfloat16", num_gpu_blocks=64).llm_engine.executor
     assert auto.device.type == "cuda" and auto.dtype == torch.bfloat16
 
@@ -101,7 +102,7 @@ def test_cuda_graph_decode_equals_eager_bf16(smollm2_reference):
     eager = _llm(dtype="bfloat16", max_num_seqs=16, enforce_eager=True)
     batch = prompts * 3  # 12 sequences: padded to the ladder's 16
     assert _tokens(graphs, batch) == _tokens(eager, batch)
-    assert graphs.llm_engine.executor.cuda_runner.graphs.graphs  # they were captured and used
+    assert graphs.llm_engine.executor.runner.graphs.graphs  # they were captured and used
 
 
 def test_seeded_sampling_equals_eager(smollm2_reference):

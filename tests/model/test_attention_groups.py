@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import torch
 
+from conveyor.model.backends import sdpa
+from conveyor.model.backends.cpu_kernels import CpuBackend
+from conveyor.model.backends.sdpa import TorchBackend, _prefill_ranges
 from conveyor.model.kernels.paged_attention import attention_kernel_available
-from conveyor.model.layers import attention
-from conveyor.model.layers.attention import (
-    _prefill_ranges,
-    build_attention_metadata,
-    paged_attention,
-)
+
+CPU = torch.device("cpu")
 
 
 def test_a_long_prompt_is_not_padded_together_with_short_ones() -> None:
@@ -36,10 +35,12 @@ def test_grouping_does_not_change_the_output(monkeypatch) -> None:
     v = torch.randn(t, kv_heads, head_dim, generator=gen)
     outs = []
     for limit in (float("inf"), 2.0):
-        monkeypatch.setattr(attention, "PREFILL_PADDING_LIMIT", limit)
-        meta = build_attention_metadata(tables, starts, num_new, bs, num_heads // kv_heads,
-                                        torch.device("cpu"))
-        outs.append((len(meta.groups), paged_attention(q, k, v, k_cache.clone(), v_cache.clone(), meta)))
+        monkeypatch.setattr(sdpa, "PREFILL_PADDING_LIMIT", limit)
+        backend = TorchBackend(CPU)
+        meta = backend.build_metadata(tables, starts, num_new, bs, num_heads // kv_heads,
+                                      torch.float32)
+        outs.append((len(meta.groups), backend.attention(q, k, v, k_cache.clone(),
+                                                         v_cache.clone(), meta)))
     assert outs[0][0] == 1 and outs[1][0] == 2
     torch.testing.assert_close(outs[1][1], outs[0][1], rtol=1e-5, atol=1e-5)
 
@@ -82,29 +83,30 @@ def test_strided_q_mixed_decodes_and_padded_groups_match_a_reference() -> None:
     for kernel in (False, True):
         if kernel and not attention_kernel_available(torch.device("cpu"), q.dtype):
             continue
-        meta = build_attention_metadata(tables, starts, num_new, bs, num_heads // kv_heads,
-                                        torch.device("cpu"), attention_kernel=kernel)
+        backend = CpuBackend(CPU, attention_kernel=True) if kernel else TorchBackend(CPU)
+        meta = backend.build_metadata(tables, starts, num_new, bs, num_heads // kv_heads,
+                                      q.dtype)
         kc, vc = k_cache.clone(), v_cache.clone()
         buffer = torch.empty(t, num_heads * head_dim)
-        got = paged_attention(q, k, v, kc, vc, meta, out=buffer)
+        got = backend.attention(q, k, v, kc, vc, meta, out=buffer)
         expected = _reference(q, kc, vc, tables, starts, num_new, bs)
         torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
         assert got.data_ptr() == buffer.data_ptr()
 
 
 def test_decode_only_steps_get_the_decodes_metadata_of_a_mixed_step() -> None:
-    """A step of decodes only takes a plain-Python path; its metadata must equal what the
-    general path builds for the same decodes ahead of a prefill chunk."""
+    """A step of decodes only (which the fused decode layers may serve) has the metadata the
+    same decodes get ahead of a prefill chunk."""
     tables = [[3, 9], [4, 5, 6, 7], [1], [8, 2, 11]]
     starts = [20, 50, 0, 33]
-    cpu = torch.device("cpu")
-    only = build_attention_metadata(tables, starts, [1] * 4, 16, 3, cpu, attention_kernel=True)
-    mixed = build_attention_metadata(tables + [[12, 13]], starts + [0], [1] * 4 + [20], 16, 3,
-                                     cpu, attention_kernel=True)
+    backend = CpuBackend(CPU, attention_kernel=True)
+    only = backend.build_metadata(tables, starts, [1] * 4, 16, 3, torch.float32)
+    mixed = backend.build_metadata(tables + [[12, 13]], starts + [0], [1] * 4 + [20], 16, 3,
+                                   torch.float32)
     assert only.decode_only and not mixed.decode_only
-    assert mixed.kernel.token_seqs[:4].tolist() == [0, 1, 2, 3]
+    assert mixed.token_seqs[:4].tolist() == [0, 1, 2, 3]
     for a, b in ((only.slot_mapping, mixed.slot_mapping[:4]), (only.positions, mixed.positions[:4]),
-                 (only.kernel.block_tables, mixed.kernel.block_tables[:4]),
-                 (only.kernel.context_lens, mixed.kernel.context_lens[:4])):
+                 (only.block_tables, mixed.block_tables[:4]),
+                 (only.context_lens, mixed.context_lens[:4])):
         assert a.dtype == b.dtype and torch.equal(a, b)
     assert only.slot_mapping.tolist() == [9 * 16 + 4, 7 * 16 + 2, 16, 11 * 16 + 1]

@@ -9,9 +9,10 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from conveyor.model.backends.cpu_kernels import CpuBackend, KernelMetadata
+from conveyor.model.backends.sdpa import TorchBackend
 from conveyor.model.kernels import build
 from conveyor.model.kernels.paged_attention import attention_kernel_available, kernel_attention
-from conveyor.model.layers.attention import build_attention_metadata, paged_attention
 
 CPU = torch.device("cpu")
 needs_kernel = pytest.mark.skipif(not attention_kernel_available(CPU, torch.float32),
@@ -243,10 +244,10 @@ def test_metadata_with_kernel_equals_torch_path(dtype, cache_dtype) -> None:
     v = torch.randn(t, kv_heads, head_dim, generator=gen).to(dtype)
     outs = []
     for kernel in (False, True):
-        meta = build_attention_metadata(tables, starts, num_new, bs, num_heads // kv_heads, CPU,
-                                        attention_kernel=kernel)
-        assert (meta.kernel is not None) == kernel and bool(meta.groups) != kernel
-        outs.append(paged_attention(q, k, v, k_cache.clone(), v_cache.clone(), meta))
+        backend = CpuBackend(CPU, attention_kernel=True) if kernel else TorchBackend(CPU)
+        meta = backend.build_metadata(tables, starts, num_new, bs, num_heads // kv_heads, dtype)
+        assert isinstance(meta, KernelMetadata) == kernel
+        outs.append(backend.attention(q, k, v, k_cache.clone(), v_cache.clone(), meta))
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(outs[1].float(), outs[0].float(), rtol=tol, atol=tol)
 

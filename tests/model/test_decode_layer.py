@@ -9,12 +9,12 @@ import dataclasses
 import pytest
 import torch
 
+from conveyor.model.backends.cpu_kernels import CpuBackend
 from conveyor.model.config import ModelConfig
 from conveyor.model.kernels.decode_layer import DecodeLayers, decode_layer_available, decode_layers
 from conveyor.model.kernels.int8_gemm import int8_gemm_available
 from conveyor.model.kernels.paged_attention import attention_kernel_available
 from conveyor.model.kernels.panel_gemm import block_panel_gemm_available, panel_gemm_available
-from conveyor.model.layers.attention import build_attention_metadata
 from conveyor.model.layers.linear import PanelMethod
 from conveyor.model.layers.quantized import GROUP, Int4Blocks, pack_blocks
 from conveyor.model.layers.rotary import RotaryEmbedding, rope_inv_freq
@@ -28,6 +28,7 @@ CFG = ModelConfig(name="tiny", architecture="llama", num_layers=1, hidden_size=1
                   intermediate_size=256, num_heads=4, num_kv_heads=2, head_dim=32,
                   vocab_size=100, max_position_embeddings=512, rms_norm_eps=1e-5)
 BLOCK = 16
+BACKEND = CpuBackend(torch.device("cpu"), attention_kernel=True)
 
 
 def quantized_layer(seed: int = 0, dtype: torch.dtype = torch.float32,
@@ -36,7 +37,7 @@ def quantized_layer(seed: int = 0, dtype: torch.dtype = torch.float32,
     serves more rows than the blocks: nothing (None), "panels" or "int8" (Int8Panels);
     ``deterministic``: the blocks packed as for deterministic inference (``pack_blocks``)."""
     g = torch.Generator().manual_seed(seed)
-    layer = DecoderLayer(CFG)
+    layer = DecoderLayer(CFG, BACKEND)
     for norm in (layer.input_norm, layer.post_norm):
         norm.weight.data = (1 + 0.1 * torch.randn(norm.weight.shape, generator=g)).to(dtype)
     for linear in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj):
@@ -67,9 +68,9 @@ def decode_step(num_seqs: int, seed: int = 1, dtype: torch.dtype = torch.float32
         nxt += need
     shape = (nxt, BLOCK, CFG.num_kv_heads, CFG.head_dim)
     caches = (torch.randn(shape, generator=g).to(dtype), torch.randn(shape, generator=g).to(dtype))
-    meta = build_attention_metadata(tables, contexts, [1] * num_seqs, BLOCK,
-                                    CFG.num_queries_per_kv, torch.device("cpu"), True,
-                                    deterministic=deterministic)
+    backend = CpuBackend(torch.device("cpu"), attention_kernel=True, deterministic=deterministic)
+    meta = backend.build_metadata(tables, contexts, [1] * num_seqs, BLOCK,
+                                  CFG.num_queries_per_kv, dtype)
     rotary = RotaryEmbedding(rope_inv_freq(CFG.head_dim, 10000.0, None))
     cos, sin = rotary.cos_sin(meta.positions, dtype)
     x = torch.randn(num_seqs, CFG.hidden_size, generator=g).to(dtype)
@@ -119,7 +120,7 @@ def test_fused_layers_equal_python_path(dtype, num_seqs, large, deterministic):
         h = layer(h.clone(), expected_res, cos, sin, kc, vc, meta)
     res, got_caches = residual.clone(), [(a.clone(), b.clone()) for a, b in caches]
     out = decode_layers(fused, x.clone(), res, cos, sin, got_caches, meta.slot_mapping,
-                        meta.kernel.block_tables, meta.kernel.context_lens, deterministic)
+                        meta.block_tables, meta.context_lens, deterministic)
     assert torch.equal(out, h) and torch.equal(res, expected_res)
     for got, expected in zip(got_caches, expected_caches, strict=True):
         assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1])
@@ -128,7 +129,7 @@ def test_fused_layers_equal_python_path(dtype, num_seqs, large, deterministic):
 def _tiny_model(dtype: torch.dtype = torch.float32, large: str | None = None,
                 deterministic: bool = False) -> LlamaForCausalLM:
     cfg = dataclasses.replace(CFG, num_layers=2)
-    model = LlamaForCausalLM(cfg)
+    model = LlamaForCausalLM(cfg, BACKEND)
     g = torch.Generator().manual_seed(7)
     model.embed_tokens.data = torch.randn(cfg.vocab_size, cfg.hidden_size, generator=g)
     model.lm_head.weight.data = torch.randn(cfg.vocab_size, cfg.hidden_size, generator=g)

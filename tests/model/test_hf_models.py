@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from conveyor.executor.model_executor import ModelExecutor
+from conveyor.model.backends.sdpa import TorchBackend
 from conveyor.model.device import select_kernels
 from conveyor.model.kv_cache import KVCache
-from conveyor.model.layers.attention import build_attention_metadata
 from tiny_models import VOCAB, randomize, save_word_tokenizer
 
 
@@ -42,13 +42,23 @@ def _build(kind: str, path: str):
     return model
 
 
+def metadata(ex: ModelExecutor, tables: list[list[int]], starts: list[int], counts: list[int],
+             block_size: int, num_queries_per_kv: int, device: torch.device,
+             attention_kernel: bool = False):
+    """The step's metadata from the model's backend (its attention kernel), or from
+    ``TorchBackend`` (scaled_dot_product_attention, which every backend's attention runs)."""
+    backend = ex.model.backend if attention_kernel else TorchBackend(device)
+    return backend.build_metadata(tables, starts, counts, block_size, num_queries_per_kv,
+                                  ex.dtype)
+
+
 @pytest.mark.parametrize("attention_kernel", [False, True], ids=["torch", "kernel"])
 @pytest.mark.parametrize("kind", ["llama", "llama_tied", "qwen2", "qwen3"])
 def test_logits_match_transformers(kind: str, attention_kernel: bool, tmp_path) -> None:
     ref = _build(kind, str(tmp_path))
     ex = ModelExecutor(str(tmp_path), dtype="float32", device="cpu")
     cfg = ex.model_config
-    if attention_kernel and not select_kernels(ex.device, ex.dtype, cfg.head_dim).attention:
+    if attention_kernel and not getattr(ex.model.backend, "attention_kernel", False):
         pytest.skip("the attention kernel does not run this head size / machine")
     assert cfg.architecture == kind.split("_")[0]
     assert cfg.num_params == sum(p.numel() for p in ref.parameters())
@@ -65,7 +75,7 @@ def test_logits_match_transformers(kind: str, attention_kernel: bool, tmp_path) 
     tables = [[0, 1, 2, 3, 4, 9], [5], [6, 7, 8]]
     order = [1, 0, 2]  # single-token entries first
     ids = [t for i in order for t in prompts[i]]
-    meta = build_attention_metadata([tables[i] for i in order], [0, 0, 0],
+    meta = metadata(ex, [tables[i] for i in order], [0, 0, 0],
                                     [len(prompts[i]) for i in order], block_size,
                                     cfg.num_queries_per_kv, torch.device("cpu"), attention_kernel)
     logits = ex.model(torch.tensor(ids), meta.positions, cache.layers, meta,
@@ -79,7 +89,7 @@ def test_logits_match_transformers(kind: str, attention_kernel: bool, tmp_path) 
     with torch.no_grad():
         full0 = ref(torch.tensor([prompts[0] + extra])).logits[0, -5:]
         full2 = ref(torch.tensor([prompts[2] + extra[:1]])).logits[0, -1:]
-    meta = build_attention_metadata([tables[2], tables[0]], [20, 37], [1, 5], block_size,
+    meta = metadata(ex, [tables[2], tables[0]], [20, 37], [1, 5], block_size,
                                     cfg.num_queries_per_kv, torch.device("cpu"), attention_kernel)
     logits = ex.model(torch.tensor(extra[:1] + extra), meta.positions, cache.layers, meta,
                       torch.arange(6))
@@ -138,12 +148,12 @@ def test_many_decodes_of_different_lengths(tmp_path) -> None:
     perm = torch.randperm(400, generator=gen).tolist()  # scattered blocks
     tables = [perm[i * 10:(i + 1) * 10] for i in range(n)]
     # Prefill all but each prompt's last token, then decode the last tokens together.
-    meta = build_attention_metadata(tables, [0] * n, [len(p) - 1 for p in prompts], block_size,
+    meta = metadata(ex, tables, [0] * n, [len(p) - 1 for p in prompts], block_size,
                                     cfg.num_queries_per_kv, torch.device("cpu"))
     ids = [t for p in prompts for t in p[:-1]]
     ex.model(torch.tensor(ids), meta.positions, cache.layers, meta, torch.tensor([0]))
     order = sorted(range(n), key=lambda i: len(prompts[i]))
-    meta = build_attention_metadata([tables[i] for i in order], [len(prompts[i]) - 1 for i in order],
+    meta = metadata(ex, [tables[i] for i in order], [len(prompts[i]) - 1 for i in order],
                                     [1] * n, block_size, cfg.num_queries_per_kv, torch.device("cpu"))
     assert len(meta.groups) > 1
     logits = ex.model(torch.tensor([prompts[i][-1] for i in order]), meta.positions, cache.layers,
@@ -165,7 +175,7 @@ def test_bfloat16_with_prepacked_weights_is_close(tmp_path) -> None:
     prompt = torch.randint(3, VOCAB, (30,), generator=torch.Generator().manual_seed(3)).tolist()
     cache = KVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, 16, 4, 0, torch.bfloat16,
                     torch.device("cpu"))
-    meta = build_attention_metadata([[0, 1]], [0], [30], 16, cfg.num_queries_per_kv,
+    meta = metadata(ex, [[0, 1]], [0], [30], 16, cfg.num_queries_per_kv,
                                     torch.device("cpu"))
     got = ex.model(torch.tensor(prompt), meta.positions, cache.layers, meta, torch.arange(30))
     with torch.no_grad():

@@ -1,24 +1,21 @@
-"""The per-step message rank 0 sends every rank, and what each rank does with it.
+"""The message rank 0 sends every rank, and its transport.
 
 A step is plain integers: the tokens to compute (ids, each entry's start position and count,
 its block table), which flat tokens' logits are wanted, and the scheduler's block operations
 (swap out, swap in, copy). They travel as two int64 broadcasts, a fixed header of counts and
-one flat payload, so a worker never sees a Python object of the scheduler's.
-``run_step`` is the same on every rank (and in a single process): apply the block operations,
-build the attention metadata, run the model.
+one flat payload, so a worker never sees a Python object of the scheduler's. The same
+``StepMessage`` is what every rank's ``ModelRunner.forward`` runs, rank 0's included. Other
+kinds set the cache up and hold LoRA adapters.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 
 from conveyor.distributed.group import LONG_WAIT_S, broadcast
 from conveyor.lora.adapter import MODULES as LORA_MODULES
-from conveyor.model.kv_cache import KVCache
-from conveyor.model.layers.attention import build_attention_metadata
 
 STEP, INIT_CACHE, SHUTDOWN, ENABLE_LORA, LORA_SLOT = 0, 1, 2, 3, 4
 # kind, tokens, entries, table width, logits rows, swap-out, swap-in, copy, extra, LoRA slots
@@ -124,32 +121,3 @@ def receive_lora_slot(msg: StepMessage, shapes: dict[str, tuple[int, int]]) -> t
         pos += r * (inp + out)
         weights[(layer, module)] = (a, b)
     return msg.extra[0], weights, scale
-
-
-def set_lora_slots(model: torch.nn.Module, msg: StepMessage, device: torch.device) -> None:
-    """Give a LoRA model each flat row's adapter slot (from each entry's)."""
-    if model.lora is not None:
-        model.lora.set_slots([slot for slot, count in zip(msg.lora_slots, msg.counts, strict=True)
-                              for _ in range(count)] if msg.lora_slots else [], device)
-
-
-def run_step(model: torch.nn.Module, cache: KVCache, msg: StepMessage,
-             num_queries_per_kv: int, attention_kernel: bool, dtype: torch.dtype,
-             device: torch.device, deterministic: bool = True,
-             hidden_indices: list[int] | None = None) -> Any:
-    """Apply the block operations and run the model: the logits of ``msg.logits_indices``
-    (None when nothing was computed, or off rank 0 under tensor parallelism); with
-    ``hidden_indices`` (rank 0 only: every rank holds the whole hidden state), ``(logits,
-    hidden)`` as the model returns them."""
-    cache.swap_out(msg.swap_out)
-    cache.swap_in(msg.swap_in)
-    cache.copy(msg.copy)
-    if not msg.input_ids:
-        return None
-    set_lora_slots(model, msg, device)
-    meta = build_attention_metadata(msg.block_tables, msg.starts, msg.counts, cache.block_size,
-                                    num_queries_per_kv, device, attention_kernel, dtype,
-                                    deterministic)
-    hidden = None if hidden_indices is None else torch.tensor(hidden_indices, device=device)
-    return model(torch.tensor(msg.input_ids, device=device), meta.positions, cache.layers, meta,
-                 torch.tensor(msg.logits_indices, device=device), hidden)

@@ -16,6 +16,7 @@ import os
 import threading
 import time
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -31,7 +32,7 @@ from conveyor.distributed.group import (
     init_group,
 )
 from conveyor.distributed.step import SHUTDOWN, StepMessage, send_message
-from conveyor.distributed.worker import WorkerSpec, run_worker
+from conveyor.distributed.worker import WorkerSpec
 
 # How long a failed collective waits for a worker's death to show (see failure()).
 DEATH_GRACE_S = 2.0
@@ -46,10 +47,6 @@ class TensorParallelError(RuntimeError):
 
 def threads_per_rank(parallel: ParallelConfig) -> int:
     return parallel.threads_per_rank or max(1, (os.cpu_count() or 1) // parallel.local_ranks)
-
-
-def _worker_process(spec: WorkerSpec) -> None:
-    os._exit(run_worker(spec))
 
 
 def _teardown(procs: list, state: dict, stop: threading.Event) -> None:
@@ -86,9 +83,10 @@ def _watch(procs: list, state: dict, stop: threading.Event) -> None:
 
 
 class TensorParallelWorkers:
-    def __init__(self, parallel: ParallelConfig, settings: dict[str, Any]) -> None:
-        """Start this machine's workers and meet every rank; ``settings`` (model, resolved
-        dtype and KV cache dtype, device) go to every worker."""
+    def __init__(self, parallel: ParallelConfig, settings: dict[str, Any],
+                 target: Callable[[WorkerSpec], None]) -> None:
+        """Start this machine's workers (each process runs ``target``) and meet every rank;
+        ``settings`` (model, resolved dtype and KV cache dtype, device) go to every worker."""
         import torch.multiprocessing as mp
 
         self.parallel = parallel
@@ -98,7 +96,7 @@ class TensorParallelWorkers:
         backend = backend_for(settings["device"])
         threads = threads_per_rank(parallel)
         ctx = mp.get_context("spawn")
-        self.procs = [ctx.Process(target=_worker_process, name=f"conveyor-tp-rank{rank}",
+        self.procs = [ctx.Process(target=target, name=f"conveyor-tp-rank{rank}",
                                   daemon=True,
                                   args=(WorkerSpec(rank, size, addr, port, parallel.timeout_s,
                                                    threads, rank, os.getpid(), backend),))

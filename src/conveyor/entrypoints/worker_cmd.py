@@ -25,7 +25,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 def main(args: argparse.Namespace) -> int:
     import logging
 
-    from conveyor.distributed.worker import run_worker, spec_from_env
+    from conveyor.distributed.worker import spec_from_env
+    from conveyor.executor.tp_worker import run_worker
 
     logging.basicConfig(level=logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")

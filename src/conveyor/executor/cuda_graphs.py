@@ -42,15 +42,18 @@ class DecodeInputs:
     seq_lens: torch.Tensor  # [B] int32, 0 in padded rows
 
 
-def prepare_decode_inputs(input_ids: list[int], positions: list[int], slot_mapping: list[int],
-                          block_tables: list[list[int]], batch_size: int,
+def prepare_decode_inputs(input_ids: list[int], positions: list[int],
+                          block_tables: list[list[int]], block_size: int, batch_size: int,
                           width: int) -> DecodeInputs:
+    """One token per sequence at ``positions``, padded to ``batch_size`` rows."""
     n = len(input_ids)
     if n > batch_size:
         raise ValueError(f"{n} sequences do not fit a graph of batch {batch_size}")
     if any(len(t) > width for t in block_tables):
         raise ValueError(f"a block table is longer than the graphs' {width} blocks")
     pad = batch_size - n
+    slot_mapping = [t[p // block_size] * block_size + p % block_size
+                    for t, p in zip(block_tables, positions, strict=True)]
     tables = torch.zeros((batch_size, width), dtype=torch.int32)
     for i, t in enumerate(block_tables):
         tables[i, :len(t)] = torch.tensor(t, dtype=torch.int32)
@@ -108,9 +111,13 @@ class CudaGraphRunner:
             self.pool = graph.pool()
         self.graphs[batch_size] = graph
 
-    def run(self, inputs: DecodeInputs) -> torch.Tensor:
-        """Logits [B, vocab] of the padded batch (its first rows are the real ones)."""
-        batch_size = inputs.input_ids.shape[0]
+    def run(self, input_ids: list[int], positions: list[int], block_tables: list[list[int]],
+            block_size: int) -> torch.Tensor:
+        """Logits [B, vocab] of a decode step padded to its ladder size (its first rows are the
+        real ones)."""
+        batch_size = padded_batch_size(len(input_ids), self.sizes)
+        inputs = prepare_decode_inputs(input_ids, positions, block_tables, block_size,
+                                       batch_size, self.width)
         s = self.inputs
         for static, new in zip((s.input_ids, s.positions, s.slot_mapping, s.block_tables,
                                 s.seq_lens), (inputs.input_ids, inputs.positions,

@@ -41,7 +41,7 @@ class DraftModelProposer:
         vocab = self.draft.model_config.vocab_size
         out: list[int] = []
         for _ in range(k):
-            logits = self.draft.forward(StepMessage(input_ids=[token], starts=[position], counts=[1],
+            logits = self.draft.runner.forward(StepMessage(input_ids=[token], starts=[position], counts=[1],
                                                  block_tables=[seq.block_table],
                                                  logits_indices=[0]))
             token = int(logits[0, :vocab].argmax())

@@ -16,7 +16,6 @@ from typing import Any
 
 import torch
 
-from conveyor.model.layers.attention import build_attention_metadata
 from conveyor.model.layers.linear import Linear
 
 EXACT_CHANNELS = 16  # per projection: each adds a column of bf16 work to the int8 GEMM's tiles
@@ -48,9 +47,8 @@ def input_absmax(model: Any, linears: list[Linear], token_ids: list[int],
     caches = [tuple(torch.zeros(num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim,
                                 dtype=dtype, device=device) for _ in range(2))
               for _ in range(cfg.num_layers)]
-    meta = build_attention_metadata([list(range(num_blocks))], [0], [len(token_ids)],
-                                    block_size, cfg.num_heads // cfg.num_kv_heads, device,
-                                    dtype=dtype)
+    meta = model.backend.build_metadata([list(range(num_blocks))], [0], [len(token_ids)],
+                                        block_size, cfg.num_heads // cfg.num_kv_heads, dtype)
     absmax: dict[Linear, torch.Tensor] = {}
 
     def record(linear: Linear, inputs: tuple[torch.Tensor, ...], output: torch.Tensor) -> None:

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
+    from conveyor.model.backends.base import Backend
     from conveyor.model.layers.linear import LinearMethod
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -76,7 +77,7 @@ class KernelPlan:
     linear: type[LinearMethod]  # every Linear's weight format (layers/linear.py)
     block_weights: bool  # keep a GGUF file's quantized blocks for small batches
     int8_panels: bool  # a bf16 model's GGUF matmuls above the blocks on 8-bit activations
-    attention: bool  # the C++ paged attention kernel
+    backend: Backend  # attention, norm, rotary, activation (model/backends/)
     # same bits however a request is batched (docs/determinism.md): GGUF blocks as BlockPanels
     # (or serving no rows), every attention query row through the one-token path
     deterministic: bool = False
@@ -97,14 +98,15 @@ def select_kernels(device: torch.device, dtype: torch.dtype, head_dim: int,
     * ``int8_panels``: when asked (``int8_activations``), for a bf16 model on panels whose
       build has the int8 GEMM (AVX512-VNNI). A float32 model keeps float32 activations:
       asking for float32 is asking for its accuracy.
-    * ``attention``: CPU, float32/bf16 queries (a float32 model's cache may be bf16), head_dim
-      in 16..256 by 16s.
+    * ``backend``: on CUDA, ``TritonBackend`` where Triton is installed and head_dim is a power
+      of two from 16 to 256; on the CPU, ``CpuBackend`` wherever the kernels build, its
+      attention kernel where it takes the queries' and cache's dtypes (float32/bf16; a float32
+      model's cache may be bf16) and head_dim (16..256 by 16s); else ``TorchBackend``.
     * ``deterministic``: as asked; the kernels above then run their deterministic variants
       (``BlockPanels`` for the blocks, the attention's one-token path for every row).
     """
     from conveyor.model.kernels.block_matmul import block_matmul_available
     from conveyor.model.kernels.int8_gemm import int8_gemm_available
-    from conveyor.model.kernels.paged_attention import attention_kernel_available
     from conveyor.model.kernels.panel_gemm import panel_gemm_available
     from conveyor.model.layers.linear import DenseMethod, OneDnnMethod, PanelMethod
 
@@ -123,12 +125,43 @@ def select_kernels(device: torch.device, dtype: torch.dtype, head_dim: int,
         block_weights=packed and block_matmul_available(),
         int8_panels=(int8_activations and dtype == torch.bfloat16 and linear is PanelMethod
                      and int8_gemm_available()),
-        attention=attention_kernel_available(device, dtype, cache_dtype, head_dim),
+        backend=select_backend(device, dtype, head_dim, cache_dtype, deterministic),
         deterministic=deterministic)
 
 
+BACKENDS = ("torch", "cpu", "triton")
+
+
+def select_backend(device: torch.device, dtype: torch.dtype, head_dim: int,
+                   cache_dtype: torch.dtype | None = None, deterministic: bool = True) -> Backend:
+    """The backend of ``select_kernels``'s plan; ``CONVEYOR_BACKEND`` (torch, cpu or triton)
+    names one instead, where it can run (Triton's interpreter runs ``triton`` on the CPU)."""
+    from conveyor.model.backends.cpu_kernels import CpuBackend
+    from conveyor.model.backends.sdpa import TorchBackend
+    from conveyor.model.kernels.build import kernel_ops
+    from conveyor.model.kernels.paged_attention import attention_kernel_available
+    from conveyor.model.kernels.triton.common import triton_available
+
+    wanted = os.environ.get("CONVEYOR_BACKEND", "")
+    if wanted and wanted not in BACKENDS:
+        raise ValueError(f"CONVEYOR_BACKEND must be one of {', '.join(BACKENDS)}; got {wanted!r}")
+    if wanted == "triton" or (not wanted and device.type == "cuda"
+                              and use_triton_attention(device, head_dim)):
+        if not triton_available():
+            raise ValueError("CONVEYOR_BACKEND=triton, but triton is not installed")
+        from conveyor.model.backends.triton_kernels import TritonBackend
+
+        return TritonBackend(device)
+    if wanted == "cpu" or (not wanted and device.type == "cpu" and kernel_ops() is not None):
+        if device.type != "cpu" or kernel_ops() is None:
+            raise ValueError("CONVEYOR_BACKEND=cpu needs the CPU device and the C++ kernels")
+        return CpuBackend(device, attention_kernel_available(device, dtype, cache_dtype, head_dim),
+                          deterministic)
+    return TorchBackend(device)
+
+
 def use_triton_attention(device: torch.device, head_dim: int) -> bool:
-    """The Triton paged attention kernels (kernels/triton/, layers/triton_attention.py): the
+    """The Triton paged attention kernels (kernels/triton/, backends/triton_kernels.py): the
     attention of the CUDA path, for head sizes that are powers of two from 16 to 256."""
     from conveyor.model.kernels.triton.common import triton_available
 

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from conveyor.model.backends.base import Backend, StepMetadata
 from conveyor.model.config import ModelConfig
 from conveyor.model.kernels.decode_layer import (
     DecodeLayers,
@@ -22,8 +23,6 @@ from conveyor.model.kernels.decode_layer import (
     decode_layer_available,
     decode_layers,
 )
-from conveyor.model.layers.activation import silu_and_mul
-from conveyor.model.layers.attention import AttentionMetadata, paged_attention
 from conveyor.model.layers.linear import Linear, LinearMethod
 from conveyor.model.layers.lora import LoRAContext, LoRALayer
 from conveyor.model.layers.norm import RMSNorm
@@ -40,7 +39,7 @@ from conveyor.model.layers.quantized import (
     NibbleInt4,
     pack_blocks,
 )
-from conveyor.model.layers.rotary import RotaryEmbedding, apply_rotary, rope_inv_freq
+from conveyor.model.layers.rotary import RotaryEmbedding, rope_inv_freq
 from conveyor.model.shard_weights import weight_slice
 
 logger = logging.getLogger(__name__)
@@ -58,26 +57,28 @@ def _param(*shape: int) -> nn.Parameter:
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, tp: TensorParallel | None = None) -> None:
+    def __init__(self, cfg: ModelConfig, backend: Backend,
+                 tp: TensorParallel | None = None) -> None:
         """``cfg``: this rank's shapes (its heads, KV heads and intermediate columns)."""
         super().__init__()
+        self.backend = backend
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
         self.q_size, self.kv_size = q_size, kv_size
-        self.input_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.input_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, backend)
         self.qkv_proj = Linear(cfg.hidden_size, q_size + 2 * kv_size, bias=cfg.attention_bias)
         self.o_proj = (Linear(q_size, cfg.hidden_size) if tp is None
                        else RowParallelLinear(q_size, cfg.hidden_size, tp))
-        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
-        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
-        self.post_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, backend) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, backend) if cfg.qk_norm else None
+        self.post_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, backend)
         self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size)
         self.down_proj = (Linear(cfg.intermediate_size, cfg.hidden_size) if tp is None
                           else RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, tp))
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor, cos: torch.Tensor,
                 sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                meta: AttentionMetadata) -> torch.Tensor:
+                meta: StepMetadata) -> torch.Tensor:
         """The residual stream is ``residual`` (updated in place) + ``x``; returns the new ``x``."""
         # x is dead once added to the residual, so each norm writes its result over its input.
         attn = self._attention(self.input_norm(x, residual, out=x), cos, sin, k_cache, v_cache,
@@ -121,7 +122,7 @@ class DecoderLayer(nn.Module):
 
     def _attention(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                    k_cache: torch.Tensor, v_cache: torch.Tensor,
-                   meta: AttentionMetadata) -> torch.Tensor:
+                   meta: StepMetadata) -> torch.Tensor:
         # Its own function so that q, k, v and friends are freed before the MLP runs.
         t, heads, qk_size = h.shape[0], self.num_heads, self.q_size + self.kv_size
         qkv = self.qkv_proj(h)
@@ -129,34 +130,36 @@ class DecoderLayer(nn.Module):
         if self.q_norm is None:
             # q's and k's heads are rotated in one pass, over qkv itself: no new tensors.
             qk = qkv[:, :qk_size].view(t, heads + self.num_kv_heads, self.head_dim)
-            qk = apply_rotary(qk, cos, sin, out=qk)
+            qk = self.backend.rotary(qk, cos, sin, out=qk)
             q, k = qk[:, :heads], qk[:, heads:]
         else:
             q = self.q_norm(qkv[:, :self.q_size].view(t, heads, self.head_dim))
             k = self.k_norm(qkv[:, self.q_size:qk_size].view(t, self.num_kv_heads, self.head_dim))
-            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+            q, k = self.backend.rotary(q, cos, sin), self.backend.rotary(k, cos, sin)
         # h is dead once projected: the attention output goes over it (same shape in Llama).
-        return self.o_proj(paged_attention(q, k, v, k_cache, v_cache, meta, out=h))
+        return self.o_proj(self.backend.attention(q, k, v, k_cache, v_cache, meta, out=h))
 
     def _mlp(self, h: torch.Tensor) -> torch.Tensor:
         lora = self.gate_up_proj.lora
         if h.shape[0] <= MLP_CHUNK_TOKENS or (lora is not None and lora.context.active):
             # (LoRA rows are numbered over the whole step)
-            return self.down_proj(silu_and_mul(self.gate_up_proj(h)))
+            return self.down_proj(self.backend.silu_and_mul(self.gate_up_proj(h)))
         # A long prefill's [T, 2 * intermediate] activations are the step's largest; a chunk at a
         # time bounds them (peak RSS) at no cost: the panel GEMM works in blocks of 192 rows
         # anyway, and oneDNN is no faster per row on longer calls. Each chunk's
         # output goes over its own input rows, which gate_up has finished reading.
         for chunk in h.split(MLP_CHUNK_TOKENS):
-            chunk.copy_(self.down_proj(silu_and_mul(self.gate_up_proj(chunk))))
+            chunk.copy_(self.down_proj(self.backend.silu_and_mul(self.gate_up_proj(chunk))))
         return h
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, cfg: ModelConfig, rope_freq_factors: torch.Tensor | None = None,
+    def __init__(self, cfg: ModelConfig, backend: Backend,
+                 rope_freq_factors: torch.Tensor | None = None,
                  tp: TensorParallel | None = None) -> None:
         super().__init__()
         self.config = cfg
+        self.backend = backend
         self.tp = tp if tp is not None and tp.size > 1 else None
         self.plan = shard_plan(cfg, tp.rank, tp.size) if self.tp is not None else None
         local = self.plan.local_config(cfg) if self.plan is not None else cfg
@@ -164,8 +167,9 @@ class LlamaForCausalLM(nn.Module):
                  else cfg.vocab_size)
         self.embed_tokens: nn.Parameter | None = _param(vocab, cfg.hidden_size)
         self.embed_blocks: Int8Blocks | None = None  # replaces embed_tokens (attach_blocks)
-        self.layers = nn.ModuleList(DecoderLayer(local, self.tp) for _ in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.layers = nn.ModuleList(DecoderLayer(local, backend, self.tp)
+                                    for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, backend)
         self.lm_head = Linear(cfg.hidden_size, vocab)
         self.rotary = RotaryEmbedding(rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling,
                                                     rope_freq_factors))
@@ -178,7 +182,7 @@ class LlamaForCausalLM(nn.Module):
         input_ids: torch.Tensor,  # [T]
         positions: torch.Tensor,  # [T]
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-        meta: AttentionMetadata,
+        meta: StepMetadata,
         logits_indices: torch.Tensor,  # [S] flat token indices whose logits are wanted
         hidden_indices: torch.Tensor | None = None,  # [P] flat token indices to pool
     ) -> torch.Tensor | tuple[torch.Tensor | None, torch.Tensor] | None:
@@ -195,8 +199,8 @@ class LlamaForCausalLM(nn.Module):
                 and kv_caches[0][0].dtype == x.dtype):  # a float32 model's cache may be bf16
             lora_slots = self.lora.slots if self.lora is not None else None
             x = decode_layers(fused, x, residual, cos, sin, kv_caches, meta.slot_mapping,
-                              meta.kernel.block_tables, meta.kernel.context_lens,
-                              meta.kernel.deterministic, lora_slots)
+                              meta.block_tables, meta.context_lens, meta.deterministic,
+                              lora_slots)
         else:
             for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
                 x = layer(x, residual, cos, sin, k_cache, v_cache, meta)

@@ -120,7 +120,8 @@ def load_model(model: str | None, dtype: torch.dtype, device: torch.device,
     if (tokenizer is not None and tokenizer.eos_token_id is not None
             and tokenizer.eos_token_id not in config.eos_token_ids):
         config.eos_token_ids.append(int(tokenizer.eos_token_id))
-    net = LlamaForCausalLM(config, rope_freq_factors=weights.get("rope_freqs"), tp=tp)
+    net = LlamaForCausalLM(config, kernels.backend, rope_freq_factors=weights.get("rope_freqs"),
+                           tp=tp)
     net.load_weights(weights)
     del weights
     net.to(device=device, dtype=dtype)

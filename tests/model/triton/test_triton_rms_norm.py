@@ -1,16 +1,17 @@
-"""The Triton RMSNorm (with and without the fused residual add) against layers/norm.py's torch
+"""The Triton RMSNorm (with and without the fused residual add) against TorchBackend's torch
 ops, which follow transformers: equal in float32, within two rounding steps in bf16 and fp16."""
 
 import pytest
 import torch
 
+from conveyor.model.backends.sdpa import TorchBackend
 from conveyor.model.kernels.triton.common import interpreting
 from conveyor.model.kernels.triton.rms_norm import rms_norm
 from conveyor.model.layers.norm import RMSNorm
 
 
 def _torch_norm(norm, x, residual):
-    """layers/norm.py's torch path (the fused C++ one is CPU-only and skipped for 3-d input)."""
+    """TorchBackend's norm."""
     return norm(x[None], None if residual is None else residual[None])[0]
 
 
@@ -19,7 +20,7 @@ def _torch_norm(norm, x, residual):
 def test_rms_norm_matches_torch(dtype, with_residual, device):
     torch.manual_seed(0)
     hidden = 96  # not a power of two: the row is masked
-    norm = RMSNorm(hidden, 1e-5)
+    norm = RMSNorm(hidden, 1e-5, TorchBackend(torch.device("cpu")))
     norm.weight.data = (1 + 0.1 * torch.randn(hidden)).to(dtype)
     x = torch.randn(5, 2 * hidden).to(dtype)[:, :hidden]  # strided rows, as a view gives
     residual = torch.randn(5, hidden).to(dtype) if with_residual else None

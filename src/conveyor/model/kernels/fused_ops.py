@@ -3,8 +3,8 @@
 
 Each function returns None when the kernel cannot serve the call (not CPU, not float32/bf16,
 a width that is not a multiple of 16, a layout it does not take, kernels off or not
-buildable): the caller (``layers/norm.py``, ``layers/rotary.py``, ``layers/activation.py``,
-``sampler.py``) then runs the same math in torch.
+buildable): the caller (``backends/cpu_kernels.py``, ``sampler.py``) then runs the same math
+in torch.
 """
 
 from __future__ import annotations

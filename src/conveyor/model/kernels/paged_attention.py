@@ -2,8 +2,8 @@
 ``paged_attention.cpp``).
 
 ``attention_kernel_available()`` builds the kernels on first use (see ``build.py``) and says
-whether this one can run here; ``CONVEYOR_KERNELS=off`` turns them off (``layers/attention.py``
-then takes its ``scaled_dot_product_attention`` path).
+whether this one can run here; ``CONVEYOR_KERNELS=off`` turns them off (the model then runs
+``backends/sdpa.py``'s ``scaled_dot_product_attention``).
 """
 
 from __future__ import annotations

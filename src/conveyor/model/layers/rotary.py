@@ -1,4 +1,5 @@
-"""Rotary position embedding (HF "rotate_half" layout), computed from positions on the fly."""
+"""Rotary position embedding (HF "rotate_half" layout): the frequencies, and cos/sin computed
+from positions on the fly; the rotation itself is the model's backend's (``Backend.rotary``)."""
 
 from __future__ import annotations
 
@@ -6,9 +7,6 @@ import math
 from typing import Any
 
 import torch
-
-from conveyor.model.kernels import fused_ops
-from conveyor.model.kernels.triton.common import triton_available
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None,
@@ -50,20 +48,3 @@ class RotaryEmbedding:
         freqs = positions.float()[:, None] * self.inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]
         return emb.cos().to(dtype), emb.sin().to(dtype)
-
-
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                 out: torch.Tensor | None = None) -> torch.Tensor:
-    """x: [T, heads, head_dim] -> the rotated tensor: one pass in ``kernels/fused_ops.cpp`` on the
-    CPU, or in ``kernels/triton/elementwise.py`` on CUDA, which write it into ``out`` when given
-    (x itself, to rotate in place); else a new one."""
-    if x.is_cuda and triton_available():
-        from conveyor.model.kernels.triton.elementwise import rotary
-
-        return rotary(x, cos, sin, out)
-    fused = fused_ops.rotary(x, cos, sin, out)
-    if fused is not None:
-        return fused
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin

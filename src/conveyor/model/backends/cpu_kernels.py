@@ -1,0 +1,90 @@
+"""``CpuBackend``: the C++ kernels of ``model/kernels/`` (``torch.ops.conveyor.*``).
+
+Attention: every token of a step goes to the kernel of ``kernels/paged_attention.cpp``, in any
+entry order: each token attends to its own causal prefix, read straight from its sequence's
+blocks. No padding, no mask, no gathered keys. Where the kernel does not take the model's
+dtypes or head size (``attention_kernel_available``), attention is ``TorchBackend``'s.
+The norm, rotary and activation kernels serve float32/bf16 rows whose widths are multiples of
+16; a call they do not take runs ``TorchBackend``'s math.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from conveyor.model.backends.base import StepMetadata
+from conveyor.model.backends.sdpa import (
+    TorchBackend,
+    num_leading_decodes,
+    padded_tables,
+    slots_and_positions,
+)
+from conveyor.model.kernels import fused_ops
+from conveyor.model.kernels.paged_attention import kernel_attention
+
+
+@dataclass
+class KernelMetadata(StepMetadata):
+    """Token t attends to the first ``context_lens[t]`` positions of the sequence whose block
+    table is row ``token_seqs[t]``."""
+    block_tables: torch.Tensor | None = None  # [S, max_blocks] int32 (padding: 0)
+    context_lens: torch.Tensor | None = None  # [T] int32, the token itself included
+    token_seqs: torch.Tensor | None = None  # [T] int32; None in a decode-only step (t -> row t)
+    deterministic: bool = True  # one arithmetic for every query row (kernel_attention)
+
+    @property
+    def decode_only(self) -> bool:
+        return self.token_seqs is None
+
+
+class CpuBackend(TorchBackend):
+    name = "cpu"
+
+    def __init__(self, device: torch.device, attention_kernel: bool,
+                 deterministic: bool = True) -> None:
+        super().__init__(device)
+        self.attention_kernel = attention_kernel
+        self.deterministic = deterministic  # docs/determinism.md
+
+    def build_metadata(self, block_tables: list[list[int]], starts: list[int],
+                       counts: list[int], block_size: int, num_queries_per_kv: int,
+                       dtype: torch.dtype) -> StepMetadata:
+        if not self.attention_kernel:
+            return super().build_metadata(block_tables, starts, counts, block_size,
+                                          num_queries_per_kv, dtype)
+        slots, positions = slots_and_positions(block_tables, starts, counts, block_size)
+        table = torch.tensor(padded_tables(block_tables), dtype=torch.int32)
+        context_lens = torch.tensor([p + 1 for p in positions], dtype=torch.int32)
+        token_seqs = None
+        if num_leading_decodes(counts) < len(counts):
+            token_seqs = torch.repeat_interleave(torch.arange(len(counts), dtype=torch.int32),
+                                                 torch.tensor(counts))
+        return KernelMetadata(torch.tensor(slots), torch.tensor(positions), table, context_lens,
+                              token_seqs, self.deterministic)
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float,
+                 residual: torch.Tensor | None = None,
+                 out: torch.Tensor | None = None) -> torch.Tensor:
+        fused = fused_ops.rms_norm(x, weight, eps, residual, out) if x.dim() == 2 else None
+        return fused if fused is not None else super().rms_norm(x, weight, eps, residual, out)
+
+    def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        fused = fused_ops.silu_mul(gate_up)
+        return fused if fused is not None else super().silu_and_mul(gate_up)
+
+    def rotary(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+               out: torch.Tensor | None = None) -> torch.Tensor:
+        fused = fused_ops.rotary(x, cos, sin, out)
+        return fused if fused is not None else super().rotary(x, cos, sin, out)
+
+    def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                  k_cache: torch.Tensor, v_cache: torch.Tensor, meta: StepMetadata,
+                  out: torch.Tensor | None = None) -> torch.Tensor:
+        if not isinstance(meta, KernelMetadata):  # TorchBackend's metadata: its attention
+            return super().attention(q, k, v, k_cache, v_cache, meta, out)
+        return kernel_attention(q, k_cache, v_cache, meta.block_tables, meta.context_lens,
+                                q.shape[2] ** -0.5, meta.token_seqs, out=out,
+                                new_kv=(k, v, meta.slot_mapping),
+                                deterministic=meta.deterministic)
