@@ -1,11 +1,11 @@
 """Where a benchmark result came from: the provenance block every `conveyor bench` result JSON
-carries (``report.write_result`` adds it), and its one-line form for the docs.
+carries (``report.write_result`` adds it).
 
 The block names the time of the run (UTC), the commit of the source tree that ran and whether
 its ``src/`` had uncommitted changes (both null outside a git checkout), the CPU (model name, the
 instruction-set flags the kernels choose by, logical cores), and the versions of Python, torch,
 Conveyor and of each peer that ran. The machine kind is the result's folder,
-``benchmarks/results/<kind>/``.
+``benchmarks/results/<kind>/``. A block written after the run says how in ``backfilled``.
 """
 
 from __future__ import annotations
@@ -72,20 +72,20 @@ def git_state(package_dir: Path) -> tuple[str | None, bool | None]:
     """(HEAD commit, whether ``src/`` differs from it) of the checkout ``package_dir`` sits in as
     ``<checkout>/src/conveyor``; (None, None) for an installed copy or without git."""
 
-    def git(*args: str) -> str | None:
+    def git(where: Path, *args: str) -> str | None:
         try:
-            out = subprocess.run(["git", "-C", str(package_dir), *args], capture_output=True,
+            out = subprocess.run(["git", "-C", str(where), *args], capture_output=True,
                                  text=True, timeout=30, check=False)
         except (OSError, subprocess.TimeoutExpired):
             return None
         return out.stdout.strip() if out.returncode == 0 else None
 
-    top = git("rev-parse", "--show-toplevel")
+    top = git(package_dir, "rev-parse", "--show-toplevel")
     # a venv inside some other checkout must not lend it its commit
-    if top is None or (Path(top) / "src" / "conveyor").resolve() != package_dir:
+    if top is None or (Path(top) / "src" / "conveyor").resolve() != package_dir.resolve():
         return None, None
-    commit = git("rev-parse", "HEAD")
-    status = git("status", "--porcelain", "--untracked-files=no", "--", "src")
+    commit = git(Path(top), "rev-parse", "HEAD")
+    status = git(Path(top), "status", "--porcelain", "--untracked-files=no", "--", "src")
     return commit, None if commit is None or status is None else bool(status)
 
 
@@ -104,20 +104,6 @@ def cpu_info() -> dict[str, Any]:
             flags = set(value.split())
     return {"model": model or platform.processor() or None,
             "flags": [f for f in CPU_FLAGS if f in flags], "cores": os.cpu_count()}
-
-
-def format_provenance(p: dict[str, Any]) -> str:
-    """One line: date, CPU, commit, torch, peers. A block written after the run (``backfilled``:
-    how its fields were found) says so."""
-    cpu = p["cpu"]
-    parts = [p["date"][:10], f"{cpu['model'] or 'unknown CPU'}"
-             + (f" ({cpu['cores']} cores)" if cpu.get("cores") else "")]
-    if p["commit"]:
-        parts.append(f"commit {p['commit'][:7]}" + (" with local changes" if p["dirty"] else ""))
-    if p["torch"]:
-        parts.append(f"torch {p['torch']}")
-    parts += [f"{name} {version}" for name, version in p["peers"].items() if version]
-    return ", ".join(parts) + (" (backfilled from git history)" if p.get("backfilled") else "")
 
 
 def missing_keys(p: Any) -> list[str]:
