@@ -225,6 +225,10 @@ def _report(outcomes: list[Outcome], samples: list[dict[str, Any]], end_kv: floa
     return summary
 
 
+def _mib(value: float | None) -> str:
+    return "-" if value is None else f"{value:,.0f}"
+
+
 def format_soak(summary: dict[str, Any]) -> str:
     """The summary as the bench prints it: counts by kind, errors, KV cache, RSS, latencies."""
 
@@ -240,7 +244,8 @@ def format_soak(summary: dict[str, Any]) -> str:
         f"wrong status: {len(summary['wrong_status'])}   failed ordinary: "
         f"{len(summary['failed_ordinary'])}",
         f"KV cache usage after the load: {summary['kv_usage_at_end']}",
-        f"RSS MiB: baseline {summary['rss_mib_baseline']}, end {summary['rss_mib_end']}, "
+        f"RSS MiB: baseline {_mib(summary['rss_mib_baseline'])}, end "
+        f"{_mib(summary['rss_mib_end'])}, "
         f"growth {'-' if growth is None else f'{growth * 100:+.1f}%'}",
         f"ordinary requests, ms p50 / p90 / p99: TTFT {ms(summary['ttft_s'])}; "
         f"e2e {ms(summary['e2e_s'])}; ITL {ms(summary['itl_s'])}",

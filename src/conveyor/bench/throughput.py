@@ -491,7 +491,7 @@ def format_roofline(r: dict[str, Any]) -> str:
         f"memory read "
         f"{m['mem_bandwidth'] / 1e9:.1f} GB/s ("
         + (f"{m['device']}, {m['num_threads']} SMs" if m.get("device", "cpu") != "cpu"
-           else f"{m['num_threads']} threads") + ", measured now)",
+           else f"{m['num_threads']} threads") + ", measured in the run)",
         f"  workload: {r['flops'] / 1e12:.2f} TFLOP, {r['bytes'] / 1e9:.1f} GB moved (weights as "
         f"the engine holds them, quantized copies at small batches); ideal time "
         f"{r['time_s']:.2f}s (prefill {r['prefill_s']:.2f}s + decode {r['decode_s']:.2f}s)",
