@@ -1,10 +1,10 @@
 """Where a benchmark result came from: the provenance block every `conveyor bench` result JSON
 carries (``report.write_result`` adds it).
 
-The block names the time of the run (UTC), the commit of the source tree that ran and whether
-its ``src/`` had uncommitted changes (both null outside a git checkout), the CPU (model name, the
-instruction-set flags the kernels choose by, logical cores), and the versions of Python, torch,
-Conveyor and of each peer that ran. The machine kind is the result's folder,
+The block names when the file was written (UTC), the commit of the source tree that ran and
+whether its ``src/`` had uncommitted changes (both null outside a git checkout), the CPU (model
+name, the instruction-set flags the kernels choose by, logical cores), and the versions of
+Python, torch, Conveyor and of each peer that ran. The machine kind is the result's folder,
 ``benchmarks/results/<kind>/``. A block written after the run says how in ``backfilled``.
 """
 
