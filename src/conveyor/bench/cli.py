@@ -10,11 +10,13 @@ BENCHMARKS = [
     "conveyor.bench.throughput",  # bench throughput
     "conveyor.bench.serving",  # bench serve
     "conveyor.bench.soak",  # bench soak
+    "conveyor.bench.doc_tables",  # bench report
 ]
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
-    parser = subparsers.add_parser("bench", help="benchmarks (scheduler, throughput, serve)")
+    parser = subparsers.add_parser("bench", help="benchmarks (scheduler, throughput, serve, "
+                                   "soak) and the docs' tables of their results (report)")
     inner = parser.add_subparsers(dest="benchmark", metavar="BENCHMARK")
     for name in BENCHMARKS:
         importlib.import_module(name).add_parser(inner)

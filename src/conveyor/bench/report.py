@@ -2,7 +2,9 @@
 
 A throughput run yields one ``SystemResult`` per system configuration (Conveyor, each peer),
 each holding its timed repeats; every peer figure is shown as a ratio to Conveyor's (the first
-Conveyor row). A serving run yields one summary dict per request rate (see serving.py).
+Conveyor row). A serving run yields one summary dict per request rate (see serving.py). Every
+result file a bench command writes goes through ``write_result``: the command line and the
+provenance block (provenance.py) with the payload.
 """
 
 from __future__ import annotations
@@ -10,10 +12,14 @@ from __future__ import annotations
 import json
 import math
 import statistics
+import sys
 import textwrap
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
+
+from conveyor.bench.provenance import provenance
+from conveyor.bench.workloads import is_single_stream
 
 
 @dataclass
@@ -137,9 +143,55 @@ def format_table(results: list[SystemResult], single_stream: bool = False) -> st
     return "\n".join(lines)
 
 
+# systems in the order a summary's columns take, with the names they go by there
+SYSTEM_NAMES = {"conveyor": "Conveyor", "vllm": "vLLM", "transformers": "transformers",
+                "transformers-cb": "transformers (continuous batching)", "llamacpp": "llama.cpp",
+                "llamacpp-lookup": "llama.cpp prompt lookup"}
+
+
+def format_summary_table(runs: list[tuple[str, list[SystemResult]]]) -> str:
+    """Several workloads' runs on one machine as one Markdown table: a row per (workload, headline
+    metric), a column per system (its first timed row: for Conveyor the engine flags as given),
+    best / median of the repeats, the best of each row in bold."""
+    systems = [s for s in SYSTEM_NAMES if any(r.system == s for _, rs in runs for r in rs)]
+    systems += sorted({r.system for _, rs in runs for r in rs} - set(systems))
+    header = ["workload", "measure", *(SYSTEM_NAMES.get(s, s) for s in systems)]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for workload, results in runs:
+        first: dict[str, SystemResult] = {}
+        for r in results:
+            if r.repeats:
+                first.setdefault(r.system, r)
+        single = is_single_stream(workload)
+        for metric, title, lower in headline_columns(single)[:2 if single else 1]:
+            scale = 1000.0 if title.endswith("ms") else 1.0
+            figures = {s: r.best_and_median(metric, lower) for s, r in first.items()}
+            pick = min if lower else max
+            leader = pick(figures, key=lambda s: figures[s][0])
+            cells = [workload, f"{title}, best / median"]
+            for s in systems:
+                if s not in figures:
+                    cells.append("")
+                    continue
+                best, median = (_fmt(v, scale) for v in figures[s])
+                best = f"**{best}**" if s == leader else best
+                cells.append(f"{best} (one run)" if len(first[s].repeats) == 1
+                             else f"{best} / {median}")
+            lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def write_json(path: str | Path, payload: dict[str, Any]) -> None:
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     Path(path).write_text(json.dumps(payload, indent=2, sort_keys=False, default=str) + "\n")
+
+
+def write_result(path: str | Path, payload: dict[str, Any],
+                 peers: dict[str, str | None] | None = None) -> None:
+    """A result file: the command line that ran, its provenance (``peers``: distribution ->
+    version of each peer that ran), then ``payload``."""
+    write_json(path, {"command": " ".join(["conveyor", *sys.argv[1:]]),
+                      "provenance": provenance(peers), **payload})
 
 
 def plot_throughput(results: list[SystemResult], path: str | Path, title: str,

@@ -13,11 +13,12 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import random
 import statistics
 import time
 from dataclasses import asdict, dataclass
+
+from conveyor.bench.report import write_result
 
 
 @dataclass
@@ -121,13 +122,13 @@ def main(args: argparse.Namespace) -> int:
                   f"{row['us_per_step_median']:>9.1f}{row['us_per_token_min']:>14.3f}"
                   f"{row['us_per_token_median']:>9.3f}", flush=True)
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"workload": {"name": "sched-1024", "num_requests": args.num_requests,
-                                    "seed": args.seed, "block_size": 256, "max_num_seqs": 512,
-                                    "max_num_batched_tokens": 16384,
-                                    "prefix_caching": not args.no_prefix_caching,
-                                    "timer": args.timer},
-                       "results": rows}, f, indent=2)
+        write_result(args.json, {"workload": {"name": "sched-1024",
+                                              "num_requests": args.num_requests,
+                                              "seed": args.seed, "block_size": 256,
+                                              "max_num_seqs": 512, "max_num_batched_tokens": 16384,
+                                              "prefix_caching": not args.no_prefix_caching,
+                                              "timer": args.timer},
+                                 "results": rows})
     return 0
 
 

@@ -34,11 +34,12 @@ from conveyor.bench.embeddings import (
     run_sentence_transformers,
     workload_texts,
 )
+from conveyor.bench.provenance import peer_versions
 from conveyor.bench.report import (
     format_serving_table,
     percentiles,
     plot_serving,
-    write_json,
+    write_result,
 )
 from conveyor.bench.workloads import SPECS, make_workload
 
@@ -521,8 +522,10 @@ def main(args: argparse.Namespace) -> int:
         if "skipped" in info:
             print(f"{name}: {info['skipped']}")
     if args.json and not args.from_json:
-        write_json(args.json, {"command": " ".join(["conveyor", *sys.argv[1:]]),
-                               "label": args.label, "runs": runs, "peers": peer_info})
+        ran = {name: info for name, info in peer_info.items() if "skipped" not in info}
+        versions = peer_versions(ran) | (
+            {"vllm": ran["vllm"].get("version")} if "vllm" in ran else {})
+        write_result(args.json, {"label": args.label, "runs": runs, "peers": peer_info}, versions)
     if args.plot:
         plot_serving(runs, args.plot, title=f"conveyor bench serve ({runs[0]['workload']})"
                      if runs else "")

@@ -27,7 +27,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
-from conveyor.bench.report import percentiles, write_json
+from conveyor.bench.report import percentiles, write_result
 from conveyor.bench.serving import engine_flags, spawned_server
 
 KINDS = ("ok", "disconnect", "oversize", "bad_json", "bad_type", "not_json", "too_many_n")
@@ -225,24 +225,32 @@ def _report(outcomes: list[Outcome], samples: list[dict[str, Any]], end_kv: floa
     return summary
 
 
-def _print(summary: dict[str, Any]) -> None:
+def _mib(value: float | None) -> str:
+    return "-" if value is None else f"{value:,.0f}"
+
+
+def format_soak(summary: dict[str, Any]) -> str:
+    """The summary as the bench prints it: counts by kind, errors, KV cache, RSS, latencies."""
+
     def ms(p: dict[str, float]) -> str:
         return " / ".join(f"{p[k] * 1000:.0f}" if k in p else "-" for k in ("p50", "p90", "p99"))
 
-    print(f"requests {summary['requests']} at {summary['rate_rps']:.2f} req/s "
-          f"(saturation {summary['saturation_rps']:.2f}) for {summary['duration_s']:.0f} s")
-    for kind, counts in summary["by_kind"].items():
-        print(f"  {kind:<11} {dict(counts)}")
-    print(f"5xx: {summary['server_errors_5xx']}   dropped: {summary['dropped_connections']}   "
-          f"wrong status: {len(summary['wrong_status'])}   failed ordinary: "
-          f"{len(summary['failed_ordinary'])}")
-    print(f"KV cache usage after the load: {summary['kv_usage_at_end']}")
     growth = summary["rss_growth"]
-    print(f"RSS MiB: baseline {summary['rss_mib_baseline']}, end {summary['rss_mib_end']}, "
-          f"growth {'-' if growth is None else f'{growth * 100:+.1f}%'}")
-    print(f"ordinary requests, ms p50 / p90 / p99: TTFT {ms(summary['ttft_s'])}; "
-          f"e2e {ms(summary['e2e_s'])}; ITL {ms(summary['itl_s'])}")
-    print("PASSED" if summary["passed"] else "FAILED")
+    return "\n".join([
+        f"requests {summary['requests']} at {summary['rate_rps']:.2f} req/s "
+        f"(saturation {summary['saturation_rps']:.2f}) for {summary['duration_s']:.0f} s",
+        *(f"  {kind:<11} {dict(counts)}" for kind, counts in summary["by_kind"].items()),
+        f"5xx: {summary['server_errors_5xx']}   dropped: {summary['dropped_connections']}   "
+        f"wrong status: {len(summary['wrong_status'])}   failed ordinary: "
+        f"{len(summary['failed_ordinary'])}",
+        f"KV cache usage after the load: {summary['kv_usage_at_end']}",
+        f"RSS MiB: baseline {_mib(summary['rss_mib_baseline'])}, end "
+        f"{_mib(summary['rss_mib_end'])}, "
+        f"growth {'-' if growth is None else f'{growth * 100:+.1f}%'}",
+        f"ordinary requests, ms p50 / p90 / p99: TTFT {ms(summary['ttft_s'])}; "
+        f"e2e {ms(summary['e2e_s'])}; ITL {ms(summary['itl_s'])}",
+        "PASSED" if summary["passed"] else "FAILED",
+    ])
 
 
 def main(args: argparse.Namespace) -> int:
@@ -253,9 +261,9 @@ def main(args: argparse.Namespace) -> int:
             summary = asyncio.run(soak(base, args))
     else:
         summary = asyncio.run(soak(args.base_url, args))
-    _print(summary)
+    print(format_soak(summary))
     if args.json:
-        write_json(args.json, summary)
+        write_result(args.json, summary)
     return 0 if summary["passed"] else 1
 
 

@@ -24,12 +24,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from conveyor.bench.peers import PEERS, WARMUP_SEED_OFFSET, PeerJob, peak_rss_mb, skip_reason
+from conveyor.bench.provenance import peer_versions
 from conveyor.bench.report import (
     Measurement,
     SystemResult,
     format_table,
     plot_throughput,
     write_json,
+    write_result,
 )
 from conveyor.bench.speculative import acceptance_line, speculative_methods, speculative_variants
 from conveyor.bench.workloads import (
@@ -448,7 +450,6 @@ def run_all(args: argparse.Namespace) -> dict[str, Any]:
         results.append(run_worker({"system": peer.system, "peer": dataclasses.asdict(peer)},
                                   peer.system, config))
     payload: dict[str, Any] = {
-        "command": " ".join(["conveyor", *sys.argv[1:]]),
         "workload": dataclasses.asdict(SPECS[args.workload]) | {"name": args.workload,
                                                                 "seed": args.seed},
         "results": [r.to_dict() for r in results],
@@ -490,7 +491,7 @@ def format_roofline(r: dict[str, Any]) -> str:
         f"memory read "
         f"{m['mem_bandwidth'] / 1e9:.1f} GB/s ("
         + (f"{m['device']}, {m['num_threads']} SMs" if m.get("device", "cpu") != "cpu"
-           else f"{m['num_threads']} threads") + ", measured now)",
+           else f"{m['num_threads']} threads") + ", measured in the run)",
         f"  workload: {r['flops'] / 1e12:.2f} TFLOP, {r['bytes'] / 1e9:.1f} GB moved (weights as "
         f"the engine holds them, quantized copies at small batches); ideal time "
         f"{r['time_s']:.2f}s (prefill {r['prefill_s']:.2f}s + decode {r['decode_s']:.2f}s)",
@@ -516,63 +517,86 @@ def format_profile(p: dict[str, Any]) -> str:
 
 def print_report(payload: dict[str, Any], workload: str) -> None:
     results = [SystemResult.from_dict(d) for d in payload["results"]]
-    single = is_single_stream(workload)
     print(f"\nworkload {workload}: {SPECS[workload].description}")
-    print(format_table(results, single_stream=single))
+    print(format_table(results, single_stream=is_single_stream(workload)))
+    for line in report_notes(payload, workload):
+        print(line)
+
+
+def report_notes(payload: dict[str, Any], workload: str) -> list[str]:
+    """The lines printed under the table: prefix-cache hits, speculative acceptance, step and
+    all-reduce times, the peers' settings, memory, the roofline, the profile, structured outputs."""
+    results = [SystemResult.from_dict(d) for d in payload["results"]]
+    notes: list[str] = []
     ran = {r.config: r for r in results if r.system == "conveyor" and r.repeats}
     if workload == "W2" and len(ran) == 2:
         on, off = list(ran.values())
         x = on.best_and_median("output_tokens_per_s")[0] / off.best_and_median(
             "output_tokens_per_s")[0]
-        print(f"W2 prefix caching: {x:.2f}x output tok/s with vs without")
+        notes.append(f"W2 prefix caching: {x:.2f}x output tok/s with vs without")
     for r in ran.values():
         stats = r.extra.get("stats") or {}
         if stats.get("prefix_cache_queries"):
-            print(f"conveyor ({r.config}): prefix cache hits {stats['prefix_cache_hits']:,} of "
-                  f"{stats['prefix_cache_queries']:,} prompt tokens queried, "
-                  f"{stats.get('num_preemptions', 0)} preemptions")
+            notes.append(f"conveyor ({r.config}): prefix cache hits "
+                         f"{stats['prefix_cache_hits']:,} of {stats['prefix_cache_queries']:,} "
+                         f"prompt tokens queried, {stats.get('num_preemptions', 0)} preemptions")
     for r in ran.values():
         line = acceptance_line(r.extra.get("stats") or {})
         if line:
-            print(f"conveyor ({r.config}): {line}")
+            notes.append(f"conveyor ({r.config}): {line}")
     for r in ran.values():
         tp = r.extra.get("tensor_parallel") or {}
         if tp.get("size", 1) > 1:
-            print(f"conveyor ({r.config}): all-reduce {tp['all_reduce_ms_per_step']:.2f} ms of "
-                  f"a {tp['step_ms']:.1f} ms step on rank 0 ({tp['all_reduces_per_step']:.0f} "
-                  f"all-reduces a step, waits for the slowest rank included)")
+            notes.append(f"conveyor ({r.config}): all-reduce {tp['all_reduce_ms_per_step']:.2f} "
+                         f"ms of a {tp['step_ms']:.1f} ms step on rank 0 "
+                         f"({tp['all_reduces_per_step']:.0f} all-reduces a step, waits for the "
+                         f"slowest rank included)")
         elif len(ran) > 1 and tp:
-            print(f"conveyor ({r.config}): {tp['step_ms']:.1f} ms a step, no all-reduce")
+            notes.append(f"conveyor ({r.config}): {tp['step_ms']:.1f} ms a step, no all-reduce")
     for r in results:
         settings = r.extra.get("settings") if r.system == "vllm" else None
         if settings:
             env = settings.get("env", {})
-            print(f"vllm {r.extra['vllm_version']}: loaded in {r.load_s:.0f}s (its torch.compile "
-                  f"warm-up included); max_num_batched_tokens {settings['max_num_batched_tokens']}"
-                  f", block size {settings['block_size']}, KV cache "
-                  f"{env.get('VLLM_CPU_KVCACHE_SPACE', '?')} GiB, OpenMP threads on cores "
-                  f"{env.get('VLLM_CPU_OMP_THREADS_BIND', '?')}")
+            notes.append(f"vllm {r.extra['vllm_version']}: loaded in {r.load_s:.0f}s (its "
+                         f"torch.compile warm-up included); max_num_batched_tokens "
+                         f"{settings['max_num_batched_tokens']}, block size "
+                         f"{settings['block_size']}, KV cache "
+                         f"{env.get('VLLM_CPU_KVCACHE_SPACE', '?')} GiB, OpenMP threads on cores "
+                         f"{env.get('VLLM_CPU_OMP_THREADS_BIND', '?')}")
             hits = [h for h in r.extra.get("cached_prompt_tokens", []) if h is not None]
             if hits and sum(hits):
-                print(f"vllm: prefix cache hits {sum(hits):,} of "
-                      f"{sum(m.prompt_tokens for m in r.repeats):,} prompt tokens")
+                notes.append(f"vllm: prefix cache hits {sum(hits):,} of "
+                             f"{sum(m.prompt_tokens for m in r.repeats):,} prompt tokens")
     conveyor = results[0]
     mem = conveyor.extra.get("memory")
     if mem and conveyor.peak_rss_mb:
-        print(f"conveyor peak RSS {conveyor.peak_rss_mb:,.0f} MB; weights {mem['weights_mb']:,.0f}"
-              f" MB + KV cache {mem['kv_cache_mb']:,.0f} MB + 500 MB = {mem['budget_mb']:,.0f} MB")
+        notes.append(f"conveyor peak RSS {conveyor.peak_rss_mb:,.0f} MB; weights "
+                     f"{mem['weights_mb']:,.0f} MB + KV cache {mem['kv_cache_mb']:,.0f} MB + "
+                     f"500 MB = {mem['budget_mb']:,.0f} MB")
     if "roofline" in payload:
-        print(format_roofline(payload["roofline"]))
+        notes += format_roofline(payload["roofline"]).splitlines()
     for r in results:
         if r.system == "conveyor" and r.extra.get("profile"):
             if len(ran) > 1:
-                print(f"conveyor ({r.config}):")
-            print(format_profile(r.extra["profile"]))
+                notes.append(f"conveyor ({r.config}):")
+            notes += format_profile(r.extra["profile"]).splitlines()
     structured = [r for r in ran.values() if ", structured " in r.config]
     if structured and conveyor.repeats:
         x = structured[0].best_and_median("output_tokens_per_s")[0] / conveyor.best_and_median(
             "output_tokens_per_s")[0]
-        print(f"structured outputs: {x:.2f}x the unconstrained output tok/s (best of each)")
+        notes.append(f"structured outputs: {x:.2f}x the unconstrained output tok/s (best of "
+                     f"each)")
+    return notes
+
+
+def ran_peer_versions(results: list[dict[str, Any]]) -> dict[str, str | None]:
+    """Distribution -> version of every peer with a timed row (vLLM's as its driver reported)."""
+    ran = [r for r in results if r["repeats"] and r["system"] != "conveyor"]
+    versions = peer_versions(r["system"] for r in ran)
+    for r in ran:
+        if r["system"] == "vllm":
+            versions["vllm"] = r["extra"].get("vllm_version")
+    return versions
 
 
 def main(args: argparse.Namespace) -> int:
@@ -584,7 +608,7 @@ def main(args: argparse.Namespace) -> int:
         raise SystemExit(f"conveyor bench throughput: {e}") from None
     print_report(payload, args.workload)
     if args.json:
-        write_json(args.json, payload)
+        write_result(args.json, payload, ran_peer_versions(payload["results"]))
     if args.plot:
         results = [SystemResult.from_dict(d) for d in payload["results"]]
         plot_throughput(results, args.plot, f"conveyor bench throughput, workload {args.workload}"
