@@ -112,8 +112,7 @@ class OracleProposer:
         self.rng = random.Random(seed)
         self.accuracy = accuracy
 
-    def propose(self, seq, k: int) -> list[int]:
-        token_ids = seq.token_ids
+    def propose(self, token_ids: list[int], k: int) -> list[int]:
         tokens = list(token_ids)
         for _ in range(self.rng.randint(0, k)):
             right = fake_token(tokens, 0)
@@ -214,9 +213,16 @@ def make_scheduler(*, block_size: int = 4, num_gpu_blocks: int = 64, num_cpu_blo
                      eos_token_ids=eos, clock=lambda: float(next(ticks)))
 
 
-def step(sched: Scheduler, executor: FakeExecutor) -> tuple[SchedulerOutput, list[SequenceGroup]]:
+def step(sched: Scheduler, executor: FakeExecutor,
+         proposer: OracleProposer | None = None) -> tuple[SchedulerOutput, list[SequenceGroup]]:
+    """One schedule / execute / update; with ``proposer``, its proposals after the step (for
+    every sequence that sampled) go to ``update_draft_token_ids`` as the runner's do."""
     out = sched.schedule()
-    return out, sched.update(out, executor.execute(out))
+    finished = sched.update(out, executor.execute(out))
+    if proposer is not None:
+        sched.update_draft_token_ids(out, [proposer.propose(seq.token_ids, sched.speculative.num_speculative_tokens)
+                                           for seq in out.seqs])
+    return out, finished
 
 
 def ids(seqs) -> list[str]:

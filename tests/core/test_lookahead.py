@@ -14,14 +14,17 @@ from conveyor.core.spec_decode.ngram import NgramProposer
 class Fixed:
     """Proposes ``k`` copies of one token (the fake model rarely agrees)."""
 
-    def propose(self, seq, k: int) -> list[int]:
+    def propose(self, token_ids: list[int], k: int) -> list[int]:
         return [5] * k
 
 
-def speculative_scheduler(k: int, budget: int, disable: int = 0, **kw):
+FIXED = Fixed()
+
+
+def speculative_scheduler(k: int, budget: int, disable: int = 0, method: str = "ngram", **kw):
     sched = make_scheduler(max_num_batched_tokens=budget, block_size=4, policy="chunked", **kw)
-    sched.speculative = SpeculativeConfig(num_speculative_tokens=k, disable_by_batch_size=disable)
-    sched.proposer = Fixed()
+    sched.speculative = SpeculativeConfig(method=method, num_speculative_tokens=k,
+                                          disable_by_batch_size=disable)
     return sched
 
 
@@ -35,8 +38,8 @@ def test_the_token_budget_counts_lookahead_slots():
     sched = speculative_scheduler(k=4, budget=8, max_num_seqs=2)
     ex = FakeExecutor(sched)
     add(sched, 2)
-    step(sched, ex)  # prefill
-    out, _ = step(sched, ex)
+    step(sched, ex, FIXED)  # prefill, then proposals for the first decodes
+    out, _ = step(sched, ex, FIXED)
     assert out.num_decodes == 2 and out.num_new_tokens == [5, 3]  # 1 + 4, then 1 + 2 of 8
     assert out.num_batched_tokens == 8 and out.num_spec_tokens == 6
     check_invariants(sched)
@@ -46,8 +49,8 @@ def test_a_large_batch_proposes_nothing():
     sched = speculative_scheduler(k=4, budget=64, disable=2, max_num_seqs=3)
     ex = FakeExecutor(sched)
     add(sched, 3)
-    step(sched, ex)
-    out, _ = step(sched, ex)
+    step(sched, ex, FIXED)
+    out, _ = step(sched, ex, FIXED)
     assert out.num_new_tokens == [1, 1, 1] and out.num_spec_tokens == 0
 
 
@@ -55,13 +58,41 @@ def test_rejected_slots_are_given_back():
     sched = speculative_scheduler(k=8, budget=64, max_num_seqs=1, num_gpu_blocks=8)
     ex = FakeExecutor(sched)
     add(sched, 1)
-    step(sched, ex)
+    step(sched, ex, FIXED)
     seq = sched.running[0]
-    out, _ = step(sched, ex)
+    out, _ = step(sched, ex, FIXED)
     assert out.num_new_tokens == [9]
     # the step held blocks for 3 + 8 + 1 positions; what is left covers the tokens only
     assert len(seq.block_table) == -(-len(seq.token_ids) // 4) < 3
     assert sched.block_manager.num_free_blocks == 8 - len(seq.block_table)
+    check_invariants(sched)
+
+
+def test_a_decode_without_a_proposal_verifies_nothing():
+    sched = speculative_scheduler(k=4, budget=64, max_num_seqs=1)
+    ex = FakeExecutor(sched)
+    add(sched, 1)
+    step(sched, ex)  # no proposer: nothing proposed after the prefill
+    out, _ = step(sched, ex, FIXED)
+    assert out.num_new_tokens == [1] and out.num_spec_tokens == 0
+    out, _ = step(sched, ex, FIXED)  # the proposal made after the last step
+    assert out.num_new_tokens == [5]
+
+
+def test_a_draft_model_gets_slots_for_its_next_proposal():
+    """Past the tokens it verifies, a decode holds k more slots (which the token budget does
+    not count): the draft model writes its next proposal's K/V there after the step."""
+    sched = speculative_scheduler(k=4, budget=64, max_num_seqs=1, num_gpu_blocks=12,
+                                  method="draft_model")
+    ex = FakeExecutor(sched)
+    add(sched, 1)
+    step(sched, ex, FIXED)  # prefill: 3 tokens, then the first sampled one
+    seq = sched.running[0]
+    out = sched.schedule()
+    assert out.num_new_tokens == [5] and out.num_batched_tokens == 5
+    assert len(seq.block_table) * 4 >= len(seq.token_ids) + 4 + 4
+    sched.update(out, ex.execute(out))
+    assert len(seq.block_table) == -(-len(seq.token_ids) // 4)  # rejected and drafting slots
     check_invariants(sched)
 
 

@@ -50,11 +50,12 @@ def run_random(seed: int, policy: str, queue: str, mode: str, profile: str = "sm
     ticks = itertools.count()
     spec = proposer = None
     if speculative:
-        spec = SpeculativeConfig(num_speculative_tokens=rng.randint(1, 6),
+        spec = SpeculativeConfig(method=rng.choice(["ngram", "draft_model"]),
+                                 num_speculative_tokens=rng.randint(1, 6),
                                  disable_by_batch_size=rng.choice([0, 0, 1, 3]))
         proposer = OracleProposer(seed, rng.choice([0.3, 0.8, 1.0]))
     sched = Scheduler(sc, cc, eos_token_ids=(EOS,), clock=lambda: float(next(ticks)),
-                      speculative=spec, proposer=proposer)
+                      speculative=spec)
     ex = FakeExecutor(sched)
     requests: dict[str, tuple[list[int], SamplingParams]] = {}
     finished: dict[str, object] = {}
@@ -68,6 +69,9 @@ def run_random(seed: int, policy: str, queue: str, mode: str, profile: str = "sm
         for g in sched.update(out, ex.execute(out)):
             assert g.request_id not in finished
             finished[g.request_id] = g
+        if proposer is not None:
+            k = spec.num_speculative_tokens
+            sched.update_draft_token_ids(out, [proposer.propose(s.token_ids, k) for s in out.seqs])
         check_invariants(sched)
 
     for _ in range(rng.randint(1, 40)):

@@ -15,5 +15,13 @@ def test_engine_speculative_arguments_are_checked():
     with pytest.raises(ValueError, match="num_speculative_tokens"):
         build_speculative(EngineArgs(speculative_method="ngram", num_speculative_tokens=0),
                           None, 8, 0)
-    config, proposer = build_speculative(EngineArgs(speculative_method="ngram"), None, 8, 0)
-    assert config.disable_by_batch_size == 4 and isinstance(proposer, NgramProposer)
+
+
+    class Executor:
+        def use_proposer(self, config, proposer) -> None:
+            self.config, self.proposer = config, proposer
+
+    executor = Executor()
+    config = build_speculative(EngineArgs(speculative_method="ngram"), executor, 8, 0)
+    assert config.disable_by_batch_size == 4 and executor.config is config
+    assert isinstance(executor.proposer, NgramProposer)

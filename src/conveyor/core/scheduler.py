@@ -42,7 +42,6 @@ from conveyor.core.scheduler_interface import Policy
 from conveyor.core.scheduler_output import SchedulerOutput
 from conveyor.core.sequence import Sequence, SequenceGroup, SequenceStatus
 from conveyor.core.spec_decode.config import SpeculativeConfig
-from conveyor.core.spec_decode.proposer import Proposer
 from conveyor.core.stats import SchedulerStats
 
 WAITING = SequenceStatus.WAITING
@@ -64,12 +63,9 @@ class Scheduler:
     def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig,
                  eos_token_ids: tuple[int, ...] | list[int] = (),
                  clock: Callable[[], float] = time.monotonic,
-                 speculative: SpeculativeConfig | None = None,
-                 proposer: Proposer | None = None) -> None:
-        """``speculative`` with its ``proposer``: decodes take lookahead slots for proposed
-        tokens (core/lookahead.py)."""
-        if speculative is not None and proposer is None:
-            raise ValueError("speculative decoding needs a proposer")
+                 speculative: SpeculativeConfig | None = None) -> None:
+        """``speculative``: decodes take lookahead slots for the tokens the executor proposed
+        after the last step (``update_draft_token_ids``, core/lookahead.py)."""
         if scheduler_config.preemption_mode == "swap" and cache_config.num_cpu_blocks == 0:
             raise ValueError("preemption_mode='swap' needs a CPU swap pool: set "
                              "CacheConfig.num_cpu_blocks > 0 (swap_space) or use "
@@ -110,7 +106,6 @@ class Scheduler:
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
         self.speculative = speculative
-        self.proposer = proposer
         self.spec_draft_tokens = 0  # proposed tokens verified
         self.spec_accepted_tokens = 0  # of those, accepted
         self.spec_verifications = 0  # decodes that verified a proposal
@@ -389,7 +384,8 @@ class Scheduler:
             raise ValueError(f"sampled_token_ids has {len(sampled_token_ids)} entries for "
                              f"{len(seqs)} scheduled sequences")
         num_decodes = 0 if self._detached_since_schedule else scheduler_output.num_decodes
-        if scheduler_output.num_spec_tokens:
+        spec = self.speculative
+        if scheduler_output.num_spec_tokens or (spec is not None and spec.drafting_slots):
             num_decodes = scheduler_output.num_decodes
             self._update_speculative(seqs[:num_decodes], sampled_token_ids)
         elif num_decodes:
@@ -412,9 +408,18 @@ class Scheduler:
         self._finished = []
         return finished
 
+    def update_draft_token_ids(self, scheduler_output: SchedulerOutput,
+                               draft_token_ids: list[list[int]]) -> None:
+        """The executor's proposals after a step (after ``update``): entry i's sequence may
+        verify ``draft_token_ids[i]`` in its next decode (an empty list: no proposal)."""
+        for seq, drafts in zip(scheduler_output.seqs, draft_token_ids, strict=True):
+            if seq.status is RUNNING:
+                seq.draft_token_ids = drafts
+
     def _update_speculative(self, seqs: list[Sequence], sampled: list[list[int]]) -> None:
-        """Decodes of a step that verified proposals: each gets its accepted tokens and the
-        next one, stopping at the first that ends it; rejected lookahead slots are given back."""
+        """Decodes of a step that verified proposals (or held slots for drafting): each gets its
+        accepted tokens and the next one, stopping at the first that ends it; the lookahead slots
+        past them are given back."""
         bm = self.block_manager
         for seq, toks in zip(seqs, sampled, strict=False):
             if seq.status is not RUNNING:  # aborted or finished between schedule and update
@@ -439,8 +444,7 @@ class Scheduler:
                     break
             if stopped:
                 continue
-            if drafts:
-                bm.trim(seq, len(tids))
+            bm.trim(seq, len(tids))
             self.set_next_check_len(seq)
             if bm.slot_needs_block(seq):
                 self.mark_needs_block(seq)

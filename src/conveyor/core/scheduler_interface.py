@@ -19,7 +19,6 @@ if TYPE_CHECKING:
     from conveyor.core.request_queue import RequestQueue
     from conveyor.core.sequence import Sequence
     from conveyor.core.spec_decode.config import SpeculativeConfig
-    from conveyor.core.spec_decode.proposer import Proposer
 
 
 @runtime_checkable
@@ -35,7 +34,6 @@ class SchedulerInterface(Protocol):
     seqs_needing_block: list[Sequence]  # running sequences whose next slot needs a new block
     preempted_this_step: bool
     speculative: SpeculativeConfig | None  # None: no lookahead slots (core/lookahead.py)
-    proposer: Proposer | None
 
     def admit(self, seq: Sequence, hits: list[int], num_tokens: int, now: float) -> None: ...
 

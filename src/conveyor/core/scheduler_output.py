@@ -24,7 +24,7 @@ before that layer's attention reads it.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from conveyor.core.sequence import Sequence
@@ -44,10 +44,6 @@ class SchedulerOutput:
     # prefill chunks (which may fork n>1 groups) follow them.
     num_decodes: int = 0
     num_spec_tokens: int = 0  # proposed tokens to verify, over all decodes (core/lookahead.py)
-    # Set by the engine, not the scheduler, when some entry samples under a structured-output
-    # grammar: a ``conveyor.structured_outputs.GrammarBitmask`` (the tokens each such sequence
-    # may sample next), which the executor hands to its sampler.
-    grammar_bitmask: Any = None
 
     @property
     def is_empty(self) -> bool:
@@ -95,3 +91,6 @@ class ExecutorOutput:
     prompt_logprobs: dict[int, tuple[int, list[dict[int, tuple[float, int]]]]] | None = None
     # entry i -> the pooled vector of a pooling request whose prompt this step completed
     pooled: dict[int, list[float]] | None = None
+    # per entry, the tokens proposed after this step to verify in its next (empty: none);
+    # None without speculative decoding (Scheduler.update_draft_token_ids)
+    draft_token_ids: list[list[int]] | None = None

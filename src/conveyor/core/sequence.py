@@ -81,6 +81,7 @@ class Sequence:
         "cpu_block_table",
         "running_stamp",
         "spec_token_ids",
+        "draft_token_ids",
     )
 
     def __init__(self, seq_id: int, group: SequenceGroup, index: int, token_ids: list[int],
@@ -107,6 +108,9 @@ class Sequence:
         self.running_stamp = 0  # when it joined `running` (running stays sorted by it)
         # proposed tokens verified after the next token this step (core/lookahead.py)
         self.spec_token_ids: list[int] = []
+        # the runner's proposal after the last step, continuing token_ids: the next step's
+        # spec_token_ids where it speculates (Scheduler.update_draft_token_ids)
+        self.draft_token_ids: list[int] = []
 
     def __len__(self) -> int:
         return len(self.token_ids)

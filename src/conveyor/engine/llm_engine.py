@@ -74,10 +74,8 @@ class LLMEngine:
                                                                self.max_model_len)
         self.executor.initialize_cache(args.block_size, self.num_gpu_blocks, self.num_cpu_blocks)
         self._clock = time.monotonic
-        speculative, proposer = build_speculative(args, self.executor, self.num_gpu_blocks,
-                                                  self.num_cpu_blocks)
-        # a draft model computes every step the target computes (executor/draft_proposer.py)
-        self._draft_follow = getattr(proposer, "follow", None)
+        speculative = build_speculative(args, self.executor, self.num_gpu_blocks,
+                                        self.num_cpu_blocks)
         self.scheduler = Scheduler(
             SchedulerConfig(
                 max_num_seqs=args.max_num_seqs,
@@ -99,7 +97,6 @@ class LLMEngine:
             eos_token_ids=tuple(self.model_config.eos_token_ids),
             clock=self._clock,
             speculative=speculative,
-            proposer=proposer,
         )
         self._outputs = OutputProcessor(self.tokenizer, self.scheduler.finish_sequence, self._clock)
         self._grammar: StructuredOutputManager | None = None  # built with the first constraint
@@ -286,6 +283,7 @@ class LLMEngine:
                 cache = GrammarCompileCache(info, args.structured_outputs_compile_timeout,
                                             args.structured_outputs_cache_bytes)
                 self._grammar = StructuredOutputManager(cache, vocab)
+                self.executor.use_structured_outputs(self._grammar)
             return self._grammar
 
     def _tokenize(self, prompt: Prompt) -> tuple[str | None, list[int]]:
@@ -336,16 +334,14 @@ class LLMEngine:
         scheduled = self.scheduler.schedule()
         if pool is not None:
             pool.place({seq.group.lora_id for seq in scheduled.seqs if seq.group.lora_id})
-        if grammar is not None:
-            scheduled.grammar_bitmask = grammar.bitmask(scheduled)
         num_samples = [scheduled.num_samples(i) for i in range(len(scheduled.seqs))]
         self._count_prompt_tokens(scheduled)
+        drafts = None
         if scheduled.is_empty:
             sampled, logprobs = [], None
         else:
-            if self._draft_follow is not None:
-                self._draft_follow(scheduled)
             result = self.executor.execute(scheduled)
+            drafts = result.draft_token_ids
             sampled, logprobs = result.sampled_token_ids, result.logprobs
             for i, (first, entries) in (result.prompt_logprobs or {}).items():
                 self._outputs.add_prompt_logprobs(scheduled.seqs[i], first, entries)
@@ -357,6 +353,8 @@ class LLMEngine:
         self._generation_tokens_total += sum(len(tokens) for tokens in sampled)
         parents = list(scheduled.seqs)
         finished = self.scheduler.update(scheduled, sampled)
+        if drafts is not None:
+            self.scheduler.update_draft_token_ids(scheduled, drafts)
         if grammar is not None:
             finished += self._finish_ended_grammars(grammar, parents)
         if logprobs is not None:

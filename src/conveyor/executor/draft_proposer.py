@@ -1,23 +1,26 @@
-"""Draft-model proposer: a second (smaller) Conveyor model proposes tokens greedily.
+"""DraftModelProposer: a second, smaller model proposes the tokens the scheduler verifies in each
+sequence's next decode (``executor/proposer.py``).
 
-Its paged KV cache has as many blocks as the target's and is addressed by the same block
-tables: the draft computes every step the target computes (``follow``: same block operations,
-same tokens at the same slots), so the draft K/V of every computed token is in place whenever
-the scheduler asks for a proposal. A proposal runs k one-token draft forwards from the
-sequence's last token, writing draft K/V into the lookahead slots the scheduler reserved; the
-target's verification then overwrites nothing of the draft's and rejects what it disagrees with.
-Proposals are greedy (a one-hot draft distribution), so rejection sampling keeps the target's
-distribution for sampled requests exactly as with n-gram proposals.
+The draft model's paged KV cache has as many blocks as the target's and is addressed by the
+same block tables: it computes every step the target computes (``follow``: the same block
+operations, the same tokens at the same slots), so the draft K/V of every computed token is in
+place when the step's proposals are made. A proposal is k greedy one-token forwards, batched
+across the sequences, from each sequence's newest token, writing draft K/V into the lookahead
+slots the scheduler reserved for drafting (``SpeculativeConfig.drafting_slots``). Proposals are
+greedy (a one-hot draft distribution), so rejection sampling keeps the target's distribution
+for sampled requests exactly as with n-gram proposals.
 """
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
-from conveyor.core.scheduler_output import SchedulerOutput
-from conveyor.core.sequence import Sequence
 from conveyor.distributed.step import StepMessage
-from conveyor.executor.model_executor import ModelExecutor
+
+if TYPE_CHECKING:
+    from conveyor.executor.model_executor import ModelExecutor
 
 
 class DraftModelProposer:
@@ -31,20 +34,33 @@ class DraftModelProposer:
     def initialize_cache(self, block_size: int, num_gpu_blocks: int, num_cpu_blocks: int) -> None:
         self.draft.initialize_cache(block_size, num_gpu_blocks, num_cpu_blocks)
 
-    def follow(self, scheduler_output: SchedulerOutput) -> None:
-        """Compute the step's tokens (and block operations) in the draft's cache too."""
-        self.draft.execute(scheduler_output)
+    def follow(self, step: StepMessage) -> None:
+        self.draft.runner.forward(step)
 
     @torch.inference_mode()
-    def propose(self, seq: Sequence, k: int) -> list[int]:
-        token, position = seq.token_ids[-1], len(seq.token_ids) - 1
+    def propose(self, contexts: list[list[int]], block_tables: list[list[int]],
+                k: int) -> list[list[int]]:
+        """The j-th forward computes each sequence's token at position ``len(context) - 1 +
+        j``, so a sequence proposes as many tokens as its table has slots from its newest
+        token on (up to ``k``)."""
+        runner = self.draft.runner
+        slots = runner.kv_cache.block_size
         vocab = self.draft.model_config.vocab_size
-        out: list[int] = []
-        for _ in range(k):
-            logits = self.draft.runner.forward(StepMessage(input_ids=[token], starts=[position], counts=[1],
-                                                 block_tables=[seq.block_table],
-                                                 logits_indices=[0]))
-            token = int(logits[0, :vocab].argmax())
-            out.append(token)
-            position += 1
+        tokens = [tokens[-1] for tokens in contexts]
+        positions = [len(tokens) - 1 for tokens in contexts]
+        limits = [min(k, len(table) * slots - p) for table, p in zip(block_tables, positions,
+                                                                        strict=True)]
+        out: list[list[int]] = [[] for _ in contexts]
+        for j in range(k):
+            active = [i for i, limit in enumerate(limits) if limit > j]
+            if not active:
+                break
+            logits = runner.forward(StepMessage(
+                input_ids=[tokens[i] for i in active], starts=[positions[i] for i in active],
+                counts=[1] * len(active), block_tables=[block_tables[i] for i in active],
+                logits_indices=list(range(len(active)))))
+            for i, token in zip(active, logits[:, :vocab].argmax(-1).tolist(), strict=True):
+                out[i].append(token)
+                tokens[i] = token
+                positions[i] += 1
         return out

@@ -8,13 +8,16 @@ runs its own shard of the same forward, and samples from the logits gathered ont
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import Any
 
 import torch
 
 from conveyor.core.scheduler_output import ExecutorOutput, SchedulerOutput
+from conveyor.core.spec_decode.config import SpeculativeConfig
 from conveyor.distributed.group import ParallelConfig
 from conveyor.distributed.step import ENABLE_LORA, INIT_CACHE, StepMessage, lora_slot_message
 from conveyor.executor.model_runner import ModelRunner
+from conveyor.executor.proposer import Proposer
 from conveyor.lora.adapter import LoRAAdapter
 from conveyor.model.config import ModelConfig
 from conveyor.model.device import (
@@ -107,6 +110,14 @@ class ModelExecutor:
             self.workers.send_tensor(payload)
         self.runner.set_lora_slot(slot, adapter.weights, adapter.scale)
 
+    def use_structured_outputs(self, manager: Any) -> None:
+        """Sample under ``manager``'s grammar masks (``conveyor.structured_outputs``)."""
+        self.runner.structured_outputs = manager
+
+    def use_proposer(self, speculative: SpeculativeConfig, proposer: Proposer) -> None:
+        """Propose tokens after each step for the scheduler to verify in the next."""
+        self.runner.use_proposer(speculative, proposer)
+
     def kv_cache_bytes_per_block(self, block_size: int) -> int:
         """Bytes of one block on this rank (its KV heads)."""
         c = self.model_config
@@ -130,4 +141,6 @@ class ModelExecutor:
             if self.workers is None:
                 raise
             raise self.workers.failure(e) from e
-        return self.runner.sample(scheduler_output, step, result)
+        out = self.runner.sample(scheduler_output, step, result)
+        out.draft_token_ids = self.runner.propose(scheduler_output, step, out.sampled_token_ids)
+        return out

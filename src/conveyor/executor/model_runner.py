@@ -2,7 +2,8 @@
 model, its backend (chosen once at load, ``model/backends/``), the paged KV cache and the LoRA
 slots, and runs a step: the block operations, the step's metadata (one object per step, built
 by the backend), the forward (replayed from CUDA graphs for decode steps on CUDA), and on
-rank 0 the sampling.
+rank 0 the sampling, the grammar masks of structured outputs and, after the step, the
+proposals of speculative decoding.
 
 ``prepare`` lays a ``SchedulerOutput`` out flat (single-token entries first, then prefill
 chunks, each by length: attention groups pad less) as the ``StepMessage`` every rank runs,
@@ -18,11 +19,14 @@ from typing import Any
 
 import torch
 
+from conveyor.core.lookahead import may_speculate
 from conveyor.core.scheduler_output import ExecutorOutput, SchedulerOutput
+from conveyor.core.spec_decode.config import SpeculativeConfig
 from conveyor.distributed.step import StepMessage
 from conveyor.executor.cuda_graphs import CudaGraphRunner, graph_batch_sizes
 from conveyor.executor.pooler import Pooler, PoolingEntry
 from conveyor.executor.prompt_logprobs import PromptScoring, positions_to_score, score
+from conveyor.executor.proposer import Proposer
 from conveyor.executor.spec_verify import Proposal, proposal_rows, verify
 from conveyor.model.device import TRIM_AFTER_TOKENS, return_freed_memory
 from conveyor.model.kv_cache import KVCache
@@ -64,6 +68,13 @@ class ModelRunner:
         self.kv_cache: KVCache | None = None
         self.graphs: CudaGraphRunner | None = None
         self.lora_slot_of: Mapping[int, int] | None = None  # adapter -> slot (enable_lora)
+        self.structured_outputs: Any = None  # conveyor.structured_outputs' manager, once used
+        self.speculative: SpeculativeConfig | None = None  # with its proposer (use_proposer)
+        self.proposer: Proposer | None = None
+
+    def use_proposer(self, speculative: SpeculativeConfig, proposer: Proposer) -> None:
+        """Propose ``speculative.num_speculative_tokens`` tokens after each step."""
+        self.speculative, self.proposer = speculative, proposer
 
     def init_cache(self, block_size: int, num_blocks: int, num_cpu_blocks: int,
                    dtype: torch.dtype) -> None:
@@ -208,7 +219,8 @@ class ModelRunner:
         logprobs: list[list[dict[int, float]]] = [[] for _ in range(n)]
         rows, repeats = [], []
         proposals: list[Proposal] = []
-        grammar = so.grammar_bitmask  # conveyor.structured_outputs.GrammarBitmask or None
+        manager = self.structured_outputs
+        grammar = manager.bitmask(so) if manager is not None else None  # GrammarBitmask
         mask_rows: list[int] = []  # constrained sequences never carry proposals (lookahead.py)
         for i in step.sample_entries:
             seq, k = so.seqs[i], so.num_samples(i)
@@ -251,3 +263,25 @@ class ModelRunner:
         return ExecutorOutput(sampled_token_ids=sampled,
                               logprobs=logprobs if out.logprobs is not None else None,
                               prompt_logprobs=prompt_lps, pooled=pooled)
+
+    def propose(self, so: SchedulerOutput, step: PreparedStep,
+                sampled: list[list[int]]) -> list[list[int]] | None:
+        """After the step: the proposer's tokens to follow each entry's sequence once its
+        ``sampled`` tokens are appended (None without speculative decoding)."""
+        proposer, spec = self.proposer, self.speculative
+        if proposer is None:
+            return None
+        proposer.follow(step.message)
+        drafts: list[list[int]] = [[] for _ in so.seqs]
+        chosen = [i for i in step.sample_entries
+                  if sampled[i] and (so.num_samples(i) == 1 or so.seqs[i].spec_token_ids)
+                  and may_speculate(so.seqs[i])]
+        if chosen and spec.enabled_for(len(chosen)):
+            seqs = [so.seqs[i] for i in chosen]
+            proposals = proposer.propose([seq.token_ids + sampled[i]
+                                          for seq, i in zip(seqs, chosen, strict=True)],
+                                         [seq.block_table for seq in seqs],
+                                         spec.num_speculative_tokens)
+            for i, tokens in zip(chosen, proposals, strict=True):
+                drafts[i] = tokens
+        return drafts

@@ -37,5 +37,11 @@ class SpeculativeConfig:
             raise ValueError(f"{owner}.prompt_lookup_min ({self.prompt_lookup_min}) must be <= "
                              f"prompt_lookup_max ({self.prompt_lookup_max})")
 
+    @property
+    def drafting_slots(self) -> int:
+        """Slots past a decode's step tokens that a draft model writes its proposal's K/V into
+        after the step (none for n-gram lookup, which computes nothing)."""
+        return self.num_speculative_tokens if self.method == "draft_model" else 0
+
     def enabled_for(self, batch_size: int) -> bool:
         return not self.disable_by_batch_size or batch_size <= self.disable_by_batch_size

@@ -8,21 +8,21 @@ The search is one vectorised comparison over every window of the sequence (numpy
 from __future__ import annotations
 
 from collections.abc import Sequence as Tokens
-from typing import TYPE_CHECKING
 
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
-
-if TYPE_CHECKING:
-    from conveyor.core.sequence import Sequence
 
 
 class NgramProposer:
     def __init__(self, min_n: int, max_n: int) -> None:
         self.min_n, self.max_n = min_n, max_n
 
-    def propose(self, seq: Sequence, k: int) -> list[int]:
-        return self.lookup(seq.token_ids, k)
+    def follow(self, step: object) -> None:
+        """Nothing to compute per step: the lookup reads only the tokens."""
+
+    def propose(self, contexts: list[list[int]], block_tables: list[list[int]],
+                k: int) -> list[list[int]]:
+        return [self.lookup(tokens, k) for tokens in contexts]
 
     def lookup(self, token_ids: Tokens[int], k: int) -> list[int]:
         """Up to ``k`` tokens continuing ``token_ids`` (empty when no n-gram recurs)."""

@@ -1,0 +1,18 @@
+"""Proposer: what ``ModelRunner.propose`` asks after each step for the tokens the scheduler
+verifies in the next (``draft_proposer.py``, ``core/spec_decode/ngram.py``)."""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from conveyor.distributed.step import StepMessage
+
+
+class Proposer(Protocol):
+    def follow(self, step: StepMessage) -> None:
+        """Compute ``step`` (its block operations and tokens) where the proposer keeps state."""
+
+    def propose(self, contexts: list[list[int]], block_tables: list[list[int]],
+                k: int) -> list[list[int]]:
+        """Up to ``k`` tokens likely to follow each of ``contexts`` (possibly none); each
+        sequence's ``block_tables`` row holds the slots of its positions."""
