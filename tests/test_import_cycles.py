@@ -1,5 +1,6 @@
 """No import circles inside src/conveyor: neither between modules nor between its layers (its
-direct subpackages: nothing imports upward, see DESIGN.md).
+direct subpackages, such as ``core``, ``engine``, ``executor``, ``model``). Two modules, or two
+layers, never import each other, directly or through others.
 
 The graph comes from an AST walk, so every import counts: absolute and relative,
 ``from package import submodule``, imports inside functions and under ``TYPE_CHECKING``.

@@ -1,8 +1,9 @@
 """SchedulerOutput and ExecutorOutput: the data that crosses from the scheduler to an executor and back.
 
-This is the executor contract of DESIGN.md. The scheduler fills ``seqs`` and ``num_new_tokens``;
-everything else an executor needs per scheduled sequence is read off the sequence itself, which
-does not change between ``Scheduler.schedule()`` and ``Scheduler.update()``:
+This is the contract between the scheduler and any executor. The scheduler fills ``seqs`` and
+``num_new_tokens``; everything else an executor needs per scheduled sequence is read off the
+sequence itself, which does not change between ``Scheduler.schedule()`` and
+``Scheduler.update()``:
 
 * tokens to compute this step: ``seq.token_ids[start : start + num_new_tokens[i]]`` with
   ``start = seq.num_computed_tokens`` (the position of the first of them), followed, for a

@@ -1,4 +1,6 @@
-"""The executor interface: turn a SchedulerOutput into sampled tokens (see DESIGN.md)."""
+"""The executor interface: ``execute`` turns the scheduler's ``SchedulerOutput`` into the
+step's ``ExecutorOutput`` (sampled tokens, logprobs, pooled vectors). The contract itself is
+in ``core/scheduler_output.py``."""
 
 from __future__ import annotations
 
