@@ -110,14 +110,14 @@ class OpenAIServingChat(OpenAIServing):
         param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         max_tokens = self.max_tokens(len(prompt_ids), req.requested_max_tokens, param,
                                      prompt_param="messages")
-        job = Job(request_id, prompt_ids, self.sampling_params(req, max_tokens), req.priority,
-                  prompt["prompt"], lora_request=state.lora_request(req.model))
-        constraint = job.params.structured_outputs
+        params = self.sampling_params(req, max_tokens)
+        constraint = params.structured_outputs
         if constraint is not None and state.reasoning_parser is not None:  # the answer only
-            job.params.structured_outputs = replace(
+            params.structured_outputs = replace(
                 constraint, **state.reasoning_parser.constraint_markers(state.tokenizer))
-        await compile_constraint(engine, job.params, constraint_param(req), request)
-        return [job]
+        await compile_constraint(engine, params, constraint_param(req), request)
+        return [Job(request_id, prompt_ids, params, req.priority, prompt["prompt"],
+                    lora_request=state.lora_request(req.model))]
 
     async def _whole(self, run: Run, req: ChatCompletionRequest, head: dict[str, Any],
                      tools: ToolMode) -> Response:

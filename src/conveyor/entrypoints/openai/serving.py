@@ -93,7 +93,7 @@ class Run:
 
 @dataclass
 class Choice:
-    """Accumulated output of one choice (prompt i, sample j) for a non-streaming response."""
+    """The output of one choice (prompt i, sample j) accumulated over its deltas."""
 
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
