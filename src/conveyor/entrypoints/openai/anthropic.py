@@ -17,23 +17,15 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field
 
-from conveyor.entrypoints.openai.chat import ChatRun, chat_request_from, start_chat
-from conveyor.entrypoints.openai.disconnect import cancel_on_disconnect
-from conveyor.entrypoints.openai.errors import APIError, bad_request
-from conveyor.entrypoints.openai.limits import ServerLimits, check_sizes
+from conveyor.entrypoints.openai.chat import OpenAIServingChat, chat_request_from
+from conveyor.entrypoints.openai.errors import bad_request
 from conveyor.entrypoints.openai.protocol import ChatCompletionRequest
 from conveyor.entrypoints.openai.reasoning_parsers import ReasoningStream, split_reasoning
-from conveyor.entrypoints.openai.serving import (
-    engine_error,
-    merged_deltas,
-    parse_body,
-    sse_event,
-    sse_response,
-)
-from conveyor.entrypoints.openai.tools import ToolStream, new_call_id
+from conveyor.entrypoints.openai.serving import Choice, Run
+from conveyor.entrypoints.openai.sse import sse_event
+from conveyor.entrypoints.openai.tools import ToolMode, ToolStream, new_call_id
 
 if TYPE_CHECKING:
-    from conveyor.entrypoints.openai.state import ServerState
     from conveyor.entrypoints.openai.tool_parsers import ToolCall
 
 
@@ -144,22 +136,6 @@ def chat_request(req: MessagesRequest) -> ChatCompletionRequest:
     return chat_request_from(body)
 
 
-async def create_message(state: ServerState, request: Request,
-                         limits: ServerLimits | None = None) -> Response:
-    req: MessagesRequest = await state.off_loop(parse_body, await request.body(),
-                                                MessagesRequest, limits, state.list_limits(),
-                                                False)
-    chat = chat_request(req)
-    check_sizes(chat, limits or ServerLimits())
-    run = await start_chat(state, request, chat, "msg")
-    if req.stream:
-        return sse_response(_stream(state, req, run), on_close=run.reservation.release)
-    try:
-        return await cancel_on_disconnect(request, _whole(state, req, run))
-    finally:
-        run.reservation.release()
-
-
 def _stop_reason(finish_reason: str | None, stop: int | str | None, called: bool
                  ) -> tuple[str, str | None]:
     """Anthropic's (stop_reason, stop_sequence) of a finished reply."""
@@ -184,39 +160,9 @@ def _tool_use(call: ToolCall) -> dict[str, Any]:
             "input": arguments if isinstance(arguments, dict) else {}}
 
 
-def _usage(run: ChatRun, output_tokens: int, cached: int) -> dict[str, int]:
-    return {"input_tokens": len(run.job.prompt_token_ids), "output_tokens": output_tokens,
-            "cache_read_input_tokens": cached, "cache_creation_input_tokens": 0}
-
-
-async def _whole(state: ServerState, req: MessagesRequest, run: ChatRun) -> Response:
-    text, tokens, cached = "", 0, 0
-    finish, stop = None, None
-    try:
-        async with aclosing(merged_deltas(run.engine, [run.job])) as deltas:
-            async for _, d in deltas:
-                if (err := engine_error(d)) is not None:
-                    raise err
-                cached = d.num_cached_tokens
-                for c in d.outputs:
-                    text += c.text
-                    tokens += len(c.token_ids)
-                    finish = c.finish_reason or finish
-                    stop = c.stop_reason if c.stop_reason is not None else stop
-    except APIError:
-        raise
-    except Exception as e:
-        raise state.api_error(e) from e
-    reasoning, answer = split_reasoning(state.reasoning_parser, text)
-    content, calls = run.tools.parse(answer)
-    blocks: list[dict[str, Any]] = [_THINKING | {"thinking": reasoning}] if reasoning else []
-    blocks += [{"type": "text", "text": content}] if content else []
-    blocks += [_tool_use(call) for call in calls]
-    stop_reason, stop_sequence = _stop_reason(finish, stop, bool(calls))
-    run.record.output_tokens = tokens
-    return JSONResponse({"id": run.job.request_id, "type": "message", "role": "assistant",
-                         "model": req.model, "content": blocks, "stop_reason": stop_reason,
-                         "stop_sequence": stop_sequence, "usage": _usage(run, tokens, cached)})
+def _usage(run: Run) -> dict[str, int]:
+    return {"input_tokens": run.prompt_tokens, "output_tokens": run.output_tokens,
+            "cache_read_input_tokens": run.cached_tokens, "cache_creation_input_tokens": 0}
 
 
 class _Blocks:
@@ -260,49 +206,69 @@ class _Blocks:
             sse_event("content_block_stop", {"index": self.index})]
 
 
-async def _stream(state: ServerState, req: MessagesRequest, run: ChatRun) -> AsyncIterator[str]:
-    """Anthropic's events: thinking and text stream as blocks as they come; tool calls, known
-    once the reply has ended, follow as tool_use blocks."""
-    yield sse_event("message_start", {"message": {
-        "id": run.job.request_id, "type": "message", "role": "assistant", "model": req.model,
-        "content": [], "stop_reason": None, "stop_sequence": None,
-        "usage": _usage(run, 0, 0)}})
-    tools = ToolStream(run.tools)
-    thoughts = ReasoningStream(state.reasoning_parser)
-    blocks = _Blocks()
-    tokens, cached, finish, stop = 0, 0, None, None
+class AnthropicServingMessages(OpenAIServingChat):
+    async def create_message(self, request: Request) -> Response:
+        req = await self.parse(request, MessagesRequest)
+        run, tools = await self.start_chat(request, chat_request(req), "msg")
+        if req.stream:
+            return self.stream_response(run, self._events(run, req, tools))
+        return await self.full_response(request, run, self._whole(run, req, tools))
 
-    def text_events(pieces: list[dict[str, Any]]) -> list[str]:
-        return [e for piece in pieces for e in blocks.text("text", piece.get("content") or "")]
-
-    try:
-        async with aclosing(merged_deltas(run.engine, [run.job])) as deltas:
-            async for _, d in deltas:
-                if (err := engine_error(d)) is not None:
-                    yield sse_event("error", {"error": err.anthropic_body()["error"]})
-                    return
-                cached = d.num_cached_tokens
+    async def _whole(self, run: Run, req: MessagesRequest, tools: ToolMode) -> Response:
+        reply = Choice()
+        async with aclosing(self.outputs(run)) as outputs:
+            async for _, d in outputs:
                 for c in d.outputs:
-                    tokens += len(c.token_ids)
-                    run.record.output_tokens = tokens
-                    finish = c.finish_reason or finish
-                    stop = c.stop_reason if c.stop_reason is not None else stop
-                    reasoning, text = thoughts.feed(c.text, c.finish_reason is not None)
-                    for event in (blocks.text("thinking", reasoning)
-                                  + text_events(tools.feed(text) if text else [])):
-                        yield event
-    except Exception as e:
-        yield sse_event("error", {"error": state.api_error(e).anthropic_body()["error"]})
-        return
-    rest, _ = tools.finish()
-    for event in text_events([piece for piece in rest if "content" in piece]):
-        yield event
-    _, calls = run.tools.parse(tools.text)
-    for event in blocks.close() + [e for call in calls for e in blocks.tool_use(call)]:
-        yield event
-    stop_reason, stop_sequence = _stop_reason(finish, stop, bool(calls))
-    yield sse_event("message_delta", {"delta": {"stop_reason": stop_reason,
-                                             "stop_sequence": stop_sequence},
-                                   "usage": {"output_tokens": tokens,
-                                             "cache_read_input_tokens": cached}})
-    yield sse_event("message_stop", {})
+                    reply.add(c)
+        reasoning, answer = split_reasoning(self.state.reasoning_parser, reply.text)
+        content, calls = tools.parse(answer)
+        blocks: list[dict[str, Any]] = [_THINKING | {"thinking": reasoning}] if reasoning else []
+        blocks += [{"type": "text", "text": content}] if content else []
+        blocks += [_tool_use(call) for call in calls]
+        stop_reason, stop_sequence = _stop_reason(reply.finish_reason, reply.stop_reason,
+                                                  bool(calls))
+        return JSONResponse({"id": run.request_id, "type": "message", "role": "assistant",
+                             "model": req.model, "content": blocks, "stop_reason": stop_reason,
+                             "stop_sequence": stop_sequence, "usage": _usage(run)})
+
+    async def _events(self, run: Run, req: MessagesRequest,
+                      tools: ToolMode) -> AsyncIterator[str]:
+        """Anthropic's events: thinking and text stream as blocks as they come; tool calls,
+        known once the reply has ended, follow as tool_use blocks."""
+        yield sse_event("message_start", {"message": {
+            "id": run.request_id, "type": "message", "role": "assistant", "model": req.model,
+            "content": [], "stop_reason": None, "stop_sequence": None, "usage": _usage(run)}})
+        stream = ToolStream(tools)
+        thoughts = ReasoningStream(self.state.reasoning_parser)
+        blocks = _Blocks()
+        reply = Choice()
+
+        def text_events(pieces: list[dict[str, Any]]) -> list[str]:
+            return [e for piece in pieces for e in blocks.text("text", piece.get("content") or "")]
+
+        try:
+            async with aclosing(self.outputs(run)) as outputs:
+                async for _, d in outputs:
+                    for c in d.outputs:
+                        reply.add(c)
+                        reasoning, text = thoughts.feed(c.text, c.finish_reason is not None)
+                        for event in (blocks.text("thinking", reasoning)
+                                      + text_events(stream.feed(text) if text else [])):
+                            yield event
+        except Exception as e:
+            error = self.state.api_error(e).anthropic_body()["error"]
+            yield sse_event("error", {"error": error})
+            return
+        rest, _ = stream.finish()
+        for event in text_events([piece for piece in rest if "content" in piece]):
+            yield event
+        _, calls = tools.parse(stream.text)
+        for event in blocks.close() + [e for call in calls for e in blocks.tool_use(call)]:
+            yield event
+        stop_reason, stop_sequence = _stop_reason(reply.finish_reason, reply.stop_reason,
+                                                  bool(calls))
+        yield sse_event("message_delta", {"delta": {"stop_reason": stop_reason,
+                                                 "stop_sequence": stop_sequence},
+                                       "usage": {"output_tokens": run.output_tokens,
+                                                 "cache_read_input_tokens": run.cached_tokens}})
+        yield sse_event("message_stop", {})

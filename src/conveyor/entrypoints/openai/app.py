@@ -20,9 +20,9 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from conveyor.entrypoints.openai.access_log import AccessLogMiddleware, AccessLogSettings
 from conveyor.entrypoints.openai.admission import SequenceAdmission
-from conveyor.entrypoints.openai.anthropic import create_message
-from conveyor.entrypoints.openai.chat import create_chat_completion
-from conveyor.entrypoints.openai.completions import create_completion
+from conveyor.entrypoints.openai.anthropic import AnthropicServingMessages
+from conveyor.entrypoints.openai.chat import OpenAIServingChat
+from conveyor.entrypoints.openai.completions import OpenAIServingCompletion
 from conveyor.entrypoints.openai.errors import APIError
 from conveyor.entrypoints.openai.limits import (
     BodySizeLimitMiddleware,
@@ -32,8 +32,8 @@ from conveyor.entrypoints.openai.limits import (
 from conveyor.entrypoints.openai.lora import load_lora_adapter, unload_lora_adapter
 from conveyor.entrypoints.openai.openapi import install_openapi
 from conveyor.entrypoints.openai.playground import register_playground
-from conveyor.entrypoints.openai.pooling import create_embedding, create_rerank, create_score
-from conveyor.entrypoints.openai.responses import create_response
+from conveyor.entrypoints.openai.pooling import OpenAIServingPooling
+from conveyor.entrypoints.openai.responses import OpenAIServingResponses
 from conveyor.entrypoints.openai.security import ServerSecurity, add_security
 from conveyor.entrypoints.openai.state import ServerState
 
@@ -86,33 +86,39 @@ def build_app(state: ServerState, security: ServerSecurity | None = None,
         logger.exception("unhandled error")
         return APIError(500, f"internal error: {exc}").response(request.url.path)
 
+    serving_completion = OpenAIServingCompletion(state, limits)
+    serving_chat = OpenAIServingChat(state, limits)
+    serving_messages = AnthropicServingMessages(state, limits)
+    serving_responses = OpenAIServingResponses(state, limits)
+    serving_pooling = OpenAIServingPooling(state, limits)
+
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
-        return await create_completion(state, request, limits)
+        return await serving_completion.create_completion(request)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
-        return await create_chat_completion(state, request, limits)
+        return await serving_chat.create_chat_completion(request)
 
     @app.post("/v1/messages")
     async def messages(request: Request) -> Response:
-        return await create_message(state, request, limits)
+        return await serving_messages.create_message(request)
 
     @app.post("/v1/responses")
     async def responses(request: Request) -> Response:
-        return await create_response(state, request, limits)
+        return await serving_responses.create_response(request)
 
     @app.post("/v1/embeddings")
     async def embeddings(request: Request) -> Response:
-        return await create_embedding(state, request, limits)
+        return await serving_pooling.create_embedding(request)
 
     @app.post("/v1/score")
     async def score(request: Request) -> Response:
-        return await create_score(state, request, limits)
+        return await serving_pooling.create_score(request)
 
     @app.post("/v1/rerank")
     async def rerank(request: Request) -> Response:
-        return await create_rerank(state, request, limits)
+        return await serving_pooling.create_rerank(request)
 
     app.add_api_route("/rerank", rerank, methods=["POST"], include_in_schema=False)
     app.add_api_route("/v2/rerank", rerank, methods=["POST"], include_in_schema=False)

@@ -4,51 +4,30 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from contextlib import aclosing
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
-from conveyor.entrypoints.openai.access_log import AccessRecord, access_record
-from conveyor.entrypoints.openai.disconnect import cancel_on_disconnect
-from conveyor.entrypoints.openai.errors import APIError, bad_request
-from conveyor.entrypoints.openai.limits import ServerLimits
-from conveyor.entrypoints.openai.prompt_logprobs import (
+from conveyor.entrypoints.openai.errors import bad_request
+from conveyor.entrypoints.openai.limits import check_sizes
+from conveyor.entrypoints.openai.logprobs import (
+    TokenText,
     check_prompt_logprobs,
     echo_logprobs,
     prepend,
+    sampled_logprob,
+    top_entries,
     vllm_prompt_logprobs,
 )
 from conveyor.entrypoints.openai.protocol import CompletionRequest
-from conveyor.entrypoints.openai.serving import (
-    Choice,
-    Job,
-    TokenText,
-    check_admission,
-    check_model,
-    check_not_cut,
-    check_priority,
-    engine_error,
-    make_params,
-    merged_deltas,
-    new_id,
-    now_s,
-    parse_body,
-    prompt_token_ids,
-    resolve_max_tokens,
-    sampled_logprob,
-    shutdown_cut,
-    sse,
-    sse_response,
-    top_entries,
-    usage,
-)
+from conveyor.entrypoints.openai.serving import Choice, Job, OpenAIServing, Run, new_id, now_s
 from conveyor.entrypoints.openai.structured import compile_constraint, constraint_param
 
 if TYPE_CHECKING:
     from conveyor.engine.async_engine import AsyncEngine
     from conveyor.engine.outputs import Logprob
-    from conveyor.entrypoints.openai.state import ServerState
 
 
 def _num_prompts(prompt: Any) -> int:
@@ -56,23 +35,6 @@ def _num_prompts(prompt: Any) -> int:
     if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
         return len(prompt)
     return 1
-
-
-def _prompts(state: ServerState, prompt: Any, echo: bool) -> list[tuple[list[int], str | None]]:
-    """The prompt field (str, list of str, token ids, list of token ids) -> (ids, text) pairs;
-    with ``echo``, token-id prompts get their decoded text. Runs on a preprocessing thread."""
-    if isinstance(prompt, str):
-        prompt = [prompt]
-    elif prompt and isinstance(prompt[0], int):
-        prompt = [prompt]
-    if not prompt:
-        raise bad_request("'prompt' must not be empty", param="prompt")
-    out = []
-    for p in prompt:
-        ids = prompt_token_ids(state, p, "prompt")
-        text = p if isinstance(p, str) else (state.tokenizer.decode(ids) if echo else None)
-        out.append((ids, text))
-    return out
 
 
 def _logprobs(tok: TokenText, token_ids: list[int], entries: list[dict[int, Logprob]], n: int,
@@ -89,145 +51,109 @@ def _logprobs(tok: TokenText, token_ids: list[int], entries: list[dict[int, Logp
             "text_offset": offsets}
 
 
-async def create_completion(state: ServerState, request: Request,
-                            limits: ServerLimits | None = None) -> Response:
-    req: CompletionRequest = await state.off_loop(parse_body, await request.body(),
-                                                  CompletionRequest, limits,
-                                                  state.list_limits())
-    state.ready_engine()
-    check_model(state, req.model)
-    check_priority(state, req.priority)
-    if req.suffix:
-        raise bad_request("'suffix' is not supported", param="suffix")
-    if req.best_of is not None and req.best_of != req.n:
-        raise bad_request("'best_of' must equal 'n' (or be omitted)", param="best_of")
-    check_prompt_logprobs(req)
-    # admission first: a request the server cannot run now costs no tokenizing or compiling
-    num_prompts = _num_prompts(req.prompt)
-    engine = check_admission(state, num_prompts)
-    reservation = state.admission.reserve(num_prompts * req.n)
-    try:
-        prompts = await state.off_loop(_prompts, state, req.prompt, req.echo)
-        base_id = new_id("cmpl")
+class OpenAIServingCompletion(OpenAIServing):
+    async def create_completion(self, request: Request) -> Response:
+        req = await self.parse(request, CompletionRequest)
+        check_sizes(req, self.limits)
+        self.check_request(req.model, req.priority)
+        if req.suffix:
+            raise bad_request("'suffix' is not supported", param="suffix")
+        if req.best_of is not None and req.best_of != req.n:
+            raise bad_request("'best_of' must equal 'n' (or be omitted)", param="best_of")
+        check_prompt_logprobs(req)
+        num_prompts = _num_prompts(req.prompt)
+        request_id = new_id("cmpl")
+        run = await self.admit(request, request_id, num_prompts, num_prompts * req.n,
+                               partial(self._jobs, request, req, request_id))
+        head = {"id": request_id, "object": "text_completion", "created": now_s(),
+                "model": self.model_name(req.model)}
+        echo = [(job.prompt_text or "") if req.echo else "" for job in run.jobs]
+        if req.stream:
+            return self.stream_response(run, self.chunk_events(
+                run, head, req.include_usage, self._choice_deltas(run, req, echo)))
+        return await self.full_response(request, run, self._whole(run, req, head, echo))
+
+    async def _jobs(self, request: Request, req: CompletionRequest, request_id: str,
+                    engine: AsyncEngine) -> list[Job]:
+        prompts = await self.state.off_loop(self._prompts, req.prompt, req.echo)
         jobs = []
         for i, (ids, text) in enumerate(prompts):
-            max_tokens = resolve_max_tokens(state, len(ids), req.max_tokens, "max_tokens")
-            jobs.append(Job(f"{base_id}-{i}", ids, make_params(state, req, max_tokens),
-                            req.priority, text, fairness_key=base_id,
-                            lora_request=state.lora_request(req.model)))
+            max_tokens = self.max_tokens(len(ids), req.max_tokens, "max_tokens")
+            jobs.append(Job(f"{request_id}-{i}", ids, self.sampling_params(req, max_tokens),
+                            req.priority, text, fairness_key=request_id,
+                            lora_request=self.state.lora_request(req.model)))
         await compile_constraint(engine, jobs[0].params, constraint_param(req), request)
-    except BaseException:
-        reservation.release()
-        raise
-    record = access_record(request)
-    record.request_id = base_id
-    record.prompt_tokens = sum(len(job.prompt_token_ids) for job in jobs)
-    record.output_tokens = 0
-    record.prompt = "\n".join(text if text is not None else str(ids) for ids, text in prompts)
-    echo_text = [(text or "") if req.echo else "" for _, text in prompts]
-    head = {"id": base_id, "object": "text_completion", "created": now_s(),
-            "model": req.model or state.model_names[0]}
-    tok = TokenText(state.tokenizer)
-    if req.stream:
-        return sse_response(_stream(state, engine, req, jobs, head, echo_text, tok, record),
-                            on_close=reservation.release)
-    try:
-        return await cancel_on_disconnect(request, _whole(state, engine, req, jobs, head,
-                                                          echo_text, tok, record))
-    finally:
-        reservation.release()
+        return jobs
 
+    def _prompts(self, prompt: Any, echo: bool) -> list[tuple[list[int], str | None]]:
+        """The prompt field (str, list of str, token ids, list of token ids) -> (ids, text)
+        pairs; with ``echo``, token-id prompts get their decoded text. Runs on a preprocessing
+        thread."""
+        if isinstance(prompt, str):
+            prompt = [prompt]
+        elif prompt and isinstance(prompt[0], int):
+            prompt = [prompt]
+        if not prompt:
+            raise bad_request("'prompt' must not be empty", param="prompt")
+        out = []
+        for p in prompt:
+            ids = self.prompt_token_ids(p, "prompt")
+            text = p if isinstance(p, str) else (self.state.tokenizer.decode(ids) if echo
+                                                 else None)
+            out.append((ids, text))
+        return out
 
-async def _whole(state: ServerState, engine: AsyncEngine, req: CompletionRequest, jobs: list[Job],
-                 head: dict[str, Any], echo_text: list[str], tok: TokenText,
-                 record: AccessRecord) -> Response:
-    choices = {(i, j): Choice() for i in range(len(jobs)) for j in range(req.n)}
-    scored: dict[int, Any] = {}  # job -> its prompt logprobs
-    cached: dict[int, int] = {}  # job -> its prompt tokens served by the prefix cache
-    try:
-        async with aclosing(merged_deltas(engine, jobs)) as deltas:
-            async for i, d in deltas:
-                if (err := engine_error(d)) is not None:
-                    raise err
-                cached[i] = d.num_cached_tokens
+    async def _whole(self, run: Run, req: CompletionRequest, head: dict[str, Any],
+                     echo: list[str]) -> Response:
+        choices = {(i, j): Choice() for i in range(len(run.jobs)) for j in range(req.n)}
+        scored: dict[int, Any] = {}  # job -> its prompt logprobs
+        async with aclosing(self.outputs(run)) as outputs:
+            async for i, d in outputs:
                 if d.prompt_logprobs is not None:
                     scored[i] = d.prompt_logprobs
                 for c in d.outputs:
-                    ch = choices[(i, c.index)]
-                    ch.text += c.text
-                    ch.token_ids += c.token_ids
-                    ch.logprobs += c.logprobs or []
-                    ch.finish_reason = c.finish_reason or ch.finish_reason
-    except APIError:
-        raise
-    except Exception as e:
-        raise state.api_error(e) from e
-    check_not_cut([ch.finish_reason for ch in choices.values()])
-    out = []
-    for (i, j), ch in sorted(choices.items()):
-        lp = None
-        if req.logprobs is not None:
-            lp = _logprobs(tok, ch.token_ids, ch.logprobs, req.logprobs, len(echo_text[i]))
-            if req.echo:
-                lp = prepend(echo_logprobs(tok, jobs[i].prompt_token_ids, scored.get(i),
-                                           req.logprobs), lp)
-        choice = {"index": i * req.n + j, "text": echo_text[i] + ch.text, "logprobs": lp,
-                  "finish_reason": ch.finish_reason}
-        if req.prompt_logprobs is not None:
-            choice["prompt_logprobs"] = vllm_prompt_logprobs(scored.get(i))
-        out.append(choice)
-    prompt_tokens = sum(len(job.prompt_token_ids) for job in jobs)
-    completion_tokens = sum(len(ch.token_ids) for ch in choices.values())
-    record.output_tokens = completion_tokens
-    return JSONResponse({**head, "choices": out,
-                         "usage": usage(prompt_tokens, completion_tokens, sum(cached.values())),
-                         "system_fingerprint": None})
+                    choices[(i, c.index)].add(c)
+        tok = TokenText(self.state.tokenizer)
+        out = []
+        for (i, j), ch in sorted(choices.items()):
+            lp = None
+            if req.logprobs is not None:
+                lp = _logprobs(tok, ch.token_ids, ch.logprobs, req.logprobs, len(echo[i]))
+                if req.echo:
+                    lp = prepend(echo_logprobs(tok, run.jobs[i].prompt_token_ids, scored.get(i),
+                                               req.logprobs), lp)
+            choice = {"index": i * req.n + j, "text": echo[i] + ch.text, "logprobs": lp,
+                      "finish_reason": ch.finish_reason}
+            if req.prompt_logprobs is not None:
+                choice["prompt_logprobs"] = vllm_prompt_logprobs(scored.get(i))
+            out.append(choice)
+        return JSONResponse({**head, "choices": out, "usage": run.usage(),
+                             "system_fingerprint": None})
 
-
-async def _stream(state: ServerState, engine: AsyncEngine, req: CompletionRequest, jobs: list[Job],
-                  head: dict[str, Any], echo_text: list[str], tok: TokenText,
-                  record: AccessRecord) -> AsyncIterator[str]:
-    extra = {"usage": None} if req.include_usage else {}
-    started: set[tuple[int, int]] = set()
-    offsets: dict[tuple[int, int], int] = {}
-    completion_tokens = 0
-    cached: dict[int, int] = {}  # job -> its prompt tokens served by the prefix cache
-    try:
-        async with aclosing(merged_deltas(engine, jobs)) as deltas:
-            async for i, d in deltas:
-                if (err := engine_error(d)) is not None:
-                    yield sse(err.body())
-                    break
-                cached[i] = d.num_cached_tokens
-                if any(c.finish_reason == "abort" for c in d.outputs):
-                    yield sse(shutdown_cut().body())
+    async def _choice_deltas(self, run: Run, req: CompletionRequest,
+                             echo: list[str]) -> AsyncIterator[dict[str, Any]]:
+        """Each engine delta of a choice as the choice of a chunk; a choice's first delta
+        leads with its echoed prompt."""
+        tok = TokenText(self.state.tokenizer)
+        offsets: dict[tuple[int, int], int] = {}  # choice -> text offset of its next token
+        async with aclosing(self.outputs(run)) as outputs:
+            async for i, d in outputs:
                 for c in d.outputs:
                     key = (i, c.index)
-                    completion_tokens += len(c.token_ids)
-                    record.output_tokens = completion_tokens
                     text = c.text
-                    first = key not in started
+                    first = key not in offsets
                     if first:
-                        started.add(key)
-                        text = echo_text[i] + text
-                        offsets[key] = len(echo_text[i])
+                        text = echo[i] + text
+                        offsets[key] = len(echo[i])
                     lp = None
                     if req.logprobs is not None:
                         lp = _logprobs(tok, c.token_ids, c.logprobs or [], req.logprobs,
                                        offsets[key])
                         offsets[key] += sum(len(t) for t in lp["tokens"])
                         if req.echo and first:
-                            lp = prepend(echo_logprobs(tok, jobs[i].prompt_token_ids,
+                            lp = prepend(echo_logprobs(tok, run.jobs[i].prompt_token_ids,
                                                        d.prompt_logprobs, req.logprobs), lp)
                     if not text and c.finish_reason is None and not c.token_ids:
                         continue
-                    choice = {"index": i * req.n + c.index, "text": text, "logprobs": lp,
-                              "finish_reason": c.finish_reason}
-                    yield sse({**head, "choices": [choice], **extra})
-    except Exception as e:
-        yield sse(state.api_error(e).body())
-    if req.include_usage:
-        prompt_tokens = sum(len(job.prompt_token_ids) for job in jobs)
-        yield sse({**head, "choices": [],
-                   "usage": usage(prompt_tokens, completion_tokens, sum(cached.values()))})
-    yield sse("[DONE]")
+                    yield {"index": i * req.n + c.index, "text": text, "logprobs": lp,
+                           "finish_reason": c.finish_reason}

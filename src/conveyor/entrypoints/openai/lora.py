@@ -48,8 +48,8 @@ def parse_lora_modules(items: list[str]) -> dict[str, str]:
 
 
 async def load_lora_adapter(state: ServerState, request: Request,
-                            limits: ServerLimits | None = None) -> Response:
-    req: LoadLoRARequest = parse_body(await request.body(), LoadLoRARequest, limits, None, False)
+                            limits: ServerLimits) -> Response:
+    req = parse_body(await request.body(), LoadLoRARequest, limits)
     try:
         await state.add_lora(req.lora_name, req.lora_path)
     except ValueError as e:
@@ -58,9 +58,8 @@ async def load_lora_adapter(state: ServerState, request: Request,
 
 
 async def unload_lora_adapter(state: ServerState, request: Request,
-                              limits: ServerLimits | None = None) -> Response:
-    req: UnloadLoRARequest = parse_body(await request.body(), UnloadLoRARequest, limits, None,
-                                        False)
+                              limits: ServerLimits) -> Response:
+    req = parse_body(await request.body(), UnloadLoRARequest, limits)
     engine = state.ready_engine()
     lora = state.loras.pop(req.lora_name, None)
     if lora is None:

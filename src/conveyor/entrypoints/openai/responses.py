@@ -17,23 +17,13 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field
 
-from conveyor.entrypoints.openai.chat import ChatRun, chat_request_from, start_chat
-from conveyor.entrypoints.openai.disconnect import cancel_on_disconnect
+from conveyor.entrypoints.openai.chat import OpenAIServingChat, chat_request_from
 from conveyor.entrypoints.openai.errors import APIError, bad_request
-from conveyor.entrypoints.openai.limits import ServerLimits, check_sizes
 from conveyor.entrypoints.openai.protocol import ChatCompletionRequest
 from conveyor.entrypoints.openai.reasoning_parsers import ReasoningStream
-from conveyor.entrypoints.openai.serving import (
-    check_not_cut,
-    engine_error,
-    merged_deltas,
-    now_s,
-    parse_body,
-    shutdown_cut,
-    sse_event,
-    sse_response,
-)
-from conveyor.entrypoints.openai.tools import ToolStream, new_call_id
+from conveyor.entrypoints.openai.serving import Run, now_s
+from conveyor.entrypoints.openai.sse import sse_event
+from conveyor.entrypoints.openai.tools import ToolMode, ToolStream, new_call_id
 
 if TYPE_CHECKING:
     from conveyor.entrypoints.openai.state import ServerState
@@ -207,27 +197,6 @@ def _renamed(err: APIError) -> APIError:
     return APIError(err.status, message, _FIELDS[err.param], err.code, err.headers)
 
 
-async def create_response(state: ServerState, request: Request,
-                          limits: ServerLimits | None = None) -> Response:
-    req: ResponsesRequest = await state.off_loop(parse_body, await request.body(),
-                                                 ResponsesRequest, limits, state.list_limits(),
-                                                 False)
-    _check_stateless(req)
-    chat = chat_request(req)
-    check_sizes(chat, limits or ServerLimits())
-    try:
-        run = await start_chat(state, request, chat, "resp")
-    except APIError as e:
-        raise _renamed(e) from e
-    reply = _Reply(state, req, run)
-    if req.stream:
-        return sse_response(_stream(state, reply), on_close=run.reservation.release)
-    try:
-        return await cancel_on_disconnect(request, _whole(state, reply))
-    finally:
-        run.reservation.release()
-
-
 def _part(kind: str, text: str) -> dict[str, Any]:
     """The content part of a reasoning or message item."""
     if kind == "reasoning":
@@ -239,17 +208,18 @@ class _Reply:
     """The response as the engine's deltas come: output items (the last one open while its text
     grows), each step's stream events (numbered), and the response object."""
 
-    def __init__(self, state: ServerState, req: ResponsesRequest, run: ChatRun) -> None:
+    def __init__(self, state: ServerState, req: ResponsesRequest, run: Run,
+                 tools: ToolMode) -> None:
         self.req, self.run = req, run
         self.model = req.model or state.model_names[0]
         self.created = now_s()
         self.thoughts = ReasoningStream(state.reasoning_parser)
-        self.tools = ToolStream(run.tools)
+        self.tools = ToolStream(tools)
         self.items: list[dict[str, Any]] = []
         self.open: dict[str, Any] | None = None  # the item whose text still grows
         self.text = ""  # the open reasoning or message item's text so far
         self.sequence_number = 0
-        self.tokens = self.reasoning_tokens = self.cached = 0
+        self.reasoning_tokens = 0
         self.finish_reason: str | None = None
 
     def event(self, kind: str, **data: Any) -> str:
@@ -261,8 +231,6 @@ class _Reply:
 
     def feed(self, text: str, num_tokens: int, finish_reason: str | None) -> list[str]:
         """The events of one engine delta of the reply (the last has a finish reason)."""
-        self.tokens += num_tokens
-        self.run.record.output_tokens = self.tokens
         if self.thoughts.in_reasoning:
             self.reasoning_tokens += num_tokens
         last = finish_reason is not None
@@ -361,7 +329,7 @@ class _Reply:
         fmt = req.text.format if req.text is not None and req.text.format is not None else None
         choice = req.tool_choice
         body: dict[str, Any] = {
-            "id": self.run.job.request_id, "object": "response", "created_at": self.created,
+            "id": self.run.request_id, "object": "response", "created_at": self.created,
             "status": status, "error": None, "incomplete_details": None,
             "instructions": req.instructions, "max_output_tokens": req.max_output_tokens,
             "model": self.model, "output": [], "parallel_tool_calls":
@@ -378,55 +346,52 @@ class _Reply:
         if status is not None:
             return body
         cut = self.finish_reason == "length"
-        prompt_tokens = len(self.run.job.prompt_token_ids)
+        run = self.run
         reasoning_tokens = self.reasoning_tokens if self.thoughts.has_reasoning else 0
         return {**body, "status": "incomplete" if cut else "completed", "output": self.items,
                 "incomplete_details": {"reason": "max_output_tokens"} if cut else None,
-                "usage": {"input_tokens": prompt_tokens,
-                          "input_tokens_details": {"cached_tokens": self.cached},
-                          "output_tokens": self.tokens,
+                "usage": {"input_tokens": run.prompt_tokens,
+                          "input_tokens_details": {"cached_tokens": run.cached_tokens},
+                          "output_tokens": run.output_tokens,
                           "output_tokens_details": {"reasoning_tokens": reasoning_tokens},
-                          "total_tokens": prompt_tokens + self.tokens}}
+                          "total_tokens": run.prompt_tokens + run.output_tokens}}
 
 
-async def _whole(state: ServerState, reply: _Reply) -> Response:
-    try:
-        async with aclosing(merged_deltas(reply.run.engine, [reply.run.job])) as deltas:
-            async for _, d in deltas:
-                if (err := engine_error(d)) is not None:
-                    raise err
-                reply.cached = d.num_cached_tokens
+class OpenAIServingResponses(OpenAIServingChat):
+    async def create_response(self, request: Request) -> Response:
+        req = await self.parse(request, ResponsesRequest)
+        _check_stateless(req)
+        try:
+            run, tools = await self.start_chat(request, chat_request(req), "resp")
+        except APIError as e:
+            raise _renamed(e) from e
+        reply = _Reply(self.state, req, run, tools)
+        if req.stream:
+            return self.stream_response(run, self._events(reply))
+        return await self.full_response(request, run, self._whole(reply))
+
+    async def _whole(self, reply: _Reply) -> Response:
+        async with aclosing(self.outputs(reply.run)) as outputs:
+            async for _, d in outputs:
                 for c in d.outputs:
                     reply.feed(c.text, len(c.token_ids), c.finish_reason)
-    except APIError:
-        raise
-    except Exception as e:
-        raise state.api_error(e) from e
-    check_not_cut([reply.finish_reason])
-    return JSONResponse(reply.response())
+        return JSONResponse(reply.response())
 
-
-async def _stream(state: ServerState, reply: _Reply) -> AsyncIterator[str]:
-    """response.created and .in_progress, each item's events as its text comes (tool calls of
-    an ``auto`` or ``required`` choice once the reply has ended), then response.completed (or
-    response.incomplete); an error mid-stream is an ``error`` event that ends it."""
-    yield reply.event("response.created", response=reply.response("in_progress"))
-    yield reply.event("response.in_progress", response=reply.response("in_progress"))
-    try:
-        async with aclosing(merged_deltas(reply.run.engine, [reply.run.job])) as deltas:
-            async for _, d in deltas:
-                if (err := engine_error(d)) is not None:
-                    yield reply.error(err)
-                    return
-                if any(c.finish_reason == "abort" for c in d.outputs):
-                    yield reply.error(shutdown_cut())
-                    return
-                reply.cached = d.num_cached_tokens
-                for c in d.outputs:
-                    for event in reply.feed(c.text, len(c.token_ids), c.finish_reason):
-                        yield event
-    except Exception as e:
-        yield reply.error(state.api_error(e))
-        return
-    final = reply.response()
-    yield reply.event(f"response.{final['status']}", response=final)
+    async def _events(self, reply: _Reply) -> AsyncIterator[str]:
+        """response.created and .in_progress, each item's events as its text comes (tool calls
+        of an ``auto`` or ``required`` choice once the reply has ended), then
+        response.completed (or response.incomplete); an error mid-stream is an ``error`` event
+        that ends it."""
+        yield reply.event("response.created", response=reply.response("in_progress"))
+        yield reply.event("response.in_progress", response=reply.response("in_progress"))
+        try:
+            async with aclosing(self.outputs(reply.run)) as outputs:
+                async for _, d in outputs:
+                    for c in d.outputs:
+                        for event in reply.feed(c.text, len(c.token_ids), c.finish_reason):
+                            yield event
+        except Exception as e:
+            yield reply.error(self.state.api_error(e))
+            return
+        final = reply.response()
+        yield reply.event(f"response.{final['status']}", response=final)

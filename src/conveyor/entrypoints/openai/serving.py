@@ -1,6 +1,10 @@
-"""What /v1/completions and /v1/chat/completions share: admission checks, the engine requests of
-one HTTP request, merged streaming of their deltas, usage and logprobs formatting, and
-cancellation when the client goes away.
+"""The lifecycle every API handler shares, in ``OpenAIServing``: parse and check the request, admit
+it (queue length, sequences in flight), prepare its engine requests off the event loop while it
+holds its sequences, run them merged (an ignored prompt, a shutdown cut or an engine failure ends
+them as an ``APIError``), count their tokens for usage and the access log, and answer whole or as
+a stream; a client that leaves aborts what is unfinished, and the sequences are released however
+the answer ends. Each API subclasses it with only what is its own: the request's fields, how its
+prompts become engine requests, and the shape of its answer.
 """
 
 from __future__ import annotations
@@ -9,31 +13,37 @@ import asyncio
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import aclosing
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
-from fastapi.responses import StreamingResponse
-from pydantic import ValidationError
-from starlette.types import Receive, Scope, Send
+from fastapi import Request
+from fastapi.responses import Response, StreamingResponse
+from pydantic import BaseModel, ValidationError
 
 from conveyor.core.json_depth import json_depth_exceeds
+from conveyor.core.pooling_params import PoolingParams
 from conveyor.core.sampling_params import SamplingParams
+from conveyor.entrypoints.openai.access_log import AccessRecord, access_record
+from conveyor.entrypoints.openai.disconnect import cancel_on_disconnect
 from conveyor.entrypoints.openai.errors import APIError, bad_request, from_validation_error
 from conveyor.entrypoints.openai.limits import (
     ListLimits,
     ServerLimits,
     check_list_sizes,
-    check_sizes,
 )
+from conveyor.entrypoints.openai.sse import sse, sse_response
 from conveyor.entrypoints.openai.structured import constraint_param
 
 if TYPE_CHECKING:
     from conveyor.engine.async_engine import AsyncEngine
-    from conveyor.engine.outputs import Logprob, RequestOutput
+    from conveyor.engine.outputs import CompletionOutput, Logprob, RequestOutput
+    from conveyor.entrypoints.openai.admission import Reservation
     from conveyor.entrypoints.openai.state import ServerState
     from conveyor.lora.request import LoRARequest
+
+R = TypeVar("R", bound=BaseModel)
 
 
 @dataclass
@@ -42,7 +52,7 @@ class Job:
 
     request_id: str
     prompt_token_ids: list[int]
-    params: SamplingParams
+    params: SamplingParams | PoolingParams
     priority: int
     prompt_text: str | None = None
     fairness_key: str | None = None  # the HTTP request's id: its prompts share one turn
@@ -54,26 +64,50 @@ class Job:
 
 
 @dataclass
+class Run:
+    """An admitted HTTP request: its engine requests, the sequences it holds until its answer
+    ends, its access-log record, and its tokens as ``OpenAIServing.outputs`` counts them."""
+
+    request_id: str
+    engine: AsyncEngine
+    jobs: list[Job]
+    reservation: Reservation
+    record: AccessRecord
+    output_tokens: int = 0
+    cached: dict[int, int] = field(default_factory=dict)  # job -> prompt tokens cache-served
+
+    @property
+    def prompt_tokens(self) -> int:
+        return sum(len(job.prompt_token_ids) for job in self.jobs)
+
+    @property
+    def cached_tokens(self) -> int:
+        return sum(self.cached.values())
+
+    def usage(self) -> dict[str, Any]:
+        """OpenAI's usage object; ``cached_tokens``: the prompt tokens the prefix cache served."""
+        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.output_tokens,
+                "total_tokens": self.prompt_tokens + self.output_tokens,
+                "prompt_tokens_details": {"cached_tokens": self.cached_tokens}}
+
+
+@dataclass
 class Choice:
-    """Accumulated output of one choice (prompt i, sample j) for a non-streaming response."""
+    """The output of one choice (prompt i, sample j) accumulated over its deltas."""
 
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[dict[int, Logprob]] = field(default_factory=list)
     finish_reason: str | None = None
+    stop_reason: int | str | None = None  # the stop string or token id that ended it
 
-
-def shutdown_cut() -> APIError:
-    """The answer to a request the shutdown timeout aborted: an error, never partial text."""
-    return APIError(503, "The server shut down (--shutdown-timeout) before this request "
-                    "finished; retry it elsewhere.", code="shutting_down")
-
-
-def check_not_cut(finish_reasons: list[str | None]) -> None:
-    """A whole response whose choices were aborted is a 503 (only shutdown aborts a request
-    whose client is still waiting)."""
-    if "abort" in finish_reasons:
-        raise shutdown_cut()
+    def add(self, delta: CompletionOutput) -> None:
+        self.text += delta.text
+        self.token_ids += delta.token_ids
+        self.logprobs += delta.logprobs or []
+        self.finish_reason = delta.finish_reason or self.finish_reason
+        if delta.stop_reason is not None:
+            self.stop_reason = delta.stop_reason
 
 
 def new_id(prefix: str) -> str:
@@ -84,12 +118,10 @@ def now_s() -> int:
     return int(time.time())
 
 
-def parse_body(raw: bytes, model_cls: type[Any], limits: ServerLimits | None = None,
-               lists: ListLimits | None = None, sizes: bool = True) -> Any:
+def parse_body(raw: bytes, model_cls: type[R], limits: ServerLimits,
+               lists: ListLimits | None = None) -> R:
     """Bytes -> validated request model, each failure a 400 that says what is wrong. The JSON
-    is parsed once; list lengths are checked before anything walks the lists; ``sizes``: the
-    OpenAI fields' sizes too (``check_sizes``)."""
-    limits = limits or ServerLimits()
+    is parsed once; list lengths are checked before anything walks the lists."""
     if not raw.strip():
         raise bad_request("the request body is empty; expected a JSON object")
     try:
@@ -113,134 +145,30 @@ def parse_body(raw: bytes, model_cls: type[Any], limits: ServerLimits | None = N
     if json_depth_exceeds(obj, limits.max_json_depth):
         raise too_deep
     try:
-        req = model_cls.model_validate(obj)
+        return model_cls.model_validate(obj)
     except ValidationError as e:
         raise from_validation_error(e) from e
-    if sizes:
-        check_sizes(req, limits)
-    return req
 
 
-_max_token_chars: dict[int, int] = {}  # id(tokenizer) -> bound, computed once per tokenizer
+def _shutdown_cut() -> APIError:
+    """The answer to a request the shutdown timeout aborted: an error, never partial text (only
+    shutdown aborts a request whose client is still waiting)."""
+    return APIError(503, "The server shut down (--shutdown-timeout) before this request "
+                    "finished; retry it elsewhere.", code="shutting_down")
 
 
-def check_prompt_chars(state: ServerState, chars: int, param: str) -> None:
-    """Reject, before tokenizing it, a text that cannot fit the context whatever its tokens:
-    tokenizing megabytes of text takes seconds of a preprocessing thread. No token decodes to more characters than its vocabulary entry has (a normalizer
-    may first merge characters, hence the margin when there is one)."""
-    tok = state.tokenizer
-    per_token = _max_token_chars.get(id(tok))
-    if per_token is None:
-        per_token = max((len(t) for t in tok.get_vocab()), default=1)
-        backend = getattr(tok, "backend_tokenizer", None)
-        if backend is None or backend.normalizer is not None:
-            per_token *= 4
-        _max_token_chars[id(tok)] = per_token
-    limit = state.engine.max_model_len
-    if chars > limit * per_token:
-        raise bad_request(f"This model's maximum context length is {limit} tokens, and the "
-                          f"prompt's {chars} characters are more than that many tokens can "
-                          "hold. Please reduce the length of the prompt.", param=param,
-                          code="context_length_exceeded")
+def _engine_error(delta: RequestOutput) -> APIError | None:
+    """A request the engine ignored (it can never fit) becomes a 400."""
+    for c in delta.outputs:
+        if c.finish_reason == "ignored":
+            why = delta.finish_message or "the prompt does not fit in the context length or KV cache"
+            return bad_request(f"The request cannot be served: {why}", param="prompt",
+                               code="context_length_exceeded")
+    return None
 
 
-def prompt_token_ids(state: ServerState, prompt: str | list[int], param: str) -> list[int]:
-    """One prompt (text, or token ids) as token ids: a 400 naming ``param`` for a text too long
-    to tokenize, an empty prompt, or ids outside the vocabulary. Runs on a preprocessing
-    thread."""
-    if isinstance(prompt, str):
-        check_prompt_chars(state, len(prompt), param)
-    ids = state.encode(prompt) if isinstance(prompt, str) else list(prompt)
-    if not ids:
-        raise bad_request(f"'{param}' must not be empty", param=param)
-    vocab = state.vocab_size
-    bad = [t for t in ids if not 0 <= t < vocab]
-    if bad:
-        raise bad_request(f"'{param}' has token ids outside the vocabulary [0, {vocab}): "
-                          f"{bad[:5]}", param=param)
-    return ids
-
-
-def check_model(state: ServerState, model: str | None) -> None:
-    """``model`` is the served model or one of its LoRA adapters (or unset): else a 404."""
-    if model is not None and model not in state.model_names and model not in state.loras:
-        served = [*state.model_names, *state.loras]
-        raise APIError(404, f"The model `{model}` does not exist. Served: "
-                       f"{', '.join(served)}", param="model", code="model_not_found")
-
-
-def check_priority(state: ServerState, priority: int) -> None:
-    if priority != 0 and state.engine_args.queue != "priority":
-        raise bad_request("'priority' is only honoured when the server runs with --queue priority "
-                          f"(this one runs --queue {state.engine_args.queue})", param="priority")
-
-
-def resolve_max_tokens(state: ServerState, prompt_len: int, max_tokens: int | None,
-                       param: str, prompt_param: str = "prompt") -> int | None:
-    """Reject prompts that cannot fit, and completions the engine would have to cut short;
-    return the max_tokens to ask the engine for."""
-    limit = state.engine.max_model_len
-    args = state.engine_args
-    if args.policy == "prefill_first" and limit == args.max_num_batched_tokens:
-        limit_text = (f"{limit} tokens (--max-num-batched-tokens under --policy "
-                      "prefill_first)")
-    else:
-        limit_text = f"{limit} tokens"
-    if prompt_len >= limit:
-        raise bad_request(f"This model's maximum context length is {limit_text}. However, your "
-                          f"prompt has {prompt_len} tokens, leaving no room for a completion. "
-                          "Please reduce the length of the prompt.", param=prompt_param,
-                          code="context_length_exceeded")
-    if max_tokens is not None and prompt_len + max_tokens > limit:
-        raise bad_request(f"This model's maximum context length is {limit_text}. However, you "
-                          f"requested {prompt_len + max_tokens} tokens ({prompt_len} in the prompt, "
-                          f"{max_tokens} for the completion). Please reduce the length of the "
-                          f"prompt or {param}.", param=param, code="context_length_exceeded")
-    capacity = state.engine.stats.num_total_blocks * state.engine_args.block_size
-    if capacity and prompt_len + 1 > capacity:
-        raise bad_request(f"The prompt has {prompt_len} tokens but the whole KV cache holds "
-                          f"{capacity} tokens; it can never be scheduled.", param=prompt_param,
-                          code="context_length_exceeded")
-    if capacity and max_tokens is not None and prompt_len + max_tokens > capacity:
-        raise bad_request(f"The whole KV cache holds {capacity} tokens, and this request needs "
-                          f"{prompt_len + max_tokens} ({prompt_len} in the prompt, {max_tokens} "
-                          f"for the completion): it would be cut short. Please reduce {param}.",
-                          param=param, code="context_length_exceeded")
-    return max_tokens
-
-
-def make_params(state: ServerState, req: Any, max_tokens: int | None) -> SamplingParams:
-    try:
-        params = req.sampling_params(max_tokens)
-    except ValueError as e:
-        msg = str(e)
-        if msg.startswith("SamplingParams."):
-            param = msg.split(" ", 1)[0].removeprefix("SamplingParams.")
-        elif msg.startswith(("structured_outputs", "response_format")):
-            param = constraint_param(req)
-        else:
-            param = None
-        raise bad_request(msg.removeprefix("SamplingParams."), param=param) from e
-    vocab = state.vocab_size
-    if params.logit_bias and max(params.logit_bias) >= vocab:
-        bad = [t for t in params.logit_bias if t >= vocab][:5]
-        raise bad_request(f"'logit_bias' names token ids outside the vocabulary [0, {vocab}): "
-                          f"{bad}", param="logit_bias")
-    return params
-
-
-def check_admission(state: ServerState, num_jobs: int) -> AsyncEngine:
-    engine = state.ready_engine()
-    limit = state.max_queued_requests
-    if limit is not None and engine.num_queued_requests() + num_jobs > limit:
-        raise APIError(503, f"The server is overloaded: {engine.num_queued_requests()} requests "
-                       f"are queued (--max-queued-requests {limit}). Retry later.",
-                       code="overloaded")
-    return engine
-
-
-async def merged_deltas(engine: AsyncEngine,
-                        jobs: list[Job]) -> AsyncIterator[tuple[int, RequestOutput]]:
+async def _merged_deltas(engine: AsyncEngine,
+                         jobs: list[Job]) -> AsyncIterator[tuple[int, RequestOutput]]:
     """(job index, delta) from every job as they come; closing it aborts what is unfinished."""
     if len(jobs) == 1:
         job = jobs[0]
@@ -281,76 +209,209 @@ async def merged_deltas(engine: AsyncEngine,
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
-def engine_error(delta: RequestOutput) -> APIError | None:
-    """A request the engine ignored (it can never fit) becomes a 400."""
-    for c in delta.outputs:
-        if c.finish_reason == "ignored":
-            why = delta.finish_message or "the prompt does not fit in the context length or KV cache"
-            return bad_request(f"The request cannot be served: {why}", param="prompt",
-                               code="context_length_exceeded")
-    return None
+_max_token_chars: dict[int, int] = {}  # id(tokenizer) -> bound, computed once per tokenizer
 
 
-def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:
-    """OpenAI's usage object; ``cached_tokens``: the prompt tokens the prefix cache served."""
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
+class OpenAIServing:
+    """One API's handler over the server's state; see the module docstring for the lifecycle."""
 
+    def __init__(self, state: ServerState, limits: ServerLimits) -> None:
+        self.state = state
+        self.limits = limits
 
-class TokenText:
-    """token id -> its text as OpenAI shows it in logprobs (decoded, not the BPE symbol)."""
+    # ------------------------------------------------------------ the request
+    async def parse(self, request: Request, model_cls: type[R]) -> R:
+        """The body as ``model_cls``, parsed on a preprocessing thread (``parse_body``)."""
+        return await self.state.off_loop(parse_body, await request.body(), model_cls,
+                                         self.limits, self.state.list_limits())
 
-    def __init__(self, tokenizer: Any) -> None:
-        self._tok = tokenizer
-        self._cache: dict[int, str] = {}
+    def check_request(self, model: str | None, priority: int = 0) -> None:
+        """The engine is ready (else a 503), ``model`` is the served model or one of its LoRA
+        adapters, or unset (else a 404), and ``priority`` is honoured (else a 400)."""
+        state = self.state
+        state.ready_engine()
+        if model is not None and model not in state.model_names and model not in state.loras:
+            served = [*state.model_names, *state.loras]
+            raise APIError(404, f"The model `{model}` does not exist. Served: "
+                           f"{', '.join(served)}", param="model", code="model_not_found")
+        if priority != 0 and state.engine_args.queue != "priority":
+            raise bad_request("'priority' is only honoured when the server runs with --queue "
+                              f"priority (this one runs --queue {state.engine_args.queue})",
+                              param="priority")
 
-    def __call__(self, token_id: int, logprob: Logprob | None = None) -> str:
-        if logprob is not None and logprob.decoded_token is not None:
-            return logprob.decoded_token
-        text = self._cache.get(token_id)
-        if text is None:
-            text = self._tok.decode([token_id])
-            self._cache[token_id] = text
-        return text
+    def model_name(self, model: str | None) -> str:
+        """The ``model`` an answer names: the request's, or the served model's."""
+        return model or self.state.model_names[0]
 
+    # ------------------------------------------------------------ prompts and parameters
+    def check_prompt_chars(self, chars: int, param: str) -> None:
+        """Reject, before tokenizing it, a text that cannot fit the context whatever its tokens:
+        tokenizing megabytes of text takes seconds of a preprocessing thread. No token decodes to
+        more characters than its vocabulary entry has (a normalizer may first merge characters,
+        hence the margin when there is one)."""
+        tok = self.state.tokenizer
+        per_token = _max_token_chars.get(id(tok))
+        if per_token is None:
+            per_token = max((len(t) for t in tok.get_vocab()), default=1)
+            backend = getattr(tok, "backend_tokenizer", None)
+            if backend is None or backend.normalizer is not None:
+                per_token *= 4
+            _max_token_chars[id(tok)] = per_token
+        limit = self.state.engine.max_model_len
+        if chars > limit * per_token:
+            raise bad_request(f"This model's maximum context length is {limit} tokens, and the "
+                              f"prompt's {chars} characters are more than that many tokens can "
+                              "hold. Please reduce the length of the prompt.", param=param,
+                              code="context_length_exceeded")
 
-def sampled_logprob(entry: dict[int, Logprob], token_id: int) -> float | None:
-    lp = entry.get(token_id)
-    return None if lp is None else lp.logprob
+    def prompt_token_ids(self, prompt: str | list[int], param: str) -> list[int]:
+        """One prompt (text, or token ids) as token ids: a 400 naming ``param`` for a text too
+        long to tokenize, an empty prompt, or ids outside the vocabulary. Runs on a
+        preprocessing thread."""
+        if isinstance(prompt, str):
+            self.check_prompt_chars(len(prompt), param)
+        ids = self.state.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        if not ids:
+            raise bad_request(f"'{param}' must not be empty", param=param)
+        vocab = self.state.vocab_size
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise bad_request(f"'{param}' has token ids outside the vocabulary [0, {vocab}): "
+                              f"{bad[:5]}", param=param)
+        return ids
 
+    def max_tokens(self, prompt_len: int, max_tokens: int | None, param: str,
+                   prompt_param: str = "prompt") -> int | None:
+        """Reject prompts that cannot fit, and completions the engine would have to cut short;
+        return the max_tokens to ask the engine for."""
+        limit = self.state.engine.max_model_len
+        args = self.state.engine_args
+        if args.policy == "prefill_first" and limit == args.max_num_batched_tokens:
+            limit_text = (f"{limit} tokens (--max-num-batched-tokens under --policy "
+                          "prefill_first)")
+        else:
+            limit_text = f"{limit} tokens"
+        if prompt_len >= limit:
+            raise bad_request(f"This model's maximum context length is {limit_text}. However, "
+                              f"your prompt has {prompt_len} tokens, leaving no room for a "
+                              "completion. Please reduce the length of the prompt.",
+                              param=prompt_param, code="context_length_exceeded")
+        if max_tokens is not None and prompt_len + max_tokens > limit:
+            raise bad_request(f"This model's maximum context length is {limit_text}. However, "
+                              f"you requested {prompt_len + max_tokens} tokens ({prompt_len} in "
+                              f"the prompt, {max_tokens} for the completion). Please reduce the "
+                              f"length of the prompt or {param}.", param=param,
+                              code="context_length_exceeded")
+        capacity = self.kv_capacity()
+        if capacity and prompt_len + 1 > capacity:
+            raise bad_request(f"The prompt has {prompt_len} tokens but the whole KV cache holds "
+                              f"{capacity} tokens; it can never be scheduled.",
+                              param=prompt_param, code="context_length_exceeded")
+        if capacity and max_tokens is not None and prompt_len + max_tokens > capacity:
+            raise bad_request(f"The whole KV cache holds {capacity} tokens, and this request "
+                              f"needs {prompt_len + max_tokens} ({prompt_len} in the prompt, "
+                              f"{max_tokens} for the completion): it would be cut short. Please "
+                              f"reduce {param}.", param=param, code="context_length_exceeded")
+        return max_tokens
 
-def top_entries(entry: dict[int, Logprob], n: int) -> list[tuple[int, Logprob]]:
-    """The n most likely (token, Logprob) of one position."""
-    return sorted(entry.items(), key=lambda kv: kv[1].logprob, reverse=True)[:n]
+    def kv_capacity(self) -> int:
+        """Tokens the whole KV cache holds (0 where the engine does not say)."""
+        return self.state.engine.stats.num_total_blocks * self.state.engine_args.block_size
 
-
-def sse(obj: dict[str, Any] | str) -> str:
-    payload = obj if isinstance(obj, str) else json.dumps(obj, ensure_ascii=False)
-    return f"data: {payload}\n\n"
-
-
-def sse_event(kind: str, data: dict[str, Any]) -> str:
-    """A named server-sent event whose data carries its name as ``type`` (Anthropic's and the
-    Responses API's streams)."""
-    return f"event: {kind}\ndata: {json.dumps({'type': kind, **data}, ensure_ascii=False)}\n\n"
-
-
-class _StreamThenRelease(StreamingResponse):
-    """A stream that calls ``on_close`` once it has ended, however it ended."""
-
-    def __init__(self, events: AsyncIterator[str], on_close: Callable[[], None]) -> None:
-        super().__init__(events, media_type="text/event-stream",
-                         headers={"Cache-Control": "no-cache"})
-        self._on_close = on_close
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+    def sampling_params(self, req: Any, max_tokens: int | None) -> SamplingParams:
+        """``req.sampling_params(max_tokens)``, each ValueError a 400 naming its field."""
         try:
-            await super().__call__(scope, receive, send)
+            params = req.sampling_params(max_tokens)
+        except ValueError as e:
+            msg = str(e)
+            if msg.startswith("SamplingParams."):
+                param = msg.split(" ", 1)[0].removeprefix("SamplingParams.")
+            elif msg.startswith(("structured_outputs", "response_format")):
+                param = constraint_param(req)
+            else:
+                param = None
+            raise bad_request(msg.removeprefix("SamplingParams."), param=param) from e
+        vocab = self.state.vocab_size
+        if params.logit_bias and max(params.logit_bias) >= vocab:
+            bad = [t for t in params.logit_bias if t >= vocab][:5]
+            raise bad_request(f"'logit_bias' names token ids outside the vocabulary [0, "
+                              f"{vocab}): {bad}", param="logit_bias")
+        return params
+
+    # ------------------------------------------------------------ admission
+    async def admit(self, request: Request, request_id: str, num_prompts: int, num_seqs: int,
+                    prepare: Callable[[AsyncEngine], Awaitable[list[Job]]]) -> Run:
+        """Admit a request of ``num_prompts`` engine requests and ``num_seqs`` sequences, then
+        ``prepare`` its engine requests (tokenizing, limits, compiling a constraint) while it
+        holds the sequences: admission first, so that a request the server cannot run now costs
+        no tokenizing or compiling. A 503 when the queue is full, a 429 when the sequences in
+        flight are; a failure of ``prepare`` releases the sequences."""
+        engine = self.state.ready_engine()
+        limit = self.state.max_queued_requests
+        if limit is not None and engine.num_queued_requests() + num_prompts > limit:
+            raise APIError(503, f"The server is overloaded: {engine.num_queued_requests()} "
+                           f"requests are queued (--max-queued-requests {limit}). Retry later.",
+                           code="overloaded")
+        reservation = self.state.admission.reserve(num_seqs)
+        try:
+            jobs = await prepare(engine)
+        except BaseException:
+            reservation.release()
+            raise
+        record = access_record(request)
+        record.request_id = request_id
+        record.prompt_tokens = sum(len(job.prompt_token_ids) for job in jobs)
+        record.output_tokens = 0
+        record.prompt = "\n".join(job.prompt_text if job.prompt_text is not None
+                                  else str(job.prompt_token_ids) for job in jobs)
+        return Run(request_id, engine, jobs, reservation, record)
+
+    # ------------------------------------------------------------ running
+    async def outputs(self, run: Run) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """(job index, delta) of the run's engine requests as they come, their tokens counted
+        in ``run``; an ignored prompt (400), a shutdown cut (503) or an engine failure ends them
+        with an APIError. Closing it aborts what is unfinished."""
+        try:
+            async with aclosing(_merged_deltas(run.engine, run.jobs)) as deltas:
+                async for i, delta in deltas:
+                    if (err := _engine_error(delta)) is not None:
+                        raise err
+                    run.cached[i] = delta.num_cached_tokens
+                    run.output_tokens += sum(len(c.token_ids) for c in delta.outputs)
+                    run.record.output_tokens = run.output_tokens
+                    if any(c.finish_reason == "abort" for c in delta.outputs):
+                        raise _shutdown_cut()
+                    yield i, delta
+        except APIError:
+            raise
+        except Exception as e:
+            raise self.state.api_error(e) from e
+
+    async def full_response(self, request: Request, run: Run,
+                            response: Awaitable[Response]) -> Response:
+        """``response`` once it is ready; a client that leaves first cancels it, which aborts
+        the run's engine requests (499). The run's sequences are released either way."""
+        try:
+            return await cancel_on_disconnect(request, response)
         finally:
-            self._on_close()
+            run.reservation.release()
 
+    def stream_response(self, run: Run, events: AsyncIterator[str]) -> StreamingResponse:
+        """``events`` as server-sent events; the run's sequences are released once the stream
+        has ended, however it ended (a client that leaves closes it, aborting the run)."""
+        return sse_response(events, on_close=run.reservation.release)
 
-def sse_response(events: AsyncIterator[str],
-                 on_close: Callable[[], None] = lambda: None) -> StreamingResponse:
-    return _StreamThenRelease(events, on_close)
+    async def chunk_events(self, run: Run, head: dict[str, Any], include_usage: bool,
+                           choices: AsyncIterator[dict[str, Any]]) -> AsyncIterator[str]:
+        """OpenAI's stream of chunks: one per choice delta of ``choices``, an error chunk where
+        they fail, the usage chunk when asked for, then ``[DONE]``."""
+        extra = {"usage": None} if include_usage else {}
+        try:
+            async with aclosing(choices):
+                async for choice in choices:
+                    yield sse({**head, "choices": [choice], **extra})
+        except Exception as e:
+            yield sse(self.state.api_error(e).body())
+        if include_usage:
+            yield sse({**head, "choices": [], "usage": run.usage()})
+        yield sse("[DONE]")

@@ -1,6 +1,8 @@
-"""Prompt logprobs in the API's two shapes: completions' ``echo`` with ``logprobs`` (the prompt's
-tokens lead the choice's ``logprobs``, the first with ``null``), and vLLM's ``prompt_logprobs``
-field (per prompt token ``null`` or ``{token_id: {"logprob", "rank", "decoded_token"}}``)."""
+"""Logprobs as the API shows them: token texts (decoded, not BPE symbols), the sampled token's
+logprob and the top entries of a position; the prompt's logprobs in completions' ``echo`` shape
+(the prompt's tokens lead the choice's ``logprobs``, the first with ``null``) and in vLLM's
+``prompt_logprobs`` field (per prompt token ``null`` or ``{token_id: {"logprob", "rank",
+"decoded_token"}}``)."""
 
 from __future__ import annotations
 
@@ -10,9 +12,35 @@ from conveyor.entrypoints.openai.errors import bad_request
 
 if TYPE_CHECKING:
     from conveyor.engine.outputs import Logprob
-    from conveyor.entrypoints.openai.serving import TokenText
 
 PromptLogprobs = list["dict[int, Logprob] | None"]
+
+
+class TokenText:
+    """token id -> its text as OpenAI shows it in logprobs (decoded, not the BPE symbol)."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self._tok = tokenizer
+        self._cache: dict[int, str] = {}
+
+    def __call__(self, token_id: int, logprob: Logprob | None = None) -> str:
+        if logprob is not None and logprob.decoded_token is not None:
+            return logprob.decoded_token
+        text = self._cache.get(token_id)
+        if text is None:
+            text = self._tok.decode([token_id])
+            self._cache[token_id] = text
+        return text
+
+
+def sampled_logprob(entry: dict[int, Logprob], token_id: int) -> float | None:
+    lp = entry.get(token_id)
+    return None if lp is None else lp.logprob
+
+
+def top_entries(entry: dict[int, Logprob], n: int) -> list[tuple[int, Logprob]]:
+    """The n most likely (token, Logprob) of one position."""
+    return sorted(entry.items(), key=lambda kv: kv[1].logprob, reverse=True)[:n]
 
 
 def check_prompt_logprobs(req: Any) -> None:
@@ -35,8 +63,7 @@ def echo_logprobs(tok: TokenText, prompt_ids: list[int], scored: PromptLogprobs 
             tops.append(None)
         else:
             token_logprobs.append(entry[token_id].logprob)
-            best = sorted(entry.items(), key=lambda kv: kv[1].logprob, reverse=True)[:top_n]
-            tops.append({tok(t, lp): lp.logprob for t, lp in best})
+            tops.append({tok(t, lp): lp.logprob for t, lp in top_entries(entry, top_n)})
         offsets.append(offset)
         offset += len(text)
     return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": tops,
