@@ -15,9 +15,12 @@ samples unconstrained. With ``reasoning_start`` too, the reply thinks only if it
 those tokens: while it may still open, the grammar follows it and the marker's next token is
 allowed beside the grammar's; a reply that does not open them is constrained from its start.
 
-Per step (``LLMEngine.step``): ``bitmask()`` fills one row of xgrammar's packed token bitmask
-per constrained sequence that samples, which the sampler applies to its logits; ``advance()``
-feeds the sampled tokens to the matchers and names the sequences whose grammar has ended.
+Per step: ``bitmask()`` fills one row of xgrammar's packed token bitmask per constrained
+sequence that samples (``ModelRunner.sample`` calls it before sampling, and the sampler applies
+it to its logits; the engine hands the manager to the executor once,
+``ModelExecutor.use_structured_outputs``); after ``Scheduler.update``, ``LLMEngine.step`` calls
+``advance()``, which feeds the sampled tokens to the matchers and names the sequences whose
+grammar has ended.
 """
 
 from __future__ import annotations

@@ -13,8 +13,10 @@ class SpeculativeConfig:
 
     ``ngram``: the last ``prompt_lookup_max`` .. ``prompt_lookup_min`` tokens are looked up in
     the sequence's own prompt and output; the tokens that followed the latest earlier match are
-    the proposal. ``disable_by_batch_size``: a step with more decoding sequences than this
-    proposes nothing (0: never disabled); verification rows then cost more than they save.
+    the proposal. ``disable_by_batch_size``: nothing is proposed after a step in which more
+    sequences than this could propose (``ModelRunner.propose``), and nothing is verified in a
+    step with more decodes (``core/lookahead.py``); 0: never disabled. Verification rows then
+    cost more than they save.
     """
 
     method: str = "ngram"
