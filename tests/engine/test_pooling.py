@@ -93,7 +93,7 @@ def test_chunked_prefill_pools_across_chunks(llm) -> None:
             engine, [(text, params), (TEXTS[2], SamplingParams(max_tokens=20, ignore_eos=True))])
         assert _cos(pooled.embedding, expected) > 0.99999, method
         assert len(generated.outputs[0].token_ids) == 20
-    assert not engine.executor.pooler._partial
+    assert not engine.executor.runner.pooler._partial
     stats = engine.get_stats()
     assert stats.num_free_blocks == stats.num_total_blocks
 
@@ -104,11 +104,11 @@ def test_abort_mid_prompt_frees_everything() -> None:
     engine = llm.llm_engine
     engine.add_request("p", " ".join(TEXTS), PoolingParams(method="mean"))
     engine.step()  # the first chunk
-    assert engine.executor.pooler._partial
+    assert engine.executor.runner.pooler._partial
     out = engine.abort_request("p")
     assert out.finished and out.embedding is None and out.outputs[0].finish_reason == "abort"
     run_to_end(engine, [(TEXTS[2], PoolingParams(method="mean"))], "q")
-    assert not engine.executor.pooler._partial
+    assert not engine.executor.runner.pooler._partial
     stats = engine.get_stats()
     assert stats.num_free_blocks == stats.num_total_blocks
 
