@@ -18,6 +18,7 @@ from fastapi.responses import StreamingResponse
 from pydantic import ValidationError
 from starlette.types import Receive, Scope, Send
 
+from conveyor.core.config import QueueOrder
 from conveyor.core.json_depth import json_depth_exceeds
 from conveyor.core.sampling_params import SamplingParams
 from conveyor.entrypoints.openai.errors import APIError, bad_request, from_validation_error
@@ -170,7 +171,7 @@ def check_model(state: ServerState, model: str | None) -> None:
 
 
 def check_priority(state: ServerState, priority: int) -> None:
-    if priority != 0 and state.engine_args.queue != "priority":
+    if priority != 0 and state.engine_args.queue is not QueueOrder.PRIORITY:
         raise bad_request("'priority' is only honoured when the server runs with --queue priority "
                           f"(this one runs --queue {state.engine_args.queue})", param="priority")
 
@@ -181,9 +182,8 @@ def resolve_max_tokens(state: ServerState, prompt_len: int, max_tokens: int | No
     return the max_tokens to ask the engine for."""
     limit = state.engine.max_model_len
     args = state.engine_args
-    if args.policy == "prefill_first" and limit == args.max_num_batched_tokens:
-        limit_text = (f"{limit} tokens (--max-num-batched-tokens under --policy "
-                      "prefill_first)")
+    if limit == args.policy.seq_len_cap(args.max_num_batched_tokens):
+        limit_text = f"{limit} tokens (--max-num-batched-tokens under --policy {args.policy})"
     else:
         limit_text = f"{limit} tokens"
     if prompt_len >= limit:
