@@ -255,9 +255,7 @@ def run_conveyor(job: dict[str, Any]) -> SystemResult:
         "dtype": dtype,
         "kv_cache_dtype": kv_dtype,
         "engine_args": dataclasses.asdict(engine_args),
-        "model_config": {k: getattr(config, k) for k in (
-            "name", "num_layers", "hidden_size", "intermediate_size", "num_heads",
-            "num_kv_heads", "head_dim", "vocab_size")},
+        "model_config": {"name": config.name, **config.shape_dict()},
         "memory": _memory_budget(llm),
         "step_weight_bytes": _step_weight_bytes(llm),
         "stats": dataclasses.asdict(llm.llm_engine.get_stats()),
@@ -460,10 +458,11 @@ def run_all(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def roofline_summary(args: argparse.Namespace, conveyor: SystemResult, rates) -> dict[str, Any]:
-    from conveyor.bench.roofline import ModelShape, workload_roofline
+    from conveyor.bench.roofline import workload_roofline
+    from conveyor.model.shape import ModelShape
 
     ea = conveyor.extra["engine_args"]
-    shape = ModelShape.from_config(conveyor.extra["model_config"])
+    shape = ModelShape.from_dict(conveyor.extra["model_config"])
     workload = make_workload(args.workload, shape.vocab_size, args.seed, args.num_requests)
     roof = workload_roofline(shape, workload, rates, conveyor.extra["dtype"], ea["max_num_seqs"],
                              ea["max_num_batched_tokens"], ea["enable_prefix_caching"],
