@@ -39,6 +39,7 @@ from conveyor.bench.workloads import (
     make_workload,
     warmup_workload,
 )
+from conveyor.core.stats import SchedulerStats
 
 if TYPE_CHECKING:
     from conveyor.engine.args import EngineArgs
@@ -524,16 +525,17 @@ def print_report(payload: dict[str, Any], workload: str) -> None:
         x = on.best_and_median("output_tokens_per_s")[0] / off.best_and_median(
             "output_tokens_per_s")[0]
         print(f"W2 prefix caching: {x:.2f}x output tok/s with vs without")
-    for r in ran.values():
-        stats = r.extra.get("stats") or {}
-        if stats.get("prefix_cache_queries"):
-            print(f"conveyor ({r.config}): prefix cache hits {stats['prefix_cache_hits']:,} of "
-                  f"{stats['prefix_cache_queries']:,} prompt tokens queried, "
-                  f"{stats.get('num_preemptions', 0)} preemptions")
-    for r in ran.values():
-        line = acceptance_line(r.extra.get("stats") or {})
+    scheduler_stats = {config: SchedulerStats(**(r.extra.get("stats") or {}).get("scheduler", {}))
+                       for config, r in ran.items()}
+    for config, stats in scheduler_stats.items():
+        if stats.prefix_cache_queries:
+            print(f"conveyor ({config}): prefix cache hits {stats.prefix_cache_hits:,} of "
+                  f"{stats.prefix_cache_queries:,} prompt tokens queried, "
+                  f"{stats.num_preemptions} preemptions")
+    for config, stats in scheduler_stats.items():
+        line = acceptance_line(stats)
         if line:
-            print(f"conveyor ({r.config}): {line}")
+            print(f"conveyor ({config}): {line}")
     for r in ran.values():
         tp = r.extra.get("tensor_parallel") or {}
         if tp.get("size", 1) > 1:

@@ -424,8 +424,7 @@ class LLMEngine:
     # ------------------------------------------------------------------ stats
 
     def get_stats(self) -> EngineStats:
-        s = self.scheduler.stats
-        stats = EngineStats(**{name: getattr(s, name) for name in EngineStats.SCHEDULER_FIELDS})
+        stats = EngineStats(self.scheduler.stats)
         stats.num_steps = self._num_steps
         stats.scheduled_seqs_total = self._scheduled_seqs_total
         stats.scheduled_tokens_total = self._scheduled_tokens_total

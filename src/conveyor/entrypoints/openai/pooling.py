@@ -76,7 +76,7 @@ def _prompts(state: ServerState, texts: Texts, param: str) -> list[tuple[list[in
     if not texts:
         raise bad_request(f"'{param}' must not be empty", param=param)
     limit = state.engine.max_model_len
-    capacity = state.engine.stats.num_total_blocks * state.engine_args.block_size
+    capacity = state.engine.stats.scheduler.num_total_blocks * state.engine_args.block_size
     out = []
     for t in texts:
         ids = prompt_token_ids(state, t, param)

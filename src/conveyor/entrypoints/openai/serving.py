@@ -196,7 +196,7 @@ def resolve_max_tokens(state: ServerState, prompt_len: int, max_tokens: int | No
                           f"requested {prompt_len + max_tokens} tokens ({prompt_len} in the prompt, "
                           f"{max_tokens} for the completion). Please reduce the length of the "
                           f"prompt or {param}.", param=param, code="context_length_exceeded")
-    capacity = state.engine.stats.num_total_blocks * state.engine_args.block_size
+    capacity = state.engine.stats.scheduler.num_total_blocks * state.engine_args.block_size
     if capacity and prompt_len + 1 > capacity:
         raise bad_request(f"The prompt has {prompt_len} tokens but the whole KV cache holds "
                           f"{capacity} tokens; it can never be scheduled.", param=prompt_param,
