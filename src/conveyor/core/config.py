@@ -64,6 +64,19 @@ class PreemptionMode(Choice):
     SWAP = "swap"  # copy the blocks to the CPU pool (recompute when it is full)
 
 
+# The fields that hold a choice, named alike in SchedulerConfig, EngineArgs and the simulator's
+# SimConfig.
+CHOICE_FIELDS: dict[str, type[Choice]] = {
+    "policy": SchedulingPolicy, "queue": QueueOrder, "preemption_mode": PreemptionMode}
+
+
+def parse_choices(config: object, owner: str = "") -> None:
+    """Turn ``config``'s ``CHOICE_FIELDS`` (members or strings) into members, in place (a frozen
+    dataclass's too); a bad one is a ValueError naming ``owner`` + the field."""
+    for name, choice in CHOICE_FIELDS.items():
+        object.__setattr__(config, name, choice.parse(getattr(config, name), owner + name))
+
+
 def _is_int(v: object) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
@@ -100,9 +113,7 @@ class SchedulerConfig:
         _require_int(owner, "max_num_seqs", self.max_num_seqs, 1)
         _require_int(owner, "max_num_batched_tokens", self.max_num_batched_tokens, 1)
         _require_int(owner, "max_model_len", self.max_model_len, 1)
-        for name, choice in (("policy", SchedulingPolicy), ("queue", QueueOrder),
-                             ("preemption_mode", PreemptionMode)):
-            object.__setattr__(self, name, choice.parse(getattr(self, name), f"{owner}.{name}"))
+        parse_choices(self, f"{owner}.")
         _require_int(owner, "long_prefill_token_threshold", self.long_prefill_token_threshold, 0)
         _require_int(owner, "max_num_partial_prefills", self.max_num_partial_prefills, 1)
         _require_int(owner, "max_loras", self.max_loras, 0)

@@ -11,13 +11,17 @@ import dataclasses
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from conveyor.core.config import PreemptionMode, QueueOrder, SchedulingPolicy
+from conveyor.core.config import (
+    CHOICE_FIELDS,
+    PreemptionMode,
+    QueueOrder,
+    SchedulingPolicy,
+    parse_choices,
+)
 
 if TYPE_CHECKING:
     from conveyor.core.sampling_params import SamplingParams
 
-# the scheduler's choices: given as strings (flags, user code), held as members
-_ENUMS = {"policy": SchedulingPolicy, "queue": QueueOrder, "preemption_mode": PreemptionMode}
 
 
 @dataclass
@@ -68,8 +72,7 @@ class EngineArgs:
     max_cpu_loras: int | None = None  # adapters kept read in host memory; None: max_loras
 
     def __post_init__(self) -> None:
-        for name, choice in _ENUMS.items():
-            setattr(self, name, choice.parse(getattr(self, name), name))
+        parse_choices(self)  # given as strings (flags, user code), held as enum members
 
     def parallel_config(self):
         """The ``ParallelConfig`` of these args (ValueError naming a bad field)."""
@@ -161,7 +164,7 @@ _CHOICES = {
     "dtype": ["auto", "bfloat16", "float32", "float16"],
     "kv_cache_dtype": ["auto", "bfloat16", "float32", "float16"],
     "device": ["auto", "cpu", "cuda"],
-    **{name: choice.values() for name, choice in _ENUMS.items()},
+    **{name: choice.values() for name, choice in CHOICE_FIELDS.items()},
     "speculative_method": ["ngram", "draft_model"],
     "pooling": ["last", "mean", "cls"],
 }

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from conveyor.core.config import PreemptionMode, QueueOrder, SchedulingPolicy
+from conveyor.core.config import PreemptionMode, QueueOrder, SchedulingPolicy, parse_choices
 from conveyor.core.sampling_params import SamplingParams
 from conveyor.sim.clock import VirtualClock
 from conveyor.sim.cost_model import CostModel
@@ -52,9 +52,7 @@ class SimConfig:
     max_num_partial_prefills: int = 1
 
     def __post_init__(self) -> None:
-        for name, choice in (("policy", SchedulingPolicy), ("queue", QueueOrder),
-                             ("preemption_mode", PreemptionMode)):
-            setattr(self, name, choice.parse(getattr(self, name), name))
+        parse_choices(self)
         for name in ("max_num_seqs", "block_size", "max_num_partial_prefills"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
