@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
+
+ShapeT = TypeVar("ShapeT", bound="ModelShape")
 
 
 @dataclass(kw_only=True)
@@ -25,10 +27,10 @@ class ModelShape:
     tie_word_embeddings: bool = False  # the LM head is the input embedding
 
     @classmethod
-    def from_dict(cls, values: dict[str, Any]) -> ModelShape:
-        """The shape fields of ``values`` (a report's model config), ignoring the others."""
-        names = {f.name for f in dataclasses.fields(ModelShape)}
-        return ModelShape(**{k: v for k, v in values.items() if k in names})
+    def from_dict(cls: type[ShapeT], values: dict[str, Any]) -> ShapeT:
+        """Built from ``values`` (a report's model config), ignoring keys that are no field."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in values.items() if k in names})
 
     def shape_dict(self) -> dict[str, Any]:
         """The shape fields alone (of a subclass too), for reports."""
