@@ -112,10 +112,11 @@ def test_speculative_runs_a_row_per_method_and_llama_cpp_prompt_lookup(monkeypat
 
 def test_acceptance_line():
     from conveyor.bench.speculative import acceptance_line
+    from conveyor.core.stats import SchedulerStats
 
-    assert acceptance_line({"spec_draft_tokens": 0}) is None
-    line = acceptance_line({"spec_draft_tokens": 400, "spec_accepted_tokens": 300,
-                            "spec_verifications": 100})
+    assert acceptance_line(SchedulerStats()) is None
+    line = acceptance_line(SchedulerStats(spec_draft_tokens=400, spec_accepted_tokens=300,
+                                          spec_verifications=100))
     assert line == ("speculative tokens accepted 300 of 400 (75.0%), 4.00 tokens per "
                     "verifying decode")
 

@@ -2,42 +2,42 @@
 
 import pytest
 
-from conveyor.bench.roofline import (
-    DTYPE_BYTES,
-    MachineRates,
-    ModelShape,
-    measure_machine,
-    workload_roofline,
-)
+from conveyor.bench.roofline import DTYPE_BYTES, MachineRates, measure_machine, workload_roofline
 from conveyor.bench.workloads import BenchRequest, Workload, make_workload
+from conveyor.model.config import ModelConfig
+from conveyor.model.shape import ModelShape
 
 # SmolLM2-135M's shape
 SMOL = ModelShape(num_layers=30, hidden_size=576, intermediate_size=1536, num_heads=9,
-                  num_kv_heads=3, head_dim=64, vocab_size=49152)
+                  num_kv_heads=3, head_dim=64, vocab_size=49152, max_position_embeddings=8192,
+                  tie_word_embeddings=True)
+BF16_WEIGHTS = 2 * 134_479_872  # bytes a forward reads: the layers' matmuls and the LM head
 RATES = MachineRates(gemm_flops=830e9, mem_bandwidth=44e9, num_threads=2)
 
 
 def test_parameter_counts_match_smollm2_135m():
-    linear = SMOL.num_layers * SMOL.layer_linear_params
+    linear = SMOL.num_layers * SMOL.linear_params_per_layer
     assert linear == 106_168_320
     # + the (tied) embedding used as the LM head: SmolLM2's 134.5M parameters, minus norms
     assert linear + SMOL.lm_head_params == 134_479_872
-    assert SMOL.weight_bytes(2) == 2 * 134_479_872
-    assert SMOL.kv_bytes_per_token(2) == 2 * 30 * 3 * 64 * 2
+    assert SMOL.matmul_params * 2 == BF16_WEIGHTS
+    assert SMOL.kv_elements_per_token == 2 * 30 * 3 * 64
 
 
-def test_from_config_accepts_objects_and_dicts():
-    d = {k: getattr(SMOL, k) for k in SMOL.__dataclass_fields__} | {"name": "x"}
-    assert ModelShape.from_config(d) == SMOL
-    assert ModelShape.from_config(type("C", (), d)) == SMOL
+def test_a_model_config_is_a_shape_and_its_report_dict_gives_it_back():
+    config = ModelConfig(name="smol", architecture="llama", dtype="bfloat16",
+                         **SMOL.shape_dict())
+    assert config.matmul_params == SMOL.matmul_params
+    report = {"name": config.name, **config.shape_dict()}
+    assert ModelShape.from_dict(report) == SMOL
 
 
 def test_single_stream_decode_is_bandwidth_bound():
     roof = workload_roofline(SMOL, make_workload("S1", SMOL.vocab_size), RATES)
     # one token reads every weight once: 269 MB at 44 GB/s
-    assert roof.single_stream_decode_tokens_per_s == pytest.approx(44e9 / SMOL.weight_bytes(2))
+    assert roof.single_stream_decode_tokens_per_s == pytest.approx(44e9 / BF16_WEIGHTS)
     assert roof.decode_s > 20 * roof.prefill_s
-    weights_only = 255 * SMOL.weight_bytes(2) / 44e9  # + a little KV cache read per step
+    weights_only = 255 * BF16_WEIGHTS / 44e9  # + a little KV cache read per step
     assert weights_only < roof.decode_s < 1.05 * weights_only
 
 
@@ -73,7 +73,7 @@ def test_measure_machine_gives_positive_rates():
 def test_small_steps_read_the_engine_quantized_weights():
     w = make_workload("S1", SMOL.vocab_size)
     dense = workload_roofline(SMOL, w, RATES)
-    quarter = [SMOL.weight_bytes(2) / 4] * 8  # steps of <= 8 tokens read a quarter of the bytes
+    quarter = [BF16_WEIGHTS / 4] * 8  # steps of <= 8 tokens read a quarter of the bytes
     small = workload_roofline(SMOL, w, RATES, step_weight_bytes=quarter)
     assert small.single_stream_decode_tokens_per_s == pytest.approx(
         4 * dense.single_stream_decode_tokens_per_s)
@@ -98,12 +98,12 @@ def test_bench_roofline_counts_the_weights_the_engine_reads():
            "profile": False, "engine_args": dataclasses.asdict(ea)}
     result = throughput.run_conveyor(job)
     per_step = result.extra["step_weight_bytes"]
-    shape = ModelShape.from_config(result.extra["model_config"])
-    dense = shape.weight_bytes(DTYPE_BYTES[result.extra["dtype"]])
+    shape = ModelShape.from_dict(result.extra["model_config"])
+    dense = shape.matmul_params * DTYPE_BYTES[result.extra["dtype"]]
     assert len(per_step) == 4 and per_step == sorted(per_step)
     assert per_step[-1] <= dense + 1e6
     args = argparse.Namespace(workload="S1", seed=0, num_requests=None)
     summary = throughput.roofline_summary(args, result, RATES)
     assert summary["single_stream_decode_tokens_per_s"] == pytest.approx(
         1 / max(per_step[0] / RATES.mem_bandwidth,
-                (shape.linear_flops_per_token() + shape.lm_head_flops()) / RATES.gemm_flops))
+                (shape.linear_flops_per_token + shape.lm_head_flops) / RATES.gemm_flops))

@@ -2,10 +2,18 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 from core_fakes import make_scheduler
 
-from conveyor.core.config import CacheConfig, SchedulerConfig
+from conveyor.core.config import (
+    CacheConfig,
+    PreemptionMode,
+    QueueOrder,
+    SchedulerConfig,
+    SchedulingPolicy,
+)
 from conveyor.core.request_queue import FcfsQueue, PriorityQueue
 from conveyor.core.sampling_params import SamplingParams
 from conveyor.core.scheduler import Scheduler
@@ -38,6 +46,27 @@ def test_scheduler_config_errors_say_what_to_change(kw, words):
 def test_cache_config_errors_say_what_to_change(kw, words):
     with pytest.raises(ValueError, match=words):
         CacheConfig(**({"block_size": 16, "num_gpu_blocks": 10} | kw))
+
+
+def test_choices_given_as_strings_become_their_enum_members():
+    cfg = SchedulerConfig(8, 256, 256, policy="chunked", queue="priority", preemption_mode="swap")
+    assert cfg.policy is SchedulingPolicy.CHUNKED
+    assert cfg.queue is QueueOrder.PRIORITY
+    assert cfg.preemption_mode is PreemptionMode.SWAP
+    member = SchedulerConfig(8, 256, 256, policy=SchedulingPolicy.CHUNKED)
+    assert member.policy is SchedulingPolicy.CHUNKED
+    # members still read as their strings: in messages, JSON and comparisons
+    assert (str(cfg.policy), f"{cfg.queue}", f"{cfg.preemption_mode:>5}") == \
+        ("chunked", "priority", " swap")
+    assert json.dumps({"policy": cfg.policy}) == '{"policy": "chunked"}'
+    assert cfg.policy == "chunked" and SchedulingPolicy.values() == ["prefill_first", "chunked"]
+
+
+def test_a_bad_choice_names_the_valid_ones():
+    with pytest.raises(ValueError, match=r"queue must be one of 'fcfs', 'priority', got 'lifo'"):
+        QueueOrder.parse("lifo", "queue")
+    with pytest.raises(ValueError, match="preemption_mode must be one of 'recompute', 'swap', got 3"):
+        SchedulerConfig(8, 256, 256, preemption_mode=3)
 
 
 def test_swap_without_a_cpu_pool_is_rejected():

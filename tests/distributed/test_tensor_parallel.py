@@ -67,8 +67,8 @@ def _smollm2_cases(executor: ModelExecutor) -> dict[str, list[list[list[int]]]]:
         engine = LLMEngine(args, executor=executor)
         results[policy] = _run(engine, prompts, params)
         stats = engine.get_stats()
-        assert stats.num_preemptions > 0, policy
-        assert stats.prefix_cache_hits > 0, policy
+        assert stats.scheduler.num_preemptions > 0, policy
+        assert stats.scheduler.prefix_cache_hits > 0, policy
     return results
 
 

@@ -27,7 +27,7 @@ def engine(llm):
     yield engine
     assert not engine.has_unfinished_requests()
     stats = engine.get_stats()
-    assert stats.num_free_blocks == stats.num_total_blocks == engine.num_gpu_blocks == NUM_GPU_BLOCKS
+    assert stats.scheduler.num_free_blocks == stats.scheduler.num_total_blocks == engine.num_gpu_blocks == NUM_GPU_BLOCKS
 
 
 @pytest.fixture(scope="session")

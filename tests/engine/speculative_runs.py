@@ -21,7 +21,7 @@ def run_greedy(executor, args: EngineArgs, prompts: list[list[int]], max_tokens:
                                                   ignore_eos=True)) for p in prompts])
     accepted = sum(out.metrics.num_accepted_tokens for out in outs)
     stats = engine.get_stats()
-    assert accepted == stats.spec_accepted_tokens  # per request, and in the engine's counters
-    assert stats.num_free_blocks == stats.num_total_blocks, "KV blocks leaked"
+    assert accepted == stats.scheduler.spec_accepted_tokens  # per request, and in the engine's counters
+    assert stats.scheduler.num_free_blocks == stats.scheduler.num_total_blocks, "KV blocks leaked"
     engine.scheduler.block_manager.gpu.check_consistency()
     return [list(out.outputs[0].token_ids) for out in outs], stats

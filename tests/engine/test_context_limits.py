@@ -53,9 +53,9 @@ def test_max_tokens_up_to_the_context_are_all_generated_under_preemption(engine,
                     block_size=4, max_num_seqs=4, max_model_len=context)
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0.0)
     finals = _finish(small, {f"r{i}": params for i in range(4)})
-    assert small.get_stats().num_preemptions > 0
+    assert small.get_stats().scheduler.num_preemptions > 0
     for out in finals.values():
         assert len(out.outputs[0].token_ids) == max_tokens
         assert out.outputs[0].finish_reason == "length"
     stats = small.get_stats()
-    assert stats.num_free_blocks == stats.num_total_blocks
+    assert stats.scheduler.num_free_blocks == stats.scheduler.num_total_blocks

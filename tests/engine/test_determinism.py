@@ -52,7 +52,7 @@ def run(executor, args: EngineArgs, requests: list[tuple[list[int], SamplingPara
         run_to_end(engine, [(warm_up, SamplingParams(temperature=0, max_tokens=2))], prefix="warm")
     outs = run_to_end(engine, requests)
     if preemptions is not None:
-        preemptions.append(engine.get_stats().num_preemptions)
+        preemptions.append(engine.get_stats().scheduler.num_preemptions)
     return [[(list(c.token_ids), [lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs,
                                                                   strict=True)])
              for c in out.outputs] for out in outs]

@@ -153,7 +153,7 @@ def test_n_samples_share_the_prompt_blocks(engine, tokenizer):
     assert tables[0][:2] == tables[1][:2] == tables[2][:2]  # the full prompt blocks are shared
     assert len({t[2] for t in tables}) == 3  # each sample writes its own last block
     stats = engine.get_stats()
-    assert stats.num_total_blocks - stats.num_free_blocks == 2 + 3  # unshared it would be 3 * 3
+    assert stats.scheduler.num_total_blocks - stats.scheduler.num_free_blocks == 2 + 3  # unshared it would be 3 * 3
     while engine.has_unfinished_requests():
         engine.step()
 
@@ -180,11 +180,11 @@ def test_abort_mid_generation_frees_every_block(engine):
     for _ in range(3):
         engine.step()
     engine.add_request("queued", "Hello", greedy(max_tokens=2))  # still waiting when aborted
-    before = engine.get_stats().num_free_blocks
+    before = engine.get_stats().scheduler.num_free_blocks
     aborted = engine.abort_request("drop")
     assert aborted.finished and aborted.outputs[0].finish_reason == "abort"
     assert 0 < len(aborted.outputs[0].token_ids) < 200
-    assert engine.get_stats().num_free_blocks > before
+    assert engine.get_stats().scheduler.num_free_blocks > before
     assert engine.abort_request("drop") is None and engine.abort_request("never-added") is None
     waiting = engine.abort_request("queued")
     assert waiting.outputs[0].finish_reason == "abort" and waiting.outputs[0].token_ids == []
@@ -261,9 +261,9 @@ def test_preemption_under_a_tiny_cache_gives_the_same_tokens(engine, stories_ref
                                       max_model_len=64, swap_space=0.01)
     small = LLMEngine(args, executor=copy.copy(engine.executor))  # same weights, its own cache
     finals = run(small, {p: (p, greedy(max_tokens=12, ignore_eos=True)) for p in STORIES})[0]
-    assert small.get_stats().num_preemptions > 0
+    assert small.get_stats().scheduler.num_preemptions > 0
     for p in STORIES:
         assert finals[p].outputs[0].token_ids == stories_reference[p].token_ids
         assert finals[p].outputs[0].text == stories_reference[p].text
     stats = small.get_stats()
-    assert stats.num_free_blocks == stats.num_total_blocks == 8
+    assert stats.scheduler.num_free_blocks == stats.scheduler.num_total_blocks == 8

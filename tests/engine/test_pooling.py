@@ -95,7 +95,7 @@ def test_chunked_prefill_pools_across_chunks(llm) -> None:
         assert len(generated.outputs[0].token_ids) == 20
     assert not engine.executor.runner.pooler._partial
     stats = engine.get_stats()
-    assert stats.num_free_blocks == stats.num_total_blocks
+    assert stats.scheduler.num_free_blocks == stats.scheduler.num_total_blocks
 
 
 def test_abort_mid_prompt_frees_everything() -> None:
@@ -110,7 +110,7 @@ def test_abort_mid_prompt_frees_everything() -> None:
     run_to_end(engine, [(TEXTS[2], PoolingParams(method="mean"))], "q")
     assert not engine.executor.runner.pooler._partial
     stats = engine.get_stats()
-    assert stats.num_free_blocks == stats.num_total_blocks
+    assert stats.scheduler.num_free_blocks == stats.scheduler.num_total_blocks
 
 
 def test_bad_pooling_requests_are_refused_with_a_message(llm, engine) -> None:

@@ -58,11 +58,11 @@ def test_ngram_greedy_equals_plain_greedy(executor, prompts, plain, policy, mode
     tokens, stats = run_greedy(executor, args, prompts, MAX_TOKENS, warm_up=warm_up)
     for i, (got, want) in enumerate(zip(tokens, plain, strict=True)):
         assert got == want, f"prompt {i}: speculative output differs from plain greedy"
-    assert stats.spec_accepted_tokens > 0 and stats.spec_draft_tokens > stats.spec_accepted_tokens
+    assert stats.scheduler.spec_accepted_tokens > 0 and stats.scheduler.spec_draft_tokens > stats.scheduler.spec_accepted_tokens
     if blocks < 100:
-        assert stats.num_preemptions > 0
+        assert stats.scheduler.num_preemptions > 0
     if warm_up:
-        assert stats.prefix_cache_hits > 0
+        assert stats.scheduler.prefix_cache_hits > 0
 
 
 def test_seeded_sampling_with_proposals_is_reproducible(executor, prompts):
@@ -82,7 +82,7 @@ def test_seeded_sampling_with_proposals_is_reproducible(executor, prompts):
                 if out.finished:
                     done[out.request_id] = list(out.outputs[0].token_ids)
         stats = engine.get_stats()
-        assert stats.num_free_blocks == stats.num_total_blocks
+        assert stats.scheduler.num_free_blocks == stats.scheduler.num_total_blocks
         results.append(done["0"])
     assert results[0] == results[1] and len(results[0]) == 32
-    assert 0 < stats.spec_accepted_tokens < stats.spec_draft_tokens
+    assert 0 < stats.scheduler.spec_accepted_tokens < stats.scheduler.spec_draft_tokens

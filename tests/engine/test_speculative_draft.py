@@ -67,7 +67,7 @@ def test_draft_model_greedy_equals_plain_greedy(executor, prompts, plain, tiny_d
                           num_speculative_tokens=3, speculative_disable_by_batch_size=0)
         tokens, stats = run_greedy(executor, args, prompts, MAX_TOKENS, warm_up=warm_up)
         assert tokens == plain, (draft, policy)
-        rate = stats.spec_accepted_tokens / stats.spec_draft_tokens
+        rate = stats.scheduler.spec_accepted_tokens / stats.scheduler.spec_draft_tokens
         assert rate > 0.9 if draft == "self" else rate < 0.2, (draft, rate)
         if blocks < 100:
-            assert stats.num_preemptions > 0
+            assert stats.scheduler.num_preemptions > 0

@@ -13,6 +13,7 @@ import pytest
 from conveyor.core.config import CacheConfig, SchedulerConfig
 from conveyor.core.sampling_params import SamplingParams
 from conveyor.core.scheduler import Scheduler
+from conveyor.core.stats import SchedulerStats
 from conveyor.engine.stats import EngineStats
 from conveyor.engine.stats_stream import StatsPublisher, request_rows
 
@@ -20,7 +21,7 @@ pytestmark = pytest.mark.timeout(60)
 
 
 def _busy(step: int) -> EngineStats:
-    return EngineStats(num_running=3, num_waiting=1, num_steps=step)
+    return EngineStats(SchedulerStats(num_running=3, num_waiting=1), num_steps=step)
 
 
 class _Groups:

@@ -49,7 +49,7 @@ def run(executor, requests, **engine_kwargs):
     engine = LLMEngine(args, executor=executor)
     outs = run_to_end(engine, requests)
     stats = engine.get_stats()
-    assert stats.num_free_blocks == stats.num_total_blocks
+    assert stats.scheduler.num_free_blocks == stats.scheduler.num_total_blocks
     return outs, engine
 
 
@@ -146,7 +146,7 @@ def test_preempted_constrained_requests_equal_themselves_alone(executor, six_req
     outs, engine = run(executor, requests, num_gpu_blocks=8, preemption_mode=mode,
                        swap_space=0.05, policy=policy, max_num_batched_tokens=32 if policy ==
                        "chunked" else 2048)
-    assert engine.get_stats().num_preemptions > 0
+    assert engine.get_stats().scheduler.num_preemptions > 0
     for a, out in zip(alone, outs, strict=True):
         assert list(out.outputs[0].token_ids) == list(a.token_ids)
         assert out.outputs[0].text == a.text
@@ -156,7 +156,7 @@ def test_prefix_cache_hits_do_not_change_constrained_outputs(executor, chat_prom
     requests = [(chat_prompts[4], constrained(json=SCHEMAS[4]))] * 3
     plain, _ = run(executor, requests[:1])
     cached, engine = run(executor, requests, enable_prefix_caching=True)
-    assert engine.get_stats().prefix_cache_hits > 0
+    assert engine.get_stats().scheduler.prefix_cache_hits > 0
     for out in cached:
         assert out.outputs[0].text == plain[0].outputs[0].text
         assert_valid(SCHEMAS[4], out.outputs[0].text)
@@ -189,4 +189,4 @@ def test_constrained_requests_are_not_speculated_beside_speculating_ones(executo
                        speculative_disable_by_batch_size=0)
     assert spec[0].outputs[0].text == plain[0].outputs[0].text
     assert_valid(SCHEMAS[8], spec[0].outputs[0].text)
-    assert engine.get_stats().spec_draft_tokens > 0  # the other request did speculate
+    assert engine.get_stats().scheduler.spec_draft_tokens > 0  # the other request did speculate

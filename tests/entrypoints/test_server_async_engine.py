@@ -78,4 +78,4 @@ def test_async_engine_deltas_abort_and_stop(llm, one_thread) -> None:
     assert got_sampled["texts"] == {c.index: c.text for c in want_sampled.outputs}
     assert all(len(o.outputs[0].token_ids) == 1 for o in seen)  # deltas, not cumulative
     assert stats.finished_by_reason.get("abort", 0) == aborted_before + 1
-    assert stats.num_running == 0 and stats.num_waiting == 0 and stats.kv_usage == 0.0
+    assert stats.scheduler.num_running == 0 and stats.scheduler.num_waiting == 0 and stats.scheduler.kv_usage == 0.0

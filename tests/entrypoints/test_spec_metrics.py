@@ -6,12 +6,14 @@ from types import SimpleNamespace
 
 from prometheus_client import CollectorRegistry, generate_latest
 
+from conveyor.core.stats import SchedulerStats
 from conveyor.engine.stats import EngineStats
 from conveyor.entrypoints.openai.metrics import _EngineStatsCollector
 
 
 def test_speculative_metrics_are_exported():
-    stats = EngineStats(spec_draft_tokens=40, spec_accepted_tokens=30, spec_verifications=10)
+    stats = EngineStats(SchedulerStats(spec_draft_tokens=40, spec_accepted_tokens=30,
+                                       spec_verifications=10))
     registry = CollectorRegistry()
     registry.register(_EngineStatsCollector(SimpleNamespace(stats=stats), "m"))
     text = generate_latest(registry).decode()

@@ -50,4 +50,4 @@ def test_prompt_logprobs_match_transformers(executor, hf_model, prompt_ids, poli
                 assert abs(entry[t].logprob - lp) < 1e-3
         assert finals[f"twin{i}"].prompt_logprobs is None
     stats = engine.get_stats()
-    assert stats.num_free_blocks == stats.num_total_blocks
+    assert stats.scheduler.num_free_blocks == stats.scheduler.num_total_blocks

@@ -54,7 +54,7 @@ def test_a_mixed_batch_equals_the_merged_models(models, max_loras: int) -> None:
         assert got[i] == expected[names[i % 5]][i], (i, names[i % 5])
     assert len(set(map(tuple, (expected[n][0] for n in names)))) == 5  # every adapter matters
     stats = llm.llm_engine.get_stats()
-    assert stats.num_free_blocks == stats.num_total_blocks
+    assert stats.scheduler.num_free_blocks == stats.scheduler.num_total_blocks
     pool = llm.llm_engine.lora_pool
     assert len(pool.host) <= max_loras and len(pool.slot_of) <= max_loras
     assert (pool.num_reads > 0) == (max_loras < len(ADAPTERS))
@@ -131,7 +131,7 @@ def test_an_adapter_whose_files_went_fails_its_requests_only(models, tmp_path) -
     assert outs[0].outputs[0].finish_reason == "abort"
     assert len(outs[1].outputs[0].token_ids) == GREEDY.max_tokens
     stats = llm.llm_engine.get_stats()
-    assert stats.num_free_blocks == stats.num_total_blocks
+    assert stats.scheduler.num_free_blocks == stats.scheduler.num_total_blocks
     with pytest.raises(ValueError, match="adapter_config.json is missing"):
         llm.generate(prompts[:1], GREEDY, use_tqdm=False, lora_request=first)
     with pytest.raises(ValueError, match="max_cpu_loras"):
@@ -211,4 +211,4 @@ def test_speculative_decoding_under_adapters_keeps_their_tokens(models) -> None:
     expected = _tokens(plain.generate(prompts, GREEDY, use_tqdm=False, lora_request=loras))
     got = _tokens(spec.generate(prompts, GREEDY, use_tqdm=False, lora_request=loras))
     assert got == expected
-    assert spec.llm_engine.get_stats().spec_draft_tokens > 0
+    assert spec.llm_engine.get_stats().scheduler.spec_draft_tokens > 0

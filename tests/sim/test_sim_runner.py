@@ -6,7 +6,7 @@ import math
 import numpy as np
 import pytest
 
-from conveyor.core.config import CacheConfig, SchedulerConfig
+from conveyor.core.config import CacheConfig, PreemptionMode, SchedulerConfig, SchedulingPolicy
 from conveyor.core.sampling_params import SamplingParams
 from conveyor.core.scheduler import Scheduler
 from conveyor.sim.clock import VirtualClock
@@ -134,6 +134,17 @@ def test_summary_fields():
 def test_bad_sim_config(field, value, match):
     with pytest.raises(ValueError, match=match):
         SimConfig(QWEN, L4, **{field: value})
+
+
+def test_sim_config_choices_given_as_strings_become_enum_members():
+    config = SimConfig(QWEN, L4, policy="chunked", preemption_mode="swap")
+    assert config.policy is SchedulingPolicy.CHUNKED
+    assert config.preemption_mode is PreemptionMode.SWAP
+    assert config.label == "chunked/fcfs/swap"
+    described = config.describe()
+    assert described["policy"] == "chunked" and str(described["queue"]) == "fcfs"
+    with pytest.raises(ValueError, match="preemption_mode must be one of 'recompute', 'swap'"):
+        SimConfig(QWEN, L4, preemption_mode="kill")
 
 
 def test_parallel_samples_and_prompt_chunks_get_the_right_number_of_tokens():

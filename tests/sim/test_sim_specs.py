@@ -69,3 +69,13 @@ def test_unknown_names_list_the_builtins(tmp_path):
         load_model("gpt-5")
     with pytest.raises(ValueError, match="not found"):
         load_model(tmp_path / "missing.yaml")
+
+
+def test_the_simulator_never_imports_torch():
+    import subprocess
+    import sys
+
+    code = ("import sys, conveyor.sim.cli, conveyor.sim.runner, conveyor.sim.fleet; "
+            "conveyor.sim.cli.main(['--list-specs']); print('torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip().endswith("False")

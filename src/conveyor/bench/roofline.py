@@ -13,10 +13,9 @@ from __future__ import annotations
 
 import time
 from dataclasses import asdict, dataclass
-from typing import Any
 
 from conveyor.bench.workloads import Workload
-from conveyor.sim.specs import linear_params_per_layer
+from conveyor.model.shape import ModelShape
 
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 
@@ -28,48 +27,6 @@ class MachineRates:
     num_threads: int  # CPU threads; on a GPU its streaming multiprocessors
     dtype: str = "bfloat16"  # of the GEMM
     device: str = "cpu"  # where they were measured: "cpu" or the GPU's name
-
-
-@dataclass(frozen=True)
-class ModelShape:
-    num_layers: int
-    hidden_size: int
-    intermediate_size: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    vocab_size: int
-
-    @classmethod
-    def from_config(cls, config: Any) -> ModelShape:
-        """Take the shape fields off any object (ModelConfig) or dict that has them."""
-        get = config.get if isinstance(config, dict) else lambda k: getattr(config, k)
-        return cls(**{k: int(get(k)) for k in cls.__dataclass_fields__})
-
-    @property
-    def layer_linear_params(self) -> int:
-        return linear_params_per_layer(self.hidden_size, self.intermediate_size, self.num_heads,
-                                       self.num_kv_heads, self.head_dim)
-
-    @property
-    def lm_head_params(self) -> int:
-        return self.hidden_size * self.vocab_size
-
-    def linear_flops_per_token(self) -> float:
-        return 2.0 * self.num_layers * self.layer_linear_params
-
-    def lm_head_flops(self) -> float:
-        return 2.0 * self.lm_head_params
-
-    def attention_flops(self, context: int) -> float:
-        """QK^T and PV for one query attending ``context`` keys, all layers."""
-        return 4.0 * self.num_layers * self.num_heads * self.head_dim * context
-
-    def weight_bytes(self, bytes_per_param: float) -> float:
-        return (self.num_layers * self.layer_linear_params + self.lm_head_params) * bytes_per_param
-
-    def kv_bytes_per_token(self, bytes_per_elem: float) -> float:
-        return 2.0 * self.num_layers * self.num_kv_heads * self.head_dim * bytes_per_elem
 
 
 @dataclass(frozen=True)
@@ -103,24 +60,24 @@ def workload_roofline(shape: ModelShape, workload: Workload, rates: MachineRates
     cache's element type, when not ``weight_dtype``.
     """
     bpp = DTYPE_BYTES[weight_dtype]
-    weights = shape.weight_bytes(bpp)
+    weights = shape.matmul_params * bpp
     small = step_weight_bytes or []
 
     def weights_read(tokens: int) -> float:
         return small[tokens - 1] if tokens <= len(small) else weights
 
-    kv_tok = shape.kv_bytes_per_token(DTYPE_BYTES[kv_dtype or weight_dtype])
+    kv_tok = shape.kv_elements_per_token * DTYPE_BYTES[kv_dtype or weight_dtype]
     flops = bytes_ = 0.0
 
     prompt_tokens = workload.num_prompt_tokens
     shared = workload.shared_prefix_len if prefix_caching else 0
     computed = prompt_tokens - shared * (len(workload.requests) - 1)
-    prefill_flops = computed * shape.linear_flops_per_token()
+    prefill_flops = computed * shape.linear_flops_per_token
     for i, r in enumerate(workload.requests):
         n = len(r.prompt_token_ids)
         skip = shared if i else 0  # causal attention of the uncached positions only
         pairs = n * (n + 1) // 2 - skip * (skip + 1) // 2
-        prefill_flops += shape.lm_head_flops() + shape.attention_flops(pairs)
+        prefill_flops += shape.lm_head_flops + shape.attention_flops_per_pair * pairs
     prefill_steps = -(-computed // max_num_batched_tokens)
     prefill_bytes = prefill_steps * weights + computed * kv_tok
     prefill_s = max(prefill_flops / rates.gemm_flops, prefill_bytes / rates.mem_bandwidth)
@@ -134,15 +91,15 @@ def workload_roofline(shape: ModelShape, workload: Workload, rates: MachineRates
         # Each step after the first token: every live sequence reads its KV and writes one slot.
         for step in range(1, max(r.max_tokens for r in wave)):
             live = [len(r.prompt_token_ids) + step for r in wave if r.max_tokens > step]
-            step_flops = sum(shape.linear_flops_per_token() + shape.lm_head_flops()
-                             + shape.attention_flops(c) for c in live)
+            step_flops = sum(shape.linear_flops_per_token + shape.lm_head_flops
+                             + shape.attention_flops_per_pair * c for c in live)
             step_bytes = weights_read(len(live)) + sum(c for c in live) * kv_tok
             decode_s += max(step_flops / rates.gemm_flops, step_bytes / rates.mem_bandwidth)
             flops += step_flops
             bytes_ += step_bytes
     total = prefill_s + decode_s
     single = 1.0 / max(weights_read(1) / rates.mem_bandwidth,
-                       (shape.linear_flops_per_token() + shape.lm_head_flops()) / rates.gemm_flops)
+                       (shape.linear_flops_per_token + shape.lm_head_flops) / rates.gemm_flops)
     return Roofline(flops, bytes_, prefill_s, decode_s, workload.num_output_tokens / total,
                     (prompt_tokens + workload.num_output_tokens) / total, single)
 

@@ -19,6 +19,7 @@ import time
 from dataclasses import asdict, dataclass
 
 from conveyor.bench.report import write_result
+from conveyor.core.config import SchedulingPolicy
 
 
 @dataclass
@@ -136,8 +137,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("scheduler", help="time schedule()+update() with a fake executor",
                               description=__doc__,
                               formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--policies", nargs="+", default=["prefill_first", "chunked"],
-                   choices=["prefill_first", "chunked"])
+    p.add_argument("--policies", nargs="+", default=SchedulingPolicy.values(),
+                   choices=SchedulingPolicy.values())
     p.add_argument("--num-gpu-blocks", nargs="+", type=int, default=[2000, 10000])
     p.add_argument("--num-requests", type=int, default=1024)
     p.add_argument("--seed", type=int, default=0)

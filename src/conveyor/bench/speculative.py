@@ -4,8 +4,8 @@ method, and the acceptance figures each row reports."""
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
 
+from conveyor.core.stats import SchedulerStats
 from conveyor.engine.args import EngineArgs
 
 OFF = "off"
@@ -34,12 +34,10 @@ def speculative_variants(engine_args: EngineArgs, text: str) -> list[tuple[Engin
     return variants
 
 
-def acceptance_line(stats: dict[str, Any]) -> str | None:
-    """Proposed / accepted tokens and the mean accepted length, from a row's EngineStats."""
-    drafts = stats.get("spec_draft_tokens", 0)
-    if not drafts:
+def acceptance_line(stats: SchedulerStats) -> str | None:
+    """Proposed / accepted tokens and the mean accepted length, from a row's scheduler stats."""
+    if not stats.spec_draft_tokens:
         return None
-    accepted, verifications = stats["spec_accepted_tokens"], stats["spec_verifications"]
-    return (f"speculative tokens accepted {accepted:,} of {drafts:,} "
-            f"({accepted / drafts:.1%}), {1 + accepted / verifications:.2f} tokens per "
-            f"verifying decode")
+    return (f"speculative tokens accepted {stats.spec_accepted_tokens:,} of "
+            f"{stats.spec_draft_tokens:,} ({stats.spec_acceptance_rate:.1%}), "
+            f"{stats.spec_mean_accepted_length:.2f} tokens per verifying decode")

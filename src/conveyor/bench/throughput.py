@@ -41,6 +41,7 @@ from conveyor.bench.workloads import (
     make_workload,
     warmup_workload,
 )
+from conveyor.core.stats import SchedulerStats
 
 if TYPE_CHECKING:
     from conveyor.engine.args import EngineArgs
@@ -257,9 +258,7 @@ def run_conveyor(job: dict[str, Any]) -> SystemResult:
         "dtype": dtype,
         "kv_cache_dtype": kv_dtype,
         "engine_args": dataclasses.asdict(engine_args),
-        "model_config": {k: getattr(config, k) for k in (
-            "name", "num_layers", "hidden_size", "intermediate_size", "num_heads",
-            "num_kv_heads", "head_dim", "vocab_size")},
+        "model_config": {"name": config.name, **config.shape_dict()},
         "memory": _memory_budget(llm),
         "step_weight_bytes": _step_weight_bytes(llm),
         "stats": dataclasses.asdict(llm.llm_engine.get_stats()),
@@ -461,10 +460,11 @@ def run_all(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def roofline_summary(args: argparse.Namespace, conveyor: SystemResult, rates) -> dict[str, Any]:
-    from conveyor.bench.roofline import ModelShape, workload_roofline
+    from conveyor.bench.roofline import workload_roofline
+    from conveyor.model.shape import ModelShape
 
     ea = conveyor.extra["engine_args"]
-    shape = ModelShape.from_config(conveyor.extra["model_config"])
+    shape = ModelShape.from_dict(conveyor.extra["model_config"])
     workload = make_workload(args.workload, shape.vocab_size, args.seed, args.num_requests)
     roof = workload_roofline(shape, workload, rates, conveyor.extra["dtype"], ea["max_num_seqs"],
                              ea["max_num_batched_tokens"], ea["enable_prefix_caching"],
@@ -534,16 +534,17 @@ def report_notes(payload: dict[str, Any], workload: str) -> list[str]:
         x = on.best_and_median("output_tokens_per_s")[0] / off.best_and_median(
             "output_tokens_per_s")[0]
         notes.append(f"W2 prefix caching: {x:.2f}x output tok/s with vs without")
-    for r in ran.values():
-        stats = r.extra.get("stats") or {}
-        if stats.get("prefix_cache_queries"):
-            notes.append(f"conveyor ({r.config}): prefix cache hits "
-                         f"{stats['prefix_cache_hits']:,} of {stats['prefix_cache_queries']:,} "
-                         f"prompt tokens queried, {stats.get('num_preemptions', 0)} preemptions")
-    for r in ran.values():
-        line = acceptance_line(r.extra.get("stats") or {})
+    scheduler_stats = {config: SchedulerStats(**(r.extra.get("stats") or {}).get("scheduler", {}))
+                       for config, r in ran.items()}
+    for config, stats in scheduler_stats.items():
+        if stats.prefix_cache_queries:
+            notes.append(f"conveyor ({config}): prefix cache hits {stats.prefix_cache_hits:,} of "
+                         f"{stats.prefix_cache_queries:,} prompt tokens queried, "
+                         f"{stats.num_preemptions} preemptions")
+    for config, stats in scheduler_stats.items():
+        line = acceptance_line(stats)
         if line:
-            notes.append(f"conveyor ({r.config}): {line}")
+            notes.append(f"conveyor ({config}): {line}")
     for r in ran.values():
         tp = r.extra.get("tensor_parallel") or {}
         if tp.get("size", 1) > 1:

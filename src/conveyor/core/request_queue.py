@@ -18,6 +18,7 @@ import itertools
 from collections import Counter
 from collections.abc import Iterator
 
+from conveyor.core.config import QueueOrder
 from conveyor.core.sequence import Sequence, SequenceStatus
 
 
@@ -142,5 +143,5 @@ class PriorityQueue(_FairQueue):
 RequestQueue = FcfsQueue | PriorityQueue
 
 
-def make_queue(kind: str, status: SequenceStatus) -> RequestQueue:
-    return PriorityQueue(status) if kind == "priority" else FcfsQueue(status)
+def make_queue(order: QueueOrder, status: SequenceStatus) -> RequestQueue:
+    return PriorityQueue(status) if order is QueueOrder.PRIORITY else FcfsQueue(status)

@@ -31,7 +31,13 @@ from operator import attrgetter
 
 from conveyor.core.block_manager import BlockManager
 from conveyor.core.chunked import schedule_chunked
-from conveyor.core.config import CacheConfig, SchedulerConfig
+from conveyor.core.config import (
+    CacheConfig,
+    PreemptionMode,
+    QueueOrder,
+    SchedulerConfig,
+    SchedulingPolicy,
+)
 from conveyor.core.lookahead import release_lookahead
 from conveyor.core.lora_admission import LoRAAdmission
 from conveyor.core.pooling_params import PoolingParams
@@ -66,7 +72,8 @@ class Scheduler:
                  speculative: SpeculativeConfig | None = None) -> None:
         """``speculative``: decodes take lookahead slots for the tokens the executor proposed
         after the last step (``update_draft_token_ids``, core/lookahead.py)."""
-        if scheduler_config.preemption_mode == "swap" and cache_config.num_cpu_blocks == 0:
+        if scheduler_config.preemption_mode is PreemptionMode.SWAP \
+                and cache_config.num_cpu_blocks == 0:
             raise ValueError("preemption_mode='swap' needs a CPU swap pool: set "
                              "CacheConfig.num_cpu_blocks > 0 (swap_space) or use "
                              "preemption_mode='recompute'")
@@ -87,9 +94,9 @@ class Scheduler:
         # sequences that stopped running (finished or aborted) since the last schedule(); those
         # still in `running` are dropped from it lazily
         self._stopped_running: list[Sequence] = []
-        self.swap_mode = scheduler_config.preemption_mode == "swap"
-        self.priority_queue = scheduler_config.queue == "priority"
-        self.chunked = scheduler_config.policy == "chunked"
+        self.swap_mode = scheduler_config.preemption_mode is PreemptionMode.SWAP
+        self.priority_queue = scheduler_config.queue is QueueOrder.PRIORITY
+        self.chunked = scheduler_config.policy is SchedulingPolicy.CHUNKED
         # the longest sequence that can ever be (re)computed: model, policy and whole cache
         self.max_seq_len = min(scheduler_config.max_seq_len,
                                cache_config.num_gpu_blocks * cache_config.block_size)

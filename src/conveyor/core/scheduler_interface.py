@@ -26,7 +26,7 @@ class SchedulerInterface(Protocol):
     config: SchedulerConfig
     block_manager: BlockManager
     clock: Callable[[], float]
-    priority_queue: bool  # queue == "priority": victims and admission follow priority_key
+    priority_queue: bool  # queue is QueueOrder.PRIORITY: victims and admission follow priority_key
     waiting: RequestQueue
     swapped: RequestQueue
     running: list[Sequence]  # decoding sequences, sorted by running_stamp

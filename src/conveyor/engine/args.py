@@ -11,8 +11,17 @@ import dataclasses
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from conveyor.core.config import (
+    CHOICE_FIELDS,
+    PreemptionMode,
+    QueueOrder,
+    SchedulingPolicy,
+    parse_choices,
+)
+
 if TYPE_CHECKING:
     from conveyor.core.sampling_params import SamplingParams
+
 
 
 @dataclass
@@ -33,9 +42,9 @@ class EngineArgs:
     gpu_memory_utilization: float = 0.9  # CUDA: fraction of the card the engine may fill
     enforce_eager: bool = False  # CUDA: no CUDA graphs for decode steps
     swap_space: float = 0.5  # GiB of CPU swap pool for preemption_mode="swap"
-    policy: str = "prefill_first"  # prefill_first | chunked
-    queue: str = "fcfs"  # fcfs | priority
-    preemption_mode: str = "recompute"  # recompute | swap
+    policy: SchedulingPolicy = SchedulingPolicy.PREFILL_FIRST  # a member or its string
+    queue: QueueOrder = QueueOrder.FCFS
+    preemption_mode: PreemptionMode = PreemptionMode.RECOMPUTE
     enable_prefix_caching: bool = True
     long_prefill_token_threshold: int = 0  # 0: no per-request chunk cap (chunked policy)
     max_num_partial_prefills: int = 1
@@ -61,6 +70,9 @@ class EngineArgs:
     max_loras: int = 1  # most distinct adapters running at once
     max_lora_rank: int = 16  # adapters of a higher rank are refused
     max_cpu_loras: int | None = None  # adapters kept read in host memory; None: max_loras
+
+    def __post_init__(self) -> None:
+        parse_choices(self)  # given as strings (flags, user code), held as enum members
 
     def parallel_config(self):
         """The ``ParallelConfig`` of these args (ValueError naming a bad field)."""
@@ -100,9 +112,9 @@ _HELP = {
     "enforce_eager": "on CUDA, run decode steps eagerly instead of replaying CUDA graphs",
     "swap_space": "GiB of CPU memory for swapped-out KV blocks (shared by this machine's "
                   "tensor-parallel ranks)",
-    "policy": "scheduling policy: prefill_first or chunked",
-    "queue": "queue order: fcfs or priority",
-    "preemption_mode": "recompute or swap",
+    "policy": "scheduling policy: %(choices)s",
+    "queue": "queue order: %(choices)s",
+    "preemption_mode": "what a preempted request's KV blocks do: %(choices)s",
     "enable_prefix_caching": "reuse KV blocks of shared prompt prefixes",
     "long_prefill_token_threshold": "cap on one request's prefill chunk per step (chunked; 0 = none)",
     "max_num_partial_prefills": "most requests partially prefilled at once (chunked)",
@@ -152,9 +164,7 @@ _CHOICES = {
     "dtype": ["auto", "bfloat16", "float32", "float16"],
     "kv_cache_dtype": ["auto", "bfloat16", "float32", "float16"],
     "device": ["auto", "cpu", "cuda"],
-    "policy": ["prefill_first", "chunked"],
-    "queue": ["fcfs", "priority"],
-    "preemption_mode": ["recompute", "swap"],
+    **{name: choice.values() for name, choice in CHOICE_FIELDS.items()},
     "speculative_method": ["ngram", "draft_model"],
     "pooling": ["last", "mean", "cls"],
 }

@@ -120,7 +120,7 @@ class AsyncEngine:
     def num_queued_requests(self) -> int:
         """Requests accepted but not yet scheduled (in the inbox or the engine's waiting queue)."""
         with self._lock:
-            return len(self._inbox) + self.stats.num_waiting
+            return len(self._inbox) + self.stats.scheduler.num_waiting
 
     # ---------------------------------------------------------------- lifecycle
     def start(self, loop: asyncio.AbstractEventLoop | None = None) -> None:

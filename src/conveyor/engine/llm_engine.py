@@ -12,7 +12,7 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any
 
-from conveyor.core.config import CacheConfig, SchedulerConfig
+from conveyor.core.config import CacheConfig, PreemptionMode, SchedulerConfig
 from conveyor.core.pooling_params import PoolingParams
 from conveyor.core.sampling_params import SamplingParams
 from conveyor.core.scheduler import Scheduler
@@ -422,8 +422,7 @@ class LLMEngine:
     # ------------------------------------------------------------------ stats
 
     def get_stats(self) -> EngineStats:
-        s = self.scheduler.stats
-        stats = EngineStats(**{name: getattr(s, name) for name in EngineStats.SCHEDULER_FIELDS})
+        stats = EngineStats(self.scheduler.stats)
         stats.num_steps = self._num_steps
         stats.scheduled_seqs_total = self._scheduled_seqs_total
         stats.scheduled_tokens_total = self._scheduled_tokens_total
@@ -449,11 +448,10 @@ class LLMEngine:
 
 def _max_model_len(args: EngineArgs, max_positions: int) -> int:
     """The context length the engine promises: the model's (capped at 8192 by default), and
-    never more than the policy can run. ``prefill_first`` computes a whole sequence in one step
-    (a preempted one re-prefills prompt and output together), so under it a sequence is bounded
-    by ``max_num_batched_tokens``: by default the context shrinks to it, and an explicit larger
-    ``max_model_len`` is refused rather than cutting requests short."""
-    policy_cap = args.max_num_batched_tokens if args.policy == "prefill_first" else None
+    never more than the policy can run (``SchedulingPolicy.seq_len_cap``): by default the
+    context shrinks to that, and an explicit larger ``max_model_len`` is refused rather than
+    cutting requests short."""
+    policy_cap = args.policy.seq_len_cap(args.max_num_batched_tokens)
     if args.max_model_len is None:
         limit = min(max_positions, DEFAULT_MAX_MODEL_LEN_CAP)
         return limit if policy_cap is None else min(limit, policy_cap)
@@ -523,7 +521,7 @@ def _num_blocks(args: EngineArgs, executor: Any, max_model_len: int | None = Non
 
 
 def _num_cpu_blocks(args: EngineArgs, bytes_per_block: int, local_ranks: int = 1) -> int:
-    if args.preemption_mode != "swap":
+    if args.preemption_mode is not PreemptionMode.SWAP:
         return 0
     if args.swap_space < 0:
         raise ValueError(f"swap_space must be >= 0, got {args.swap_space}")

@@ -106,7 +106,8 @@ class StatsPublisher:
         when the table is due (someone watches and it is older than ``table_interval_s``, or
         the engine has just emptied)."""
         now = time.monotonic()
-        idle = stats.num_running + stats.num_waiting + stats.num_swapped == 0
+        s = stats.scheduler
+        idle = s.num_running + s.num_waiting + s.num_swapped == 0
         if self._num_watchers and (idle or now - self._table_time >= self.table_interval_s):
             if idle or groups is None:
                 self._rows, self._num_requests = (), 0

@@ -78,6 +78,6 @@ def run(args: argparse.Namespace) -> int:
     print(f"{len(outputs)} requests in {elapsed:.2f}s: {n_in} prompt tokens ({cached} from the prefix "
           f"cache), {n_out} output tokens -> {n_out / elapsed:.1f} output tok/s, "
           f"{(n_in + n_out) / elapsed:.1f} total tok/s")
-    print(f"engine steps: {stats.num_steps}, preemptions: {stats.num_preemptions}, "
+    print(f"engine steps: {stats.num_steps}, preemptions: {stats.scheduler.num_preemptions}, "
           f"finished: {stats.finished_by_reason}")
     return 0

@@ -1,9 +1,12 @@
-"""ModelConfig: the shape of a Llama-family model, read from an HF config.json or GGUF metadata."""
+"""ModelConfig: a Llama-family model's shape and what running it needs, read from an HF
+config.json or GGUF metadata."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any
+
+from conveyor.model.shape import ModelShape
 
 # model_type (HF config.json) / general.architecture (GGUF) -> what the Llama-family model needs to know.
 SUPPORTED_ARCHITECTURES = {
@@ -21,32 +24,21 @@ def check_architecture(architecture: str, source: str) -> None:
 
 
 @dataclass
-class ModelConfig:
+class ModelConfig(ModelShape):
+    """The shape fields (``ModelShape``, keyword-only) and these."""
+
     name: str
     architecture: str  # "llama" | "qwen2" | "qwen3"
-    num_layers: int
-    hidden_size: int
-    intermediate_size: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    vocab_size: int
-    max_position_embeddings: int
     eos_token_ids: list[int] = field(default_factory=list)
     dtype: str = "float32"  # the dtype the weights run in, set by the loader
-    num_params: int = 0
+    num_params: int = 0  # of the loaded network, set by the loader
     quantized_bytes: int = 0  # bytes of quantized weight copies for small batches (layers/quantized.py)
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
     rope_scaling: dict[str, Any] | None = None
-    tie_word_embeddings: bool = False
     attention_bias: bool = False
     qk_norm: bool = False
     bos_token_id: int | None = None
-
-    @property
-    def num_queries_per_kv(self) -> int:
-        return self.num_heads // self.num_kv_heads
 
     @classmethod
     def from_hf_dict(cls, cfg: dict[str, Any], name: str) -> ModelConfig:

@@ -12,6 +12,8 @@ import math
 import shlex
 import sys
 
+from conveyor.core.config import PreemptionMode, QueueOrder, SchedulingPolicy
+
 
 def _csv(kind):
     def parse(text: str):
@@ -55,13 +57,15 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                                    "instead of a generated workload")
     w.add_argument("--save-trace", help="write the generated workload (first rate) as a JSONL trace")
     e = p.add_argument_group("engine")
-    e.add_argument("--policy", type=_csv(str), default=["prefill_first"],
-                   help="policies, comma-separated: prefill_first,chunked")
-    e.add_argument("--queue", type=_csv(str), default=["fcfs"], help="queue orders: fcfs,priority")
-    e.add_argument("--preemption-mode", default="recompute", choices=["recompute", "swap"])
+    e.add_argument("--policy", type=_csv(str), default=[SchedulingPolicy.PREFILL_FIRST],
+                   help=f"policies, comma-separated: {','.join(SchedulingPolicy.values())}")
+    e.add_argument("--queue", type=_csv(str), default=[QueueOrder.FCFS],
+                   help=f"queue orders, comma-separated: {','.join(QueueOrder.values())}")
+    e.add_argument("--preemption-mode", default=PreemptionMode.RECOMPUTE,
+                   choices=PreemptionMode.values())
     e.add_argument("--max-num-seqs", type=int, default=256)
     e.add_argument("--max-num-batched-tokens", type=int, default=None,
-                   help="default 8192 (and >= max-model-len for prefill_first)")
+                   help="default 8192 (and >= max-model-len under prefill_first)")
     e.add_argument("--max-model-len", type=int, default=None,
                    help="default: the model's context length, capped at 8192")
     e.add_argument("--block-size", type=int, default=16)

@@ -74,14 +74,12 @@ class CostModel:
         self._matmul_rate = peak * hw.matmul_efficiency
         self._attention_rate = peak * hw.attention_efficiency
         self._bandwidth = hw.memory_bandwidth_gbs * GB * hw.memory_efficiency
-        self.linear_flops_per_token = 2 * m.num_layers * m.linear_params_per_layer / tp
-        self.lm_head_flops_per_sample = 2 * m.lm_head_params / tp
-        self.attention_flops_per_pair = 4 * m.num_layers * m.num_heads * m.head_dim / tp
-        # Weights read every step: the layers and the LM head (an untied input embedding is
-        # only gathered row by row, so it does not count).
-        layer_params = m.num_layers * m.linear_params_per_layer
-        self.weight_bytes_per_step = (layer_params + m.lm_head_params) * m.weight_bytes / tp
+        self.linear_flops_per_token = m.linear_flops_per_token / tp
+        self.lm_head_flops_per_sample = m.lm_head_flops / tp
+        self.attention_flops_per_pair = m.attention_flops_per_pair / tp
+        self.weight_bytes_per_step = m.matmul_params * m.weight_bytes / tp
         self._low_bit_max_tokens = hw.low_bit_max_tokens if hw.low_bit_weight_bytes > 0 else 0
+        layer_params = m.num_layers * m.linear_params_per_layer
         self._low_bit_weight_bytes_per_step = (
             layer_params * hw.low_bit_weight_bytes + m.lm_head_params * m.weight_bytes) / tp
         kv_shards = min(tp, m.num_kv_heads)  # KV heads replicate once tp exceeds them

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from conveyor.core.config import PreemptionMode, QueueOrder, SchedulingPolicy, parse_choices
 from conveyor.core.sampling_params import SamplingParams
 from conveyor.sim.clock import VirtualClock
 from conveyor.sim.cost_model import CostModel
@@ -24,9 +25,6 @@ from conveyor.sim.metrics import RunResult
 from conveyor.sim.specs import HardwareSpec, ModelSpec
 from conveyor.sim.workload import Workload
 
-POLICIES = ("prefill_first", "chunked")
-QUEUES = ("fcfs", "priority")
-PREEMPTION_MODES = ("recompute", "swap")
 DEFAULT_MAX_MODEL_LEN = 8192
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192
 KV_SAMPLE_EVERY = 4  # steps between KV-usage samples (mean is weighted by busy time)
@@ -39,11 +37,12 @@ class SimConfig:
     model: ModelSpec
     hardware: HardwareSpec
     tp: int = 1
-    policy: str = "prefill_first"
-    queue: str = "fcfs"
-    preemption_mode: str = "recompute"
+    policy: SchedulingPolicy = SchedulingPolicy.PREFILL_FIRST  # a member or its string
+    queue: QueueOrder = QueueOrder.FCFS
+    preemption_mode: PreemptionMode = PreemptionMode.RECOMPUTE
     max_num_seqs: int = 256
-    max_num_batched_tokens: int | None = None  # None: 8192, and >= max_model_len for prefill_first
+    max_num_batched_tokens: int | None = None  # None: 8192, raised to max_model_len where the
+    # policy caps a sequence at it (prefill_first)
     max_model_len: int | None = None  # None: the model's context length, capped at 8192
     block_size: int = 16
     num_gpu_blocks: int | None = None  # None: derived from memory minus weights
@@ -53,11 +52,7 @@ class SimConfig:
     max_num_partial_prefills: int = 1
 
     def __post_init__(self) -> None:
-        for name, allowed in (("policy", POLICIES), ("queue", QUEUES),
-                              ("preemption_mode", PREEMPTION_MODES)):
-            if getattr(self, name) not in allowed:
-                raise ValueError(f"{name} must be one of {', '.join(allowed)}, "
-                                 f"got {getattr(self, name)!r}")
+        parse_choices(self)
         for name in ("max_num_seqs", "block_size", "max_num_partial_prefills"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
@@ -74,7 +69,7 @@ class SimConfig:
     @property
     def label(self) -> str:
         label = f"{self.policy}/{self.queue}"
-        return label + "/swap" if self.preemption_mode == "swap" else label
+        return label + "/swap" if self.preemption_mode is PreemptionMode.SWAP else label
 
     def resolved_max_model_len(self) -> int:
         if self.max_model_len is not None:
@@ -84,9 +79,10 @@ class SimConfig:
     def resolved_max_num_batched_tokens(self) -> int:
         if self.max_num_batched_tokens is not None:
             return self.max_num_batched_tokens
-        if self.policy == "prefill_first":
-            return max(DEFAULT_MAX_NUM_BATCHED_TOKENS, self.resolved_max_model_len())
-        return DEFAULT_MAX_NUM_BATCHED_TOKENS
+        budget = DEFAULT_MAX_NUM_BATCHED_TOKENS
+        if self.policy.seq_len_cap(budget) is not None:
+            budget = max(budget, self.resolved_max_model_len())  # the cap must not cut the context
+        return budget
 
     def describe(self) -> dict:
         out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
@@ -104,7 +100,7 @@ def build(config: SimConfig):
     cost = CostModel(config.model, config.hardware, config.tp, config.block_size)
     num_gpu_blocks = config.num_gpu_blocks or cost.num_gpu_blocks()
     num_cpu_blocks = cost.num_cpu_blocks(config.swap_space_gb) \
-        if config.preemption_mode == "swap" else 0
+        if config.preemption_mode is PreemptionMode.SWAP else 0
     clock = VirtualClock()
     scheduler = Scheduler(
         SchedulerConfig(

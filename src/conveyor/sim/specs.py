@@ -15,6 +15,8 @@ from pathlib import Path
 
 import yaml
 
+from conveyor.model.shape import ModelShape
+
 GB = 1e9  # datasheets quote decimal gigabytes (memory size and bandwidth)
 
 
@@ -54,49 +56,22 @@ class HardwareSpec:
         return self.memory_gb * GB
 
 
-def linear_params_per_layer(hidden_size: int, intermediate_size: int, num_heads: int,
-                            num_kv_heads: int, head_dim: int) -> int:
-    """Weights of one Llama-family decoder layer's matmuls (the bench's roofline uses it too)."""
-    h, q, kv = hidden_size, num_heads * head_dim, num_kv_heads * head_dim
-    attention = h * q + 2 * h * kv + q * h  # q, k, v, o projections
-    mlp = 3 * h * intermediate_size  # gate, up, down
-    return attention + mlp
-
-
-@dataclass(frozen=True)
-class ModelSpec:
-    """A Llama-family decoder (Llama, Qwen2/3, SmolLM2): what FLOPs and bytes depend on."""
+@dataclass
+class ModelSpec(ModelShape):
+    """A Llama-family decoder (Llama, Qwen2/3, SmolLM2): its shape (``ModelShape``'s fields,
+    keyword-only) and the bytes the engine holds it in, which FLOPs and bytes depend on."""
 
     name: str
-    num_layers: int
-    hidden_size: int
-    intermediate_size: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    vocab_size: int
-    max_position_embeddings: int
-    tie_word_embeddings: bool = False
     weight_bytes: float = 2.0  # bytes per parameter as the engine holds them (bf16: 2)
     kv_cache_bytes: float = 2.0  # bytes per K or V element
     description: str = ""
     source: str = ""
 
     @property
-    def linear_params_per_layer(self) -> int:
-        return linear_params_per_layer(self.hidden_size, self.intermediate_size, self.num_heads,
-                                       self.num_kv_heads, self.head_dim)
-
-    @property
-    def lm_head_params(self) -> int:
-        return self.hidden_size * self.vocab_size
-
-    @property
     def num_params(self) -> int:
-        embeddings = self.vocab_size * self.hidden_size
-        head = 0 if self.tie_word_embeddings else self.lm_head_params
+        embeddings = 0 if self.tie_word_embeddings else self.vocab_size * self.hidden_size
         norms = (2 * self.num_layers + 1) * self.hidden_size
-        return self.num_layers * self.linear_params_per_layer + embeddings + head + norms
+        return self.matmul_params + embeddings + norms
 
     @property
     def weight_bytes_total(self) -> float:
@@ -105,7 +80,7 @@ class ModelSpec:
     @property
     def kv_bytes_per_token(self) -> float:
         """K and V of one token across all layers."""
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.kv_cache_bytes
+        return self.kv_elements_per_token * self.kv_cache_bytes
 
 
 _REQUIRED_POSITIVE = {

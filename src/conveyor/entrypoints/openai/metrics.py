@@ -34,6 +34,7 @@ class _EngineStatsCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         s = self._engine.stats
+        q = s.scheduler
         label = ["model_name"]
 
         def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
@@ -46,27 +47,27 @@ class _EngineStatsCollector(Collector):
             c.add_metric([self._model], value)
             return c
 
-        yield gauge("num_requests_running", "Requests in the running batch.", s.num_running)
-        yield gauge("num_requests_waiting", "Requests waiting to be scheduled.", s.num_waiting)
-        yield gauge("num_requests_swapped", "Requests swapped out to CPU memory.", s.num_swapped)
+        yield gauge("num_requests_running", "Requests in the running batch.", q.num_running)
+        yield gauge("num_requests_waiting", "Requests waiting to be scheduled.", q.num_waiting)
+        yield gauge("num_requests_swapped", "Requests swapped out to CPU memory.", q.num_swapped)
         yield gauge("kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0..1).",
-                    s.kv_usage)
+                    q.kv_usage)
         yield counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
-                      s.prefix_cache_queries)
+                      q.prefix_cache_queries)
         yield counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.",
-                      s.prefix_cache_hits)
-        yield counter("num_preemptions", "Preemptions of running requests.", s.num_preemptions)
+                      q.prefix_cache_hits)
+        yield counter("num_preemptions", "Preemptions of running requests.", q.num_preemptions)
         yield counter("spec_decode_num_draft_tokens", "Speculative tokens proposed and verified.",
-                      s.spec_draft_tokens)
+                      q.spec_draft_tokens)
         yield counter("spec_decode_num_accepted_tokens", "Speculative tokens accepted.",
-                      s.spec_accepted_tokens)
+                      q.spec_accepted_tokens)
         yield counter("spec_decode_num_verifications", "Decodes that verified a proposal.",
-                      s.spec_verifications)
+                      q.spec_verifications)
         yield gauge("spec_decode_acceptance_rate", "Accepted / proposed speculative tokens.",
-                    s.spec_acceptance_rate)
+                    q.spec_acceptance_rate)
         yield gauge("spec_decode_mean_accepted_length",
                     "Tokens per verifying decode (accepted proposal + 1).",
-                    s.spec_mean_accepted_length)
+                    q.spec_mean_accepted_length)
         yield counter("prompt_tokens", "Prompt tokens of finished and running requests.",
                       s.prompt_tokens_total)
         yield counter("generation_tokens", "Generated tokens.", s.generation_tokens_total)

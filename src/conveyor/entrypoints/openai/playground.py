@@ -87,9 +87,10 @@ def stats_event(previous: Snapshot | None, snapshot: Snapshot) -> dict[str, Any]
     """One event's JSON: the snapshot's gauges and totals, and rates since ``previous``."""
     s = snapshot.stats
     p = previous.stats if previous is not None else s
+    q, pq = s.scheduler, p.scheduler
     elapsed = snapshot.time - previous.time if previous is not None else 0.0
     steps = s.num_steps - p.num_steps
-    queries = s.prefix_cache_queries - p.prefix_cache_queries
+    queries = q.prefix_cache_queries - pq.prefix_cache_queries
 
     def per_second(now: int, before: int) -> float:
         return (now - before) / elapsed if elapsed > 0 else 0.0
@@ -97,24 +98,24 @@ def stats_event(previous: Snapshot | None, snapshot: Snapshot) -> dict[str, Any]
     return {
         "version": snapshot.version,
         "time": snapshot.wall_time,
-        "waiting": s.num_waiting,
-        "running": s.num_running,
-        "swapped": s.num_swapped,
-        "kv_usage": s.kv_usage,
-        "free_blocks": s.num_free_blocks,
-        "total_blocks": s.num_total_blocks,
+        "waiting": q.num_waiting,
+        "running": q.num_running,
+        "swapped": q.num_swapped,
+        "kv_usage": q.kv_usage,
+        "free_blocks": q.num_free_blocks,
+        "total_blocks": q.num_total_blocks,
         # None: no prompt was looked up since the previous event (no admission), so no rate.
-        "prefix_cache_hit_rate": (s.prefix_cache_hits - p.prefix_cache_hits) / queries
+        "prefix_cache_hit_rate": (q.prefix_cache_hits - pq.prefix_cache_hits) / queries
         if queries > 0 else None,
-        "prefix_cache_hit_rate_total": s.prefix_cache_hits / s.prefix_cache_queries
-        if s.prefix_cache_queries > 0 else 0.0,
+        "prefix_cache_hit_rate_total": q.prefix_cache_hits / q.prefix_cache_queries
+        if q.prefix_cache_queries > 0 else 0.0,
         "steps_per_s": per_second(s.num_steps, p.num_steps),
         "batch_size": (s.scheduled_seqs_total - p.scheduled_seqs_total) / steps if steps else 0.0,
         "tokens_per_step": (s.scheduled_tokens_total - p.scheduled_tokens_total) / steps
         if steps else 0.0,
         "output_tokens_per_s": per_second(s.generation_tokens_total, p.generation_tokens_total),
         "prompt_tokens_per_s": per_second(s.prompt_tokens_total, p.prompt_tokens_total),
-        "preemptions": s.num_preemptions,
+        "preemptions": q.num_preemptions,
         "num_steps": s.num_steps,
         "generation_tokens_total": s.generation_tokens_total,
         "prompt_tokens_total": s.prompt_tokens_total,

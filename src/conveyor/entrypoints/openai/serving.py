@@ -22,6 +22,7 @@ from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 
+from conveyor.core.config import QueueOrder
 from conveyor.core.json_depth import json_depth_exceeds
 from conveyor.core.pooling_params import PoolingParams
 from conveyor.core.sampling_params import SamplingParams
@@ -234,7 +235,7 @@ class OpenAIServing:
             served = [*state.model_names, *state.loras]
             raise APIError(404, f"The model `{model}` does not exist. Served: "
                            f"{', '.join(served)}", param="model", code="model_not_found")
-        if priority != 0 and state.engine_args.queue != "priority":
+        if priority != 0 and state.engine_args.queue is not QueueOrder.PRIORITY:
             raise bad_request("'priority' is only honoured when the server runs with --queue "
                               f"priority (this one runs --queue {state.engine_args.queue})",
                               param="priority")
@@ -286,9 +287,9 @@ class OpenAIServing:
         return the max_tokens to ask the engine for."""
         limit = self.state.engine.max_model_len
         args = self.state.engine_args
-        if args.policy == "prefill_first" and limit == args.max_num_batched_tokens:
+        if limit == args.policy.seq_len_cap(args.max_num_batched_tokens):
             limit_text = (f"{limit} tokens (--max-num-batched-tokens under --policy "
-                          "prefill_first)")
+                          f"{args.policy})")
         else:
             limit_text = f"{limit} tokens"
         if prompt_len >= limit:
@@ -316,7 +317,7 @@ class OpenAIServing:
 
     def kv_capacity(self) -> int:
         """Tokens the whole KV cache holds (0 where the engine does not say)."""
-        return self.state.engine.stats.num_total_blocks * self.state.engine_args.block_size
+        return self.state.engine.stats.scheduler.num_total_blocks * self.state.engine_args.block_size
 
     def sampling_params(self, req: Any, max_tokens: int | None) -> SamplingParams:
         """``req.sampling_params(max_tokens)``, each ValueError a 400 naming its field."""

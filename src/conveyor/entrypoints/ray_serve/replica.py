@@ -76,14 +76,14 @@ class ConveyorReplica:
         engine = self._started()
         return {"model_name": self.model_name, "max_model_len": engine.max_model_len,
                 "model_config": engine.model_config, "tokenizer": engine.tokenizer,
-                "num_total_blocks": engine.stats.num_total_blocks, "pid": os.getpid()}
+                "num_total_blocks": engine.stats.scheduler.num_total_blocks, "pid": os.getpid()}
 
     async def metrics_text(self, replica: str | None = None) -> str:
         self._started()
         return self.metrics.render().decode()
 
     async def health(self, replica: str | None = None) -> dict[str, Any]:
-        s = self._started().stats
+        s = self._started().stats.scheduler
         return {"pid": os.getpid(), "node": os.uname().nodename, "running": s.num_running,
                 "waiting": s.num_waiting, "kv_usage": round(s.kv_usage, 4),
                 "loras": sorted(self._loras.values())}
