@@ -19,12 +19,13 @@ from conveyor.model.config import ModelConfig
 from conveyor.model.kernels.decode_layer import (
     DecodeLayers,
     DecodeLayerWeights,
+    DecodeProjection,
     decode_layer_available,
     decode_layers,
 )
 from conveyor.model.layers.activation import silu_and_mul
 from conveyor.model.layers.attention import AttentionMetadata, paged_attention
-from conveyor.model.layers.linear import Linear, LinearMethod
+from conveyor.model.layers.linear import Int8PanelMethod, Linear, LinearMethod, PanelMethod
 from conveyor.model.layers.lora import LoRAContext, LoRALayer
 from conveyor.model.layers.norm import RMSNorm
 from conveyor.model.layers.parallel import (
@@ -51,6 +52,13 @@ MLP_CHUNK_TOKENS = 1024
 def _four_bit(q: object) -> bool:
     """4-bit blocks in a layout ``decode_layers`` reads."""
     return isinstance(q, NibbleInt4) or (isinstance(q, BlockPanels) and q.min is not None)
+
+
+def _decode_projection(p: Linear) -> DecodeProjection:
+    m = p.method
+    return DecodeProjection(p.quantized, isinstance(p.quantized, BlockPanels),
+                            panels=m.panels if isinstance(m, PanelMethod) else None,
+                            int8=m.int8 if isinstance(m, Int8PanelMethod) else None)
 
 
 def _param(*shape: int) -> nn.Parameter:
@@ -91,26 +99,20 @@ class DecoderLayer(nn.Module):
 
     def decode_weights(self) -> DecodeLayerWeights | None:
         """This layer's weights for ``kernels/decode_layer.cpp``, which runs decode steps with
-        the same kernels as the steps below without the Python around each layer's calls, as
-        each projection's blocks and method give them (``decode_parts``); None unless it is a
-        Llama layer (no q/k norms, no biases) whose projections all have 4-bit blocks
-        (``NibbleInt4``, or ``BlockPanels`` in deterministic inference). The
-        kernel checks the rest as the layer is added. With every method's parts too it serves
-        any batch, else up to the blocks' ``max_tokens``."""
+        the same kernels as the steps below without the Python around each layer's calls; None
+        unless it is a Llama layer (no q/k norms, no biases) whose projections all have 4-bit
+        blocks (``NibbleInt4``, or ``BlockPanels`` in deterministic inference). The kernel
+        checks the rest as the layer is added. With every method's panels or ``Int8Panels``
+        too it serves any batch, else up to the blocks' ``max_tokens``."""
         projections = self.projections
         if (self.q_norm is not None or not decode_layer_available()
                 or any(p.bias is not None or not _four_bit(p.quantized)
                        for p in projections)):
             return None
-        large = [p.method.decode_parts() for p in projections]
-        if any(parts is None for parts in large):
-            large = [[] for _ in projections]
         return DecodeLayerWeights(
             self.input_norm.weight, self.post_norm.weight,
-            [p.quantized.decode_parts() + parts for p, parts in zip(projections, large, strict=True)],
-            [p.quantized.max_tokens for p in projections], self.num_heads, self.num_kv_heads,
-            self.head_dim, self.input_norm.eps,
-            [isinstance(p.quantized, BlockPanels) for p in projections])
+            [_decode_projection(p) for p in projections], self.num_heads, self.num_kv_heads,
+            self.head_dim, self.input_norm.eps)
 
     def decode_lora(self) -> list[LoRALayer]:
         """This layer's LoRA stacks for ``kernels/decode_layer.cpp``, per projection in its

@@ -15,8 +15,7 @@ The methods, one per weight format and CPU capability (vLLM's ``quant_method`` i
   (docs/performance.md).
 
 Each replaces the dense weight, so memory is not doubled; ``dense_weight()`` gives the
-[out, in] matrix back. ``decode_parts()`` is what the one-call decode path
-(``kernels/decode_layer.cpp``) multiplies by above the blocks' rows, where the method has it.
+[out, in] matrix back.
 
 When the checkpoint stored the weight as blocks (GGUF Q4_0 / Q4_1 / Q8_0), ``quantized`` holds
 them too (``layers/quantized.py``) and serves calls of up to its ``max_tokens`` rows, where
@@ -62,11 +61,6 @@ class LinearMethod:
     def nbytes(self) -> int:
         raise NotImplementedError
 
-    def decode_parts(self) -> list[torch.Tensor] | None:
-        """The tensors ``kernels/decode_layer.cpp`` multiplies by in this format, or None where
-        it has no kernel for it."""
-        return None
-
 
 class DenseMethod(LinearMethod):
     """The [out, in] weight as it is, through ``F.linear``. It holds the layer's Parameter
@@ -109,9 +103,6 @@ class PanelMethod(LinearMethod):
 
     def nbytes(self) -> int:
         return _bytes(self.panels)
-
-    def decode_parts(self) -> list[torch.Tensor]:
-        return [self.panels]
 
 
 PACK_BATCH_HINT = 64  # batch size oneDNN tunes the packed layout for
@@ -161,10 +152,6 @@ class Int8PanelMethod(LinearMethod):
 
     def nbytes(self) -> int:
         return self.int8.nbytes()
-
-    def decode_parts(self) -> list[torch.Tensor]:
-        p = self.int8
-        return [p.codes, p.scale, p.min] + ([] if p.exact is None else [p.exact, p.exact_weights])
 
 
 class Linear(nn.Module):

@@ -166,12 +166,6 @@ class BlockPanels:
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         return block_panel_gemm(x, self.codes, self.scale, self.min)
 
-    def decode_parts(self) -> list[torch.Tensor]:
-        """What ``kernels/decode_layer.cpp`` multiplies by up to ``max_tokens`` rows (4-bit
-        only: ``min`` is not None)."""
-        assert self.min is not None, "decode layers take 4-bit block panels only"
-        return [self.codes, self.scale, self.min]
-
     def nbytes(self) -> int:
         parts = [self.codes, self.scale] + ([] if self.min is None else [self.min])
         return sum(t.numel() * t.element_size() for t in parts)
@@ -197,10 +191,6 @@ class NibbleInt4:
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         return block_matmul(x, self.codes, self.scale, self.min)
-
-    def decode_parts(self) -> list[torch.Tensor]:
-        """What ``kernels/decode_layer.cpp`` multiplies by up to ``max_tokens`` rows."""
-        return [self.codes, self.scale, self.min]
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.codes, self.scale, self.min))
