@@ -23,13 +23,13 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
+#include <type_traits>
 
 #ifdef __AVX2__
 #include <immintrin.h>
 #endif
-
-#include <cstdlib>
 
 #include "dispatch.h"
 #include "madd_step.h"
@@ -277,38 +277,38 @@ void block_panels(typename F::T* y, const typename F::T* x, const BlockPanel& w,
 
 namespace conveyor {
 
-// The entry points a build lacks abort: ops.cpp and the Python side never call them there.
+// A build without bf16 (or without AVX2, for BlockPanels) aborts there: ops.cpp and the Python
+// side never call it so.
 
-void panel_gemm(float* y, const float* x, const float* packed, int64_t m, int64_t n, int64_t k,
+template <typename T>
+void panel_gemm(T* y, const T* x, const T* packed, int64_t m, int64_t n, int64_t k,
                 int num_threads) {
-  gemm<F32>(y, x, packed, m, n, k, num_threads);
-}
-
-void panel_gemm(uint16_t* y, const uint16_t* x, const uint16_t* packed, int64_t m, int64_t n,
-                int64_t k, int num_threads) {
+  if constexpr (std::is_same_v<T, float>) return gemm<F32>(y, x, packed, m, n, k, num_threads);
 #ifdef __AVX512BF16__
-  gemm<BF16>(y, x, packed, m, n, k, num_threads);
-#else
-  std::abort();
+  else return gemm<BF16>(y, x, packed, m, n, k, num_threads);
 #endif
+  std::abort();
 }
 
-void block_panel_gemm(float* y, const float* x, const BlockPanel& w, int64_t m, int64_t n,
-                      int64_t k, int num_threads) {
+template <typename T>
+void block_panel_gemm(T* y, const T* x, const BlockPanel& w, int64_t m, int64_t n, int64_t k,
+                      int num_threads) {
 #ifdef __AVX2__
-  block_panels<F32>(y, x, w, m, n, k, num_threads);
-#else
-  std::abort();
+  if constexpr (std::is_same_v<T, float>) return block_panels<F32>(y, x, w, m, n, k, num_threads);
 #endif
+#ifdef __AVX512BF16__
+  else return block_panels<BF16>(y, x, w, m, n, k, num_threads);
+#endif
+  std::abort();
 }
 
-void block_panel_gemm(uint16_t* y, const uint16_t* x, const BlockPanel& w, int64_t m, int64_t n,
-                      int64_t k, int num_threads) {
-#ifdef __AVX512BF16__
-  block_panels<BF16>(y, x, w, m, n, k, num_threads);
-#else
-  std::abort();
-#endif
-}
+template void panel_gemm<float>(float*, const float*, const float*, int64_t, int64_t, int64_t,
+                                int);
+template void panel_gemm<uint16_t>(uint16_t*, const uint16_t*, const uint16_t*, int64_t, int64_t,
+                                   int64_t, int);
+template void block_panel_gemm<float>(float*, const float*, const BlockPanel&, int64_t, int64_t,
+                                      int64_t, int);
+template void block_panel_gemm<uint16_t>(uint16_t*, const uint16_t*, const BlockPanel&, int64_t,
+                                         int64_t, int64_t, int);
 
 }  // namespace conveyor

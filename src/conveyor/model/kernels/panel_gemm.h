@@ -21,16 +21,14 @@ struct BlockPanel {
 };
 
 // y [m, n] = x [m, k] @ W^T, W packed in x's type (bf16 panels: a build targeting AVX512-BF16).
-void panel_gemm(float* y, const float* x, const float* packed, int64_t m, int64_t n, int64_t k,
+template <typename T>
+void panel_gemm(T* y, const T* x, const T* packed, int64_t m, int64_t n, int64_t k,
                 int num_threads);
-void panel_gemm(uint16_t* y, const uint16_t* x, const uint16_t* packed, int64_t m, int64_t n,
-                int64_t k, int num_threads);
 
 // The same products over BlockPanels, the same bits (float32: a build targeting AVX2; bf16:
 // AVX512-BF16).
-void block_panel_gemm(float* y, const float* x, const BlockPanel& w, int64_t m, int64_t n,
-                      int64_t k, int num_threads);
-void block_panel_gemm(uint16_t* y, const uint16_t* x, const BlockPanel& w, int64_t m, int64_t n,
-                      int64_t k, int num_threads);
+template <typename T>
+void block_panel_gemm(T* y, const T* x, const BlockPanel& w, int64_t m, int64_t n, int64_t k,
+                      int num_threads);
 
 }  // namespace conveyor
