@@ -5,6 +5,7 @@ they apply."""
 from __future__ import annotations
 
 import dataclasses
+from functools import partial
 
 import pytest
 import torch
@@ -17,6 +18,7 @@ from conveyor.model.kernels.int8_gemm import int8_gemm_available
 from conveyor.model.kernels.paged_attention import attention_kernel_available
 from conveyor.model.kernels.panel_gemm import block_panel_gemm_available, panel_gemm_available
 from conveyor.model.layers.attention import build_attention_metadata
+from conveyor.model.layers.formats import linear_format
 from conveyor.model.layers.linear import DenseMethod, PanelMethod
 from conveyor.model.layers.quantized import GROUP, Int4Blocks
 from conveyor.model.layers.rotary import RotaryEmbedding, rope_inv_freq
@@ -59,7 +61,8 @@ def quantized_layer(seed: int = 0, dtype: torch.dtype = torch.float32,
         exact = (torch.tensor([1, 2, linear.in_features // 2, linear.in_features - 1],
                               dtype=torch.int32)
                  if linear in (layer.qkv_proj, layer.gate_up_proj) else None)
-        linear.process_weights_after_loading(kernels, kernels.int8_panels, exact)
+        linear.process_weights_after_loading(partial(linear_format, kernels,
+                                                     int8=kernels.int8_panels, exact=exact))
     return layer
 
 

@@ -2,12 +2,15 @@
 activations rounded to 8 bits per block of 32, then multiplied by the exact block weights. And
 what that rounding costs against the unrounded product, and the Linear that uses it."""
 
+from functools import partial
+
 import pytest
 import torch
 
 from conveyor.model.device import KernelPlan
 from conveyor.model.kernels.int8_gemm import int8_gemm_available
 from conveyor.model.layers.block_method import BlockMethod, Int8PanelMethod
+from conveyor.model.layers.formats import linear_format
 from conveyor.model.layers.linear import Linear, PanelMethod
 from conveyor.model.layers.quantized import GROUP, Int4Blocks, Int8Blocks, Int8Panels
 from gguf_blocks import load_blocks
@@ -97,7 +100,7 @@ def test_linear_on_int8_panels_serves_rows_above_its_blocks():
     linear.to(torch.bfloat16)
     kernels = KernelPlan(linear=PanelMethod, block_weights=True, int8_panels=True,
                          attention=False)
-    linear.process_weights_after_loading(kernels, int8=True)
+    linear.process_weights_after_loading(partial(linear_format, kernels, int8=True))
     method = linear.method
     assert isinstance(method, BlockMethod) and isinstance(method.large, Int8PanelMethod)
     assert linear.weight is None  # dropped

@@ -4,6 +4,8 @@ Linear layer that uses it."""
 
 from __future__ import annotations
 
+from functools import partial
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -16,6 +18,7 @@ from conveyor.model.kernels.panel_gemm import (
     panel_width,
     unpack_panels,
 )
+from conveyor.model.layers.formats import linear_format
 from conveyor.model.layers.linear import Linear, PanelMethod
 
 pytestmark = pytest.mark.skipif(not panel_gemm_available(), reason="no C++ compiler")
@@ -87,8 +90,8 @@ def test_linear_with_panels_equals_dense_linear_with_bias(dtype) -> None:
     x = torch.randn(9, 40).to(dtype)
     expected = F.linear(x.double(), layer.weight.double(), layer.bias.double())
     dense = layer.weight.data.clone()
-    layer.process_weights_after_loading(KernelPlan(linear=PanelMethod, block_weights=False,
-                                                   int8_panels=False, attention=False))
+    plan = KernelPlan(linear=PanelMethod, block_weights=False, int8_panels=False, attention=False)
+    layer.process_weights_after_loading(partial(linear_format, plan))
     assert isinstance(layer.method, PanelMethod) and layer.weight is None
     assert torch.equal(layer.dense_weight(), dense)
     tol = 1e-5 if dtype == torch.float32 else 2 ** -7  # bf16: the product and the bias add round

@@ -12,6 +12,7 @@ import importlib.util
 import os
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import torch
@@ -21,6 +22,7 @@ from conveyor.model.config import ModelConfig
 from conveyor.model.device import KernelPlan
 from conveyor.model.fused_decode import fuse_decode_layers
 from conveyor.model.layers.embedding import VocabEmbedding
+from conveyor.model.layers.formats import linear_format
 from conveyor.model.layers.linear import Linear
 from conveyor.model.layers.parallel import ShardPlan, TensorParallel, shard_plan
 from conveyor.model.llama import LlamaForCausalLM
@@ -213,11 +215,12 @@ def process_weights_after_loading(model: LlamaForCausalLM, kernels: KernelPlan,
     checkpoint's blocks where they can; the decode layers fused where they can."""
     for layer in model.layers:
         for p in layer.projections:
-            p.process_weights_after_loading(kernels, exact is not None, (exact or {}).get(p))
+            p.process_weights_after_loading(partial(linear_format, kernels, int8=exact is not None,
+                                                    exact=(exact or {}).get(p)))
     # The lm_head stays on its bf16 panels: rounding the final hidden state to 8 bits cost more
     # agreement with float32's top-1 than all the layers' rounding together
     # (docs/performance.md), for a small part of a decode step.
-    model.lm_head.process_weights_after_loading(kernels)
+    model.lm_head.process_weights_after_loading(partial(linear_format, kernels))
     model.embed_tokens.process_weights_after_loading(
         shared=model.lm_head.weight is model.embed_tokens.weight)
     model.fused_decode = fuse_decode_layers(model)

@@ -48,8 +48,6 @@ class WeightSpec:
     optional: bool = False  # a checkpoint may lack it (biases)
 
 
-_LAYER = "model.layers.{i}."
-_BLK = "blk.{i}."
 _Q, _KV = Split.QUERY_ROWS, Split.KV_ROWS
 
 LAYER_WEIGHTS = (
@@ -98,7 +96,7 @@ class CheckpointWeight:
     @property
     def name(self) -> str:
         """transformers' name, which messages use whatever the file."""
-        return self.spec.hf if self.layer is None else _LAYER.format(i=self.layer) + self.spec.hf
+        return self.spec.hf if self.layer is None else f"model.layers.{self.layer}.{self.spec.hf}"
 
     @property
     def module(self) -> str:

@@ -6,8 +6,8 @@ that multiplies it), through a load's lifecycle as vLLM's linear methods go:
 2. ``load`` copies one checkpoint tensor into its rows, and keeps the file's own quantized
    blocks where it has them (GGUF; ``layers/quantized.py``);
 3. ``process_weights_after_loading`` lays the weight out in the format this device runs
-   (``conveyor.model.device.select_kernels``' plan), which replaces the dense Parameter, so
-   memory is not doubled;
+   (``layers/formats.py``, from ``conveyor.model.device.select_kernels``' plan), which replaces
+   the dense Parameter, so memory is not doubled;
 4. ``forward`` is the method's ``apply``, plus LoRA adapters' updates (``layers/lora.py``).
 
 The formats of a dense weight, one per CPU capability (vLLM's ``quant_method`` idea):
@@ -25,7 +25,7 @@ at small batches.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from itertools import accumulate
 from typing import TYPE_CHECKING
 
@@ -38,7 +38,6 @@ from conveyor.model.layers.lora import LoRALayer
 from conveyor.model.layers.quantized import Blocks
 
 if TYPE_CHECKING:
-    from conveyor.model.device import KernelPlan
     from conveyor.model.kernels.decode_layer import DecodeProjection
     from conveyor.model.layers.embedding import VocabEmbedding
 
@@ -200,29 +199,16 @@ class Linear(nn.Module):
         self.blocks = embedding.blocks
         self.method = DenseMethod(self.weight)
 
-    def process_weights_after_loading(self, kernels: KernelPlan, int8: bool = False,
-                                      exact: torch.Tensor | None = None) -> None:
-        """Lay the loaded weight out in ``kernels.linear``'s format, and where the checkpoint gave
-        every shard as blocks of one kind keep those for small batches (``BlockMethod``);
-        ``int8``: their integer GEMM serves the larger ones (``Int8PanelMethod``, ``exact``: its
-        exact channels) in place of the dense format. Inference only, after ``.to()``."""
-        # (block_method.py builds its formats on this module's)
-        from conveyor.model.layers.block_method import BlockMethod, Int8PanelMethod
-
+    def process_weights_after_loading(
+            self, choose: Callable[[nn.Parameter, Blocks | None], LinearMethod]) -> None:
+        """Lay the loaded weight out in the format ``choose`` gives for it and for the
+        checkpoint's blocks, where every shard came as blocks of one kind (else None):
+        ``layers/formats.py``'s ``linear_format``. Inference only, after ``.to()``."""
         parts = [self.blocks.get(name) for name in self.shards]
         kinds = {type(p) for p in parts}
         blocks = kinds.pop().cat(parts) if None not in parts and len(kinds) == 1 else None
         self.blocks = {}
-        dense = self.weight.data
-        if blocks is not None and int8:
-            method: LinearMethod = Int8PanelMethod.pack(blocks, dense.dtype, exact)
-        elif kernels.linear is DenseMethod:
-            method = self.method
-        else:
-            method = kernels.linear(dense)
-        if blocks is not None:
-            method = BlockMethod.pack(blocks, method, kernels.deterministic)
-        self.set_method(method)
+        self.set_method(choose(self.weight, blocks))
 
     def set_method(self, method: LinearMethod) -> None:
         """Hold the weight in ``method``'s format from now on; a format other than
