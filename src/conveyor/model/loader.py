@@ -25,6 +25,7 @@ from conveyor.model.layers.embedding import VocabEmbedding
 from conveyor.model.layers.formats import linear_format
 from conveyor.model.layers.linear import Linear
 from conveyor.model.layers.parallel import ShardPlan, TensorParallel, shard_plan
+from conveyor.model.layers.parameters import load_rows
 from conveyor.model.llama import LlamaForCausalLM
 from conveyor.model.weights import CheckpointTensor, checkpoint_weights
 
@@ -176,7 +177,8 @@ def load_weights(model: LlamaForCausalLM, tensors: Iterable[CheckpointTensor]) -
             if isinstance(module, (Linear, VocabEmbedding)):
                 module.load(w.spec.param, w.spec.shard, t.dense, t.blocks)
             else:
-                _copy(getattr(module, w.spec.param), t.dense)
+                param = getattr(module, w.spec.param)
+                load_rows(param, 0, param.shape[0], t.dense)
         except ValueError as e:
             raise ValueError(f"weight {w.name!r}: {e}") from e
         filled.add((w.module, w.spec.param, w.spec.shard))
@@ -199,12 +201,6 @@ def _module(model: nn.Module, path: str) -> nn.Module | None:
         if module is None:
             return None
     return module
-
-
-def _copy(param: nn.Parameter, tensor: torch.Tensor) -> None:
-    if tuple(param.shape) != tuple(tensor.shape):
-        raise ValueError(f"got shape {tuple(tensor.shape)}, expected {tuple(param.shape)}")
-    param.data.copy_(tensor)
 
 
 def process_weights_after_loading(model: LlamaForCausalLM, kernels: KernelPlan,

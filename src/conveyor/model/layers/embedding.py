@@ -11,14 +11,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from conveyor.model.layers.parameters import load_rows, new_parameter
 from conveyor.model.layers.quantized import Blocks, Int8Blocks
 
 
 class VocabEmbedding(nn.Module):
     def __init__(self, num_embeddings: int, embedding_dim: int) -> None:
         super().__init__()
-        self.weight: nn.Parameter | None = nn.Parameter(
-            torch.empty(num_embeddings, embedding_dim), requires_grad=False)
+        self.weight: nn.Parameter | None = new_parameter(num_embeddings, embedding_dim)
         # the checkpoint's blocks (one unnamed shard), shared with a tied lm_head (Linear.tie)
         self.blocks: dict[None, Blocks] = {}
         self.table: Int8Blocks | None = None  # serves lookups in place of the weight
@@ -32,10 +32,7 @@ class VocabEmbedding(nn.Module):
     def load(self, param: str, shard: None, tensor: torch.Tensor,
              blocks: Blocks | None = None) -> None:
         """The checkpoint's table, and its blocks where the file stores it so."""
-        if tuple(tensor.shape) != tuple(self.weight.shape):
-            raise ValueError(f"got shape {tuple(tensor.shape)}, expected "
-                             f"{tuple(self.weight.shape)}")
-        self.weight.data.copy_(tensor)
+        load_rows(self.weight, 0, self.weight.shape[0], tensor)
         if blocks is not None:
             self.blocks[shard] = blocks
 

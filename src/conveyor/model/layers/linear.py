@@ -35,6 +35,7 @@ from torch import nn
 
 from conveyor.model.kernels.panel_gemm import pack_panels, panel_gemm, unpack_panels
 from conveyor.model.layers.lora import LoRALayer
+from conveyor.model.layers.parameters import load_rows, new_parameter
 from conveyor.model.layers.quantized import Blocks
 
 if TYPE_CHECKING:
@@ -147,10 +148,6 @@ class OneDnnMethod(LinearMethod):
         return nbytes(self.packed)
 
 
-def _param(*shape: int, zero: bool = False) -> nn.Parameter:
-    return nn.Parameter(torch.zeros(*shape) if zero else torch.empty(*shape), requires_grad=False)
-
-
 class Linear(nn.Module):
     def __init__(self, in_features: int, out_features: int, bias: bool = False,
                  shards: Mapping[str, int] | None = None) -> None:
@@ -164,8 +161,8 @@ class Linear(nn.Module):
         self.shards: dict[str | None, tuple[int, int]] = {
             name: (end - size, end) for (name, size), end in zip(sizes.items(), ends, strict=True)}
         self.in_features, self.out_features = in_features, out_features
-        self.weight: nn.Parameter | None = _param(out_features, in_features)
-        self.bias = _param(out_features, zero=True) if bias else None
+        self.weight: nn.Parameter | None = new_parameter(out_features, in_features)
+        self.bias = new_parameter(out_features, zero=True) if bias else None
         # the checkpoint's blocks of each shard, until process_weights_after_loading
         self.blocks: dict[str | None, Blocks] = {}
         self.method: LinearMethod = DenseMethod(self.weight)
@@ -181,12 +178,8 @@ class Linear(nn.Module):
         made, zero where no shard fills it); ``blocks``: the file's own blocks of a weight."""
         start, stop = self.shards[shard]
         if param == "bias" and self.bias is None:
-            self.bias = _param(self.out_features, zero=True)
-        target = self.bias if param == "bias" else self.weight
-        rows = target.data[start:stop]
-        if rows.shape != tensor.shape:
-            raise ValueError(f"got shape {tuple(tensor.shape)}, expected {tuple(rows.shape)}")
-        rows.copy_(tensor)
+            self.bias = new_parameter(self.out_features, zero=True)
+        load_rows(self.bias if param == "bias" else self.weight, start, stop, tensor)
         if blocks is not None and param == "weight":
             if blocks.codes.shape[0] != stop - start:
                 raise ValueError(f"blocks of {blocks.codes.shape[0]} rows for {stop - start}")
