@@ -9,7 +9,8 @@ import torch
 
 from conveyor.executor.model_executor import ModelExecutor
 from conveyor.model.device import select_kernels
-from conveyor.model.layers.linear import Int8PanelMethod, PanelMethod
+from conveyor.model.layers.block_method import Int8PanelMethod
+from conveyor.model.layers.linear import PanelMethod
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(
     not select_kernels(torch.device("cpu"), torch.bfloat16, 64, int8_activations=True).int8_panels,
@@ -41,9 +42,9 @@ def test_int8_activations_stay_close_to_float32(executor, prompt_ids, reference_
     for int8 in (False, True):
         ex = ModelExecutor(dtype="bfloat16", device="cpu", int8_activations=int8)
         layer = ex.model.layers[0]
-        assert isinstance(layer.gate_up_proj.method, Int8PanelMethod) == int8
-        assert isinstance(ex.model.lm_head.method, PanelMethod)  # logits stay bf16 products
-        qkv = layer.qkv_proj.method
+        assert isinstance(layer.gate_up_proj.method.large, Int8PanelMethod) == int8
+        assert isinstance(ex.model.lm_head.method.large, PanelMethod)  # logits stay bf16 products
+        qkv = layer.qkv_proj.method.large
         assert (isinstance(qkv, Int8PanelMethod) and qkv.int8.exact is not None) == int8
         assert ex.model.fused_decode.serves(64)  # any decode batch runs in one call either way
         got = all_logits(ex, seqs).log_softmax(-1)

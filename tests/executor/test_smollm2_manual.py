@@ -65,9 +65,9 @@ def test_gguf_weights_equal_transformers_loader(executor, hf_model) -> None:
     if block_matmul_available():  # float32: the file's Q8_0 embedding is the lookup table and the
         # lm_head's small-batch copy, the layers' Q4_1 blocks their small-batch copies (as
         # BlockPanels where they run: deterministic inference, the default)
-        assert isinstance(ours.lm_head.quantized, (Int8Blocks, BlockPanels))
-        assert ours.embed_tokens is None
-        assert isinstance(layer.qkv_proj.quantized, (NibbleInt4, BlockPanels))
+        assert isinstance(ours.lm_head.method.small, (Int8Blocks, BlockPanels))
+        assert ours.embed_tokens.weight is None
+        assert isinstance(layer.qkv_proj.method.small, (NibbleInt4, BlockPanels))
     cfg = executor.model_config
     assert (cfg.architecture, cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads) == \
         ("llama", 30, 576, 9, 3)

@@ -5,20 +5,25 @@ they apply."""
 from __future__ import annotations
 
 import dataclasses
+from functools import partial
 
 import pytest
 import torch
 
 from conveyor.model.backends.cpu_kernels import CpuBackend
 from conveyor.model.config import ModelConfig
+from conveyor.model.device import KernelPlan
+from conveyor.model.fused_decode import decode_weights, fuse_decode_layers
 from conveyor.model.kernels.decode_layer import DecodeLayers, decode_layer_available, decode_layers
 from conveyor.model.kernels.int8_gemm import int8_gemm_available
 from conveyor.model.kernels.paged_attention import attention_kernel_available
 from conveyor.model.kernels.panel_gemm import block_panel_gemm_available, panel_gemm_available
-from conveyor.model.layers.linear import PanelMethod
-from conveyor.model.layers.quantized import GROUP, Int4Blocks, pack_blocks
+from conveyor.model.layers.formats import linear_format
+from conveyor.model.layers.linear import DenseMethod, PanelMethod
+from conveyor.model.layers.quantized import GROUP, Int4Blocks
 from conveyor.model.layers.rotary import RotaryEmbedding, rope_inv_freq
 from conveyor.model.llama import DecoderLayer, LlamaForCausalLM
+from gguf_blocks import load_blocks
 
 pytestmark = pytest.mark.skipif(
     not (decode_layer_available() and attention_kernel_available(torch.device("cpu"), torch.float32)),
@@ -33,26 +38,32 @@ BACKEND = CpuBackend(torch.device("cpu"), attention_kernel=True)
 
 def quantized_layer(seed: int = 0, dtype: torch.dtype = torch.float32,
                     large: str | None = None, deterministic: bool = False) -> DecoderLayer:
-    """A layer whose dense weights are its random 4-bit blocks, dequantized; ``large`` says what
-    serves more rows than the blocks: nothing (None), "panels" or "int8" (Int8Panels);
-    ``deterministic``: the blocks packed as for deterministic inference (``pack_blocks``)."""
+    """A layer whose weights are its random 4-bit blocks (and their dequantization), laid out
+    as a GGUF checkpoint's are (``Linear.process_weights_after_loading``); ``large`` says what
+    serves more rows than the blocks: the dense weight (None), "panels" or "int8"
+    (Int8Panels); ``deterministic``: the blocks packed as for deterministic inference."""
     g = torch.Generator().manual_seed(seed)
     layer = DecoderLayer(CFG, BACKEND)
     for norm in (layer.input_norm, layer.post_norm):
-        norm.weight.data = (1 + 0.1 * torch.randn(norm.weight.shape, generator=g)).to(dtype)
-    for linear in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj):
-        n, k = linear.weight.shape
+        norm.weight.data = 1 + 0.1 * torch.randn(norm.weight.shape, generator=g)
+    for linear in layer.projections:
+        n, k = linear.out_features, linear.in_features
         scale = torch.rand(n, k // GROUP, generator=g) * 0.02 + 0.005
-        blocks = Int4Blocks(torch.randint(0, 16, (n, k), dtype=torch.uint8, generator=g), scale,
-                            -8 * scale + 0.01 * torch.randn(n, k // GROUP, generator=g))
-        linear.weight.data = blocks.dequantize().to(dtype)
-        linear.quantized = pack_blocks(blocks, dtype, deterministic)
-        if large == "panels":
-            linear.prepack(PanelMethod)
-        elif large == "int8":  # exact channels where the model has them (calibration.py)
-            exact = (torch.tensor([1, 2, k // 2, k - 1], dtype=torch.int32)
-                     if linear in (layer.qkv_proj, layer.gate_up_proj) else None)
-            linear.use_int8_panels(blocks, exact)
+        load_blocks(linear, Int4Blocks(torch.randint(0, 16, (n, k), dtype=torch.uint8,
+                                                     generator=g), scale,
+                                       -8 * scale + 0.01 * torch.randn(n, k // GROUP,
+                                                                       generator=g)))
+    layer.to(dtype)
+    kernels = KernelPlan(linear=PanelMethod if large == "panels" else DenseMethod,
+                         block_weights=True, int8_panels=large == "int8", attention=True,
+                         deterministic=deterministic)
+    for linear in layer.projections:
+        # exact channels where the model has them (calibration.py)
+        exact = (torch.tensor([1, 2, linear.in_features // 2, linear.in_features - 1],
+                              dtype=torch.int32)
+                 if linear in (layer.qkv_proj, layer.gate_up_proj) else None)
+        linear.process_weights_after_loading(partial(linear_format, kernels,
+                                                     int8=kernels.int8_panels, exact=exact))
     return layer
 
 
@@ -80,7 +91,7 @@ def decode_step(num_seqs: int, seed: int = 1, dtype: torch.dtype = torch.float32
 
 def max_rows(dtype: torch.dtype) -> int:
     """The most decode rows the 4-bit copies (and so the fused layers) serve in ``dtype``."""
-    return quantized_layer(0, dtype).qkv_proj.quantized.max_tokens
+    return quantized_layer(0, dtype).qkv_proj.method.max_tokens
 
 
 def larges(dtype: torch.dtype) -> list[str | None]:
@@ -103,7 +114,7 @@ def test_fused_layers_equal_python_path(dtype, num_seqs, large, deterministic):
         pytest.skip(f"no {large} GEMM for {dtype} here")
     layers = [quantized_layer(0, dtype, large, deterministic),
               quantized_layer(1, dtype, large, deterministic)]
-    fused = DecodeLayers([layer.decode_weights() for layer in layers])
+    fused = DecodeLayers([decode_weights(layer) for layer in layers])
     if deterministic and large is None and not block_panel_gemm_available(dtype):
         # Blocks serve a deterministic step only as BlockPanels; without them the dense
         # weight serves every row, and the fused layers none.
@@ -131,7 +142,7 @@ def _tiny_model(dtype: torch.dtype = torch.float32, large: str | None = None,
     cfg = dataclasses.replace(CFG, num_layers=2)
     model = LlamaForCausalLM(cfg, BACKEND)
     g = torch.Generator().manual_seed(7)
-    model.embed_tokens.data = torch.randn(cfg.vocab_size, cfg.hidden_size, generator=g)
+    model.embed_tokens.weight.data = torch.randn(cfg.vocab_size, cfg.hidden_size, generator=g)
     model.lm_head.weight.data = torch.randn(cfg.vocab_size, cfg.hidden_size, generator=g)
     model.to(dtype)
     model.layers = torch.nn.ModuleList([quantized_layer(0, dtype, large, deterministic),
@@ -148,7 +159,8 @@ def test_fused_layers_are_used_only_where_they_apply(monkeypatch, dtype, large):
     real = llama.decode_layers
     monkeypatch.setattr(llama, "decode_layers", lambda *a: calls.append(1) or real(*a))
     model = _tiny_model(dtype, large)
-    assert model.fuse_decode_layers()
+    model.fused_decode = fuse_decode_layers(model)
+    assert model.fused_decode is not None
     most = max_rows(dtype)
     # As far as the 4-bit copies serve; with panels or Int8Panels, any decode step.
     for num_seqs, used in ((most, True), (most + 1, large is not None), (30, large is not None)):
@@ -165,14 +177,14 @@ def test_fused_layers_are_used_only_where_they_apply(monkeypatch, dtype, large):
         assert torch.equal(logits[0], logits[1])
 
     bias = quantized_layer()
-    bias.qkv_proj.bias = torch.nn.Parameter(torch.zeros(bias.qkv_proj.weight.shape[0]))
-    assert bias.decode_weights() is None  # Qwen2-style QKV bias
+    bias.qkv_proj.bias = torch.nn.Parameter(torch.zeros(bias.qkv_proj.out_features))
+    assert decode_weights(bias) is None  # Qwen2-style QKV bias
     dense = quantized_layer()
-    dense.o_proj.quantized = None
-    assert dense.decode_weights() is None
+    dense.o_proj.set_method(dense.o_proj.method.large)
+    assert decode_weights(dense) is None
     partly = _tiny_model()
     partly.layers[1] = dense
-    assert not partly.fuse_decode_layers() and partly.fused_decode is None
+    assert fuse_decode_layers(partly) is None
 
 
 def _adapter(cfg: ModelConfig, rank: int, modules: tuple[str, ...], seed: int):
@@ -198,7 +210,7 @@ def test_fused_layers_add_lora_as_the_python_path(monkeypatch, dtype, determinis
 
     large = "panels" if panel_gemm_available(dtype) else None
     model = _tiny_model(dtype, large, deterministic)
-    assert model.fuse_decode_layers()
+    model.fused_decode = fuse_decode_layers(model)
     if not model.fused_decode.serves(5):
         pytest.skip(f"no block panels for {dtype} here: the fused layers serve no rows")
     calls = []

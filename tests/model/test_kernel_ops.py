@@ -190,36 +190,51 @@ def test_paged_attention(deterministic) -> None:
             r"block_tables\[1, 1\] = 6 is not a cache block")
 
 
+def _projection(w, **large) -> dict:
+    """add_projection's arguments for 4-bit blocks ``w`` (``NibbleInt4`` or ``BlockPanels``) and
+    what serves more rows (``panels`` or ``int8_*``), if anything."""
+    args = dict(codes=w.codes, scale=w.scale, minimum=w.min, max_block_rows=4,
+                block_panels=isinstance(w, BlockPanels), panels=None, int8_codes=None,
+                int8_scale=None, int8_minimum=None, exact=None, exact_weights=None)
+    return {**args, **large}
+
+
 def test_decode_layers() -> None:
     hidden, heads, kv_heads, head_dim, inter = 64, 2, 1, 32, 64
-    w = lambda n, k: blocks4(n, k).decode_parts()  # noqa: E731
     norm = torch.ones(hidden)
     layers = torch.classes.conveyor.DecodeLayers()
-    projections = dict(qkv=w((heads + 2 * kv_heads) * head_dim, hidden),
-                       o=w(hidden, heads * head_dim), gate_up=w(2 * inter, hidden),
-                       down=w(hidden, inter))
-    args = dict(input_norm=norm, post_norm=norm, **projections, num_heads=heads,
-                num_kv_heads=kv_heads, head_dim=head_dim, max_block_rows=[4] * 4, eps=1e-5,
-                block_panels=[0] * 4)
-    names = list(args)
+    shapes = [((heads + 2 * kv_heads) * head_dim, hidden), (hidden, heads * head_dim),
+              (2 * inter, hidden), (hidden, inter)]
+    projections = [_projection(blocks4(n, k)) for n, k in shapes]
+    layer = dict(input_norm=norm, post_norm=norm, num_heads=heads, num_kv_heads=kv_heads,
+                 head_dim=head_dim, eps=1e-5)
 
-    def add(**kw):
-        merged = {**args, **kw}
-        layers.add_layer(*[merged[n] for n in names])
+    def add(p: dict) -> None:
+        layers.add_projection(*p.values())
 
     for name, bad, match in (
             ("post_norm", norm.bfloat16(), "post_norm must be float32"),
             ("post_norm", strided(norm), "post_norm must be contiguous"),
-            ("o", w(hidden, 2 * heads * head_dim), r"o's codes|o blocks' codes must have shape"),
-            ("down", projections["down"][:2], "down must hold 3 tensors"),
-            ("qkv", [projections["qkv"][0], projections["qkv"][1].double(), projections["qkv"][2]],
-             "qkv blocks' scale must be float32"),
-            ("gate_up", projections["gate_up"] + [torch.zeros(3)], "gate_up's panels must have shape"),
-            ("block_panels", [0] * 3, "block_panels must hold 4 entries")):
+            ("num_kv_heads", 3, "num_heads must be a positive multiple of num_kv_heads")):
         with pytest.raises(RuntimeError, match=match):
-            add(**{name: bad})
-    assert layers.num_layers() == 0
-    add()
+            layers.add_layer(*{**layer, name: bad}.values())
+    with pytest.raises(RuntimeError, match="add_layer first"):
+        add(projections[0])
+    layers.add_layer(*layer.values())
+    with pytest.raises(RuntimeError, match="lacks projections"):
+        layers.add_layer(*layer.values())
+    qkv = projections[0]
+    for bad, match in (
+            (_projection(blocks4(hidden, heads * head_dim)), "qkv's codes must have 128 rows"),
+            ({**qkv, "scale": qkv["scale"].double()}, "qkv blocks' scale must be float32"),
+            ({**qkv, "panels": torch.zeros(3)}, "qkv's panels must have shape"),
+            ({**qkv, "exact": torch.zeros(2, dtype=torch.int32)},
+             "exact channels come with Int8Panels"),
+            ({**qkv, "int8_codes": qkv["codes"]}, "come as codes, scale and minimum together")):
+        with pytest.raises(RuntimeError, match=match):
+            add(bad)
+    for p in projections:
+        add(p)
     assert layers.num_layers() == 1 and layers.max_rows() == 4
 
     cache = torch.zeros(4, 4, kv_heads, head_dim)
@@ -266,21 +281,20 @@ def test_decode_layers_block_panels() -> None:
     """BlockPanels in a DecodeLayers object are checked as BlockPanels (outputs in whole panels),
     and the deterministic decode runs over them."""
     hidden, heads, kv_heads, head_dim, inter = 64, 2, 1, 32, 64
-    w = lambda n, k: block_panels4(n, k).decode_parts()  # noqa: E731
     norm = torch.ones(hidden)
     layers = torch.classes.conveyor.DecodeLayers()
-    projections = [w((heads + 2 * kv_heads) * head_dim, hidden), w(hidden, heads * head_dim),
-                   w(2 * inter, hidden), w(hidden, inter)]
-    bad = block_panels4(hidden, heads * head_dim)
-    with pytest.raises(RuntimeError, match="o block panels' minimum must have shape"):
-        layers.add_layer(norm, norm, projections[0], [bad.codes, bad.scale, bad.min[:, :1]],
-                         *projections[2:], heads, kv_heads, head_dim, [4] * 4, 1e-5, [1] * 4)
-    with pytest.raises(RuntimeError, match="down block panels' codes must have shape"):
-        layers.add_layer(norm, norm, *projections[:3],
-                         [projections[3][0][:, :8].contiguous(), *projections[3][1:]],
-                         heads, kv_heads, head_dim, [4] * 4, 1e-5, [1] * 4)
-    assert layers.num_layers() == 0
-    layers.add_layer(norm, norm, *projections, heads, kv_heads, head_dim, [4] * 4, 1e-5, [1] * 4)
+    layers.add_layer(norm, norm, heads, kv_heads, head_dim, 1e-5)
+    shapes = [((heads + 2 * kv_heads) * head_dim, hidden), (hidden, heads * head_dim),
+              (2 * inter, hidden), (hidden, inter)]
+    projections = [_projection(block_panels4(n, k)) for n, k in shapes]
+    with pytest.raises(RuntimeError, match="qkv block panels' minimum must have shape"):
+        layers.add_projection(*{**projections[0],
+                                "minimum": projections[0]["minimum"][:, :1]}.values())
+    with pytest.raises(RuntimeError, match="qkv block panels' codes must have shape"):
+        layers.add_projection(*{**projections[0],
+                                "codes": projections[0]["codes"][:, :8].contiguous()}.values())
+    for p in projections:
+        layers.add_projection(*p.values())
     cache = torch.zeros(4, 4, kv_heads, head_dim)
     ops.decode_layers(layers, torch.randn(2, hidden), torch.randn(2, hidden),
                       torch.ones(2, 1, head_dim), torch.zeros(2, 1, head_dim), [cache],

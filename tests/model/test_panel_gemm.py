@@ -4,10 +4,13 @@ Linear layer that uses it."""
 
 from __future__ import annotations
 
+from functools import partial
+
 import pytest
 import torch
 import torch.nn.functional as F
 
+from conveyor.model.device import KernelPlan
 from conveyor.model.kernels.panel_gemm import (
     pack_panels,
     panel_gemm,
@@ -15,7 +18,8 @@ from conveyor.model.kernels.panel_gemm import (
     panel_width,
     unpack_panels,
 )
-from conveyor.model.layers.linear import Int8PanelMethod, Linear, PanelMethod
+from conveyor.model.layers.formats import linear_format
+from conveyor.model.layers.linear import Linear, PanelMethod
 
 pytestmark = pytest.mark.skipif(not panel_gemm_available(), reason="no C++ compiler")
 BF16 = pytest.param(torch.bfloat16, marks=pytest.mark.skipif(
@@ -86,10 +90,11 @@ def test_linear_with_panels_equals_dense_linear_with_bias(dtype) -> None:
     x = torch.randn(9, 40).to(dtype)
     expected = F.linear(x.double(), layer.weight.double(), layer.bias.double())
     dense = layer.weight.data.clone()
-    layer.prepack(PanelMethod)
+    plan = KernelPlan(linear=PanelMethod, block_weights=False, int8_panels=False, attention=False)
+    layer.process_weights_after_loading(partial(linear_format, plan))
     assert isinstance(layer.method, PanelMethod) and layer.weight is None
     assert torch.equal(layer.dense_weight(), dense)
     tol = 1e-5 if dtype == torch.float32 else 2 ** -7  # bf16: the product and the bias add round
     torch.testing.assert_close(layer(x).double(), expected, rtol=tol, atol=tol)
-    with pytest.raises(ValueError, match="method must be"):
-        Linear(4, 4).prepack(Int8PanelMethod)
+    with pytest.raises(ValueError, match="method has 70 outputs for a 4-output layer"):
+        Linear(40, 4).set_method(layer.method)

@@ -98,30 +98,34 @@ def test_pack_blocks_rejects_what_it_cannot_run():
 
 def test_shipped_model_blocks_are_its_weights():
     gguf = pytest.importorskip("gguf")
-    from conveyor.model.gguf_loader import read_gguf_blocks, read_gguf_config, read_gguf_weights
+    from conveyor.model.gguf_loader import read_gguf_config, read_gguf_tensors
     from conveyor.model.loader import default_model_path
 
     reader = gguf.GGUFReader(default_model_path())
     config = read_gguf_config(reader, "model.gguf")
-    blocks = read_gguf_blocks(reader, config)
-    weights = read_gguf_weights(reader, config)
-    assert len(blocks) >= 4 * config.num_layers  # q, k, v, o, gate, up, down are 4-bit
+    tensors = {t.weight.name: t for t in read_gguf_tensors(reader, config, blocks=True)}
+    with_blocks = [t for t in tensors.values() if t.blocks is not None]
+    assert len(with_blocks) >= 4 * config.num_layers  # q, k, v, o, gate, up, down are 4-bit
     for name in ("model.layers.0.self_attn.q_proj.weight", "model.layers.7.mlp.down_proj.weight",
                  "model.embed_tokens.weight"):  # the embedding is Q8_0
-        torch.testing.assert_close(blocks[name].dequantize(), weights[name], rtol=0, atol=0)
-    assert isinstance(blocks["model.embed_tokens.weight"], Int8Blocks)
+        t = tensors[name]
+        torch.testing.assert_close(t.blocks.dequantize(), t.dense, rtol=0, atol=0)
+    assert isinstance(tensors["model.embed_tokens.weight"].blocks, Int8Blocks)
+    assert all(t.blocks is None for t in read_gguf_tensors(reader, config))  # not asked
 
 
 @needs_kernel
-def test_linear_uses_its_quantized_copy_up_to_max_tokens():
-    from conveyor.model.layers.linear import Linear
+def test_block_method_serves_up_to_max_tokens():
+    from conveyor.model.layers.block_method import BlockMethod
+    from conveyor.model.layers.linear import DenseMethod, Linear
 
     blocks = random_int8_blocks(40, 64)
     linear = Linear(64, 40)
-    linear.weight.data = blocks.dequantize() + 1.0  # a different dense weight shows which ran
-    linear.quantized = blocks
+    dense = torch.nn.Parameter(blocks.dequantize() + 1.0)  # a different weight shows which ran
+    linear.set_method(BlockMethod(blocks, DenseMethod(dense)))
     small, large = torch.randn(blocks.max_tokens, 64), torch.randn(blocks.max_tokens + 1, 64)
     torch.testing.assert_close(linear(small), blocks.matmul(small))
-    torch.testing.assert_close(linear(large), large @ linear.weight.T)
+    torch.testing.assert_close(linear(large), large @ dense.T)
     assert linear.weight_bytes(blocks.max_tokens) == blocks.nbytes()
     assert linear.weight_bytes(blocks.max_tokens + 1) == 40 * 64 * 4
+    assert linear.method.nbytes() == blocks.nbytes() + 40 * 64 * 4

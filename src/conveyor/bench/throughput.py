@@ -185,16 +185,17 @@ def _measure(workload: Workload, outputs: list, wall: float) -> Measurement:
 
 
 def _memory_budget(llm) -> dict[str, float]:
+    from conveyor.model.layers.embedding import VocabEmbedding
     from conveyor.model.layers.linear import DenseMethod, Linear
 
     engine = llm.llm_engine
     model = engine.executor.model
     weights = sum(t.numel() * t.element_size()
                   for t in list(model.parameters()) + list(model.buffers()))
-    # a packed weight lives in its Linear's method, not in a Parameter
+    # a packed weight (and its block copies) lives in its Linear's method, not in a Parameter
     weights += sum(m.method.nbytes() for m in model.modules()
                    if isinstance(m, Linear) and not isinstance(m.method, DenseMethod))
-    weights += engine.executor.model_config.quantized_bytes  # block copies for small batches
+    weights += sum(m.nbytes() for m in model.modules() if isinstance(m, VocabEmbedding))
     kv = engine.num_gpu_blocks * engine.executor.kv_cache_bytes_per_block(
         engine.engine_args.block_size)
     return {"weights_mb": weights / 2**20, "kv_cache_mb": kv / 2**20,

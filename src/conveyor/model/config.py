@@ -32,7 +32,6 @@ class ModelConfig(ModelShape):
     eos_token_ids: list[int] = field(default_factory=list)
     dtype: str = "float32"  # the dtype the weights run in, set by the loader
     num_params: int = 0  # of the loaded network, set by the loader
-    quantized_bytes: int = 0  # bytes of quantized weight copies for small batches (layers/quantized.py)
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
     rope_scaling: dict[str, Any] | None = None

@@ -1,16 +1,14 @@
-"""Read a GGUF file: config from its metadata, dequantized weights with transformers' names.
+"""Read a GGUF file: config from its metadata, its tensors as ``model/weights.py``'s table names
+them, dequantized, and the 4-bit (Q4_0 / Q4_1) and 8-bit (Q8_0) ones also as their blocks.
 
 llama.cpp's converter permutes the rows of Llama's Q and K projections (to interleaved rope
 pairs); we undo that so the weights work with the HF "rotate_half" rotary layout.
-``read_gguf_blocks`` also returns the 4-bit (Q4_0 / Q4_1) and 8-bit (Q8_0) tensors as their
-blocks, undequantized. Given a tensor-parallel ``ShardPlan``, both read only the rank's slice of
-each tensor, cut from the file's bytes before anything is dequantized.
 """
 
 from __future__ import annotations
 
 import os
-import re
+from collections.abc import Iterator
 from struct import error as struct_error
 from typing import Any
 
@@ -19,29 +17,15 @@ import torch
 
 from conveyor.model.config import SUPPORTED_ARCHITECTURES, ModelConfig, check_architecture
 from conveyor.model.layers.parallel import ShardPlan
-from conveyor.model.layers.quantized import GROUP, Int4Blocks, Int8Blocks
-from conveyor.model.shard_weights import ZERO_UNLESS_FIRST, weight_slice
-
-_LAYER_NAMES = {
-    "attn_norm": "input_layernorm",
-    "ffn_norm": "post_attention_layernorm",
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "attn_q_norm": "self_attn.q_norm",
-    "attn_k_norm": "self_attn.k_norm",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-}
-_GLOBAL_NAMES = {
-    "token_embd.weight": "model.embed_tokens.weight",
-    "output_norm.weight": "model.norm.weight",
-    "output.weight": "lm_head.weight",
-    "rope_freqs.weight": "rope_freqs",
-}
-
+from conveyor.model.layers.quantized import GROUP, Blocks, Int4Blocks, Int8Blocks
+from conveyor.model.weights import (
+    ROPE_FREQS,
+    CheckpointTensor,
+    WeightSpec,
+    gguf_tensor,
+    rank_holds,
+    rank_slice,
+)
 
 # A reader opened by a check before loading (``keep=True``), handed to the next open of the
 # same unchanged file, so that checking first costs no second parse of the metadata.
@@ -122,34 +106,23 @@ def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
             .swapaxes(1, 2).reshape(w.shape))
 
 
-def _hf_name(gguf_name: str) -> str:
-    if gguf_name in _GLOBAL_NAMES:
-        return _GLOBAL_NAMES[gguf_name]
-    m = re.fullmatch(r"blk\.(\d+)\.(\w+)\.(weight|bias)", gguf_name)
-    if m is None or m.group(2) not in _LAYER_NAMES:
-        raise ValueError(f"unknown GGUF tensor {gguf_name!r}")
-    return f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}.{m.group(3)}"
-
-
-def _fix_rows(name: str, arr: np.ndarray, cfg: ModelConfig) -> np.ndarray:
+def _fix_rows(spec: WeightSpec, arr: np.ndarray, cfg: ModelConfig) -> np.ndarray:
     """Undo llama.cpp's Q/K row permutation (rows come first in every array passed; they may
     be a rank's slice of whole heads: the permutation stays within a head)."""
-    if cfg.architecture == "llama" and re.fullmatch(r"blk\.\d+\.attn_[qk]\.(weight|bias)", name):
+    if cfg.architecture == "llama" and spec.rope_permuted:
         return _unpermute(arr, arr.shape[0] // cfg.head_dim)
     return arr
 
 
-def _sliced_data(t: Any, plan: ShardPlan | None, cfg: ModelConfig) -> np.ndarray | None:
-    """The tensor's stored data ([rows, bytes or elements]), cut to ``plan``'s slice; None when
-    this rank holds zeros (a row-parallel bias off rank 0)."""
+def _sliced_data(t: Any, spec: WeightSpec, plan: ShardPlan | None,
+                 cfg: ModelConfig) -> np.ndarray:
+    """The tensor's stored data ([rows, bytes or elements]), cut to ``plan``'s slice."""
     from gguf.constants import GGML_QUANT_SIZES
 
     data = np.asarray(t.data)
-    sl = weight_slice(_hf_name(t.name), plan, cfg.head_dim)
+    sl = rank_slice(spec, plan, cfg.head_dim)
     if sl is None:
         return data
-    if sl == ZERO_UNLESS_FIRST:
-        return None
     if sl.axis == 0:
         return data[sl.start:sl.stop]
     block, type_size = GGML_QUANT_SIZES[t.tensor_type]
@@ -161,55 +134,69 @@ def _sliced_data(t: Any, plan: ShardPlan | None, cfg: ModelConfig) -> np.ndarray
     return data[:, sl.start // block * type_size: sl.stop // block * type_size]
 
 
-def read_gguf_blocks(reader: Any, cfg: ModelConfig,
-                     plan: ShardPlan | None = None) -> dict[str, Int4Blocks | Int8Blocks]:
-    """The Q4_0 / Q4_1 tensors as 4-bit codes, scales and minimums (w = scale * code + min), the
-    Q8_0 ones as 8-bit codes and scales (w = scale * code)."""
+def _blocks(t: Any, raw: np.ndarray, spec: WeightSpec,
+            cfg: ModelConfig) -> Blocks | None:
+    """A Q4_0 / Q4_1 tensor as 4-bit codes, scales and minimums (w = scale * code + min), a
+    Q8_0 one as 8-bit codes and scales (w = scale * code); None for other types."""
     from gguf import GGMLQuantizationType as Q
 
-    out: dict[str, Int4Blocks | Int8Blocks] = {}
-    for t in reader.tensors:
-        if t.tensor_type not in (Q.Q4_0, Q.Q4_1, Q.Q8_0):
-            continue
-        raw = _sliced_data(t, plan, cfg)
-        if raw is None:
-            continue
-        rows = raw.shape[0]
-        head = 4 if t.tensor_type == Q.Q4_1 else 2  # fp16 d (Q4_1: then fp16 m), then the codes
-        code_bytes = GROUP if t.tensor_type == Q.Q8_0 else GROUP // 2
-        blocks = raw.reshape(rows, -1, head + code_bytes)
-        scale = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
-        if t.tensor_type == Q.Q8_0:
-            codes = blocks[..., head:].copy().view(np.int8).reshape(rows, -1)
-            parts = [np.ascontiguousarray(_fix_rows(t.name, a, cfg)) for a in (codes, scale)]
-            out[_hf_name(t.name)] = Int8Blocks(*(torch.from_numpy(a) for a in parts))
-            continue
-        low = (blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
-               if t.tensor_type == Q.Q4_1 else -8 * scale)
-        nibbles = blocks[..., head:]
-        codes = np.concatenate([nibbles & 0xF, nibbles >> 4], axis=-1).reshape(rows, -1)
-        parts = [np.ascontiguousarray(_fix_rows(t.name, a, cfg)) for a in (codes, scale, low)]
-        out[_hf_name(t.name)] = Int4Blocks(*(torch.from_numpy(a) for a in parts))
-    return out
+    if t.tensor_type not in (Q.Q4_0, Q.Q4_1, Q.Q8_0):
+        return None
+    rows = raw.shape[0]
+    head = 4 if t.tensor_type == Q.Q4_1 else 2  # fp16 d (Q4_1: then fp16 m), then the codes
+    code_bytes = GROUP if t.tensor_type == Q.Q8_0 else GROUP // 2
+    blocks = raw.reshape(rows, -1, head + code_bytes)
+    scale = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+    if t.tensor_type == Q.Q8_0:
+        codes = blocks[..., head:].copy().view(np.int8).reshape(rows, -1)
+        parts = [np.ascontiguousarray(_fix_rows(spec, a, cfg)) for a in (codes, scale)]
+        return Int8Blocks(*(torch.from_numpy(a) for a in parts))
+    low = (blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
+           if t.tensor_type == Q.Q4_1 else -8 * scale)
+    nibbles = blocks[..., head:]
+    codes = np.concatenate([nibbles & 0xF, nibbles >> 4], axis=-1).reshape(rows, -1)
+    parts = [np.ascontiguousarray(_fix_rows(spec, a, cfg)) for a in (codes, scale, low)]
+    return Int4Blocks(*(torch.from_numpy(a) for a in parts))
 
 
-def read_gguf_weights(reader: Any, cfg: ModelConfig,
-                      plan: ShardPlan | None = None) -> dict[str, torch.Tensor]:
+def _dequantized(t: Any, data: np.ndarray, spec: WeightSpec, cfg: ModelConfig) -> torch.Tensor:
     from gguf.quants import dequantize
 
-    weights = {}
+    try:
+        arr = dequantize(data, t.tensor_type)
+    except NotImplementedError as e:
+        raise ValueError(f"GGUF tensor {t.name!r} has type {t.tensor_type.name}, which the "
+                         "gguf package cannot dequantize") from e
+    shape = (data.shape[0], -1) if len(t.shape) > 1 else (-1,)
+    arr = _fix_rows(spec, np.array(arr, dtype=np.float32).reshape(shape), cfg)
+    return torch.from_numpy(np.ascontiguousarray(arr))  # arr is a fresh copy
+
+
+def read_gguf_rope_freqs(reader: Any) -> torch.Tensor | None:
+    """llama 3's rope frequency factors, where the file has them."""
+    from gguf.quants import dequantize
+
     for t in reader.tensors:
-        data = _sliced_data(t, plan, cfg)
-        if data is None:
-            weights[_hf_name(t.name)] = torch.zeros(int(np.prod([int(d) for d in t.shape])))
+        if t.name == ROPE_FREQS:
+            return torch.from_numpy(np.array(dequantize(np.asarray(t.data), t.tensor_type),
+                                             dtype=np.float32).reshape(-1))
+    return None
+
+
+def read_gguf_tensors(reader: Any, cfg: ModelConfig, plan: ShardPlan | None = None,
+                      blocks: bool = False) -> Iterator[CheckpointTensor]:
+    """Every tensor of the file (but the rope factors) in the table of ``model/weights.py``,
+    dequantized to float32, one at a time; with a tensor-parallel ``plan`` only this rank's
+    slice of each, cut from the file's bytes before anything is dequantized. ``blocks``: the
+    4-bit and 8-bit tensors come with their blocks too, undequantized."""
+    for t in reader.tensors:
+        if t.name == ROPE_FREQS:
             continue
-        try:
-            arr = dequantize(data, t.tensor_type)
-        except NotImplementedError as e:
-            raise ValueError(f"GGUF tensor {t.name!r} has type {t.tensor_type.name}, which the "
-                             "gguf package cannot dequantize") from e
-        shape = (data.shape[0], -1) if len(t.shape) > 1 else (-1,)
-        arr = np.array(arr, dtype=np.float32).reshape(shape)
-        arr = _fix_rows(t.name, arr, cfg)
-        weights[_hf_name(t.name)] = torch.from_numpy(np.ascontiguousarray(arr))  # arr is a fresh copy
-    return weights
+        weight = gguf_tensor(t.name)
+        if weight is None:
+            raise ValueError(f"unknown GGUF tensor {t.name!r}")
+        if not rank_holds(weight.spec, plan):
+            continue
+        data = _sliced_data(t, weight.spec, plan, cfg)
+        yield CheckpointTensor(weight, _dequantized(t, data, weight.spec, cfg),
+                               _blocks(t, data, weight.spec, cfg) if blocks else None)

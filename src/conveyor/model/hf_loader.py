@@ -5,12 +5,20 @@ from __future__ import annotations
 import glob
 import json
 import os
+from collections.abc import Iterator
+from typing import Any
 
 import torch
 
 from conveyor.model.config import ModelConfig
 from conveyor.model.layers.parallel import ShardPlan
-from conveyor.model.shard_weights import ZERO_UNLESS_FIRST, weight_slice
+from conveyor.model.weights import (
+    CheckpointTensor,
+    CheckpointWeight,
+    hf_tensor,
+    rank_holds,
+    rank_slice,
+)
 
 
 def read_hf_config(path: str) -> ModelConfig:
@@ -29,10 +37,11 @@ def read_hf_config(path: str) -> ModelConfig:
     return config
 
 
-def read_hf_weights(path: str, plan: ShardPlan | None = None,
-                    head_dim: int = 0) -> dict[str, torch.Tensor]:
-    """Every tensor, or with a tensor-parallel ``plan`` this rank's slice of each (read through
-    ``get_slice``: the rest of a tensor is never read).
+def read_hf_tensors(path: str, plan: ShardPlan | None = None,
+                    head_dim: int = 0) -> Iterator[CheckpointTensor]:
+    """Every tensor in the table of ``model/weights.py``, one at a time, or with a
+    tensor-parallel ``plan`` this rank's slice of each (read through ``get_slice``: the rest of
+    a tensor is never read).
 
     A base-model checkpoint (names without ``model.``, as sentence-transformers saves an
     embedding model) is read under the causal LM's names, its missing head being the
@@ -42,7 +51,6 @@ def read_hf_weights(path: str, plan: ShardPlan | None = None,
     files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
     if not files:
         raise ValueError(f"model directory {path} has no *.safetensors weight files")
-    weights = {}
     base = None
     for file in files:
         with safe_open(file, framework="pt") as f:
@@ -51,15 +59,24 @@ def read_hf_weights(path: str, plan: ShardPlan | None = None,
                 base = not any(k.startswith(("model.", "lm_head.")) for k in keys)
             for key in keys:
                 name = "model." + key if base else key
-                sl = weight_slice(name, plan, head_dim)
-                if sl is None:
-                    weights[name] = f.get_tensor(key)
-                elif sl == ZERO_UNLESS_FIRST:
-                    weights[name] = torch.zeros(f.get_slice(key).get_shape())
-                elif sl.axis == 0:
-                    weights[name] = f.get_slice(key)[sl.start:sl.stop]
-                else:
-                    weights[name] = f.get_slice(key)[:, sl.start:sl.stop]
-    if base and "model.embed_tokens.weight" in weights:
-        weights.setdefault("lm_head.weight", weights["model.embed_tokens.weight"])
-    return weights
+                if "rotary_emb" in name:  # older checkpoints' saved rope buffers
+                    continue
+                for alias in (name, "lm_head.weight") if base and name == EMBEDDING else (name,):
+                    weight = hf_tensor(alias)
+                    if weight is None:
+                        raise ValueError(f"unexpected weight {name!r} in the checkpoint")
+                    if rank_holds(weight.spec, plan):
+                        yield CheckpointTensor(weight, _read(f, key, weight, plan, head_dim))
+
+
+EMBEDDING = "model.embed_tokens.weight"
+
+
+def _read(f: Any, key: str, weight: CheckpointWeight, plan: ShardPlan | None,
+          head_dim: int) -> torch.Tensor:
+    sl = rank_slice(weight.spec, plan, head_dim)
+    if sl is None:
+        return f.get_tensor(key)
+    if sl.axis == 0:
+        return f.get_slice(key)[sl.start:sl.stop]
+    return f.get_slice(key)[:, sl.start:sl.stop]

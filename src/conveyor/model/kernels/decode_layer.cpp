@@ -16,52 +16,21 @@
 // where each matmul is the 4-bit block kernel up to its max_block_rows rows and above them the
 // integer GEMM of int8_gemm.cpp where the weight has Int8Panels, else the panel GEMM (as Linear
 // picks), so its results equal the layer's Python path bit for bit (the tests check). The
-// pieces come from the kernels' own sources; ops.cpp holds the typed entry point.
+// pieces are the kernels' own entry points; ops.cpp holds the typed operator.
 
 #include <cstdint>
-#include <cstdlib>
-#include <memory>
 
-#include "block_matmul.cpp"
-#include "fused_ops.cpp"
-#include "int8_gemm.cpp"
-#include "lora.cpp"
-#include "paged_attention.cpp"
-#include "panel_gemm.cpp"
+#include "block_matmul.h"
+#include "decode_layer.h"
+#include "fused_ops.h"
+#include "int8_gemm.h"
+#include "lora.h"
+#include "paged_attention.h"
+#include "panel_gemm.h"
 
 namespace {
 
-struct Weight {  // a projection [n_out, k]: 4-bit as NibbleInt4 or BlockPanels holds it, and its panels
-  const uint8_t* codes;
-  const float* scale;
-  const float* minimum;
-  const void* panels;  // pack_panels' layout in the activations' type; null: none
-  Int8Weight int8;  // Int8Panels; codes null: none
-  int64_t n_out;
-  int64_t max_block_rows;  // rows up to which the blocks serve (NibbleInt4.max_tokens)
-  int64_t block_panels;  // nonzero: codes, scale and minimum are BlockPanels (panel_gemm.cpp)
-};
-
-struct LoraStack {  // a projection's adapters: lora.cpp's a [slots, rank, in], b [slots, rank, out]
-  const float* a = nullptr;  // null: no LoRA
-  const float* b = nullptr;
-  int64_t rank = 0;
-};
-
-struct LayerWeights {
-  const void* input_norm;  // [hidden] in the activations' type, as post_norm
-  const void* post_norm;
-  Weight qkv, o, gate_up, down;
-  int64_t hidden, num_heads, num_kv_heads, head_dim, intermediate;
-  float eps;
-  LoraStack lora[4] = {};  // qkv, o, gate_up, down
-};
-
-struct LoraStep {  // a step's rows under adapters
-  const int32_t* slots = nullptr;  // [rows] slot of each row; null: no LoRA this step
-  const int64_t* widths = nullptr;  // of the layer's four stacks, the rows of rank in use
-  int64_t num_slots = 0;
-};
+using namespace conveyor;
 
 // y [rows, out] += its rows' updates from projection p's stacks, x [rows, in] contiguous.
 template <typename T>
@@ -73,83 +42,25 @@ void add_lora(T* y, const T* x, const LayerWeights* w, int p, const LoraStep& st
                   step.widths[p], num_threads);
 }
 
-void panel_matmul(float* y, const float* x, const void* panels, int64_t rows, int64_t n,
-                  int64_t k, int num_threads) {
-  gemm<F32>(y, x, static_cast<const float*>(panels), rows, n, k, num_threads);
-}
-
-void panel_matmul(uint16_t* y, const uint16_t* x, const void* panels, int64_t rows, int64_t n,
-                  int64_t k, int num_threads) {
-#ifdef __AVX512BF16__
-  gemm<BF16>(y, x, static_cast<const uint16_t*>(panels), rows, n, k, num_threads);
-#else
-  std::abort();  // bf16 panels exist only with AVX512-BF16 (the Python side checks)
-#endif
-}
-
-void block_panel_matmul(float* y, const float* x, const Weight& w, int64_t rows, int64_t k,
-                        int num_threads) {
-#ifdef __AVX2__
-  block_panel_gemm<F32>(y, x, BlockPanel{w.codes, w.scale, w.minimum, k / 32}, rows, w.n_out, k,
-                        num_threads);
-#else
-  std::abort();  // BlockPanels exist only with AVX2 (the Python side checks)
-#endif
-}
-
-void block_panel_matmul(uint16_t* y, const uint16_t* x, const Weight& w, int64_t rows, int64_t k,
-                        int num_threads) {
-#ifdef __AVX512BF16__
-  block_panel_gemm<BF16>(y, x, BlockPanel{w.codes, w.scale, w.minimum, k / 32}, rows, w.n_out, k,
-                         num_threads);
-#else
-  std::abort();  // bf16 BlockPanels exist only with AVX512-BF16 (the Python side checks)
-#endif
-}
-
-template <typename T>
-void int8_panel_matmul(T* y, const T* x, const Int8Weight& w, int64_t rows, int64_t k,
-                       QuantizedRows& scratch, int num_threads) {
-#ifdef CONVEYOR_INT8_GEMM
-  int8_matmul(y, x, w, rows, k, k, scratch, num_threads);
-#else
-  std::abort();  // Int8Panels exist only with AVX512-VNNI (the Python side checks)
-#endif
-}
-
+// y [rows, w.n_out] = x [rows, k] @ W^T by the kernel that serves `rows` rows.
 template <typename T>
 void matmul(T* y, const T* x, const Weight& w, int64_t rows, int64_t k, QuantizedRows& scratch,
             int num_threads) {
   if (rows <= w.max_block_rows && w.block_panels)
-    block_panel_matmul(y, x, w, rows, k, num_threads);
+    block_panel_gemm(y, x, BlockPanel{w.codes, w.scale, w.minimum, k / 32}, rows, w.n_out, k,
+                     num_threads);
   else if (rows <= w.max_block_rows)
-    multiply<Q4>(y, x, w.codes, w.scale, w.minimum, rows, w.n_out, k, k, num_threads);
+    block_matmul(y, x, w.codes, w.scale, w.minimum, rows, w.n_out, k, k, num_threads);
   else if (w.int8.codes)
-    int8_panel_matmul(y, x, w.int8, rows, k, scratch, num_threads);
+    int8_matmul(y, x, w.int8, rows, k, k, scratch, num_threads);
   else
-    panel_matmul(y, x, w.panels, rows, w.n_out, k, num_threads);
+    panel_gemm(y, x, static_cast<const T*>(w.panels), rows, w.n_out, k, num_threads);
 }
 
-// A layer's intermediate activations, allocated once per call for all layers (which share their
-// sizes) and left uninitialized: every element is written before it is read, so zeroing them
-// would be a wasted pass over memory per layer.
-template <typename T>
-struct Activations {
-  std::unique_ptr<T[]> h, qkv, qk, attn, proj, gate_up, act;
-  QuantizedRows quantized;  // the int8 GEMM's rounded inputs
-  Activations(const LayerWeights& w, int64_t rows)
-      : h(new T[rows * w.hidden]),
-        qkv(new T[rows * w.qkv.n_out]),
-        qk(new T[rows * (w.num_heads + w.num_kv_heads) * w.head_dim]),
-        attn(new T[rows * w.num_heads * w.head_dim]),
-        proj(new T[rows * w.hidden]),
-        gate_up(new T[rows * 2 * w.intermediate]),
-        act(new T[rows * w.intermediate]) {}
-};
+}  // namespace
 
-// One layer, in T (float, or bf16 stored as uint16_t). x, out: [rows, hidden] (out may be x);
-// residual: [rows, hidden], updated in place; cos, sin: [rows, head_dim]; caches: [num_blocks,
-// block_size, num_kv_heads, head_dim]; slot_mapping: [rows] flat cache rows.
+namespace conveyor {
+
 template <typename T>
 void decode_layer(const LayerWeights* w, T* out, const T* x, T* residual, int64_t rows,
                   const T* cos, const T* sin, T* k_cache, T* v_cache, int64_t block_size,
@@ -186,4 +97,14 @@ void decode_layer(const LayerWeights* w, T* out, const T* x, T* residual, int64_
   add_lora(out, act, w, 3, lora, rows, inter, hidden, num_threads);
 }
 
-}  // namespace
+template void decode_layer<float>(const LayerWeights*, float*, const float*, float*, int64_t,
+                                  const float*, const float*, float*, float*, int64_t,
+                                  const int64_t*, const int32_t*, const int32_t*, int64_t, float,
+                                  Activations<float>&, int, bool, const LoraStep&);
+template void decode_layer<uint16_t>(const LayerWeights*, uint16_t*, const uint16_t*, uint16_t*,
+                                     int64_t, const uint16_t*, const uint16_t*, uint16_t*,
+                                     uint16_t*, int64_t, const int64_t*, const int32_t*,
+                                     const int32_t*, int64_t, float, Activations<uint16_t>&, int,
+                                     bool, const LoraStep&);
+
+}  // namespace conveyor

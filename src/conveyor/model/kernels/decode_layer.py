@@ -2,8 +2,9 @@
 ``decode_layer.cpp``).
 
 ``DecodeLayers`` holds a model's layers as the C++ side's ``DecodeLayers`` object, built once at
-load time from each layer's ``DecodeLayerWeights``: the C++ side checks every tensor's dtype,
-shape and contiguity against the layer's sizes as it is added, and keeps the tensors alive.
+load time from each layer's ``DecodeLayerWeights`` (its norms, sizes and a ``DecodeProjection``
+per projection): the C++ side checks every tensor's dtype, shape and contiguity against the
+layer's sizes as it is added, and keeps the tensors alive.
 ``decode_layer_available()`` builds the kernels on first use (see ``build.py``);
 ``CONVEYOR_KERNELS=off`` turns them off. ``set_lora`` gives the layers a model's LoRA stacks:
 decode steps whose rows run under adapters then add their updates after each projection, as the
@@ -27,22 +28,47 @@ def decode_layer_available() -> bool:
     return kernel_ops() is not None
 
 
+class FourBitBlocks(Protocol):
+    """4-bit blocks as ``layers/quantized.py``'s ``NibbleInt4`` or ``BlockPanels`` hold them,
+    serving up to ``max_tokens`` rows."""
+    codes: torch.Tensor
+    scale: torch.Tensor
+    min: torch.Tensor
+    max_tokens: int
+
+
+class Int8PanelWeights(Protocol):
+    """``layers/quantized.py``'s ``Int8Panels``."""
+    codes: torch.Tensor
+    scale: torch.Tensor
+    min: torch.Tensor
+    exact: torch.Tensor | None
+    exact_weights: torch.Tensor | None
+
+
+@dataclass(frozen=True)
+class DecodeProjection:
+    """A projection's weight as the kernel multiplies it: its 4-bit blocks up to their rows
+    (``panel_order``: as ``BlockPanels``, deterministic inference, else as ``NibbleInt4``),
+    then what serves more rows, if anything: its panels (``pack_panels``' layout in the
+    activations' dtype) or its ``Int8Panels``."""
+    blocks: FourBitBlocks
+    panel_order: bool
+    panels: torch.Tensor | None = None
+    int8: Int8PanelWeights | None = None
+
+
 @dataclass
 class DecodeLayerWeights:
-    """A layer's norms (float32 or bf16: the activations' dtype) and, per projection (in
-    ``PROJECTIONS`` order), its 4-bit blocks' tensors (``NibbleInt4.decode_parts``), which
-    serve up to ``max_block_rows`` rows, followed by what serves more, if anything: panels or
-    ``Int8Panels`` (``LinearMethod.decode_parts``). ``block_panels``: per projection, whether
-    its blocks are ``BlockPanels`` (deterministic inference) rather than ``NibbleInt4``."""
+    """A layer's norms (float32 or bf16: the activations' dtype) and its projections, in
+    ``PROJECTIONS`` order."""
     input_norm: torch.Tensor
     post_norm: torch.Tensor
-    projections: list[list[torch.Tensor]]
-    max_block_rows: list[int]
+    projections: list[DecodeProjection]
     num_heads: int
     num_kv_heads: int
     head_dim: int
     eps: float
-    block_panels: list[bool] | None = None  # None: none are
 
 
 class LoRAStacks(Protocol):
@@ -64,9 +90,14 @@ class DecodeLayers:
             raise RuntimeError("the decode layer kernel is not available")
         self.weights = torch.classes.conveyor.DecodeLayers()
         for w in layers:
-            self.weights.add_layer(w.input_norm, w.post_norm, *w.projections, w.num_heads,
-                                   w.num_kv_heads, w.head_dim, w.max_block_rows, w.eps,
-                                   [int(b) for b in (w.block_panels or [False] * 4)])
+            self.weights.add_layer(w.input_norm, w.post_norm, w.num_heads, w.num_kv_heads,
+                                   w.head_dim, w.eps)
+            for p in w.projections:
+                b, q = p.blocks, p.int8
+                int8 = ((q.codes, q.scale, q.min, q.exact, q.exact_weights) if q is not None
+                        else (None,) * 5)
+                self.weights.add_projection(b.codes, b.scale, b.min, b.max_tokens,
+                                            p.panel_order, p.panels, *int8)
         self.num_layers = len(layers)
         self.dtype = layers[0].input_norm.dtype
         max_rows = self.weights.max_rows()

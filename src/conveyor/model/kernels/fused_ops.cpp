@@ -12,19 +12,22 @@
 //              counts as the largest, as in torch.max)
 //
 // Rows are spread over OpenMP threads when there are enough of them. Widths are multiples of
-// kLanes (ops.cpp checks). Built and loaded like paged_attention.cpp.
+// kLanes (ops.cpp checks). Entry points in fused_ops.h.
 
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 
+#include "fused_ops.h"
 #include "vec.h"
 
 namespace {
 
-using namespace conveyor;
-
 constexpr int64_t kParallelElements = 1 << 14;  // below this, threads cost more than they save
+
+}  // namespace
+
+namespace conveyor {
 
 template <typename T>
 void rms_norm(T* out, const T* x, T* residual, const T* weight, int64_t rows, int64_t dim,
@@ -124,4 +127,17 @@ void argmax(int64_t* out, const T* x, int64_t rows, int64_t width, int num_threa
   }
 }
 
-}  // namespace
+template void rms_norm<float>(float*, const float*, float*, const float*, int64_t, int64_t,
+                             int64_t, float, int);
+template void rms_norm<uint16_t>(uint16_t*, const uint16_t*, uint16_t*, const uint16_t*, int64_t,
+                                int64_t, int64_t, float, int);
+template void silu_mul<float>(float*, const float*, int64_t, int64_t, int);
+template void silu_mul<uint16_t>(uint16_t*, const uint16_t*, int64_t, int64_t, int);
+template void rotary<float>(float*, const float*, const float*, const float*, int64_t, int64_t,
+                            int64_t, int64_t, int64_t, int);
+template void rotary<uint16_t>(uint16_t*, const uint16_t*, const uint16_t*, const uint16_t*,
+                               int64_t, int64_t, int64_t, int64_t, int64_t, int);
+template void argmax<float>(int64_t*, const float*, int64_t, int64_t, int);
+template void argmax<uint16_t>(int64_t*, const uint16_t*, int64_t, int64_t, int);
+
+}  // namespace conveyor

@@ -30,53 +30,35 @@
 // columns (pairs of channels, vdpbf16ps) in the tile's epilogue, a small addition to a tile's
 // instructions.
 //
-// Built and loaded like paged_attention.cpp; only where the compiler targets AVX512-VNNI (and
-// AVX512-BF16, for the exact channels: every CPU that runs a bf16 model on panels has both).
+// Entry points in int8_gemm.h; only where the compiler targets AVX512-VNNI (and AVX512-BF16, for
+// the exact channels: every CPU that runs a bf16 model on panels has both).
 
 #include <algorithm>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <vector>
 
 #include "dispatch.h"
+#include "int8_gemm.h"
 #include "madd_step.h"
 #include "vec.h"
 
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
-#define CONVEYOR_INT8_GEMM 1
+#ifdef CONVEYOR_INT8_GEMM
 #include <immintrin.h>
 #endif
 
 namespace {
 
-constexpr int kInt8Panel = 32;  // outputs per panel: two vectors of int32 lanes
-constexpr int kInt8Block = 32;  // inputs per scale block
-constexpr int kGroups = kInt8Block / 4;  // vpdpbusd sums products in fours
+using conveyor::Int8Weight;
+using conveyor::kGroups;
+using conveyor::kInt8Block;
+using conveyor::kInt8Panel;
+using conveyor::QuantizedRows;
+
 constexpr int64_t kPanelBlockBytes = kInt8Panel * kInt8Block;
 constexpr int kInt8Rows = 5;  // 4 and 6 measured no better (20 registers of accumulators)
 constexpr int64_t kInt8BlockRows = 32 * kInt8Rows;
-
-struct Int8Weight {  // a projection as Int8Panels holds it
-  const uint8_t* codes;
-  const float* scale;
-  const float* minimum;
-  int64_t n_out;
-  // Exact channels (n_exact: even, may be 0): their indices, and per panel their weight columns
-  // as bf16 pairs [n_exact / 2][kInt8Panel][2] (vdpbf16ps's operand order).
-  const int32_t* exact;
-  const uint16_t* exact_weights;
-  int64_t n_exact;
-};
-
-// Activations rounded to 8 bits: rows x k signed bytes, and per row and block the scale s and
-// S = s * sum(qa); the exact channels' values in bf16, rows x n_exact. Reused across calls
-// (conveyor::at_least); quantize_rows writes every element the GEMM reads.
-struct QuantizedRows {
-  std::vector<int8_t> codes;
-  std::vector<float> scale, sum;
-  std::vector<uint16_t> exact;
-  std::vector<uint32_t> zeroed;  // per block, a bit per exact channel in it
-};
 
 #ifdef CONVEYOR_INT8_GEMM
 inline uint16_t bf16_bits(uint16_t bits) { return bits; }
@@ -201,14 +183,31 @@ void int8_gemm_rows(T* y, const QuantizedRows& a, const Int8Weight& w, int64_t m
   }
 }
 
-// y [m, w.n_out] = x [m, k] (row stride x_stride) @ W^T, through `scratch`.
-template <typename T>
-void int8_matmul(T* y, const T* x, const Int8Weight& w, int64_t m, int64_t k, int64_t x_stride,
-                 QuantizedRows& scratch, int num_threads) {
-  quantize_rows(scratch, x, m, k, x_stride, w, num_threads);
-  int8_gemm_rows(y, scratch, w, m, k, num_threads);
-}
-
 #endif  // CONVEYOR_INT8_GEMM
 
+template <typename T>
+void quantized_matmul(T* y, const T* x, const Int8Weight& w, int64_t m, int64_t k,
+                      int64_t x_stride, QuantizedRows& scratch, int num_threads) {
+#ifdef CONVEYOR_INT8_GEMM
+  quantize_rows(scratch, x, m, k, x_stride, w, num_threads);
+  int8_gemm_rows(y, scratch, w, m, k, num_threads);
+#else
+  std::abort();  // ops.cpp and the Python side never call it in such a build
+#endif
+}
+
 }  // namespace
+
+namespace conveyor {
+
+void int8_matmul(float* y, const float* x, const Int8Weight& w, int64_t m, int64_t k,
+                 int64_t x_stride, QuantizedRows& scratch, int num_threads) {
+  quantized_matmul(y, x, w, m, k, x_stride, scratch, num_threads);
+}
+
+void int8_matmul(uint16_t* y, const uint16_t* x, const Int8Weight& w, int64_t m, int64_t k,
+                 int64_t x_stride, QuantizedRows& scratch, int num_threads) {
+  quantized_matmul(y, x, w, m, k, x_stride, scratch, num_threads);
+}
+
+}  // namespace conveyor

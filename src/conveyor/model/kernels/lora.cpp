@@ -16,7 +16,7 @@
 // share each load of the stacks, and threads split the groups' rank blocks (shrink) and column
 // blocks (expand): neither changes what any one row computes.
 //
-// Built and loaded like paged_attention.cpp; in and out are multiples of kLanes (ops.cpp checks).
+// Entry point in lora.h; in and out are multiples of kLanes (ops.cpp checks).
 
 #include <algorithm>
 #include <cmath>
@@ -29,13 +29,10 @@
 #endif
 
 #include "dispatch.h"
+#include "lora.h"
 #include "vec.h"
 
 namespace conveyor {
-
-struct Half {  // an IEEE fp16 element: its own type, as uint16_t stands for bf16
-  uint16_t bits;
-};
 
 inline float float_of_bits(uint32_t w) {
   float f;
@@ -154,6 +151,10 @@ inline void lora_expand(T* const* y, const float* const* u, const float* b, int6
     for (int v = 0; v < V; ++v) store(load(y[g] + v * kLanes) + acc[g][v], y[g] + v * kLanes);
 }
 
+}  // namespace
+
+namespace conveyor {
+
 template <typename T>
 void lora_apply(T* y, const T* x, int64_t ldx, const float* a, const float* b,
                 const int32_t* slots, int64_t rows, int64_t in, int64_t out, int64_t num_slots,
@@ -228,4 +229,14 @@ void lora_apply(T* y, const T* x, int64_t ldx, const float* a, const float* b,
   }
 }
 
-}  // namespace
+template void lora_apply<float>(float*, const float*, int64_t, const float*, const float*,
+                                const int32_t*, int64_t, int64_t, int64_t, int64_t, int64_t,
+                                int64_t, int);
+template void lora_apply<uint16_t>(uint16_t*, const uint16_t*, int64_t, const float*,
+                                   const float*, const int32_t*, int64_t, int64_t, int64_t,
+                                   int64_t, int64_t, int64_t, int);
+template void lora_apply<Half>(Half*, const Half*, int64_t, const float*, const float*,
+                               const int32_t*, int64_t, int64_t, int64_t, int64_t, int64_t,
+                               int64_t, int);
+
+}  // namespace conveyor

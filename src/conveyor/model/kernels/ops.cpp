@@ -4,9 +4,9 @@
 // Every entry point takes at::Tensor arguments and checks each one's dtype, shape, contiguity
 // (and, where a kernel indexes memory by them, the values of index tensors) before the raw
 // call, failing with a RuntimeError that names the argument: a mismatch never reaches the
-// kernels' pointer arithmetic. The kernel sources are included here so that the whole library
-// is one translation unit: torch's headers are slow to compile, and build.py builds this once
-// per CPU, target and compiler.
+// kernels' pointer arithmetic. The kernels are their own translation units (their entry points
+// in the headers below); this is the only one that includes torch's headers, which are slow to
+// compile. build.py builds and links them once per CPU, target and compiler.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -19,7 +19,14 @@
 #include <string>
 #include <vector>
 
-#include "decode_layer.cpp"  // includes every other kernel source
+#include "block_matmul.h"
+#include "decode_layer.h"
+#include "fused_ops.h"
+#include "int8_gemm.h"
+#include "lora.h"
+#include "paged_attention.h"
+#include "panel_gemm.h"
+#include "vec.h"
 
 #ifndef CONVEYOR_OPS_NAMESPACE
 #define CONVEYOR_OPS_NAMESPACE conveyor
@@ -29,6 +36,7 @@
 
 namespace {
 
+using namespace conveyor;
 using at::ScalarType;
 using at::Tensor;
 
@@ -145,15 +153,10 @@ Tensor panel_gemm_op(const Tensor& x_in, const Tensor& packed, int64_t n) {
   TORCH_CHECK(n > 0, "n must be positive, got ", n);
   check_panels(packed, "packed", x.scalar_type(), n, k);
   Tensor y = at::empty({x.size(0), n}, x.options());
-  if (is_bf16(x)) {
-#ifdef __AVX512BF16__
-    gemm<BF16>(data<uint16_t>(y), data<const uint16_t>(x), data<const uint16_t>(packed),
-               x.size(0), n, k, threads());
-#endif
-  } else {
-    gemm<F32>(data<float>(y), data<const float>(x), data<const float>(packed), x.size(0), n, k,
-              threads());
-  }
+  with_type(x, [&](auto* type) {
+    using T = std::remove_pointer_t<decltype(type)>;
+    panel_gemm(data<T>(y), data<const T>(x), data<const T>(packed), x.size(0), n, k, threads());
+  });
   return y;
 }
 
@@ -191,18 +194,12 @@ Tensor block_panel_gemm_op(const Tensor& x_in, const Tensor& codes, const Tensor
               x.size(1));
   check_block_panels(codes, scale, minimum, "", x.scalar_type(), n, k);
   Tensor y = at::empty({x.size(0), n}, x.options());
-#ifdef __AVX2__
   const BlockPanel w{data<const uint8_t>(codes), data<const float>(scale),
                      minimum ? data<const float>(*minimum) : nullptr, k / 32};
-  if (is_bf16(x)) {
-#ifdef __AVX512BF16__
-    block_panel_gemm<BF16>(data<uint16_t>(y), data<const uint16_t>(x), w, x.size(0), n, k,
-                           threads());
-#endif
-  } else {
-    block_panel_gemm<F32>(data<float>(y), data<const float>(x), w, x.size(0), n, k, threads());
-  }
-#endif
+  with_type(x, [&](auto* type) {
+    using T = std::remove_pointer_t<decltype(type)>;
+    block_panel_gemm(data<T>(y), data<const T>(x), w, x.size(0), n, k, threads());
+  });
   return y;
 }
 
@@ -234,12 +231,8 @@ Tensor block_matmul_op(const Tensor& x_in, const Tensor& codes, const Tensor& sc
   const float* min = minimum ? data<const float>(*minimum) : nullptr;
   with_type(x, [&](auto* type) {
     using T = std::remove_pointer_t<decltype(type)>;
-    if (minimum)
-      multiply<Q4>(data<T>(y), data<const T>(x), data<const uint8_t>(codes),
-                   data<const float>(scale), min, rows, n, k, x.stride(0), threads());
-    else
-      multiply<Q8>(data<T>(y), data<const T>(x), data<const uint8_t>(codes),
-                   data<const float>(scale), min, rows, n, k, x.stride(0), threads());
+    block_matmul(data<T>(y), data<const T>(x), data<const uint8_t>(codes),
+                 data<const float>(scale), min, rows, n, k, x.stride(0), threads());
   });
   return y;
 }
@@ -291,14 +284,12 @@ Tensor int8_gemm_op(const Tensor& x_in, const Tensor& codes, const Tensor& scale
   const Tensor x = unit_stride_rows(x_in, "x");
   const Int8Weight w = int8_weight(codes, scale, minimum, exact, exact_weights, n, x.size(1), "");
   Tensor y = at::empty({x.size(0), n}, x.options());
-#ifdef CONVEYOR_INT8_GEMM
   static thread_local QuantizedRows scratch;
   with_type(x, [&](auto* type) {
     using T = std::remove_pointer_t<decltype(type)>;
     int8_matmul(data<T>(y), data<const T>(x), w, x.size(0), x.size(1), x.stride(0), scratch,
                 threads());
   });
-#endif
   return y;
 }
 
@@ -549,7 +540,7 @@ void paged_attention_op(const Tensor& q_in, const Tensor& k_cache, const Tensor&
 // (tests load several) would register the same class.
 namespace CONVEYOR_OPS_NAMESPACE {
 
-// ---- decode_layer.cpp ----
+const char* const kProjections[4] = {"qkv", "o", "gate_up", "down"};
 
 // A model's decoder layers for decode_layers, built once at load time: each layer's weight
 // tensors, checked against each other when added and kept alive here, and the LayerWeights
@@ -560,49 +551,11 @@ struct DecodeLayers : torch::CustomClassHolder {
   ScalarType dtype = at::kFloat;
   int64_t max_rows_ = -1;  // rows the layers serve: -1 for any number
 
-  // A projection [n_out, k]: its 4-bit blocks [codes, scale, minimum] serving up to
-  // max_block_rows rows, then what serves more, if anything: [panels] or Int8Panels' [codes,
-  // scale, minimum] and optionally [exact, exact_weights].
-  // block_panels: the blocks are BlockPanels (panel_gemm.cpp's layout) rather than NibbleInt4.
-  Weight projection(const std::vector<Tensor>& parts, int64_t max_block_rows, int64_t n_out,
-                    int64_t k, bool block_panels, const std::string& name) {
-    const size_t count = parts.size();
-    TORCH_CHECK(count == 3 || count == 4 || count == 6 || count == 8, name,
-                " must hold 3 tensors (blocks), 4 (and panels) or 6 or 8 (and Int8Panels), got ",
-                count);
-    TORCH_CHECK(max_block_rows >= 0, name, "'s max_block_rows must be >= 0, got ", max_block_rows);
-    for (size_t i = 0; i < count; ++i) check_cpu(parts[i], (name + "[" + std::to_string(i) + "]").c_str());
-    TORCH_CHECK(parts[0].dim() == 2 && parts[0].size(0) == n_out, name,
-                "'s codes must have ", n_out, " rows, got shape ", parts[0].sizes());
-    if (block_panels)
-      check_block_panels(parts[0], parts[1], parts[2], (name + " block panels' ").c_str(), dtype,
-                         n_out, k);
-    else
-      check_blocks(parts[0], parts[1], parts[2], (name + " blocks' ").c_str(), k);
-    Weight w{data<const uint8_t>(parts[0]), data<const float>(parts[1]),
-             data<const float>(parts[2]), nullptr, Int8Weight{}, n_out, max_block_rows,
-             block_panels ? 1 : 0};
-    if (count == 4) {
-      check_panels(parts[3], (name + "'s panels").c_str(), dtype, n_out, k);
-      w.panels = parts[3].data_ptr();
-    } else if (count >= 6) {
-      const std::optional<Tensor> exact = count == 8 ? std::optional{parts[6]} : std::nullopt;
-      const std::optional<Tensor> exact_weights =
-          count == 8 ? std::optional{parts[7]} : std::nullopt;
-      w.int8 = int8_weight(parts[3], parts[4], parts[5], exact, exact_weights, n_out, k,
-                           (name + "'s Int8Panels' ").c_str());
-    } else if (max_rows_ < 0 || max_block_rows < max_rows_) {
-      max_rows_ = max_block_rows;
-    }
-    tensors.insert(tensors.end(), parts.begin(), parts.end());
-    return w;
-  }
-
-  void add_layer(const Tensor& input_norm, const Tensor& post_norm, const std::vector<Tensor>& qkv,
-                 const std::vector<Tensor>& o, const std::vector<Tensor>& gate_up,
-                 const std::vector<Tensor>& down, int64_t num_heads, int64_t num_kv_heads,
-                 int64_t head_dim, const std::vector<int64_t>& max_block_rows, double eps,
-                 const std::vector<int64_t>& block_panels) {
+  // A layer: its norms ([hidden] in the activations' dtype, every layer's the same) and sizes;
+  // its four projections follow (add_projection).
+  void add_layer(const Tensor& input_norm, const Tensor& post_norm, int64_t num_heads,
+                 int64_t num_kv_heads, int64_t head_dim, double eps) {
+    TORCH_CHECK(complete(), "the last layer added lacks projections (add_projection)");
     check_activation_dtype(input_norm, "input_norm");
     TORCH_CHECK(input_norm.dim() == 1, "input_norm must be 1-D, got shape ", input_norm.sizes());
     const int64_t hidden = input_norm.size(0);
@@ -611,40 +564,89 @@ struct DecodeLayers : torch::CustomClassHolder {
                 num_kv_heads);
     check_multiple(hidden, kLanes, "input_norm's size (hidden)");
     check_multiple(head_dim, 2 * kLanes, "head_dim");
-    TORCH_CHECK(max_block_rows.size() == 4, "max_block_rows must hold 4 entries, got ",
-                max_block_rows.size());
-    TORCH_CHECK(block_panels.size() == 4, "block_panels must hold 4 entries, got ",
-                block_panels.size());
-    TORCH_CHECK(!gate_up.empty() && gate_up[0].dim() == 2, "gate_up's codes must be 2-D");
-    const int64_t inter = gate_up[0].size(0) / 2;
-    check_multiple(inter, kLanes, "half of gate_up's outputs (intermediate)");
     if (layers.empty())
       dtype = input_norm.scalar_type();
     else
       TORCH_CHECK(input_norm.scalar_type() == dtype && hidden == layers[0].hidden &&
                       num_heads == layers[0].num_heads && num_kv_heads == layers[0].num_kv_heads &&
-                      head_dim == layers[0].head_dim && inter == layers[0].intermediate,
+                      head_dim == layers[0].head_dim,
                   "every layer must have the first one's dtype and sizes");
     check_tensor(input_norm, "input_norm", dtype, {hidden});
     check_tensor(post_norm, "post_norm", dtype, {hidden});
     tensors.push_back(input_norm);
     tensors.push_back(post_norm);
-    const int64_t q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;
-    LayerWeights w{input_norm.data_ptr(),
-                   post_norm.data_ptr(),
-                   projection(qkv, max_block_rows[0], q_size + 2 * kv_size, hidden, block_panels[0] != 0,
-                              "qkv"),
-                   projection(o, max_block_rows[1], hidden, q_size, block_panels[1] != 0, "o"),
-                   projection(gate_up, max_block_rows[2], 2 * inter, hidden, block_panels[2] != 0,
-                              "gate_up"),
-                   projection(down, max_block_rows[3], hidden, inter, block_panels[3] != 0, "down"),
-                   hidden,
-                   num_heads,
-                   num_kv_heads,
-                   head_dim,
-                   inter,
-                   static_cast<float>(eps)};
+    LayerWeights w{};
+    w.input_norm = input_norm.data_ptr();
+    w.post_norm = post_norm.data_ptr();
+    w.hidden = hidden;
+    w.num_heads = num_heads;
+    w.num_kv_heads = num_kv_heads;
+    w.head_dim = head_dim;
+    w.eps = static_cast<float>(eps);
     layers.push_back(w);
+    projections_ = 0;
+  }
+
+  // The last layer's next projection [n_out, k], in qkv, o, gate_up, down order: its 4-bit
+  // blocks (codes, scale, minimum) serving up to max_block_rows rows, as BlockPanels
+  // (panel_gemm.cpp's layout) where block_panels says so, else as NibbleInt4; then what serves
+  // more rows, if anything: its panels, or its Int8Panels (int8_codes, int8_scale,
+  // int8_minimum, and exact, exact_weights where it keeps exact channels).
+  void add_projection(const Tensor& codes, const Tensor& scale, const Tensor& minimum,
+                      int64_t max_block_rows, bool block_panels,
+                      const std::optional<Tensor>& panels, const std::optional<Tensor>& int8_codes,
+                      const std::optional<Tensor>& int8_scale,
+                      const std::optional<Tensor>& int8_minimum,
+                      const std::optional<Tensor>& exact,
+                      const std::optional<Tensor>& exact_weights) {
+    TORCH_CHECK(!complete(), "add_layer first: the last layer has its four projections");
+    LayerWeights& w = layers.back();
+    const int p = static_cast<int>(projections_);
+    const std::string name = kProjections[p];
+    if (p == 2) {  // gate_up gives the intermediate size
+      TORCH_CHECK(codes.dim() == 2, "gate_up's codes must be 2-D, got shape ", codes.sizes());
+      w.intermediate = codes.size(0) / 2;
+      check_multiple(w.intermediate, kLanes, "half of gate_up's outputs (intermediate)");
+      TORCH_CHECK(w.intermediate == layers[0].intermediate,
+                  "every layer must have the first one's intermediate size");
+    }
+    const int64_t q_size = w.num_heads * w.head_dim, kv_size = w.num_kv_heads * w.head_dim;
+    const int64_t shapes[4][2] = {{q_size + 2 * kv_size, w.hidden}, {w.hidden, q_size},
+                                  {2 * w.intermediate, w.hidden}, {w.hidden, w.intermediate}};
+    const int64_t n_out = shapes[p][0], k = shapes[p][1];
+    TORCH_CHECK(max_block_rows >= 0, name, "'s max_block_rows must be >= 0, got ", max_block_rows);
+    TORCH_CHECK(codes.dim() == 2 && codes.size(0) == n_out, name, "'s codes must have ", n_out,
+                " rows, got shape ", codes.sizes());
+    if (block_panels)
+      check_block_panels(codes, scale, minimum, (name + " block panels' ").c_str(), dtype, n_out,
+                         k);
+    else
+      check_blocks(codes, scale, minimum, (name + " blocks' ").c_str(), k);
+    TORCH_CHECK(int8_codes.has_value() == int8_scale.has_value() &&
+                    int8_codes.has_value() == int8_minimum.has_value(),
+                name, "'s Int8Panels come as codes, scale and minimum together");
+    TORCH_CHECK(!(panels && int8_codes), name, " takes panels or Int8Panels, not both");
+    TORCH_CHECK(int8_codes || !(exact || exact_weights), name,
+                "'s exact channels come with Int8Panels");
+    Weight weight{data<const uint8_t>(codes), data<const float>(scale),
+                  data<const float>(minimum), nullptr, Int8Weight{}, n_out, max_block_rows,
+                  block_panels ? 1 : 0};
+    tensors.insert(tensors.end(), {codes, scale, minimum});
+    if (panels) {
+      check_panels(*panels, (name + "'s panels").c_str(), dtype, n_out, k);
+      weight.panels = panels->data_ptr();
+      tensors.push_back(*panels);
+    } else if (int8_codes) {
+      weight.int8 = int8_weight(*int8_codes, *int8_scale, *int8_minimum, exact, exact_weights,
+                                n_out, k, (name + "'s Int8Panels' ").c_str());
+      for (const auto* t : {&int8_codes, &int8_scale, &int8_minimum, &exact, &exact_weights})
+        if (t->has_value()) tensors.push_back(**t);
+    } else if (max_rows_ < 0 || max_block_rows < max_rows_) {
+      max_rows_ = max_block_rows;
+    }
+    Weight* slots[4] = {&w.qkv, &w.o, &w.gate_up, &w.down};
+    *slots[p] = weight;
+    ++projections_;
   }
 
   // Layer `layer`'s LoRA stacks (layers/lora.py), a and b per projection in qkv, o, gate_up,
@@ -659,10 +661,9 @@ struct DecodeLayers : torch::CustomClassHolder {
     const int64_t q_size = w.num_heads * w.head_dim;
     const int64_t sizes[4][2] = {{w.hidden, w.qkv.n_out}, {q_size, w.hidden},
                                  {w.hidden, 2 * w.intermediate}, {w.intermediate, w.hidden}};
-    const char* names[4] = {"qkv", "o", "gate_up", "down"};
     int64_t slots = lora_slots_;
     for (int p = 0; p < 4; ++p) {
-      const std::string name = names[p];
+      const std::string name = kProjections[p];
       const Tensor& a = stacks[2 * p];
       const Tensor& b = stacks[2 * p + 1];
       TORCH_CHECK(a.dim() == 3, name, "'s a must be 3-D [slots, rank, in], got shape ", a.sizes());
@@ -681,6 +682,7 @@ struct DecodeLayers : torch::CustomClassHolder {
 
   int64_t max_rows() const { return max_rows_; }
   int64_t num_layers() const { return static_cast<int64_t>(layers.size()); }
+  bool complete() const { return projections_ == 4; }
   bool has_lora() const {
     for (const LayerWeights& w : layers)
       if (!w.lora[0].a) return false;
@@ -689,6 +691,7 @@ struct DecodeLayers : torch::CustomClassHolder {
 
   std::vector<std::vector<Tensor>> lora_tensors;  // per layer, what set_lora took
   int64_t lora_slots_ = -1;  // the stacks' slots, once set
+  int64_t projections_ = 4;  // the last layer's projections added so far
 };
 
 void decode_layers_op(const c10::intrusive_ptr<DecodeLayers>& weights, const Tensor& x,
@@ -700,6 +703,7 @@ void decode_layers_op(const c10::intrusive_ptr<DecodeLayers>& weights, const Ten
                    const std::vector<int64_t>& lora_widths) {
   const auto& layers = weights->layers;
   TORCH_CHECK(!layers.empty(), "weights holds no layers");
+  TORCH_CHECK(weights->complete(), "the last layer of weights lacks projections");
   const LayerWeights& first = layers[0];
   TORCH_CHECK(x.dim() == 2, "x must be 2-D [tokens, hidden], got shape ", x.sizes());
   const int64_t rows = x.size(0);
@@ -768,6 +772,7 @@ TORCH_LIBRARY(CONVEYOR_OPS_NAMESPACE, m) {
   m.class_<DecodeLayers>("DecodeLayers")
       .def(torch::init<>())
       .def("add_layer", &DecodeLayers::add_layer)
+      .def("add_projection", &DecodeLayers::add_projection)
       .def("set_lora", &DecodeLayers::set_lora)
       .def("has_lora", &DecodeLayers::has_lora)
       .def("max_rows", &DecodeLayers::max_rows)

@@ -25,8 +25,8 @@
 //   new_k/new_v:  [num_tokens, num_kv_heads, head_dim], row strides k_stride/v_stride, or null;
 //                 written to cache rows slot_mapping[t] ([num_tokens] int64) first
 //
-// Compiled into ops.cpp's torch operators by conveyor/model/kernels/build.py with the system
-// C++ compiler and OpenMP. The OpenMP runtime is the one torch already loaded (same soname).
+// Entry point in paged_attention.h; ops.cpp makes it a torch operator, build.py builds both with
+// the system C++ compiler and OpenMP (the runtime torch already loaded: the same soname).
 
 #include <algorithm>
 #include <atomic>
@@ -38,6 +38,7 @@
 #include "attention_keys.h"
 #include "attention_tile.h"
 #include "dispatch.h"
+#include "paged_attention.h"
 #include "vec.h"
 
 namespace {
@@ -147,17 +148,6 @@ void attend(T* out, const T* q, const C* k_cache, const C* v_cache, const int32_
   }
 }
 
-// This step's keys and values, [num_tokens, num_kv_heads, head_dim], rows *_stride apart: written
-// to cache row slots[t] before any token attends (a prefill chunk's tokens read each other's),
-// rounded to the cache's type. k == nullptr: the caller has written them.
-template <typename T>
-struct NewKV {
-  const T* k = nullptr;
-  const T* v = nullptr;
-  int64_t k_stride = 0, v_stride = 0;
-  const int64_t* slots = nullptr;
-};
-
 template <typename T, typename C>
 void copy_row(C* dst, const T* src, int64_t n) {  // n: a multiple of kLanes
   for (int64_t e = 0; e < n; e += kLanes) store(load(src + e), dst + e);
@@ -208,7 +198,11 @@ std::vector<Task> plan_tasks(const int32_t* token_seqs, const int32_t* context_l
   return tasks;
 }
 
-template <typename T, typename C = T>
+}  // namespace
+
+namespace conveyor {
+
+template <typename T, typename C>
 void paged_attention(T* out, const T* q, C* k_cache, C* v_cache, NewKV<T> new_kv,
                      const int32_t* block_tables, const int32_t* token_seqs,
                      const int32_t* context_lens, int64_t num_tokens, int64_t num_heads,
@@ -310,4 +304,18 @@ void paged_attention(T* out, const T* q, C* k_cache, C* v_cache, NewKV<T> new_kv
   }
 }
 
-}  // namespace
+template void paged_attention<float, float>(float*, const float*, float*, float*, NewKV<float>,
+                                            const int32_t*, const int32_t*, const int32_t*,
+                                            int64_t, int64_t, int64_t, int64_t, int64_t, int64_t,
+                                            int64_t, float, int, bool);
+template void paged_attention<float, uint16_t>(float*, const float*, uint16_t*, uint16_t*,
+                                               NewKV<float>, const int32_t*, const int32_t*,
+                                               const int32_t*, int64_t, int64_t, int64_t, int64_t,
+                                               int64_t, int64_t, int64_t, float, int, bool);
+template void paged_attention<uint16_t, uint16_t>(uint16_t*, const uint16_t*, uint16_t*,
+                                                  uint16_t*, NewKV<uint16_t>, const int32_t*,
+                                                  const int32_t*, const int32_t*, int64_t,
+                                                  int64_t, int64_t, int64_t, int64_t, int64_t,
+                                                  int64_t, float, int, bool);
+
+}  // namespace conveyor

@@ -19,11 +19,13 @@
 // to 192 x K) stay in L2 while the panels pass. It outran oneDNN's packed GEMM in float32 on
 // AVX2 and in bf16 on AVX512-BF16 (without AMX) from one row to thousands (docs/performance.md).
 //
-// Built and loaded as ops.cpp's torch operators (build.py).
+// Entry points in panel_gemm.h; ops.cpp makes them torch operators (build.py builds both).
 
 #include <algorithm>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
+#include <type_traits>
 
 #ifdef __AVX2__
 #include <immintrin.h>
@@ -31,12 +33,12 @@
 
 #include "dispatch.h"
 #include "madd_step.h"
+#include "panel_gemm.h"
 #include "vec.h"
 
 namespace {
 
 using namespace conveyor;
-constexpr int kPanel = 2 * kLanes;
 constexpr int kRows = 6;  // bf16 on Zen 4: 4, 8 and 12 rows measured no better
 constexpr int64_t kBlockRows = 32 * kRows;
 // Below this many rows a matmul is bound by reading W, and prefetching the next panel on top of
@@ -121,13 +123,6 @@ void gemm(typename F::T* y, const typename F::T* x, const typename F::T* packed,
 //   (high);
 // * float32, a step = one k: kPanel codes, output j; 4-bit: byte t holds outputs t and
 //   kLanes + t (one vector's worth each).
-struct BlockPanel {
-  const uint8_t* codes;
-  const float* scale;
-  const float* minimum;  // null: 8-bit
-  int64_t blocks;  // K / 32
-};
-
 #ifdef __AVX512F__
 inline __m128i load16(const uint8_t* p) { return _mm_loadu_si128((const __m128i*)p); }
 // A float vector's worth of codes (kLanes bytes) as int32 lanes.
@@ -269,8 +264,8 @@ void block_gemm(typename F::T* y, const typename F::T* x, const BlockPanel& w, i
 }
 
 template <class F>
-void block_panel_gemm(typename F::T* y, const typename F::T* x, const BlockPanel& w, int64_t m,
-                      int64_t n, int64_t k, int num_threads) {
+void block_panels(typename F::T* y, const typename F::T* x, const BlockPanel& w, int64_t m,
+                  int64_t n, int64_t k, int num_threads) {
   if (w.minimum)
     block_gemm<F, true>(y, x, w, m, n, k, num_threads);
   else
@@ -279,3 +274,41 @@ void block_panel_gemm(typename F::T* y, const typename F::T* x, const BlockPanel
 #endif  // __AVX2__
 
 }  // namespace
+
+namespace conveyor {
+
+// A build without bf16 (or without AVX2, for BlockPanels) aborts there: ops.cpp and the Python
+// side never call it so.
+
+template <typename T>
+void panel_gemm(T* y, const T* x, const T* packed, int64_t m, int64_t n, int64_t k,
+                int num_threads) {
+  if constexpr (std::is_same_v<T, float>) return gemm<F32>(y, x, packed, m, n, k, num_threads);
+#ifdef __AVX512BF16__
+  else return gemm<BF16>(y, x, packed, m, n, k, num_threads);
+#endif
+  std::abort();
+}
+
+template <typename T>
+void block_panel_gemm(T* y, const T* x, const BlockPanel& w, int64_t m, int64_t n, int64_t k,
+                      int num_threads) {
+#ifdef __AVX2__
+  if constexpr (std::is_same_v<T, float>) return block_panels<F32>(y, x, w, m, n, k, num_threads);
+#endif
+#ifdef __AVX512BF16__
+  else return block_panels<BF16>(y, x, w, m, n, k, num_threads);
+#endif
+  std::abort();
+}
+
+template void panel_gemm<float>(float*, const float*, const float*, int64_t, int64_t, int64_t,
+                                int);
+template void panel_gemm<uint16_t>(uint16_t*, const uint16_t*, const uint16_t*, int64_t, int64_t,
+                                   int64_t, int);
+template void block_panel_gemm<float>(float*, const float*, const BlockPanel&, int64_t, int64_t,
+                                      int64_t, int);
+template void block_panel_gemm<uint16_t>(uint16_t*, const uint16_t*, const BlockPanel&, int64_t,
+                                         int64_t, int64_t, int);
+
+}  // namespace conveyor

@@ -1,8 +1,16 @@
-"""Linear layer whose weight is held by one ``LinearMethod`` (the format and the kernel that
-multiplies it, chosen once at load by ``conveyor.model.device.select_kernels``), with an
-optional quantized copy for small batches.
+"""``Linear``: y = x W^T (+ b), W held by one ``LinearMethod`` (a weight format and the kernel
+that multiplies it), through a load's lifecycle as vLLM's linear methods go:
 
-The methods, one per weight format and CPU capability (vLLM's ``quant_method`` idea):
+1. the weights are created: ``__init__`` makes the dense [out, in] Parameter every checkpoint
+   loads into and names the parts of a stacked projection (``shards``: q/k/v, gate/up);
+2. ``load`` copies one checkpoint tensor into its rows, and keeps the file's own quantized
+   blocks where it has them (GGUF; ``layers/quantized.py``);
+3. ``process_weights_after_loading`` lays the weight out in the format this device runs
+   (``layers/formats.py``, from ``conveyor.model.device.select_kernels``' plan), which replaces
+   the dense Parameter, so memory is not doubled;
+4. ``forward`` is the method's ``apply``, plus LoRA adapters' updates (``layers/lora.py``).
+
+The formats of a dense weight, one per CPU capability (vLLM's ``quant_method`` idea):
 
 * ``DenseMethod``: the [out, in] weight and ``F.linear`` (GPUs, CPUs without a better path).
 * ``PanelMethod``: column panels for the C++ GEMM of ``kernels/panel_gemm.cpp``, float32, and
@@ -10,21 +18,16 @@ The methods, one per weight format and CPU capability (vLLM's ``quant_method`` i
   (docs/performance.md).
 * ``OneDnnMethod``: bf16 on CPUs with AMX (oneDNN's AMX GEMM beats the panels) or native bf16
   without AVX512-BF16, and float32 without a C++ compiler: oneDNN's packed layout, made once.
-* ``Int8PanelMethod``: a bf16 model's GGUF 4-bit or 8-bit blocks as ``Int8Panels``
-  (``kernels/int8_gemm.cpp``, AVX512-VNNI), activations rounded to 8 bits per block of 32
-  (docs/performance.md).
 
-Each replaces the dense weight, so memory is not doubled; ``dense_weight()`` gives the
-[out, in] matrix back. ``decode_parts()`` is what the one-call decode path
-(``kernels/decode_layer.cpp``) multiplies by above the blocks' rows, where the method has it.
-
-When the checkpoint stored the weight as blocks (GGUF Q4_0 / Q4_1 / Q8_0), ``quantized`` holds
-them too (``layers/quantized.py``) and serves calls of up to its ``max_tokens`` rows, where
-reading the weight dominates and the blocks are fewer bytes. ``lora`` adds LoRA adapters'
-updates to the output (``layers/lora.py``).
+A checkpoint's blocks get ``layers/block_method.py``'s formats, which multiply them as stored
+at small batches.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from itertools import accumulate
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -32,16 +35,15 @@ from torch import nn
 
 from conveyor.model.kernels.panel_gemm import pack_panels, panel_gemm, unpack_panels
 from conveyor.model.layers.lora import LoRALayer
-from conveyor.model.layers.quantized import (
-    BlockPanels,
-    Int4Blocks,
-    Int8Blocks,
-    Int8Panels,
-    NibbleInt4,
-)
+from conveyor.model.layers.parameters import load_rows, new_parameter
+from conveyor.model.layers.quantized import Blocks
+
+if TYPE_CHECKING:
+    from conveyor.model.kernels.decode_layer import DecodeProjection
+    from conveyor.model.layers.embedding import VocabEmbedding
 
 
-def _bytes(*tensors: torch.Tensor) -> int:
+def nbytes(*tensors: torch.Tensor) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
@@ -60,17 +62,22 @@ class LinearMethod:
         raise NotImplementedError
 
     def nbytes(self) -> int:
+        """Bytes of the weight as held."""
         raise NotImplementedError
 
-    def decode_parts(self) -> list[torch.Tensor] | None:
-        """The tensors ``kernels/decode_layer.cpp`` multiplies by in this format, or None where
-        it has no kernel for it."""
+    def bytes_read(self, rows: int) -> int:
+        """Bytes of weight a call with ``rows`` rows reads."""
+        return self.nbytes()
+
+    def decode_projection(self) -> DecodeProjection | None:
+        """The weight as ``kernels/decode_layer.cpp`` multiplies it, or None where it has no
+        kernel for this format."""
         return None
 
 
 class DenseMethod(LinearMethod):
     """The [out, in] weight as it is, through ``F.linear``. It holds the layer's Parameter
-    itself, so that loading and ``.to()`` (which change its data) reach it."""
+    itself, so that ``.to()`` (which changes its data) reaches it."""
 
     def __init__(self, weight: nn.Parameter) -> None:
         self.weight = weight
@@ -90,7 +97,7 @@ class DenseMethod(LinearMethod):
         return self.weight
 
     def nbytes(self) -> int:
-        return _bytes(self.weight)
+        return nbytes(self.weight)
 
 
 class PanelMethod(LinearMethod):
@@ -108,10 +115,7 @@ class PanelMethod(LinearMethod):
         return unpack_panels(self.panels, self.out_features)
 
     def nbytes(self) -> int:
-        return _bytes(self.panels)
-
-    def decode_parts(self) -> list[torch.Tensor]:
-        return [self.panels]
+        return nbytes(self.panels)
 
 
 PACK_BATCH_HINT = 64  # batch size oneDNN tunes the packed layout for
@@ -141,97 +145,78 @@ class OneDnnMethod(LinearMethod):
         return self.packed.to_dense()
 
     def nbytes(self) -> int:
-        return _bytes(self.packed)
-
-
-class Int8PanelMethod(LinearMethod):
-    """A GGUF file's blocks as ``Int8Panels`` (``kernels/int8_gemm.cpp``); ``dtype``: the
-    activations' (what ``dense_weight`` gives)."""
-
-    def __init__(self, panels: Int8Panels, dtype: torch.dtype) -> None:
-        self.int8, self.dtype = panels, dtype
-        self.out_features = panels.n_out
-
-    def apply(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        y = self.int8.matmul(x)
-        return y if bias is None else y.add_(bias)
-
-    def dense_weight(self) -> torch.Tensor:
-        return self.int8.dequantize().to(self.dtype)
-
-    def nbytes(self) -> int:
-        return self.int8.nbytes()
-
-    def decode_parts(self) -> list[torch.Tensor]:
-        p = self.int8
-        return [p.codes, p.scale, p.min] + ([] if p.exact is None else [p.exact, p.exact_weights])
+        return nbytes(self.packed)
 
 
 class Linear(nn.Module):
-    def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
+    def __init__(self, in_features: int, out_features: int, bias: bool = False,
+                 shards: Mapping[str, int] | None = None) -> None:
+        """``shards``: a stacked projection's parts, by their checkpoint names, and their
+        output sizes, in order (q/k/v, gate/up); None: one part, unnamed."""
         super().__init__()
-        self.weight: nn.Parameter | None = nn.Parameter(torch.empty(out_features, in_features),
-                                                        requires_grad=False)
-        self.bias = (nn.Parameter(torch.empty(out_features), requires_grad=False) if bias
-                     else None)
-        self.out_features = out_features
+        sizes = dict(shards or {None: out_features})
+        ends = list(accumulate(sizes.values()))
+        if ends[-1] != out_features:
+            raise ValueError(f"shards {sizes} do not add up to {out_features} outputs")
+        self.shards: dict[str | None, tuple[int, int]] = {
+            name: (end - size, end) for (name, size), end in zip(sizes.items(), ends, strict=True)}
+        self.in_features, self.out_features = in_features, out_features
+        self.weight: nn.Parameter | None = new_parameter(out_features, in_features)
+        self.bias = new_parameter(out_features, zero=True) if bias else None
+        # the checkpoint's blocks of each shard, until process_weights_after_loading
+        self.blocks: dict[str | None, Blocks] = {}
         self.method: LinearMethod = DenseMethod(self.weight)
-        # serves up to its max_tokens rows (BlockPanels: deterministic inference)
-        self.quantized: NibbleInt4 | Int8Blocks | BlockPanels | None = None
         self.lora: LoRALayer | None = None  # LoRA adapters' updates (model.enable_lora)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.quantized is not None and x.shape[0] <= self.quantized.max_tokens:
-            y = self.quantized.matmul(x)
-            if self.bias is not None:
-                y = y + self.bias
-        else:
-            y = self.method.apply(x, self.bias)
+        y = self.method.apply(x, self.bias)
         return y if self.lora is None else self.lora.apply(x, y)
 
-    def weight_bytes(self, rows: int) -> int:
-        """Bytes of weight a call with ``rows`` rows reads."""
-        if self.quantized is not None and rows <= self.quantized.max_tokens:
-            return self.quantized.nbytes()
-        return self.method.nbytes()
+    def load(self, param: str, shard: str | None, tensor: torch.Tensor,
+             blocks: Blocks | None = None) -> None:
+        """Copy a checkpoint tensor into ``param``'s rows of ``shard`` (a bias the layer lacks is
+        made, zero where no shard fills it); ``blocks``: the file's own blocks of a weight."""
+        start, stop = self.shards[shard]
+        if param == "bias" and self.bias is None:
+            self.bias = new_parameter(self.out_features, zero=True)
+        load_rows(self.bias if param == "bias" else self.weight, start, stop, tensor)
+        if blocks is not None and param == "weight":
+            if blocks.codes.shape[0] != stop - start:
+                raise ValueError(f"blocks of {blocks.codes.shape[0]} rows for {stop - start}")
+            self.blocks[shard] = blocks
 
-    def dense_weight(self) -> torch.Tensor:
-        """The weight as an [out, in] matrix, whatever its format."""
-        return self.method.dense_weight()
+    def tie(self, embedding: VocabEmbedding) -> None:
+        """Share a (tied) embedding's dense weight and checkpoint blocks, until
+        ``process_weights_after_loading`` lays out a copy of its own."""
+        self.weight = embedding.weight
+        self.blocks = embedding.blocks
+        self.method = DenseMethod(self.weight)
 
-    def share_weight(self, weight: nn.Parameter) -> None:
-        """Use ``weight`` (a tied embedding) as this layer's dense weight."""
-        self.weight = weight
-        self.method = DenseMethod(weight)
+    def process_weights_after_loading(
+            self, choose: Callable[[nn.Parameter, Blocks | None], LinearMethod]) -> None:
+        """Lay the loaded weight out in the format ``choose`` gives for it and for the
+        checkpoint's blocks, where every shard came as blocks of one kind (else None):
+        ``layers/formats.py``'s ``linear_format``. Inference only, after ``.to()``."""
+        parts = [self.blocks.get(name) for name in self.shards]
+        kinds = {type(p) for p in parts}
+        blocks = kinds.pop().cat(parts) if None not in parts and len(kinds) == 1 else None
+        self.blocks = {}
+        self.set_method(choose(self.weight, blocks))
 
     def set_method(self, method: LinearMethod) -> None:
-        """Hold the weight in ``method``'s format from now on (inference only, after ``.to()``);
-        the dense Parameter is dropped, so memory is not doubled."""
+        """Hold the weight in ``method``'s format from now on; a format other than
+        ``DenseMethod`` drops the dense Parameter."""
         if method.out_features != self.out_features:
             raise ValueError(f"method has {method.out_features} outputs for a "
                              f"{self.out_features}-output layer")
         self.method = method
-        self.weight = None
+        if not isinstance(method, DenseMethod):
+            self.weight = None
 
-    def prepack(self, method: type[LinearMethod]) -> None:
-        """Lay the dense weight out in ``method``'s format (``PanelMethod``, ``OneDnnMethod``);
-        a layer that already left its dense weight keeps its format."""
-        if not isinstance(self.method, DenseMethod):
-            return
-        if method is DenseMethod:
-            return
-        if method not in (PanelMethod, OneDnnMethod):
-            raise ValueError(f"method must be PanelMethod or OneDnnMethod, got {method!r}")
-        self.set_method(method(self.weight.data))
+    def weight_bytes(self, rows: int) -> int:
+        """Bytes of weight a call with ``rows`` rows reads."""
+        return self.method.bytes_read(rows)
 
-    def use_int8_panels(self, blocks: Int4Blocks | Int8Blocks,
-                        exact: torch.Tensor | None = None) -> int:
-        """Serve calls above the blocks' rows from ``Int8Panels`` of the checkpoint's ``blocks``
-        (``exact``: input channels kept out of the rounding) instead of the current format.
-        Returns the bytes added."""
-        if blocks.codes.shape[0] != self.out_features:
-            raise ValueError(f"blocks of {blocks.codes.shape[0]} outputs for a "
-                             f"{self.out_features}-output layer")
-        method = Int8PanelMethod(Int8Panels.pack(blocks, exact), self.method.dtype)
-        self.set_method(method)
-        return method.nbytes()
+    def dense_weight(self) -> torch.Tensor:
+        """The weight as an [out, in] matrix, whatever its format."""
+        return self.method.dense_weight()

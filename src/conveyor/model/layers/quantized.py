@@ -6,8 +6,8 @@
 
 Why: at one to a few tokens a matmul is bound by reading its weights, and 4-bit codes are 2.7x
 fewer bytes than bf16, 5.3x fewer than float32 (float32 scales and minima included); 8-bit ones
-1.8x and 3.6x fewer. At larger batches the dense GEMM wins, so ``Linear`` keeps both and picks
-per call (up to ``max_tokens`` rows, the blocks).
+1.8x and 3.6x fewer. At larger batches the dense GEMM wins, so ``layers/block_method.py``'s
+``BlockMethod`` keeps both and picks per call (up to ``max_tokens`` rows, the blocks).
 
 Both run in the file's own byte order through ``kernels/block_matmul.cpp``, with float32 or bf16
 activations, so their weights are exactly the file's (``d``, ``m`` held as float32).
@@ -88,6 +88,9 @@ class Int8Blocks:
         return sum(t.numel() * t.element_size() for t in (self.codes, self.scale))
 
 
+Blocks = Int4Blocks | Int8Blocks  # a weight as a GGUF file stores it
+
+
 def _check_input_size(k: int) -> None:
     if k % GROUP:
         raise ValueError(f"block weights need an input size divisible by {GROUP}, got {k}")
@@ -97,7 +100,7 @@ def _check_input_size(k: int) -> None:
 BF16_MAX_TOKENS = 4
 
 
-def pack_blocks(blocks: Int4Blocks | Int8Blocks, dtype: torch.dtype,
+def pack_blocks(blocks: Blocks, dtype: torch.dtype,
                 deterministic: bool = False) -> NibbleInt4 | Int8Blocks | BlockPanels:
     """The blocks laid out for ``block_matmul`` with activations of ``dtype``. ``deterministic``:
     as ``BlockPanels``, whose products equal the dense panels' bit for bit; where those cannot
@@ -132,11 +135,11 @@ class BlockPanels:
     max_tokens: int = 12
 
     @staticmethod
-    def fits(blocks: Int4Blocks | Int8Blocks, dtype: torch.dtype) -> bool:
+    def fits(blocks: Blocks, dtype: torch.dtype) -> bool:
         return block_panel_gemm_available(dtype) and blocks.codes.shape[0] % panel_width() == 0
 
     @staticmethod
-    def pack(blocks: Int4Blocks | Int8Blocks, dtype: torch.dtype,
+    def pack(blocks: Blocks, dtype: torch.dtype,
              width: int | None = None) -> BlockPanels:
         """``width``: outputs per panel, the native build's ``panel_width()`` unless given."""
         n, k = blocks.codes.shape
@@ -166,12 +169,6 @@ class BlockPanels:
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         return block_panel_gemm(x, self.codes, self.scale, self.min)
 
-    def decode_parts(self) -> list[torch.Tensor]:
-        """What ``kernels/decode_layer.cpp`` multiplies by up to ``max_tokens`` rows (4-bit
-        only: ``min`` is not None)."""
-        assert self.min is not None, "decode layers take 4-bit block panels only"
-        return [self.codes, self.scale, self.min]
-
     def nbytes(self) -> int:
         parts = [self.codes, self.scale] + ([] if self.min is None else [self.min])
         return sum(t.numel() * t.element_size() for t in parts)
@@ -198,10 +195,6 @@ class NibbleInt4:
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         return block_matmul(x, self.codes, self.scale, self.min)
 
-    def decode_parts(self) -> list[torch.Tensor]:
-        """What ``kernels/decode_layer.cpp`` multiplies by up to ``max_tokens`` rows."""
-        return [self.codes, self.scale, self.min]
-
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.codes, self.scale, self.min))
 
@@ -224,7 +217,7 @@ class Int8Panels:
     exact_weights: torch.Tensor | None = None  # [panels, E / 2, 32, 2] bf16: W[32p + j, exact[2i + e]]
 
     @staticmethod
-    def pack(blocks: Int4Blocks | Int8Blocks, exact: torch.Tensor | None = None) -> Int8Panels:
+    def pack(blocks: Blocks, exact: torch.Tensor | None = None) -> Int8Panels:
         """4-bit: the file's codes and minima; 8-bit: codes + 128 (unsigned) and m = -128 d.
         ``exact``: an even number of distinct input channels to keep exact."""
         n, k = blocks.codes.shape

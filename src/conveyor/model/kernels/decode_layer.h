@@ -1,0 +1,72 @@
+// Every Llama decoder layer of a decode step in one call (decode_layer.cpp): a layer's weights
+// as the kernels take them, and one layer's step. T is float, or bf16 stored as uint16_t.
+
+#pragma once
+
+#include <cstdint>
+#include <memory>
+
+#include "int8_gemm.h"
+
+namespace conveyor {
+
+struct Weight {  // a projection [n_out, k]: 4-bit as NibbleInt4 or BlockPanels holds it, and its panels
+  const uint8_t* codes;
+  const float* scale;
+  const float* minimum;
+  const void* panels;  // pack_panels' layout in the activations' type; null: none
+  Int8Weight int8;  // Int8Panels; codes null: none
+  int64_t n_out;
+  int64_t max_block_rows;  // rows up to which the blocks serve (NibbleInt4.max_tokens)
+  int64_t block_panels;  // nonzero: codes, scale and minimum are BlockPanels (panel_gemm.cpp)
+};
+
+struct LoraStack {  // a projection's adapters: lora.cpp's a [slots, rank, in], b [slots, rank, out]
+  const float* a = nullptr;  // null: no LoRA
+  const float* b = nullptr;
+  int64_t rank = 0;
+};
+
+struct LayerWeights {
+  const void* input_norm;  // [hidden] in the activations' type, as post_norm
+  const void* post_norm;
+  Weight qkv, o, gate_up, down;
+  int64_t hidden, num_heads, num_kv_heads, head_dim, intermediate;
+  float eps;
+  LoraStack lora[4] = {};  // qkv, o, gate_up, down
+};
+
+struct LoraStep {  // a step's rows under adapters
+  const int32_t* slots = nullptr;  // [rows] slot of each row; null: no LoRA this step
+  const int64_t* widths = nullptr;  // of the layer's four stacks, the rows of rank in use
+  int64_t num_slots = 0;
+};
+
+// A layer's intermediate activations, allocated once per call for all layers (which share their
+// sizes) and left uninitialized: every element is written before it is read, so zeroing them
+// would be a wasted pass over memory per layer.
+template <typename T>
+struct Activations {
+  std::unique_ptr<T[]> h, qkv, qk, attn, proj, gate_up, act;
+  QuantizedRows quantized;  // the int8 GEMM's rounded inputs
+  Activations(const LayerWeights& w, int64_t rows)
+      : h(new T[rows * w.hidden]),
+        qkv(new T[rows * w.qkv.n_out]),
+        qk(new T[rows * (w.num_heads + w.num_kv_heads) * w.head_dim]),
+        attn(new T[rows * w.num_heads * w.head_dim]),
+        proj(new T[rows * w.hidden]),
+        gate_up(new T[rows * 2 * w.intermediate]),
+        act(new T[rows * w.intermediate]) {}
+};
+
+// One layer, in T (float, or bf16 stored as uint16_t). x, out: [rows, hidden] (out may be x);
+// residual: [rows, hidden], updated in place; cos, sin: [rows, head_dim]; caches: [num_blocks,
+// block_size, num_kv_heads, head_dim]; slot_mapping: [rows] flat cache rows.
+template <typename T>
+void decode_layer(const LayerWeights* w, T* out, const T* x, T* residual, int64_t rows,
+                  const T* cos, const T* sin, T* k_cache, T* v_cache, int64_t block_size,
+                  const int64_t* slot_mapping, const int32_t* block_tables,
+                  const int32_t* context_lens, int64_t max_blocks, float scale,
+                  Activations<T>& a, int num_threads, bool deterministic, const LoraStep& lora);
+
+}  // namespace conveyor

@@ -1,0 +1,90 @@
+"""The formats of a weight a GGUF file stores as blocks (``layers/quantized.py``):
+
+* ``BlockMethod``: the file's blocks, multiplied as stored, serve calls of up to their
+  ``max_tokens`` rows, where reading the weight dominates and the blocks are fewer bytes; another
+  format (a dense one, or ``Int8PanelMethod``) serves the larger calls. The row-count switch
+  lives here, and only here.
+* ``Int8PanelMethod``: a bf16 model's blocks as ``Int8Panels`` (``kernels/int8_gemm.cpp``,
+  AVX512-VNNI), activations rounded to 8 bits per block of 32 (docs/performance.md).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from conveyor.model.kernels.decode_layer import DecodeProjection
+from conveyor.model.layers.linear import LinearMethod, PanelMethod
+from conveyor.model.layers.quantized import (
+    BlockPanels,
+    Blocks,
+    Int8Panels,
+    NibbleInt4,
+    pack_blocks,
+)
+
+
+class Int8PanelMethod(LinearMethod):
+    """A GGUF file's blocks as ``Int8Panels``; ``dtype``: the activations' (what
+    ``dense_weight`` gives)."""
+
+    def __init__(self, panels: Int8Panels, dtype: torch.dtype) -> None:
+        self.int8, self.dtype = panels, dtype
+        self.out_features = panels.n_out
+
+    @staticmethod
+    def pack(blocks: Blocks, dtype: torch.dtype,
+             exact: torch.Tensor | None = None) -> Int8PanelMethod:
+        """``exact``: input channels kept out of the rounding (``calibration.py``)."""
+        return Int8PanelMethod(Int8Panels.pack(blocks, exact), dtype)
+
+    def apply(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        y = self.int8.matmul(x)
+        return y if bias is None else y.add_(bias)
+
+    def dense_weight(self) -> torch.Tensor:
+        return self.int8.dequantize().to(self.dtype)
+
+    def nbytes(self) -> int:
+        return self.int8.nbytes()
+
+
+class BlockMethod(LinearMethod):
+    """The file's blocks (``pack_blocks``' layout for the activations' dtype) up to
+    ``max_tokens`` rows, ``large`` above them."""
+
+    def __init__(self, small: NibbleInt4 | BlockPanels | Blocks, large: LinearMethod) -> None:
+        self.small, self.large = small, large
+        self.max_tokens = small.max_tokens
+        self.out_features, self.dtype = large.out_features, large.dtype
+
+    @staticmethod
+    def pack(blocks: Blocks, large: LinearMethod, deterministic: bool = False) -> BlockMethod:
+        """``deterministic``: small batches get the large ones' bits (``pack_blocks``)."""
+        return BlockMethod(pack_blocks(blocks, large.dtype, deterministic), large)
+
+    def apply(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if x.shape[0] <= self.max_tokens:
+            y = self.small.matmul(x)
+            return y if bias is None else y + bias
+        return self.large.apply(x, bias)
+
+    def dense_weight(self) -> torch.Tensor:
+        return self.large.dense_weight()
+
+    def nbytes(self) -> int:
+        return self.small.nbytes() + self.large.nbytes()
+
+    def bytes_read(self, rows: int) -> int:
+        return self.small.nbytes() if rows <= self.max_tokens else self.large.bytes_read(rows)
+
+    def decode_projection(self) -> DecodeProjection | None:
+        """4-bit blocks only; above them the panels or ``Int8Panels``, where the large format is
+        one of those."""
+        small, large = self.small, self.large
+        if not (isinstance(small, NibbleInt4)
+                or (isinstance(small, BlockPanels) and small.min is not None)):
+            return None
+        return DecodeProjection(
+            small, isinstance(small, BlockPanels),
+            panels=large.panels if isinstance(large, PanelMethod) else None,
+            int8=large.int8 if isinstance(large, Int8PanelMethod) else None)

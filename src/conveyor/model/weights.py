@@ -1,0 +1,184 @@
+"""One table of a Llama-family checkpoint's tensors: each one's name in transformers' safetensors
+and in llama.cpp's GGUF, the parameter of ``LlamaForCausalLM`` it loads into (and its part of a
+stacked projection: q/k/v in ``qkv_proj``, gate/up in ``gate_up_proj``), and how tensor
+parallelism splits it (``layers/parallel.py``).
+
+Loaders look each tensor up here before reading it (``gguf_tensor``, ``hf_tensor``), so a rank
+reads, and for GGUF dequantizes, only its slice (``rank_slice``): its peak memory is about 1/N
+of the weights, not all of them. Shapes are [out, in] as transformers stores them.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from enum import Enum
+
+import torch
+
+from conveyor.model.layers.parallel import ShardPlan
+from conveyor.model.layers.quantized import Blocks
+
+
+class Split(Enum):
+    """Which part of a tensor a tensor-parallel rank holds: the rows or the columns of its
+    query heads, KV heads, intermediate columns or vocabulary range, all of it, or (a
+    row-parallel projection's bias, added once after the all-reduce) all of it on rank 0 only."""
+    REPLICATED = "replicated"
+    FIRST_RANK = "first rank"
+    VOCAB_ROWS = "vocab rows"
+    QUERY_ROWS = "query rows"
+    KV_ROWS = "kv rows"
+    INTER_ROWS = "intermediate rows"
+    QUERY_COLUMNS = "query columns"
+    INTER_COLUMNS = "intermediate columns"
+
+
+@dataclass(frozen=True)
+class WeightSpec:
+    """A checkpoint tensor (per layer, ``{i}`` stands for the layer's index)."""
+    hf: str  # transformers' name
+    gguf: str  # llama.cpp's name
+    module: str  # the module of LlamaForCausalLM that holds it
+    param: str  # "weight" or "bias"
+    shard: str | None = None  # its rows of a stacked projection (``Linear.shards``)
+    split: Split = Split.REPLICATED
+    # llama.cpp's converter interleaves the rope pairs of each head's rows (Llama's Q and K)
+    rope_permuted: bool = False
+    optional: bool = False  # a checkpoint may lack it (biases)
+
+
+_Q, _KV = Split.QUERY_ROWS, Split.KV_ROWS
+
+LAYER_WEIGHTS = (
+    WeightSpec("input_layernorm.weight", "attn_norm.weight", "input_norm", "weight"),
+    WeightSpec("post_attention_layernorm.weight", "ffn_norm.weight", "post_norm", "weight"),
+    WeightSpec("self_attn.q_proj.weight", "attn_q.weight", "qkv_proj", "weight", "q_proj", _Q,
+               rope_permuted=True),
+    WeightSpec("self_attn.k_proj.weight", "attn_k.weight", "qkv_proj", "weight", "k_proj", _KV,
+               rope_permuted=True),
+    WeightSpec("self_attn.v_proj.weight", "attn_v.weight", "qkv_proj", "weight", "v_proj", _KV),
+    WeightSpec("self_attn.q_proj.bias", "attn_q.bias", "qkv_proj", "bias", "q_proj", _Q,
+               rope_permuted=True, optional=True),
+    WeightSpec("self_attn.k_proj.bias", "attn_k.bias", "qkv_proj", "bias", "k_proj", _KV,
+               rope_permuted=True, optional=True),
+    WeightSpec("self_attn.v_proj.bias", "attn_v.bias", "qkv_proj", "bias", "v_proj", _KV,
+               optional=True),
+    WeightSpec("self_attn.o_proj.weight", "attn_output.weight", "o_proj", "weight",
+               split=Split.QUERY_COLUMNS),
+    WeightSpec("self_attn.o_proj.bias", "attn_output.bias", "o_proj", "bias",
+               split=Split.FIRST_RANK, optional=True),
+    WeightSpec("self_attn.q_norm.weight", "attn_q_norm.weight", "q_norm", "weight"),
+    WeightSpec("self_attn.k_norm.weight", "attn_k_norm.weight", "k_norm", "weight"),
+    WeightSpec("mlp.gate_proj.weight", "ffn_gate.weight", "gate_up_proj", "weight", "gate_proj",
+               Split.INTER_ROWS),
+    WeightSpec("mlp.up_proj.weight", "ffn_up.weight", "gate_up_proj", "weight", "up_proj",
+               Split.INTER_ROWS),
+    WeightSpec("mlp.down_proj.weight", "ffn_down.weight", "down_proj", "weight",
+               split=Split.INTER_COLUMNS),
+)
+MODEL_WEIGHTS = (
+    WeightSpec("model.embed_tokens.weight", "token_embd.weight", "embed_tokens", "weight",
+               split=Split.VOCAB_ROWS),
+    WeightSpec("model.norm.weight", "output_norm.weight", "norm", "weight"),
+    WeightSpec("lm_head.weight", "output.weight", "lm_head", "weight", split=Split.VOCAB_ROWS),
+)
+# Not a parameter: llama 3's rope frequency factors in a GGUF file, which the model is built with.
+ROPE_FREQS = "rope_freqs.weight"
+
+
+@dataclass(frozen=True)
+class CheckpointWeight:
+    """A checkpoint tensor found in the table: its spec and its layer (None: not a layer's)."""
+    spec: WeightSpec
+    layer: int | None = None
+
+    @property
+    def name(self) -> str:
+        """transformers' name, which messages use whatever the file."""
+        return self.spec.hf if self.layer is None else f"model.layers.{self.layer}.{self.spec.hf}"
+
+    @property
+    def module(self) -> str:
+        return self.spec.module if self.layer is None else f"layers.{self.layer}.{self.spec.module}"
+
+
+@dataclass
+class CheckpointTensor:
+    """One tensor as a loader read it: float32, this rank's slice, and the file's own blocks
+    where it stores them (GGUF Q4_0 / Q4_1 / Q8_0) and the loader was asked for them."""
+    weight: CheckpointWeight
+    dense: torch.Tensor
+    blocks: Blocks | None = None
+
+
+def _lookup(name: str, layer_prefix: re.Pattern, field: str) -> CheckpointWeight | None:
+    m = layer_prefix.fullmatch(name)
+    if m is not None:
+        found = [s for s in LAYER_WEIGHTS if getattr(s, field) == m.group(2)]
+        return CheckpointWeight(found[0], int(m.group(1))) if found else None
+    found = [s for s in MODEL_WEIGHTS if getattr(s, field) == name]
+    return CheckpointWeight(found[0]) if found else None
+
+
+_HF_LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
+_GGUF_LAYER = re.compile(r"blk\.(\d+)\.(.+)")
+
+
+def hf_tensor(name: str) -> CheckpointWeight | None:
+    """The table's entry for a transformers tensor name, None when it has none."""
+    return _lookup(name, _HF_LAYER, "hf")
+
+
+def gguf_tensor(name: str) -> CheckpointWeight | None:
+    """The table's entry for a GGUF tensor name, None when it has none."""
+    return _lookup(name, _GGUF_LAYER, "gguf")
+
+
+def checkpoint_weights(num_layers: int) -> list[CheckpointWeight]:
+    """Every entry of the table for a model of ``num_layers`` layers."""
+    return ([CheckpointWeight(s) for s in MODEL_WEIGHTS]
+            + [CheckpointWeight(s, i) for i in range(num_layers) for s in LAYER_WEIGHTS])
+
+
+@dataclass(frozen=True)
+class WeightSlice:
+    axis: int  # 0: output rows, 1: input columns
+    start: int
+    stop: int
+
+
+def rank_holds(spec: WeightSpec, plan: ShardPlan | None) -> bool:
+    """Whether ``plan``'s rank loads the tensor at all (a row-parallel bias: rank 0 only)."""
+    return plan is None or spec.split is not Split.FIRST_RANK or plan.rank == 0
+
+
+def rank_slice(spec: WeightSpec, plan: ShardPlan | None, head_dim: int) -> WeightSlice | None:
+    """The slice of the tensor that ``plan``'s rank holds; None for the whole tensor
+    (replicated, or no plan)."""
+    if plan is None or plan.size == 1 or spec.split in (Split.REPLICATED, Split.FIRST_RANK):
+        return None
+    q_start = plan.rank * plan.num_heads * head_dim
+    query = (q_start, q_start + plan.num_heads * head_dim)
+    i_start = plan.rank * plan.intermediate
+    intermediate = (i_start, i_start + plan.intermediate)
+    kv_start = plan.kv_head_start * head_dim
+    ranges = {
+        Split.VOCAB_ROWS: (0, (plan.vocab_start, plan.vocab_end)),
+        Split.QUERY_ROWS: (0, query),
+        Split.KV_ROWS: (0, (kv_start, kv_start + plan.num_kv_heads * head_dim)),
+        Split.INTER_ROWS: (0, intermediate),
+        Split.QUERY_COLUMNS: (1, query),
+        Split.INTER_COLUMNS: (1, intermediate),
+    }
+    axis, (start, stop) = ranges[spec.split]
+    return WeightSlice(axis, start, stop)
+
+
+def weight_slice(name: str, plan: ShardPlan | None, head_dim: int) -> WeightSlice | None:
+    """``rank_slice`` of the tensor named ``name`` by transformers (an adapter's A or B takes
+    its projection's)."""
+    found = hf_tensor(name)
+    if found is None:
+        raise ValueError(f"unknown weight {name!r}")
+    return rank_slice(found.spec, plan, head_dim)
