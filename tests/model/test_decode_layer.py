@@ -55,7 +55,7 @@ def quantized_layer(seed: int = 0, dtype: torch.dtype = torch.float32,
                                                                        generator=g)))
     layer.to(dtype)
     kernels = KernelPlan(linear=PanelMethod if large == "panels" else DenseMethod,
-                         block_weights=True, int8_panels=large == "int8", attention=True,
+                         block_weights=True, int8_panels=large == "int8", backend=BACKEND,
                          deterministic=deterministic)
     for linear in layer.projections:
         # exact channels where the model has them (calibration.py)

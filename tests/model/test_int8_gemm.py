@@ -7,6 +7,7 @@ from functools import partial
 import pytest
 import torch
 
+from conveyor.model.backends.sdpa import TorchBackend
 from conveyor.model.device import KernelPlan
 from conveyor.model.kernels.int8_gemm import int8_gemm_available
 from conveyor.model.layers.block_method import BlockMethod, Int8PanelMethod
@@ -99,7 +100,7 @@ def test_linear_on_int8_panels_serves_rows_above_its_blocks():
     linear.bias.data = torch.randn(40)
     linear.to(torch.bfloat16)
     kernels = KernelPlan(linear=PanelMethod, block_weights=True, int8_panels=True,
-                         attention=False)
+                         backend=TorchBackend(torch.device("cpu")))
     linear.process_weights_after_loading(partial(linear_format, kernels, int8=True))
     method = linear.method
     assert isinstance(method, BlockMethod) and isinstance(method.large, Int8PanelMethod)

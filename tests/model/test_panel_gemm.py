@@ -10,6 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from conveyor.model.backends.sdpa import TorchBackend
 from conveyor.model.device import KernelPlan
 from conveyor.model.kernels.panel_gemm import (
     pack_panels,
@@ -90,7 +91,8 @@ def test_linear_with_panels_equals_dense_linear_with_bias(dtype) -> None:
     x = torch.randn(9, 40).to(dtype)
     expected = F.linear(x.double(), layer.weight.double(), layer.bias.double())
     dense = layer.weight.data.clone()
-    plan = KernelPlan(linear=PanelMethod, block_weights=False, int8_panels=False, attention=False)
+    plan = KernelPlan(linear=PanelMethod, block_weights=False, int8_panels=False,
+                      backend=TorchBackend(torch.device("cpu")))
     layer.process_weights_after_loading(partial(linear_format, plan))
     assert isinstance(layer.method, PanelMethod) and layer.weight is None
     assert torch.equal(layer.dense_weight(), dense)

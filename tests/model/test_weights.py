@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from conveyor.model.backends.sdpa import TorchBackend
 from conveyor.model.config import ModelConfig
 from conveyor.model.layers.parallel import shard_plan
 from conveyor.model.llama import LlamaForCausalLM
@@ -21,6 +22,7 @@ from conveyor.model.weights import (
     rank_slice,
 )
 
+TORCH = TorchBackend(torch.device("cpu"))
 CFG = ModelConfig(name="tiny", architecture="llama", num_layers=2, hidden_size=64,
                   intermediate_size=96, num_heads=4, num_kv_heads=2, head_dim=16,
                   vocab_size=50, max_position_embeddings=64)
@@ -81,7 +83,7 @@ def _checkpoint(cfg: ModelConfig) -> list[CheckpointTensor]:
 
 
 def test_one_pass_fills_every_parameter_and_drops_unfilled_biases() -> None:
-    model = LlamaForCausalLM(CFG)
+    model = LlamaForCausalLM(CFG, TORCH)
     model.layers[0].qkv_proj.bias = torch.nn.Parameter(torch.zeros(128))
     tensors = _checkpoint(CFG)
     load_weights(model, tensors)
@@ -97,12 +99,12 @@ def test_a_bad_checkpoint_is_refused_by_name() -> None:
     tensors = _checkpoint(CFG)
     missing = [t for t in tensors if t.weight.name != "model.layers.1.mlp.up_proj.weight"]
     with pytest.raises(ValueError, match="'model.layers.1.mlp.up_proj.weight' is missing"):
-        load_weights(LlamaForCausalLM(CFG), missing)
+        load_weights(LlamaForCausalLM(CFG, TORCH), missing)
     q_norm = CheckpointTensor(hf_tensor("model.layers.0.self_attn.q_norm.weight"), torch.ones(16))
     with pytest.raises(ValueError, match="unexpected weight 'model.layers.0.self_attn.q_norm"):
-        load_weights(LlamaForCausalLM(CFG), tensors + [q_norm])  # a Llama layer has no q_norm
+        load_weights(LlamaForCausalLM(CFG, TORCH), tensors + [q_norm])  # a Llama layer has no q_norm
     wrong = [CheckpointTensor(t.weight, t.dense[:-1]) if t.weight.name.endswith("v_proj.weight")
              else t for t in tensors]
     with pytest.raises(ValueError, match=r"'model.layers.0.self_attn.v_proj.weight': got shape "
                                          r"\(31, 64\), expected \(32, 64\)"):
-        load_weights(LlamaForCausalLM(CFG), wrong)
+        load_weights(LlamaForCausalLM(CFG, TORCH), wrong)
