@@ -1,9 +1,9 @@
 """Load a model by name: the embedded SmolLM2 GGUF (default), any GGUF file, or an HF directory.
 
 A load is one pass over the checkpoint: each tensor is read (under tensor parallelism only this
-rank's slice), put where ``model/weights.py``'s table says and dropped before the next one is
-read. Then every projection gets this device's format (``Linear.process_weights_after_loading``)
-and the decode layers are fused where they can be.
+rank's slice) and put where ``model/weights.py``'s table says before the next one is read. Then
+every projection gets this device's format (``Linear.process_weights_after_loading``) and the
+decode layers are fused where they can be.
 """
 
 from __future__ import annotations
