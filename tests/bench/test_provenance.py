@@ -10,6 +10,7 @@ import os
 import platform
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -36,12 +37,13 @@ def _cpuinfo() -> tuple[str | None, set[str]]:
     return (models[0] if models else None), (flags[0] if flags else set())
 
 
-def test_a_fresh_scheduler_run_records_where_it_came_from(tmp_path):
+def test_a_fresh_scheduler_run_records_where_it_came_from(tmp_path, monkeypatch):
     out = tmp_path / "sched.json"
     before = datetime.datetime.now(datetime.timezone.utc).replace(microsecond=0)
-    assert cli_main(["bench", "scheduler", "--num-requests", "8", "--runs", "1",
-                     "--num-gpu-blocks", "200", "--policies", "chunked", "--json",
-                     str(out)]) == 0
+    argv = ["bench", "scheduler", "--num-requests", "8", "--runs", "1", "--num-gpu-blocks",
+            "200", "--policies", "chunked", "--json", str(out)]
+    monkeypatch.setattr(sys, "argv", ["conveyor", *argv])  # as the console script runs it
+    assert cli_main(argv) == 0
     after = datetime.datetime.now(datetime.timezone.utc)
     payload = json.loads(out.read_text())
     assert payload["command"].startswith("conveyor ")

@@ -7,6 +7,7 @@ runs its own shard of the same forward, and samples from the logits gathered ont
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Mapping
 from typing import Any
 
@@ -82,6 +83,14 @@ class ModelExecutor:
             "kv_cache_dtype": dtype_name(self.kv_cache_dtype),
             "deterministic": deterministic}, worker_process)
         self.tp = TensorParallel(0, size)
+
+    def __copy__(self) -> ModelExecutor:
+        """A second executor over the same loaded model, with a KV cache of its own once
+        ``initialize_cache`` runs (tests and benchmarks share one load this way)."""
+        other = object.__new__(ModelExecutor)
+        other.__dict__.update(self.__dict__)
+        other.runner = copy.copy(self.runner)
+        return other
 
     @property
     def kv_cache(self) -> KVCache | None:

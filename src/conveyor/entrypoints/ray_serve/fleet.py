@@ -17,7 +17,6 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
 from typing import Any
 
 from prometheus_client import CollectorRegistry, generate_latest
@@ -26,7 +25,9 @@ from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.samples import Sample
 
 from conveyor.core.sampling_params import SamplingParams
+from conveyor.core.stats import SchedulerStats
 from conveyor.engine.args import EngineArgs
+from conveyor.engine.stats import EngineStats
 from conveyor.entrypoints.openai.errors import APIError
 from conveyor.entrypoints.openai.state import ServerState
 from conveyor.entrypoints.ray_serve.stats import RouterStats
@@ -40,11 +41,6 @@ LORA_CALL_TIMEOUT_S = 120.0  # a replica reading an adapter's files
 LORA_SYNC_PERIOD_S = 1.0  # how often replicas that joined are given the fleet's adapters
 
 
-@dataclass
-class FleetStats:
-    num_total_blocks: int  # one replica's KV cache (all run the same engine flags)
-
-
 class FleetEngine:
     def __init__(self, handle: Any, info: dict[str, Any], router_stats: RouterStats) -> None:
         self.handle = handle
@@ -52,7 +48,9 @@ class FleetEngine:
         self.tokenizer = info["tokenizer"]
         self.model_config = info["model_config"]
         self.max_model_len = info["max_model_len"]
-        self.stats = FleetStats(info["num_total_blocks"])
+        # what the handlers read of an engine's stats: one replica's KV cache (all replicas run
+        # the same engine flags)
+        self.stats = EngineStats(SchedulerStats(num_total_blocks=info["num_total_blocks"]))
         self.engine = self  # ServerState reads the model's name at engine.engine.model_config
         self.error: BaseException | None = None
         self._responses: dict[str, Any] = {}  # request id -> its replica's response stream
