@@ -16,6 +16,8 @@ from dataclasses import dataclass
 
 import torch
 
+from conveyor.model.backends.sdpa import slots_and_positions
+
 MAX_GRAPH_BATCH = 512
 
 
@@ -52,8 +54,7 @@ def prepare_decode_inputs(input_ids: list[int], positions: list[int],
     if any(len(t) > width for t in block_tables):
         raise ValueError(f"a block table is longer than the graphs' {width} blocks")
     pad = batch_size - n
-    slot_mapping = [t[p // block_size] * block_size + p % block_size
-                    for t, p in zip(block_tables, positions, strict=True)]
+    slot_mapping, _ = slots_and_positions(block_tables, positions, [1] * n, block_size)
     tables = torch.zeros((batch_size, width), dtype=torch.int32)
     for i, t in enumerate(block_tables):
         tables[i, :len(t)] = torch.tensor(t, dtype=torch.int32)
