@@ -26,6 +26,7 @@
 #include "lora.h"
 #include "paged_attention.h"
 #include "panel_gemm.h"
+#include "quant_panels.h"
 #include "vec.h"
 
 #ifndef CONVEYOR_OPS_NAMESPACE
@@ -233,6 +234,39 @@ Tensor block_matmul_op(const Tensor& x_in, const Tensor& codes, const Tensor& sc
     using T = std::remove_pointer_t<decltype(type)>;
     block_matmul(data<T>(y), data<const T>(x), data<const uint8_t>(codes),
                  data<const float>(scale), min, rows, n, k, x.stride(0), threads());
+  });
+  return y;
+}
+
+// ---- quant_panels.cpp ----
+
+// QuantPanels (layers/gguf_blocks.py) of an [n, k] weight of GGUF type `format`.
+QuantLayout check_quant_panels(int64_t format, const Tensor& codes, const Tensor& header,
+                               const char* prefix, int64_t n, int64_t k) {
+  const std::string p(prefix);
+  QuantLayout layout{};
+  TORCH_CHECK(quant_layout(format, layout), p + "format must be a GGUF type id of Q4_0, Q4_1, "
+              "Q5_0, Q5_1, Q8_0, Q4_K, Q5_K or Q6_K (2, 3, 6, 7, 8, 12, 13, 14), got ", format);
+  TORCH_CHECK(n > 0, p + "n must be positive, got ", n);
+  check_multiple(k, layout.block, (p + "the input size of these blocks").c_str());
+  const int64_t panels = (n + kPanel - 1) / kPanel;
+  check_tensor(codes, (p + "codes").c_str(), at::kByte, {panels, k, quant_step_bytes(layout)});
+  check_tensor(header, (p + "header").c_str(), at::kByte,
+               {panels, k / layout.block, kPanel, layout.header_bytes});
+  return layout;
+}
+
+Tensor quant_panel_gemm_op(const Tensor& x_in, int64_t format, const Tensor& codes,
+                           const Tensor& header, int64_t n) {
+  check_activation_dtype(x_in, "x");
+  const Tensor x = unit_stride_rows(x_in, "x");
+  check_quant_panels(format, codes, header, "", n, x.size(1));
+  Tensor y = at::empty({x.size(0), n}, x.options());
+  const QuantPanel w{format, data<const uint8_t>(codes), data<const uint8_t>(header)};
+  with_type(x, [&](auto* type) {
+    using T = std::remove_pointer_t<decltype(type)>;
+    quant_panel_gemm(data<T>(y), n, data<const T>(x), x.stride(0), w, x.size(0), n, x.size(1),
+                     threads());
   });
   return y;
 }
@@ -784,6 +818,8 @@ TORCH_LIBRARY(CONVEYOR_OPS_NAMESPACE, m) {
         &block_panel_gemm_op);
   m.def("block_matmul(Tensor x, Tensor codes, Tensor scale, Tensor? minimum) -> Tensor",
         &block_matmul_op);
+  m.def("quant_panel_gemm(Tensor x, int format, Tensor codes, Tensor header, int n) -> Tensor",
+        &quant_panel_gemm_op);
   m.def("int8_gemm(Tensor x, Tensor codes, Tensor scale, Tensor minimum, int n, Tensor? exact, "
         "Tensor? exact_weights) -> Tensor",
         &int8_gemm_op);
