@@ -621,6 +621,28 @@ struct DecodeLayers : torch::CustomClassHolder {
     projections_ = 0;
   }
 
+  // The last layer's next projection's name and [n_out, k] for a weight of `rows` outputs
+  // (gate_up's give the intermediate size).
+  std::string next_projection(int64_t rows, int64_t max_block_rows, int64_t& n_out, int64_t& k) {
+    TORCH_CHECK(!complete(), "add_layer first: the last layer has its four projections");
+    LayerWeights& w = layers.back();
+    const int p = static_cast<int>(projections_);
+    if (p == 2) {
+      w.intermediate = rows / 2;
+      check_multiple(w.intermediate, kLanes, "half of gate_up's outputs (intermediate)");
+      TORCH_CHECK(w.intermediate == layers[0].intermediate,
+                  "every layer must have the first one's intermediate size");
+    }
+    const int64_t q_size = w.num_heads * w.head_dim, kv_size = w.num_kv_heads * w.head_dim;
+    const int64_t shapes[4][2] = {{q_size + 2 * kv_size, w.hidden}, {w.hidden, q_size},
+                                  {2 * w.intermediate, w.hidden}, {w.hidden, w.intermediate}};
+    n_out = shapes[p][0];
+    k = shapes[p][1];
+    const std::string name = kProjections[p];
+    TORCH_CHECK(max_block_rows >= 0, name, "'s max_block_rows must be >= 0, got ", max_block_rows);
+    return name;
+  }
+
   // The last layer's next projection [n_out, k], in qkv, o, gate_up, down order: its 4-bit
   // blocks (codes, scale, minimum) serving up to max_block_rows rows, as BlockPanels
   // (panel_gemm.cpp's layout) where block_panels says so, else as NibbleInt4; then what serves
@@ -633,23 +655,11 @@ struct DecodeLayers : torch::CustomClassHolder {
                       const std::optional<Tensor>& int8_minimum,
                       const std::optional<Tensor>& exact,
                       const std::optional<Tensor>& exact_weights) {
-    TORCH_CHECK(!complete(), "add_layer first: the last layer has its four projections");
-    LayerWeights& w = layers.back();
-    const int p = static_cast<int>(projections_);
-    const std::string name = kProjections[p];
-    if (p == 2) {  // gate_up gives the intermediate size
-      TORCH_CHECK(codes.dim() == 2, "gate_up's codes must be 2-D, got shape ", codes.sizes());
-      w.intermediate = codes.size(0) / 2;
-      check_multiple(w.intermediate, kLanes, "half of gate_up's outputs (intermediate)");
-      TORCH_CHECK(w.intermediate == layers[0].intermediate,
-                  "every layer must have the first one's intermediate size");
-    }
-    const int64_t q_size = w.num_heads * w.head_dim, kv_size = w.num_kv_heads * w.head_dim;
-    const int64_t shapes[4][2] = {{q_size + 2 * kv_size, w.hidden}, {w.hidden, q_size},
-                                  {2 * w.intermediate, w.hidden}, {w.hidden, w.intermediate}};
-    const int64_t n_out = shapes[p][0], k = shapes[p][1];
-    TORCH_CHECK(max_block_rows >= 0, name, "'s max_block_rows must be >= 0, got ", max_block_rows);
-    TORCH_CHECK(codes.dim() == 2 && codes.size(0) == n_out, name, "'s codes must have ", n_out,
+    TORCH_CHECK(codes.dim() == 2, kProjections[projections_ % 4],
+                "'s codes must be 2-D, got shape ", codes.sizes());
+    int64_t n_out, k;
+    const std::string name = next_projection(codes.size(0), max_block_rows, n_out, k);
+    TORCH_CHECK(codes.size(0) == n_out, name, "'s codes must have ", n_out,
                 " rows, got shape ", codes.sizes());
     if (block_panels)
       check_block_panels(codes, scale, minimum, (name + " block panels' ").c_str(), dtype, n_out,
@@ -678,8 +688,50 @@ struct DecodeLayers : torch::CustomClassHolder {
     } else if (max_rows_ < 0 || max_block_rows < max_rows_) {
       max_rows_ = max_block_rows;
     }
+    place(weight);
+  }
+
+  // The last layer's next projection as QuantPanels (layers/gguf_blocks.py): its parts in
+  // output order, each a GGUF type id (`formats`), codes, header and output count, serving up to
+  // max_block_rows rows; then its panels, if any, serving more.
+  void add_quant_projection(const std::vector<int64_t>& formats, const std::vector<Tensor>& codes,
+                            const std::vector<Tensor>& headers, const std::vector<int64_t>& sizes,
+                            int64_t max_block_rows, const std::optional<Tensor>& panels) {
+    const size_t count = formats.size();
+    TORCH_CHECK(count >= 1 && count <= kMaxQuantParts && codes.size() == count &&
+                    headers.size() == count && sizes.size() == count,
+                "formats, codes, headers and sizes must hold one entry per part (1 to ",
+                kMaxQuantParts, "), got ", formats.size(), ", ", codes.size(), ", ",
+                headers.size(), " and ", sizes.size());
+    int64_t rows = 0;
+    for (int64_t s : sizes) rows += s;
+    int64_t n_out, k;
+    const std::string name = next_projection(rows, max_block_rows, n_out, k);
+    TORCH_CHECK(rows == n_out, name, "'s parts must have ", n_out, " outputs in all, got ", rows);
+    Weight weight{nullptr, nullptr, nullptr, nullptr, Int8Weight{}, n_out, max_block_rows, 0};
+    for (size_t i = 0; i < count; ++i) {
+      const std::string part = name + "'s part " + std::to_string(i) + " ";
+      check_quant_panels(formats[i], codes[i], headers[i], part.c_str(), sizes[i], k);
+      weight.quant.parts[i] = QuantPanel{formats[i], data<const uint8_t>(codes[i]),
+                                         data<const uint8_t>(headers[i])};
+      weight.quant.n_out[i] = sizes[i];
+      tensors.insert(tensors.end(), {codes[i], headers[i]});
+    }
+    weight.quant.count = static_cast<int>(count);
+    if (panels) {
+      check_panels(*panels, (name + "'s panels").c_str(), dtype, n_out, k);
+      weight.panels = panels->data_ptr();
+      tensors.push_back(*panels);
+    } else if (max_rows_ < 0 || max_block_rows < max_rows_) {
+      max_rows_ = max_block_rows;
+    }
+    place(weight);
+  }
+
+  void place(const Weight& weight) {
+    LayerWeights& w = layers.back();
     Weight* slots[4] = {&w.qkv, &w.o, &w.gate_up, &w.down};
-    *slots[p] = weight;
+    *slots[projections_] = weight;
     ++projections_;
   }
 
@@ -807,6 +859,7 @@ TORCH_LIBRARY(CONVEYOR_OPS_NAMESPACE, m) {
       .def(torch::init<>())
       .def("add_layer", &DecodeLayers::add_layer)
       .def("add_projection", &DecodeLayers::add_projection)
+      .def("add_quant_projection", &DecodeLayers::add_quant_projection)
       .def("set_lora", &DecodeLayers::set_lora)
       .def("has_lora", &DecodeLayers::has_lora)
       .def("max_rows", &DecodeLayers::max_rows)
