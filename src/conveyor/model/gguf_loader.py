@@ -147,8 +147,9 @@ def _blocks(t: Any, raw: np.ndarray, spec: WeightSpec,
     if raw.ndim != 2:
         return None
     if t.tensor_type in RAW_TYPES:
+        # a copy: raw may be a read-only view of the mapped file
         return GGUFBlocks.from_file(int(t.tensor_type),
-                                    torch.from_numpy(np.ascontiguousarray(_fix_rows(spec, raw, cfg))))
+                                    torch.from_numpy(np.array(_fix_rows(spec, raw, cfg))))
     if t.tensor_type not in (Q.Q4_0, Q.Q4_1, Q.Q8_0):
         return None
     rows = raw.shape[0]
