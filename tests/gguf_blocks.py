@@ -1,10 +1,12 @@
 """Helpers shared by tests (``tests/`` is on pytest's python path): random quantized blocks as
-a GGUF file holds them, loaded into a ``Linear`` as a GGUF checkpoint loads them."""
+a GGUF file holds them (``file_blocks``, ``raw_blocks``), loaded into a ``Linear`` as a GGUF
+checkpoint loads them."""
 
 from __future__ import annotations
 
 import torch
 
+from conveyor.model.layers.gguf_blocks import LAYOUTS, Q6_K, GGUFBlocks
 from conveyor.model.layers.linear import Linear
 from conveyor.model.layers.quantized import GROUP, Int4Blocks, Int8Blocks
 
@@ -26,3 +28,16 @@ def load_blocks(linear: Linear, blocks: Int4Blocks | Int8Blocks) -> None:
         rows = {f: getattr(blocks, f)[start:stop] for f in ("codes", "scale", "min")
                 if hasattr(blocks, f)}
         linear.load("weight", name, dense[start:stop], type(blocks)(**rows))
+
+
+def raw_blocks(kind: int, n: int, k: int, gen: torch.Generator) -> GGUFBlocks:
+    """[n, k] random bytes of GGUF type ``kind`` (``layers/gguf_blocks.py``'s ``LAYOUTS``) as a
+    file holds them: random codes and scale bytes, small finite fp16 scales and minima."""
+    layout = LAYOUTS[kind]
+    blocks = torch.randint(0, 256, (n, k // layout.block, layout.block_bytes), generator=gen,
+                           dtype=torch.uint8)
+    d_at = [layout.header[1] - 2] if kind == Q6_K else [0, 2] if layout.header[1] >= 4 else [0]
+    for at in d_at:
+        half = ((torch.rand(n, k // layout.block, generator=gen) - 0.5) * 0.02).half()
+        blocks[..., at:at + 2] = half.view(torch.uint8).view(n, -1, 2)
+    return GGUFBlocks.from_file(kind, blocks.view(n, -1))

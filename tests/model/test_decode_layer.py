@@ -19,11 +19,12 @@ from conveyor.model.kernels.int8_gemm import int8_gemm_available
 from conveyor.model.kernels.paged_attention import attention_kernel_available
 from conveyor.model.kernels.panel_gemm import block_panel_gemm_available, panel_gemm_available
 from conveyor.model.layers.formats import linear_format
+from conveyor.model.layers.gguf_blocks import Q5_0, Q5_1, Q6_K, Q8_0
 from conveyor.model.layers.linear import DenseMethod, PanelMethod
 from conveyor.model.layers.quantized import GROUP, Int4Blocks
 from conveyor.model.layers.rotary import RotaryEmbedding, rope_inv_freq
 from conveyor.model.llama import DecoderLayer, LlamaForCausalLM
-from gguf_blocks import load_blocks
+from gguf_blocks import load_blocks, raw_blocks
 
 pytestmark = pytest.mark.skipif(
     not (decode_layer_available() and attention_kernel_available(torch.device("cpu"), torch.float32)),
@@ -243,3 +244,57 @@ def test_fused_layers_add_lora_as_the_python_path(monkeypatch, dtype, determinis
                                     3), 1.0)  # widths grow: q/k/v to 24 rows
     got = logits(True, slots)
     assert torch.equal(got, logits(False, slots)) and torch.equal(got[1], base[1])
+
+
+def gguf_layer(seed: int, dtype: torch.dtype, deterministic: bool) -> DecoderLayer:
+    """A layer whose projections are GGUF bytes of several types (``QuantPanels``): q, k, v of
+    three types, a Q6_K down projection, panels above the blocks' rows."""
+    g = torch.Generator().manual_seed(seed)
+    layer = DecoderLayer(CFG, BACKEND)
+    for norm in (layer.input_norm, layer.post_norm):
+        norm.weight.data = 1 + 0.1 * torch.randn(norm.weight.shape, generator=g)
+    kinds = {"q_proj": Q5_0, "k_proj": Q5_1, "v_proj": Q8_0, None: Q5_1, "gate_proj": Q5_0,
+             "up_proj": Q5_0}
+    for linear in layer.projections:
+        for name, (start, stop) in linear.shards.items():
+            kind = Q6_K if linear is layer.down_proj else kinds[name]
+            blocks = raw_blocks(kind, stop - start, linear.in_features, g)
+            linear.load("weight", name, blocks.dequantize(), blocks)
+    layer.to(dtype)
+    kernels = KernelPlan(linear=PanelMethod, block_weights=True, int8_panels=False,
+                         backend=BACKEND, deterministic=deterministic)
+    for linear in layer.projections:
+        linear.process_weights_after_loading(partial(linear_format, kernels))
+    return layer
+
+
+@pytest.mark.parametrize("dtype", [d for d in (torch.float32, torch.bfloat16)
+                                   if panel_gemm_available(d)])
+@pytest.mark.parametrize("num_seqs", [1, 3, 13])
+@pytest.mark.parametrize("deterministic", [False, True], ids=["fast", "deterministic"])
+def test_fused_layers_take_quant_panels(dtype, num_seqs, deterministic):
+    layers = [gguf_layer(0, dtype, deterministic), gguf_layer(1, dtype, deterministic)]
+    assert [p.kind for p in layers[0].qkv_proj.method.small.parts] == [Q5_0, Q5_1, Q8_0]
+    fused = DecodeLayers([decode_weights(layer) for layer in layers])
+    assert fused.serves(num_seqs)
+    x, residual, cos, sin, (k, v), meta = decode_step(num_seqs, dtype=dtype,
+                                                      deterministic=deterministic)
+    caches = [(k.clone(), v.clone()), (k.clone() + 1, v.clone() - 1)]
+    expected_res, expected_caches, h = residual.clone(), [(a.clone(), b.clone()) for a, b in caches], x
+    for layer, (kc, vc) in zip(layers, expected_caches, strict=True):
+        h = layer(h.clone(), expected_res, cos, sin, kc, vc, meta)
+    res, got_caches = residual.clone(), [(a.clone(), b.clone()) for a, b in caches]
+    out = decode_layers(fused, x.clone(), res, cos, sin, got_caches, meta.slot_mapping,
+                        meta.block_tables, meta.context_lens, deterministic)
+    assert torch.equal(out, h) and torch.equal(res, expected_res)
+    for got, expected in zip(got_caches, expected_caches, strict=True):
+        assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1])
+    weights = decode_weights(layers[0])
+    weights.projections[0] = dataclasses.replace(weights.projections[0], panels=None)
+    with pytest.raises(RuntimeError, match="qkv's part 1 codes must have shape"):
+        bad = weights.projections[0].blocks
+        bad.parts[1], saved = dataclasses.replace(bad.parts[1], codes=bad.parts[1].codes[:, :8].contiguous()), bad.parts[1]
+        try:
+            DecodeLayers([weights])
+        finally:
+            bad.parts[1] = saved

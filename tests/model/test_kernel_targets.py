@@ -18,6 +18,7 @@ import torch.nn.functional as F
 
 from conveyor.model.kernels import build
 from conveyor.model.kernels.panel_gemm import pack_panels
+from conveyor.model.layers.gguf_blocks import NAMES, QuantPanels
 from conveyor.model.layers.quantized import (
     GROUP,
     BlockPanels,
@@ -25,7 +26,7 @@ from conveyor.model.layers.quantized import (
     Int8Panels,
     NibbleInt4,
 )
-from gguf_blocks import file_blocks
+from gguf_blocks import file_blocks, raw_blocks
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(
     platform.machine() not in ("x86_64", "AMD64"), reason="the targets are x86-64 levels")]
@@ -129,6 +130,26 @@ def test_block_panel_gemm_equals_the_panels(ops, bits) -> None:
         for rows in (1, 2, 3, 5, 6, 7, 13):
             got = ops.block_panel_gemm(x[:rows], packed.codes, packed.scale, packed.min)
             assert torch.equal(got, full[:rows]), (dtype, rows)
+
+
+def test_quant_panel_gemm_equals_the_panels(ops) -> None:
+    """Every GGUF type QuantPanels holds, on every build: the dense panels' bits at every row
+    count (bf16 rows widened to float32 where the build has no AVX512-BF16)."""
+    width = ops.panel_width()
+    for kind in NAMES:
+        k = 512 if kind >= 12 else 64
+        blocks = raw_blocks(kind, width + 5, k, torch.Generator().manual_seed(kind))
+        weight = blocks.dequantize()
+        for dtype in (torch.float32, torch.bfloat16):
+            part = QuantPanels.pack(blocks, dtype, width=width).parts[0]
+            x = _randn(13, k, seed=1).to(dtype)
+            if dtype in _dtypes(ops):
+                full = ops.panel_gemm(x, pack_panels(weight.to(dtype), width), width + 5)
+            else:
+                full = ops.panel_gemm(x.float(), pack_panels(weight, width), width + 5).to(dtype)
+            for rows in (1, 2, 5, 6, 7, 13):
+                got = ops.quant_panel_gemm(x[:rows], kind, part.codes, part.header, width + 5)
+                assert torch.equal(got, full[:rows]), (NAMES[kind], dtype, rows)
 
 
 def test_int8_gemm_exists_only_with_vnni(ops) -> None:

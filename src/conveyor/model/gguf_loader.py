@@ -1,5 +1,7 @@
 """Read a GGUF file: config from its metadata, its tensors as ``model/weights.py``'s table names
-them, dequantized, and the 4-bit (Q4_0 / Q4_1) and 8-bit (Q8_0) ones also as their blocks.
+them, dequantized, and the quantized ones the kernels read also as their blocks: 4-bit (Q4_0 /
+Q4_1) and 8-bit (Q8_0) ones unpacked (``layers/quantized.py``), Q5_0 / Q5_1 and the K-quants
+(Q4_K / Q5_K / Q6_K) in the file's bytes (``layers/gguf_blocks.py``).
 
 llama.cpp's converter permutes the rows of Llama's Q and K projections (to interleaved rope
 pairs); we undo that so the weights work with the HF "rotate_half" rotary layout.
@@ -16,8 +18,9 @@ import numpy as np
 import torch
 
 from conveyor.model.config import SUPPORTED_ARCHITECTURES, ModelConfig, check_architecture
+from conveyor.model.layers.gguf_blocks import RAW_TYPES, FileBlocks, GGUFBlocks
 from conveyor.model.layers.parallel import ShardPlan
-from conveyor.model.layers.quantized import GROUP, Blocks, Int4Blocks, Int8Blocks
+from conveyor.model.layers.quantized import GROUP, Int4Blocks, Int8Blocks
 from conveyor.model.weights import (
     ROPE_FREQS,
     CheckpointTensor,
@@ -135,11 +138,18 @@ def _sliced_data(t: Any, spec: WeightSpec, plan: ShardPlan | None,
 
 
 def _blocks(t: Any, raw: np.ndarray, spec: WeightSpec,
-            cfg: ModelConfig) -> Blocks | None:
+            cfg: ModelConfig) -> FileBlocks | None:
     """A Q4_0 / Q4_1 tensor as 4-bit codes, scales and minimums (w = scale * code + min), a
-    Q8_0 one as 8-bit codes and scales (w = scale * code); None for other types."""
+    Q8_0 one as 8-bit codes and scales (w = scale * code), a Q5_0 / Q5_1 / Q4_K / Q5_K / Q6_K
+    one as its bytes; None for other types (and 1-D tensors)."""
     from gguf import GGMLQuantizationType as Q
 
+    if raw.ndim != 2:
+        return None
+    if t.tensor_type in RAW_TYPES:
+        # a copy: raw may be a read-only view of the mapped file
+        return GGUFBlocks.from_file(int(t.tensor_type),
+                                    torch.from_numpy(np.array(_fix_rows(spec, raw, cfg))))
     if t.tensor_type not in (Q.Q4_0, Q.Q4_1, Q.Q8_0):
         return None
     rows = raw.shape[0]
@@ -188,7 +198,7 @@ def read_gguf_tensors(reader: Any, cfg: ModelConfig, plan: ShardPlan | None = No
     """Every tensor of the file (but the rope factors) in the table of ``model/weights.py``,
     dequantized to float32, one at a time; with a tensor-parallel ``plan`` only this rank's
     slice of each, cut from the file's bytes before anything is dequantized. ``blocks``: the
-    4-bit and 8-bit tensors come with their blocks too, undequantized."""
+    quantized tensors the kernels read come with their blocks too, undequantized."""
     for t in reader.tensors:
         if t.name == ROPE_FREQS:
             continue

@@ -16,8 +16,8 @@ from enum import Enum
 
 import torch
 
+from conveyor.model.layers.gguf_blocks import FileBlocks
 from conveyor.model.layers.parallel import ShardPlan
-from conveyor.model.layers.quantized import Blocks
 
 
 class Split(Enum):
@@ -106,10 +106,11 @@ class CheckpointWeight:
 @dataclass
 class CheckpointTensor:
     """One tensor as a loader read it: float32, this rank's slice, and the file's own blocks
-    where it stores them (GGUF Q4_0 / Q4_1 / Q8_0) and the loader was asked for them."""
+    where it stores them (GGUF Q4_0 / Q4_1 / Q8_0 as ``Blocks``, Q5_0 / Q5_1 / Q4_K / Q5_K /
+    Q6_K as ``GGUFBlocks``) and the loader was asked for them."""
     weight: CheckpointWeight
     dense: torch.Tensor
-    blocks: Blocks | None = None
+    blocks: FileBlocks | None = None
 
 
 def _lookup(name: str, layer_prefix: re.Pattern, field: str) -> CheckpointWeight | None:

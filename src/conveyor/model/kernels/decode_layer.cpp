@@ -13,7 +13,8 @@
 // With a step's LoRA slots, each projection's output then gets its rows' adapter updates
 // (lora.cpp's lora_apply, as layers/lora.py adds them on the Python path).
 //
-// where each matmul is the 4-bit block kernel up to its max_block_rows rows and above them the
+// where each matmul is the 4-bit block kernel (or quant_panels.cpp's, for QuantPanels) up to its
+// max_block_rows rows and above them the
 // integer GEMM of int8_gemm.cpp where the weight has Int8Panels, else the panel GEMM (as Linear
 // picks), so its results equal the layer's Python path bit for bit (the tests check). The
 // pieces are the kernels' own entry points; ops.cpp holds the typed operator.
@@ -27,6 +28,7 @@
 #include "lora.h"
 #include "paged_attention.h"
 #include "panel_gemm.h"
+#include "quant_panels.h"
 
 namespace {
 
@@ -46,7 +48,11 @@ void add_lora(T* y, const T* x, const LayerWeights* w, int p, const LoraStep& st
 template <typename T>
 void matmul(T* y, const T* x, const Weight& w, int64_t rows, int64_t k, QuantizedRows& scratch,
             int num_threads) {
-  if (rows <= w.max_block_rows && w.block_panels)
+  if (rows <= w.max_block_rows && w.quant.count) {
+    for (int i = 0, column = 0; i < w.quant.count; column += w.quant.n_out[i++])
+      quant_panel_gemm(y + column, w.n_out, x, k, w.quant.parts[i], rows, w.quant.n_out[i], k,
+                       num_threads);
+  } else if (rows <= w.max_block_rows && w.block_panels)
     block_panel_gemm(y, x, BlockPanel{w.codes, w.scale, w.minimum, k / 32}, rows, w.n_out, k,
                      num_threads);
   else if (rows <= w.max_block_rows)

@@ -7,10 +7,21 @@
 #include <memory>
 
 #include "int8_gemm.h"
+#include "quant_panels.h"
 
 namespace conveyor {
 
-struct Weight {  // a projection [n_out, k]: 4-bit as NibbleInt4 or BlockPanels holds it, and its panels
+constexpr int kMaxQuantParts = 3;  // q, k, v of three GGUF types
+
+struct QuantParts {  // QuantPanels: parts of consecutive outputs, each of one GGUF type
+  QuantPanel parts[kMaxQuantParts];
+  int64_t n_out[kMaxQuantParts];
+  int count = 0;  // 0: none
+};
+
+// A projection [n_out, k]: 4-bit as NibbleInt4 or BlockPanels holds it, or as QuantPanels, and
+// its panels
+struct Weight {
   const uint8_t* codes;
   const float* scale;
   const float* minimum;
@@ -19,6 +30,7 @@ struct Weight {  // a projection [n_out, k]: 4-bit as NibbleInt4 or BlockPanels 
   int64_t n_out;
   int64_t max_block_rows;  // rows up to which the blocks serve (NibbleInt4.max_tokens)
   int64_t block_panels;  // nonzero: codes, scale and minimum are BlockPanels (panel_gemm.cpp)
+  QuantParts quant = {};  // in place of codes, scale and minimum where it has parts
 };
 
 struct LoraStack {  // a projection's adapters: lora.cpp's a [slots, rank, in], b [slots, rank, out]

@@ -37,6 +37,20 @@ class FourBitBlocks(Protocol):
     max_tokens: int
 
 
+class QuantPart(Protocol):
+    """One part of ``layers/gguf_blocks.py``'s ``QuantPanels``: a GGUF type id and its bytes."""
+    kind: int
+    codes: torch.Tensor
+    header: torch.Tensor
+    n_out: int
+
+
+class QuantBlocks(Protocol):
+    """``layers/gguf_blocks.py``'s ``QuantPanels``, serving up to ``max_tokens`` rows."""
+    parts: list[QuantPart]
+    max_tokens: int
+
+
 class Int8PanelWeights(Protocol):
     """``layers/quantized.py``'s ``Int8Panels``."""
     codes: torch.Tensor
@@ -48,11 +62,11 @@ class Int8PanelWeights(Protocol):
 
 @dataclass(frozen=True)
 class DecodeProjection:
-    """A projection's weight as the kernel multiplies it: its 4-bit blocks up to their rows
-    (``panel_order``: as ``BlockPanels``, deterministic inference, else as ``NibbleInt4``),
-    then what serves more rows, if anything: its panels (``pack_panels``' layout in the
-    activations' dtype) or its ``Int8Panels``."""
-    blocks: FourBitBlocks
+    """A projection's weight as the kernel multiplies it: its 4-bit blocks (``panel_order``: as
+    ``BlockPanels``, deterministic inference, else as ``NibbleInt4``) or its ``QuantPanels`` up
+    to their rows, then what serves more rows, if anything: its panels (``pack_panels``' layout
+    in the activations' dtype) or its ``Int8Panels``."""
+    blocks: FourBitBlocks | QuantBlocks
     panel_order: bool
     panels: torch.Tensor | None = None
     int8: Int8PanelWeights | None = None
@@ -94,6 +108,13 @@ class DecodeLayers:
                                    w.head_dim, w.eps)
             for p in w.projections:
                 b, q = p.blocks, p.int8
+                if hasattr(b, "parts"):
+                    parts = b.parts
+                    self.weights.add_quant_projection(
+                        [t.kind for t in parts], [t.codes for t in parts],
+                        [t.header for t in parts], [t.n_out for t in parts], b.max_tokens,
+                        p.panels)
+                    continue
                 int8 = ((q.codes, q.scale, q.min, q.exact, q.exact_weights) if q is not None
                         else (None,) * 5)
                 self.weights.add_projection(b.codes, b.scale, b.min, b.max_tokens,

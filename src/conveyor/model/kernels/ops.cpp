@@ -26,6 +26,7 @@
 #include "lora.h"
 #include "paged_attention.h"
 #include "panel_gemm.h"
+#include "quant_panels.h"
 #include "vec.h"
 
 #ifndef CONVEYOR_OPS_NAMESPACE
@@ -233,6 +234,39 @@ Tensor block_matmul_op(const Tensor& x_in, const Tensor& codes, const Tensor& sc
     using T = std::remove_pointer_t<decltype(type)>;
     block_matmul(data<T>(y), data<const T>(x), data<const uint8_t>(codes),
                  data<const float>(scale), min, rows, n, k, x.stride(0), threads());
+  });
+  return y;
+}
+
+// ---- quant_panels.cpp ----
+
+// QuantPanels (layers/gguf_blocks.py) of an [n, k] weight of GGUF type `format`.
+QuantLayout check_quant_panels(int64_t format, const Tensor& codes, const Tensor& header,
+                               const char* prefix, int64_t n, int64_t k) {
+  const std::string p(prefix);
+  QuantLayout layout{};
+  TORCH_CHECK(quant_layout(format, layout), p + "format must be a GGUF type id of Q4_0, Q4_1, "
+              "Q5_0, Q5_1, Q8_0, Q4_K, Q5_K or Q6_K (2, 3, 6, 7, 8, 12, 13, 14), got ", format);
+  TORCH_CHECK(n > 0, p + "n must be positive, got ", n);
+  check_multiple(k, layout.block, (p + "the input size of these blocks").c_str());
+  const int64_t panels = (n + kPanel - 1) / kPanel;
+  check_tensor(codes, (p + "codes").c_str(), at::kByte, {panels, k, quant_step_bytes(layout)});
+  check_tensor(header, (p + "header").c_str(), at::kByte,
+               {panels, k / layout.block, kPanel, layout.header_bytes});
+  return layout;
+}
+
+Tensor quant_panel_gemm_op(const Tensor& x_in, int64_t format, const Tensor& codes,
+                           const Tensor& header, int64_t n) {
+  check_activation_dtype(x_in, "x");
+  const Tensor x = unit_stride_rows(x_in, "x");
+  check_quant_panels(format, codes, header, "", n, x.size(1));
+  Tensor y = at::empty({x.size(0), n}, x.options());
+  const QuantPanel w{format, data<const uint8_t>(codes), data<const uint8_t>(header)};
+  with_type(x, [&](auto* type) {
+    using T = std::remove_pointer_t<decltype(type)>;
+    quant_panel_gemm(data<T>(y), n, data<const T>(x), x.stride(0), w, x.size(0), n, x.size(1),
+                     threads());
   });
   return y;
 }
@@ -587,6 +621,28 @@ struct DecodeLayers : torch::CustomClassHolder {
     projections_ = 0;
   }
 
+  // The last layer's next projection's name and [n_out, k] for a weight of `rows` outputs
+  // (gate_up's give the intermediate size).
+  std::string next_projection(int64_t rows, int64_t max_block_rows, int64_t& n_out, int64_t& k) {
+    TORCH_CHECK(!complete(), "add_layer first: the last layer has its four projections");
+    LayerWeights& w = layers.back();
+    const int p = static_cast<int>(projections_);
+    if (p == 2) {
+      w.intermediate = rows / 2;
+      check_multiple(w.intermediate, kLanes, "half of gate_up's outputs (intermediate)");
+      TORCH_CHECK(w.intermediate == layers[0].intermediate,
+                  "every layer must have the first one's intermediate size");
+    }
+    const int64_t q_size = w.num_heads * w.head_dim, kv_size = w.num_kv_heads * w.head_dim;
+    const int64_t shapes[4][2] = {{q_size + 2 * kv_size, w.hidden}, {w.hidden, q_size},
+                                  {2 * w.intermediate, w.hidden}, {w.hidden, w.intermediate}};
+    n_out = shapes[p][0];
+    k = shapes[p][1];
+    const std::string name = kProjections[p];
+    TORCH_CHECK(max_block_rows >= 0, name, "'s max_block_rows must be >= 0, got ", max_block_rows);
+    return name;
+  }
+
   // The last layer's next projection [n_out, k], in qkv, o, gate_up, down order: its 4-bit
   // blocks (codes, scale, minimum) serving up to max_block_rows rows, as BlockPanels
   // (panel_gemm.cpp's layout) where block_panels says so, else as NibbleInt4; then what serves
@@ -599,23 +655,11 @@ struct DecodeLayers : torch::CustomClassHolder {
                       const std::optional<Tensor>& int8_minimum,
                       const std::optional<Tensor>& exact,
                       const std::optional<Tensor>& exact_weights) {
-    TORCH_CHECK(!complete(), "add_layer first: the last layer has its four projections");
-    LayerWeights& w = layers.back();
-    const int p = static_cast<int>(projections_);
-    const std::string name = kProjections[p];
-    if (p == 2) {  // gate_up gives the intermediate size
-      TORCH_CHECK(codes.dim() == 2, "gate_up's codes must be 2-D, got shape ", codes.sizes());
-      w.intermediate = codes.size(0) / 2;
-      check_multiple(w.intermediate, kLanes, "half of gate_up's outputs (intermediate)");
-      TORCH_CHECK(w.intermediate == layers[0].intermediate,
-                  "every layer must have the first one's intermediate size");
-    }
-    const int64_t q_size = w.num_heads * w.head_dim, kv_size = w.num_kv_heads * w.head_dim;
-    const int64_t shapes[4][2] = {{q_size + 2 * kv_size, w.hidden}, {w.hidden, q_size},
-                                  {2 * w.intermediate, w.hidden}, {w.hidden, w.intermediate}};
-    const int64_t n_out = shapes[p][0], k = shapes[p][1];
-    TORCH_CHECK(max_block_rows >= 0, name, "'s max_block_rows must be >= 0, got ", max_block_rows);
-    TORCH_CHECK(codes.dim() == 2 && codes.size(0) == n_out, name, "'s codes must have ", n_out,
+    TORCH_CHECK(codes.dim() == 2, kProjections[projections_ % 4],
+                "'s codes must be 2-D, got shape ", codes.sizes());
+    int64_t n_out, k;
+    const std::string name = next_projection(codes.size(0), max_block_rows, n_out, k);
+    TORCH_CHECK(codes.size(0) == n_out, name, "'s codes must have ", n_out,
                 " rows, got shape ", codes.sizes());
     if (block_panels)
       check_block_panels(codes, scale, minimum, (name + " block panels' ").c_str(), dtype, n_out,
@@ -644,8 +688,50 @@ struct DecodeLayers : torch::CustomClassHolder {
     } else if (max_rows_ < 0 || max_block_rows < max_rows_) {
       max_rows_ = max_block_rows;
     }
+    place(weight);
+  }
+
+  // The last layer's next projection as QuantPanels (layers/gguf_blocks.py): its parts in
+  // output order, each a GGUF type id (`formats`), codes, header and output count, serving up to
+  // max_block_rows rows; then its panels, if any, serving more.
+  void add_quant_projection(const std::vector<int64_t>& formats, const std::vector<Tensor>& codes,
+                            const std::vector<Tensor>& headers, const std::vector<int64_t>& sizes,
+                            int64_t max_block_rows, const std::optional<Tensor>& panels) {
+    const size_t count = formats.size();
+    TORCH_CHECK(count >= 1 && count <= kMaxQuantParts && codes.size() == count &&
+                    headers.size() == count && sizes.size() == count,
+                "formats, codes, headers and sizes must hold one entry per part (1 to ",
+                kMaxQuantParts, "), got ", formats.size(), ", ", codes.size(), ", ",
+                headers.size(), " and ", sizes.size());
+    int64_t rows = 0;
+    for (int64_t s : sizes) rows += s;
+    int64_t n_out, k;
+    const std::string name = next_projection(rows, max_block_rows, n_out, k);
+    TORCH_CHECK(rows == n_out, name, "'s parts must have ", n_out, " outputs in all, got ", rows);
+    Weight weight{nullptr, nullptr, nullptr, nullptr, Int8Weight{}, n_out, max_block_rows, 0};
+    for (size_t i = 0; i < count; ++i) {
+      const std::string part = name + "'s part " + std::to_string(i) + " ";
+      check_quant_panels(formats[i], codes[i], headers[i], part.c_str(), sizes[i], k);
+      weight.quant.parts[i] = QuantPanel{formats[i], data<const uint8_t>(codes[i]),
+                                         data<const uint8_t>(headers[i])};
+      weight.quant.n_out[i] = sizes[i];
+      tensors.insert(tensors.end(), {codes[i], headers[i]});
+    }
+    weight.quant.count = static_cast<int>(count);
+    if (panels) {
+      check_panels(*panels, (name + "'s panels").c_str(), dtype, n_out, k);
+      weight.panels = panels->data_ptr();
+      tensors.push_back(*panels);
+    } else if (max_rows_ < 0 || max_block_rows < max_rows_) {
+      max_rows_ = max_block_rows;
+    }
+    place(weight);
+  }
+
+  void place(const Weight& weight) {
+    LayerWeights& w = layers.back();
     Weight* slots[4] = {&w.qkv, &w.o, &w.gate_up, &w.down};
-    *slots[p] = weight;
+    *slots[projections_] = weight;
     ++projections_;
   }
 
@@ -773,6 +859,7 @@ TORCH_LIBRARY(CONVEYOR_OPS_NAMESPACE, m) {
       .def(torch::init<>())
       .def("add_layer", &DecodeLayers::add_layer)
       .def("add_projection", &DecodeLayers::add_projection)
+      .def("add_quant_projection", &DecodeLayers::add_quant_projection)
       .def("set_lora", &DecodeLayers::set_lora)
       .def("has_lora", &DecodeLayers::has_lora)
       .def("max_rows", &DecodeLayers::max_rows)
@@ -784,6 +871,8 @@ TORCH_LIBRARY(CONVEYOR_OPS_NAMESPACE, m) {
         &block_panel_gemm_op);
   m.def("block_matmul(Tensor x, Tensor codes, Tensor scale, Tensor? minimum) -> Tensor",
         &block_matmul_op);
+  m.def("quant_panel_gemm(Tensor x, int format, Tensor codes, Tensor header, int n) -> Tensor",
+        &quant_panel_gemm_op);
   m.def("int8_gemm(Tensor x, Tensor codes, Tensor scale, Tensor minimum, int n, Tensor? exact, "
         "Tensor? exact_weights) -> Tensor",
         &int8_gemm_op);

@@ -1,9 +1,11 @@
-"""The formats of a weight a GGUF file stores as blocks (``layers/quantized.py``):
+"""The formats of a weight a GGUF file stores as blocks (``layers/quantized.py``,
+``layers/gguf_blocks.py``):
 
 * ``BlockMethod``: the file's blocks, multiplied as stored, serve calls of up to their
   ``max_tokens`` rows, where reading the weight dominates and the blocks are fewer bytes; another
   format (a dense one, or ``Int8PanelMethod``) serves the larger calls. The row-count switch
-  lives here, and only here.
+  lives here, and only here. 4-bit and 8-bit blocks (Q4_0, Q4_1, Q8_0) take ``pack_blocks``'
+  layouts; the other types (Q5_0, Q5_1, K-quants, and stacks that mix types) ``QuantPanels``.
 * ``Int8PanelMethod``: a bf16 model's blocks as ``Int8Panels`` (``kernels/int8_gemm.cpp``,
   AVX512-VNNI), activations rounded to 8 bits per block of 32 (docs/performance.md).
 """
@@ -13,6 +15,7 @@ from __future__ import annotations
 import torch
 
 from conveyor.model.kernels.decode_layer import DecodeProjection
+from conveyor.model.layers.gguf_blocks import FileBlocks, GGUFBlocks, QuantPanels
 from conveyor.model.layers.linear import LinearMethod, PanelMethod
 from conveyor.model.layers.quantized import (
     BlockPanels,
@@ -52,14 +55,18 @@ class BlockMethod(LinearMethod):
     """The file's blocks (``pack_blocks``' layout for the activations' dtype) up to
     ``max_tokens`` rows, ``large`` above them."""
 
-    def __init__(self, small: NibbleInt4 | BlockPanels | Blocks, large: LinearMethod) -> None:
+    def __init__(self, small: NibbleInt4 | BlockPanels | Blocks | QuantPanels,
+                 large: LinearMethod) -> None:
         self.small, self.large = small, large
         self.max_tokens = small.max_tokens
         self.out_features, self.dtype = large.out_features, large.dtype
 
     @staticmethod
-    def pack(blocks: Blocks, large: LinearMethod, deterministic: bool = False) -> BlockMethod:
-        """``deterministic``: small batches get the large ones' bits (``pack_blocks``)."""
+    def pack(blocks: FileBlocks, large: LinearMethod, deterministic: bool = False) -> BlockMethod:
+        """``deterministic``: small batches get the large ones' bits (``pack_blocks``,
+        ``QuantPanels.pack``)."""
+        if isinstance(blocks, GGUFBlocks):
+            return BlockMethod(QuantPanels.pack(blocks, large.dtype, deterministic), large)
         return BlockMethod(pack_blocks(blocks, large.dtype, deterministic), large)
 
     def apply(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -78,10 +85,10 @@ class BlockMethod(LinearMethod):
         return self.small.nbytes() if rows <= self.max_tokens else self.large.bytes_read(rows)
 
     def decode_projection(self) -> DecodeProjection | None:
-        """4-bit blocks only; above them the panels or ``Int8Panels``, where the large format is
-        one of those."""
+        """4-bit blocks or ``QuantPanels`` only; above them the panels or ``Int8Panels``, where
+        the large format is one of those."""
         small, large = self.small, self.large
-        if not (isinstance(small, NibbleInt4)
+        if not (isinstance(small, (NibbleInt4, QuantPanels))
                 or (isinstance(small, BlockPanels) and small.min is not None)):
             return None
         return DecodeProjection(

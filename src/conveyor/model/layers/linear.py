@@ -34,9 +34,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from conveyor.model.kernels.panel_gemm import pack_panels, panel_gemm, unpack_panels
+from conveyor.model.layers.gguf_blocks import FileBlocks, GGUFBlocks, stack_blocks
 from conveyor.model.layers.lora import LoRALayer
 from conveyor.model.layers.parameters import load_rows, new_parameter
-from conveyor.model.layers.quantized import Blocks
 
 if TYPE_CHECKING:
     from conveyor.model.kernels.decode_layer import DecodeProjection
@@ -164,7 +164,7 @@ class Linear(nn.Module):
         self.weight: nn.Parameter | None = new_parameter(out_features, in_features)
         self.bias = new_parameter(out_features, zero=True) if bias else None
         # the checkpoint's blocks of each shard, until process_weights_after_loading
-        self.blocks: dict[str | None, Blocks] = {}
+        self.blocks: dict[str | None, FileBlocks] = {}
         self.method: LinearMethod = DenseMethod(self.weight)
         self.lora: LoRALayer | None = None  # LoRA adapters' updates (model.enable_lora)
 
@@ -173,7 +173,7 @@ class Linear(nn.Module):
         return y if self.lora is None else self.lora.apply(x, y)
 
     def load(self, param: str, shard: str | None, tensor: torch.Tensor,
-             blocks: Blocks | None = None) -> None:
+             blocks: FileBlocks | None = None) -> None:
         """Copy a checkpoint tensor into ``param``'s rows of ``shard`` (a bias the layer lacks is
         made, zero where no shard fills it); ``blocks``: the file's own blocks of a weight."""
         start, stop = self.shards[shard]
@@ -181,8 +181,9 @@ class Linear(nn.Module):
             self.bias = new_parameter(self.out_features, zero=True)
         load_rows(self.bias if param == "bias" else self.weight, start, stop, tensor)
         if blocks is not None and param == "weight":
-            if blocks.codes.shape[0] != stop - start:
-                raise ValueError(f"blocks of {blocks.codes.shape[0]} rows for {stop - start}")
+            rows = blocks.out_features if isinstance(blocks, GGUFBlocks) else blocks.codes.shape[0]
+            if rows != stop - start:
+                raise ValueError(f"blocks of {rows} rows for {stop - start}")
             self.blocks[shard] = blocks
 
     def tie(self, embedding: VocabEmbedding) -> None:
@@ -193,13 +194,11 @@ class Linear(nn.Module):
         self.method = DenseMethod(self.weight)
 
     def process_weights_after_loading(
-            self, choose: Callable[[nn.Parameter, Blocks | None], LinearMethod]) -> None:
+            self, choose: Callable[[nn.Parameter, FileBlocks | None], LinearMethod]) -> None:
         """Lay the loaded weight out in the format ``choose`` gives for it and for the
-        checkpoint's blocks, where every shard came as blocks of one kind (else None):
+        checkpoint's blocks, where every shard came as blocks (``stack_blocks``, else None):
         ``layers/formats.py``'s ``linear_format``. Inference only, after ``.to()``."""
-        parts = [self.blocks.get(name) for name in self.shards]
-        kinds = {type(p) for p in parts}
-        blocks = kinds.pop().cat(parts) if None not in parts and len(kinds) == 1 else None
+        blocks = stack_blocks([self.blocks.get(name) for name in self.shards])
         self.blocks = {}
         self.set_method(choose(self.weight, blocks))
 
