@@ -111,7 +111,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         seq = data.draw(st.sampled_from(self._running()), label="stop")
         rid = seq.group.request_id
         group = self.sched.finish_sequence(seq, SequenceStatus.FINISHED_STOPPED, "stop")
-        assert seq.status is SequenceStatus.FINISHED_STOPPED and not seq.block_table
+        assert seq.status is SequenceStatus.FINISHED_STOPPED and not seq.block_tables
         self.aborted.add(rid)  # its tokens are a prefix of the reference
         if group is not None:
             assert group.is_finished
