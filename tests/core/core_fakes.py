@@ -7,7 +7,7 @@ import itertools
 
 from conveyor.core.block_manager import NULL_BLOCK
 from conveyor.core.config import CacheConfig, SchedulerConfig
-from conveyor.core.kv_cache_spec import KVCacheGroup
+from conveyor.core.kv_cache_spec import FullAttentionSpec, KVCacheGroup, SlidingWindowSpec
 from conveyor.core.sampling_params import SamplingParams
 from conveyor.core.scheduler import Scheduler
 from conveyor.core.scheduler_output import SchedulerOutput
@@ -15,6 +15,14 @@ from conveyor.core.sequence import SequenceGroup, SequenceStatus
 
 VOCAB = 23
 EOS = 0
+
+
+def hybrid_groups(num_full: int, windows: list[int]) -> tuple[KVCacheGroup, ...]:
+    """A layout of one layer per group: ``num_full`` full-attention groups, then one
+    sliding-window group per entry of ``windows``."""
+    full = [KVCacheGroup(FullAttentionSpec(), (i,)) for i in range(num_full)]
+    return tuple(full + [KVCacheGroup(SlidingWindowSpec(w), (num_full + i,))
+                         for i, w in enumerate(windows)])
 
 
 def fake_token(token_ids: list[int], sample_index: int) -> int:

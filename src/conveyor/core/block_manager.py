@@ -234,17 +234,12 @@ class BlockManager:
         hit tokens count as computed. Blocks filled by this step's computation are registered
         now, so an identical prefix admitted later in the same step shares them."""
         gpu = self.gpu
-        n = self.num_blocks_for(num_tokens)
-        tables = []
-        for hit in hits:
+        for hit in hits:  # every group's hits first: an evictable hit must not be allocated
             for b in hit:
                 if b != NULL_BLOCK:
                     gpu.share(b)
-            table = list(hit)
-            for _ in range(n - len(hit)):
-                table.append(gpu.allocate())
-            tables.append(table)
-        seq.block_tables = tables
+        seq.block_tables = [list(hit) for hit in hits]
+        self.reserve_slots(seq, num_tokens)
         num_hits = len(hits[0])
         seq.num_computed_tokens = num_hits * self.block_size
         seq.num_registered_blocks = num_hits
