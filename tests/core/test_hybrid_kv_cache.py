@@ -20,6 +20,7 @@ from core_fakes import (
     step,
 )
 
+from conveyor.core import prefix_hash
 from conveyor.core.block_manager import NULL_BLOCK
 from conveyor.core.config import CacheConfig
 from conveyor.core.kv_cache_spec import (
@@ -301,3 +302,22 @@ def test_parallel_samples_share_every_group_and_copy_on_write_per_group():
     want = reference_outputs(prompt, greedy(12, n=3), 256)
     assert [s.output_token_ids for s in done["n3"].seqs] == want
     assert sched.block_manager.gpu.num_free == 120
+
+
+def test_hash_collisions_never_reuse_wrong_kv_in_any_group(monkeypatch):
+    """Every block of every group hashes alike: the verified keys (group 0's identity of the
+    same index, the group, the tokens) still never hand out wrong K/V (FakeExecutor's reads)."""
+    monkeypatch.setattr(prefix_hash, "hash_block", lambda parent, tokens: 42)
+    sched = _hybrid_sched(num_gpu_blocks=90)
+    ex = FakeExecutor(sched)
+    base = list(range(1, 30))
+    prompts = {"a": base, "b": base[:20] + [7] * 9, "c": [3] * 4 + base[4:], "d": base,
+               "e": base[:13]}
+    for rid, prompt in prompts.items():
+        sched.add_request(rid, prompt, greedy(6))
+        run_to_completion(sched, ex, check=True)
+    for rid, prompt in prompts.items():  # all at once too: same-step sharing
+        sched.add_request(rid, prompt, greedy(6))
+    done = run_to_completion(sched, ex, check=True)
+    for rid, prompt in prompts.items():
+        assert done[rid].seqs[0].output_token_ids == reference_outputs(prompt, greedy(6), 256)[0]
