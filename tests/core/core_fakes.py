@@ -214,6 +214,11 @@ def check_invariants(sched: Scheduler) -> None:
         if s.block_tables:
             check_tables(s.block_tables, windows, s)
             assert len(s.block_tables[0]) <= bm.num_blocks_for(len(s.token_ids)), s
+            for table, window in zip(s.block_tables, windows, strict=True):
+                # a window group holds one window's blocks between steps (docs/kv_cache.md)
+                assert not window or sum(1 for b in table if b != NULL_BLOCK) \
+                    <= max(len({p // bm.block_size for p in range(q, q + window)})
+                           for q in range(bm.block_size)), (s, window, table)
         for table in s.block_tables:
             for b in table:
                 if b != NULL_BLOCK:

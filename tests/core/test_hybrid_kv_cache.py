@@ -321,3 +321,20 @@ def test_hash_collisions_never_reuse_wrong_kv_in_any_group(monkeypatch):
     done = run_to_completion(sched, ex, check=True)
     for rid, prompt in prompts.items():
         assert done[rid].seqs[0].output_token_ids == reference_outputs(prompt, greedy(6), 256)[0]
+
+
+def test_lora_roots_key_every_group():
+    """A prefix computed under one LoRA adapter hits only under that adapter, in every group."""
+    sched = _hybrid_sched()
+    ex = FakeExecutor(sched)
+    prompt = list(range(1, 30))
+    sched.add_request("a", prompt, greedy(2), lora_id=1)
+    run_to_completion(sched, ex, check=True)
+    bm = sched.block_manager
+    base = sched.add_request("base", prompt, greedy(2)).seqs[0]
+    other = sched.add_request("other", prompt, greedy(2), lora_id=2).seqs[0]
+    same = sched.add_request("same", prompt, greedy(2), lora_id=1).seqs[0]
+    assert bm.find_cached_prefix(base) == bm.find_cached_prefix(other) == [[], [], []]
+    hits = bm.find_cached_prefix(same)
+    assert [len(t) for t in hits] == [7, 7, 7] and hits[1][4:] != [NULL_BLOCK] * 3
+    run_to_completion(sched, ex, check=True)

@@ -453,6 +453,8 @@ class Scheduler:
             if stopped:
                 continue
             bm.trim(seq, len(tids))
+            if bm.window_groups:  # several tokens at once may leave window blocks behind
+                bm.release_skipped(seq)
             self.set_next_check_len(seq)
             if bm.slot_needs_block(seq):
                 self.mark_needs_block(seq)
