@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import itertools
 
+from conveyor.core.block_manager import NULL_BLOCK
 from conveyor.core.config import CacheConfig, SchedulerConfig
+from conveyor.core.kv_cache_spec import FullAttentionSpec, KVCacheGroup, SlidingWindowSpec
 from conveyor.core.sampling_params import SamplingParams
 from conveyor.core.scheduler import Scheduler
 from conveyor.core.scheduler_output import SchedulerOutput
@@ -13,6 +15,14 @@ from conveyor.core.sequence import SequenceGroup, SequenceStatus
 
 VOCAB = 23
 EOS = 0
+
+
+def hybrid_groups(num_full: int, windows: list[int]) -> tuple[KVCacheGroup, ...]:
+    """A layout of one layer per group: ``num_full`` full-attention groups, then one
+    sliding-window group per entry of ``windows``."""
+    full = [KVCacheGroup(FullAttentionSpec(), (i,)) for i in range(num_full)]
+    return tuple(full + [KVCacheGroup(SlidingWindowSpec(w), (num_full + i,))
+                         for i, w in enumerate(windows)])
 
 
 def fake_token(token_ids: list[int], sample_index: int) -> int:
@@ -33,19 +43,23 @@ def fingerprints(token_ids: list[int], upto: int) -> list[int]:
 class FakeExecutor:
     """Executes SchedulerOutputs against a simulated KV cache and checks every read.
 
-    Each slot holds the fingerprint of the prefix it was computed for. Block operations run in
-    the contract's order (swap out, swap in, copy), then every scheduled token is written, then
-    each sequence's whole prefix is read back: a wrong prefix-cache hit, a missing copy-on-write,
-    a lost swap or an unallocated block shows up as a mismatch. Blocks keep stale contents
-    when freed, as real memory does.
+    Each slot holds (KV-cache group, fingerprint of the prefix it was computed for). Block
+    operations run in the contract's order (swap out, swap in, copy), then every scheduled token
+    is written into each group's table, then each group's tables are read back over what its
+    layers attend to (the whole prefix, or a sliding window from the step's first query): a wrong
+    prefix-cache hit (in any group), a missing copy-on-write, a lost swap, an unallocated or
+    released (``NULL_BLOCK``) block shows up as a mismatch. Blocks keep stale contents when
+    freed, as real memory does.
     """
 
     def __init__(self, sched: Scheduler) -> None:
         cc = sched.cache_config
         self.sched = sched
         self.bs = cc.block_size
-        self.gpu: list[list[int | None]] = [[None] * cc.block_size for _ in range(cc.num_gpu_blocks)]
-        self.cpu: list[list[int | None]] = [[None] * cc.block_size for _ in range(cc.num_cpu_blocks)]
+        self.windows = [spec.sliding_window for spec in cc.specs]
+        Slot = tuple[int, int] | None
+        self.gpu: list[list[Slot]] = [[None] * cc.block_size for _ in range(cc.num_gpu_blocks)]
+        self.cpu: list[list[Slot]] = [[None] * cc.block_size for _ in range(cc.num_cpu_blocks)]
 
     def execute(self, out: SchedulerOutput) -> list[list[int]]:
         bs = self.bs
@@ -63,21 +77,29 @@ class FakeExecutor:
             tokens = seq.token_ids + seq.spec_token_ids  # a decode's proposal follows it
             assert n >= 1 and start + n <= len(tokens), (seq, n)
             assert not seq.spec_token_ids or start + n == len(tokens), (seq, n)
-            assert len(seq.block_table) * bs >= start + n, f"{seq}: no slot for its tokens"
+            assert len(seq.block_tables) == len(self.windows), seq
             fps = fingerprints(tokens, start + n)
             fps_of.append(fps)
-            for p in range(start, start + n):
-                b = seq.block_table[p // bs]
-                assert refs[b] >= 1, f"{seq} writes free block {b}"
-                # a write into a shared block (a missing copy-on-write) shows up when a sharer
-                # reads the slot back: now or at its next step
-                self.gpu[b][p % bs] = fps[p]
+            for g, table in enumerate(seq.block_tables):
+                assert len(table) * bs >= start + n, f"{seq}: no slot for its tokens in group {g}"
+                for p in range(start, start + n):
+                    b = table[p // bs]
+                    assert b != NULL_BLOCK and refs[b] >= 1, f"{seq} writes free block {b}"
+                    # a write into a shared block (a missing copy-on-write) shows up when a
+                    # sharer reads the slot back: now or at its next step
+                    self.gpu[b][p % bs] = (g, fps[p])
         sampled = []
         for i, seq in enumerate(out.seqs):
             fps = fps_of[i]
-            for p, fp in enumerate(fps):
-                got = self.gpu[seq.block_table[p // bs]][p % bs]
-                assert got == fp, f"{seq}: wrong K/V at position {p}"
+            start = seq.num_computed_tokens
+            for g, table in enumerate(seq.block_tables):
+                window = self.windows[g]
+                first = max(0, start - window + 1) if window else 0
+                for p in range(first, len(fps)):
+                    b = table[p // bs]
+                    assert b != NULL_BLOCK, f"{seq}: group {g} released the block of position {p}"
+                    got = self.gpu[b][p % bs]
+                    assert got == (g, fps[p]), f"{seq}: wrong K/V at position {p} in group {g}"
             k = out.num_samples(i)
             if seq.spec_token_ids:
                 sampled.append(verify_greedy(seq.token_ids, seq.spec_token_ids, seq.index))
@@ -139,35 +161,77 @@ def reference_outputs(prompt: list[int], sp: SamplingParams, max_len: int,
     return outs
 
 
+def blocks_to_compute(cc: CacheConfig, num_tokens: int, one_step: bool) -> int:
+    """Fewest blocks in which a sequence of ``num_tokens`` can be computed (computed here, not
+    read off the block manager): every group's blocks in one step; in chunks down to one token,
+    a sliding-window group holds at most the blocks one window of positions spans."""
+    bs = cc.block_size
+    n = -(-num_tokens // bs)
+    total = 0
+    for spec in cc.specs:
+        w = spec.sliding_window
+        if one_step or not w:
+            total += n
+        else:
+            total += min(n, max(len({p // bs for p in range(s, s + w)}) for s in range(bs)))
+    return total
+
+
 def seq_limit(sc: SchedulerConfig, cc: CacheConfig) -> int:
     """Longest sequence the configuration can compute (computed here, not read off the scheduler)."""
-    limit = min(sc.max_model_len, cc.num_gpu_blocks * cc.block_size)
-    if sc.policy == "prefill_first":
+    one_step = sc.policy == "prefill_first"
+    limit = sc.max_model_len
+    while limit and blocks_to_compute(cc, limit, one_step) > cc.num_gpu_blocks:
+        limit -= 1
+    if one_step:
         limit = min(limit, sc.max_num_batched_tokens)
     return limit
 
 
+def check_tables(tables: list[list[int]], windows: list[int], what: object) -> None:
+    """One table per group, all of one length; released entries only lead window groups'."""
+    assert len(tables) == len(windows), what
+    assert len({len(t) for t in tables}) == 1, f"{what}: tables of different lengths"
+    for table, window in zip(tables, windows, strict=True):
+        live = [b for b in table if b != NULL_BLOCK]
+        assert window or len(live) == len(table), f"{what}: a full-attention table lost a block"
+        assert table[len(table) - len(live):] == live, f"{what}: a released block after a live one"
+
+
 def check_invariants(sched: Scheduler) -> None:
-    """Ref counts == owners; free + used == total; CPU pool likewise; queue membership."""
+    """Ref counts == owners (over every group); free + used == total; CPU pool likewise; queue
+    membership; each sequence's tables agree in length, released entries only before a window."""
     bm = sched.block_manager
     gpu = bm.gpu
     gpu.check_consistency()
+    windows = [spec.sliding_window for spec in sched.cache_config.specs]
     live = [s for g in sched.unfinished_groups() for s in g.seqs if not s.status.is_finished]
     owners = [0] * gpu.num_blocks
     cpu_used = 0
     for s in live:
         # no lookahead slot outlives its step: a sequence holds blocks for its tokens only
         assert not s.spec_token_ids, s
-        assert len(s.block_table) <= bm.num_blocks_for(len(s.token_ids)), s
-        for b in s.block_table:
-            owners[b] += 1
-        cpu_used += len(s.cpu_block_table)
+        if s.block_tables:
+            check_tables(s.block_tables, windows, s)
+            assert len(s.block_tables[0]) <= bm.num_blocks_for(len(s.token_ids)), s
+            for table, window in zip(s.block_tables, windows, strict=True):
+                # a window group holds one window's blocks between steps (docs/kv_cache.md)
+                assert not window or sum(1 for b in table if b != NULL_BLOCK) \
+                    <= max(len({p // bm.block_size for p in range(q, q + window)})
+                           for q in range(bm.block_size)), (s, window, table)
+        for table in s.block_tables:
+            for b in table:
+                if b != NULL_BLOCK:
+                    owners[b] += 1
+        if s.cpu_block_tables:
+            check_tables(s.cpu_block_tables, windows, s)
+        cpu_used += sum(1 for t in s.cpu_block_tables for c in t if c != NULL_BLOCK)
         if s.status is SequenceStatus.WAITING:
-            assert not s.block_table and not s.cpu_block_table, s
+            assert not s.block_tables and not s.cpu_block_tables, s
         elif s.status is SequenceStatus.SWAPPED:
-            assert not s.block_table and s.cpu_block_table, s
+            assert not s.block_tables and s.cpu_block_tables, s
         else:
-            assert s.status is SequenceStatus.RUNNING and not s.cpu_block_table, s
+            assert s.status is SequenceStatus.RUNNING and not s.cpu_block_tables, s
     assert owners == gpu.ref_counts, "ref counts differ from owners"
     used = sum(1 for r in gpu.ref_counts if r)
     assert used + gpu.num_free == gpu.num_blocks
@@ -202,14 +266,16 @@ def run_to_completion(sched: Scheduler, executor: FakeExecutor | None = None,
 
 
 def make_scheduler(*, block_size: int = 4, num_gpu_blocks: int = 64, num_cpu_blocks: int = 0,
-                   prefix_caching: bool = True, eos: tuple[int, ...] = (EOS,), **sched_kw) -> Scheduler:
+                   prefix_caching: bool = True, eos: tuple[int, ...] = (EOS,),
+                   kv_cache_groups: tuple[KVCacheGroup, ...] = (), **sched_kw) -> Scheduler:
     """A small scheduler with a fake clock (1.0, 2.0, ...); SchedulerConfig fields as keywords."""
     kw = {"max_num_seqs": 8, "max_num_batched_tokens": 256, "max_model_len": 256}
     kw.update(sched_kw)
     ticks = itertools.count(1)
     return Scheduler(SchedulerConfig(**kw),
                      CacheConfig(block_size=block_size, num_gpu_blocks=num_gpu_blocks,
-                                 num_cpu_blocks=num_cpu_blocks, enable_prefix_caching=prefix_caching),
+                                 num_cpu_blocks=num_cpu_blocks, enable_prefix_caching=prefix_caching,
+                                 kv_cache_groups=kv_cache_groups),
                      eos_token_ids=eos, clock=lambda: float(next(ticks)))
 
 

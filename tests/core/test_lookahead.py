@@ -63,8 +63,8 @@ def test_rejected_slots_are_given_back():
     out, _ = step(sched, ex, FIXED)
     assert out.num_new_tokens == [9]
     # the step held blocks for 3 + 8 + 1 positions; what is left covers the tokens only
-    assert len(seq.block_table) == -(-len(seq.token_ids) // 4) < 3
-    assert sched.block_manager.num_free_blocks == 8 - len(seq.block_table)
+    assert len(seq.block_tables[0]) == -(-len(seq.token_ids) // 4) < 3
+    assert sched.block_manager.num_free_blocks == 8 - len(seq.block_tables[0])
     check_invariants(sched)
 
 
@@ -90,9 +90,9 @@ def test_a_draft_model_gets_slots_for_its_next_proposal():
     seq = sched.running[0]
     out = sched.schedule()
     assert out.num_new_tokens == [5] and out.num_batched_tokens == 5
-    assert len(seq.block_table) * 4 >= len(seq.token_ids) + 4 + 4
+    assert len(seq.block_tables[0]) * 4 >= len(seq.token_ids) + 4 + 4
     sched.update(out, ex.execute(out))
-    assert len(seq.block_table) == -(-len(seq.token_ids) // 4)  # rejected and drafting slots
+    assert len(seq.block_tables[0]) == -(-len(seq.token_ids) // 4)  # rejected and drafting slots
     check_invariants(sched)
 
 

@@ -163,7 +163,7 @@ def test_swap_preemption_moves_blocks_out_and_resumes_before_new_admissions():
         if out.blocks_to_swap_out:
             break
     b = sched.unfinished_groups()[1].seqs[0]
-    assert b.status is S.SWAPPED and len(out.blocks_to_swap_out) == len(b.cpu_block_table)
+    assert b.status is S.SWAPPED and len(out.blocks_to_swap_out) == len(b.cpu_block_tables[0])
     assert sched.stats.num_swapped == 1
     resumed = None
     for _ in range(20):
@@ -189,7 +189,7 @@ def test_swap_falls_back_to_recompute_when_the_cpu_pool_is_full():
             break
     b = sched.unfinished_groups()[1].seqs[0]
     assert sched.stats.num_preemptions == 1 and sched.stats.num_swapped == 0
-    assert b.status is S.WAITING and b.num_computed_tokens == 0 and not b.cpu_block_table
+    assert b.status is S.WAITING and b.num_computed_tokens == 0 and not b.cpu_block_tables
     run_to_completion(sched, ex, check=True)
 
 

@@ -66,9 +66,9 @@ def test_identical_prompts_admitted_in_the_same_step_share_blocks():
     out = sched.schedule()
     a, b = out.seqs
     assert out.num_new_tokens == [14, 2]  # b reuses a's 3 full blocks being computed now
-    assert a.block_table[:3] == b.block_table[:3] and a.block_table[3] != b.block_table[3]
+    assert a.block_tables[0][:3] == b.block_tables[0][:3] and a.block_tables[0][3] != b.block_tables[0][3]
     refs = sched.block_manager.gpu.ref_counts
-    assert [refs[x] for x in a.block_table] == [2, 2, 2, 1]
+    assert [refs[x] for x in a.block_tables[0]] == [2, 2, 2, 1]
     assert sched.block_manager.num_free_blocks == 64 - 5
     sched.update(out, ex.execute(out))  # the fake executor reads b's prefix back: correct
     run_to_completion(sched, ex)
@@ -138,7 +138,7 @@ def test_disabled_prefix_caching_counts_nothing_and_shares_nothing():
     sched.add_request("b", prompt, SP)
     out = sched.schedule()
     assert out.num_new_tokens == [14, 14]
-    assert not set(out.seqs[0].block_table) & set(out.seqs[1].block_table)
+    assert not set(out.seqs[0].block_tables[0]) & set(out.seqs[1].block_tables[0])
     sched.update(out, ex.execute(out))
     assert (sched.stats.prefix_cache_queries, sched.stats.prefix_cache_hits) == (0, 0)
 

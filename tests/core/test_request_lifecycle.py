@@ -131,14 +131,14 @@ def test_parallel_samples_fork_after_prefill_and_copy_the_shared_partial_block()
     sched.update(out, ex.execute(out))
     assert [s.index for s in group.seqs] == [0, 1, 2]
     parent = group.seqs[0]
-    assert all(s.block_table == parent.block_table for s in group.seqs)
+    assert all(s.block_tables[0] == parent.block_tables[0] for s in group.seqs)
     refs = sched.block_manager.gpu.ref_counts
-    assert [refs[b] for b in parent.block_table] == [3, 3]
+    assert [refs[b] for b in parent.block_tables[0]] == [3, 3]
     out = sched.schedule()  # each writes position 6, inside the shared partial block
     assert len(out.seqs) == 3 and [out.num_samples(i) for i in range(3)] == [1, 1, 1]
     assert len(out.blocks_to_copy) == 2
-    assert len({s.block_table[1] for s in group.seqs}) == 3
-    assert len({s.block_table[0] for s in group.seqs}) == 1  # the full block stays shared
+    assert len({s.block_tables[0][1] for s in group.seqs}) == 3
+    assert len({s.block_tables[0][0] for s in group.seqs}) == 1  # the full block stays shared
     sched.update(out, ex.execute(out))
     done = run_to_completion(sched, ex, check=True)
     assert [len(s.output_token_ids) for s in done["r"].seqs] == [5, 5, 5]

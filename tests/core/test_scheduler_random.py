@@ -14,6 +14,7 @@ from core_fakes import (
     FakeExecutor,
     OracleProposer,
     check_invariants,
+    hybrid_groups,
     reference_outputs,
     seq_limit,
 )
@@ -36,8 +37,9 @@ REGRESSIONS = {
 
 
 def run_random(seed: int, policy: str, queue: str, mode: str, profile: str = "small",
-               speculative: bool = False) -> Scheduler:
-    """``speculative``: decodes verify proposals of an OracleProposer (lookahead slots)."""
+               speculative: bool = False, hybrid: bool = False) -> Scheduler:
+    """``speculative``: decodes verify proposals of an OracleProposer (lookahead slots);
+    ``hybrid``: a random layout of full-attention and sliding-window KV-cache groups."""
     max_seqs, max_len, max_blocks, max_prompt, max_out, max_n = PROFILES[profile]
     rng = random.Random(seed)
     seqs = rng.randint(1, max_seqs)
@@ -47,6 +49,11 @@ def run_random(seed: int, policy: str, queue: str, mode: str, profile: str = "sm
                          max_num_partial_prefills=rng.randint(1, 3))
     cc = CacheConfig(rng.choice([1, 2, 4, 8]), rng.randint(3, max_blocks), rng.randint(1, max_blocks),
                      rng.random() < 0.7)
+    if hybrid:
+        windows = [rng.randint(1, 12) for _ in range(rng.randint(1, 3))]
+        groups = hybrid_groups(rng.choice([0, 1, 1, 1, 2]), windows)
+        cc = CacheConfig(cc.block_size, cc.num_gpu_blocks * len(groups),
+                         cc.num_cpu_blocks * len(groups), cc.enable_prefix_caching, groups)
     ticks = itertools.count()
     spec = proposer = None
     if speculative:
@@ -129,6 +136,29 @@ def test_random_runs(policy, queue, mode, profile, num_seeds):
     for seed in list(range(num_seeds)) + REGRESSIONS.get((profile, policy, queue, mode), []):
         try:
             run_random(seed, policy, queue, mode, profile)
+        except Exception as e:
+            raise AssertionError(f"seed {seed}: {e}") from e
+
+
+@pytest.mark.parametrize(("policy", "queue", "mode"), COMBOS)
+def test_random_runs_hybrid(policy, queue, mode):
+    """Full-attention and sliding-window groups over one pool: same tokens, every group's reads
+    check out (FakeExecutor), no block leaked or double-owned, windows released."""
+    preemptions = 0
+    for seed in range(80):
+        try:
+            sched = run_random(seed, policy, queue, mode, "small", hybrid=True)
+        except Exception as e:
+            raise AssertionError(f"seed {seed}: {e}") from e
+        preemptions += sched.stats.num_preemptions
+    assert preemptions > 0
+
+
+@pytest.mark.parametrize(("policy", "queue", "mode"), COMBOS)
+def test_random_runs_hybrid_speculative(policy, queue, mode):
+    for seed in range(30):
+        try:
+            run_random(seed, policy, queue, mode, "small", speculative=True, hybrid=True)
         except Exception as e:
             raise AssertionError(f"seed {seed}: {e}") from e
 

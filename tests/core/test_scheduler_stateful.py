@@ -6,7 +6,9 @@ sequence in exactly the queue its status names, len(batch) <= max_num_seqs, toke
 <= max_num_batched_tokens, every K/V read matches its prefix. At teardown the scheduler is
 drained (liveness: everything finishes within a step bound), every added request has finished
 exactly once, and every finished request's tokens equal the reference generated alone — so
-recompute, swap and no preemption at all give the same streams.
+recompute, swap and no preemption at all give the same streams. Each combination runs with the
+default single full-attention KV-cache group and with random hybrid layouts (full-attention and
+sliding-window groups over one pool: every group's reads are checked, window blocks released).
 """
 
 from __future__ import annotations
@@ -14,7 +16,16 @@ from __future__ import annotations
 import itertools
 
 import pytest
-from core_fakes import EOS, VOCAB, FakeExecutor, check_invariants, reference_outputs, seq_limit
+from core_fakes import (
+    EOS,
+    VOCAB,
+    FakeExecutor,
+    blocks_to_compute,
+    check_invariants,
+    hybrid_groups,
+    reference_outputs,
+    seq_limit,
+)
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, precondition, rule
@@ -32,21 +43,26 @@ class SchedulerMachine(RuleBasedStateMachine):
     policy = "prefill_first"
     queue = "fcfs"
     mode = "recompute"
+    hybrid = False
 
     @initialize(block_size=st.sampled_from([1, 2, 4, 8]), num_gpu_blocks=st.integers(3, 40),
                 max_num_seqs=st.integers(1, 6), budget_extra=st.integers(0, 60),
                 max_model_len=st.integers(4, 80), caching=st.booleans(),
                 threshold=st.integers(0, 12), partial=st.integers(1, 3),
-                num_cpu_blocks=st.integers(1, 40))
+                num_cpu_blocks=st.integers(1, 40), num_full=st.sampled_from([1, 1, 0, 2]),
+                windows=st.lists(st.integers(1, 12), min_size=1, max_size=3))
     def setup(self, block_size, num_gpu_blocks, max_num_seqs, budget_extra, max_model_len,
-              caching, threshold, partial, num_cpu_blocks):
+              caching, threshold, partial, num_cpu_blocks, num_full, windows):
         self.sc = SchedulerConfig(
             max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_seqs + budget_extra,
             max_model_len=max_model_len, policy=self.policy, queue=self.queue,
             preemption_mode=self.mode, long_prefill_token_threshold=threshold,
             max_num_partial_prefills=partial)
-        self.cc = CacheConfig(block_size=block_size, num_gpu_blocks=num_gpu_blocks,
-                              num_cpu_blocks=num_cpu_blocks, enable_prefix_caching=caching)
+        groups = hybrid_groups(num_full, windows) if self.hybrid else ()
+        scale = max(1, len(groups))
+        self.cc = CacheConfig(block_size=block_size, num_gpu_blocks=num_gpu_blocks * scale,
+                              num_cpu_blocks=num_cpu_blocks * scale, enable_prefix_caching=caching,
+                              kv_cache_groups=groups)
         self.time = itertools.count()
         self.sched = Scheduler(self.sc, self.cc, eos_token_ids=(EOS,),
                                clock=lambda: float(next(self.time)))
@@ -79,7 +95,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         rid = f"r{len(self.requests)}"
         group = self.sched.add_request(rid, prompt, sp, priority=data.draw(st.integers(0, 3)))
         self.requests[rid] = (prompt, sp)
-        blocks = -(-len(prompt) // self.cc.block_size)
+        blocks = blocks_to_compute(self.cc, len(prompt), self.sc.policy == "prefill_first")
         must_ignore = len(prompt) > self.limit or blocks > self.cc.num_gpu_blocks
         assert (group.seqs[0].status is SequenceStatus.FINISHED_IGNORED) == must_ignore
         if must_ignore:
@@ -111,7 +127,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         seq = data.draw(st.sampled_from(self._running()), label="stop")
         rid = seq.group.request_id
         group = self.sched.finish_sequence(seq, SequenceStatus.FINISHED_STOPPED, "stop")
-        assert seq.status is SequenceStatus.FINISHED_STOPPED and not seq.block_table
+        assert seq.status is SequenceStatus.FINISHED_STOPPED and not seq.block_tables
         self.aborted.add(rid)  # its tokens are a prefix of the reference
         if group is not None:
             assert group.is_finished
@@ -183,10 +199,11 @@ COMBOS = list(itertools.product(["prefill_first", "chunked"], ["fcfs", "priority
                                  ["recompute", "swap"]))
 
 
+@pytest.mark.parametrize("hybrid", [False, True], ids=["single_group", "hybrid"])
 @pytest.mark.parametrize(("policy", "queue", "mode"), COMBOS)
-def test_scheduler_state_machine(policy, queue, mode):
-    machine = type(f"Machine_{policy}_{queue}_{mode}", (SchedulerMachine,),
-                   {"policy": policy, "queue": queue, "mode": mode})
+def test_scheduler_state_machine(policy, queue, mode, hybrid):
+    machine = type(f"Machine_{policy}_{queue}_{mode}_{hybrid}", (SchedulerMachine,),
+                   {"policy": policy, "queue": queue, "mode": mode, "hybrid": hybrid})
     machine.TestCase.settings = settings(
         max_examples=sized(50, 1000), stateful_step_count=25, deadline=None,
         suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])

@@ -62,7 +62,7 @@ def test_preemption_scenario_lifo_victim_goes_to_front_of_waiting():
     assert out.seqs == [seq1] and not out.is_prefill
     assert sched.running == [seq1]
     assert list(sched.waiting) == [seq2] and seq2.status is SequenceStatus.WAITING
-    assert seq2.num_computed_tokens == 0 and seq2.block_table == []
+    assert seq2.num_computed_tokens == 0 and seq2.block_tables == []
     assert len(seq2) == 301  # keeps its generated token: prompt + output are recomputed
     assert sched.stats.num_preemptions == 1
     sched.update(out, ex.execute(out))

@@ -148,7 +148,7 @@ def test_n_samples_share_the_prompt_blocks(engine, tokenizer):
     (group,) = engine.scheduler.unfinished_groups()
     assert len(group.seqs) == 3
     engine.step()  # one decode each: the partial last block is copied on write
-    tables = [s.block_table for s in group.seqs]
+    tables = [s.block_tables[0] for s in group.seqs]
     assert all(len(t) == 3 for t in tables)
     assert tables[0][:2] == tables[1][:2] == tables[2][:2]  # the full prompt blocks are shared
     assert len({t[2] for t in tables}) == 3  # each sample writes its own last block

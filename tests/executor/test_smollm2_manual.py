@@ -29,7 +29,7 @@ def _make_seqs(prompts: list[list[int]], params: SamplingParams):
         seq = Sequence(i, group, 0, list(ids), len(ids))
         group.seqs.append(seq)
         need = (len(ids) + NUM_TOKENS + BLOCK - 1) // BLOCK
-        seq.block_table = list(range(nxt, nxt + need))
+        seq.block_tables = [list(range(nxt, nxt + need))]
         nxt += need
         seqs.append(seq)
     return seqs
@@ -81,16 +81,16 @@ def test_swap_out_in_and_block_copy(executor, prompt_ids, reference_tokens) -> N
     _run(executor, seqs, max_tokens=10)
     a = seqs[0]
     # Swap a's blocks out, scribble over them, swap them back into other device blocks.
-    cpu = list(range(len(a.block_table)))
-    executor.execute(SchedulerOutput(blocks_to_swap_out=list(zip(a.block_table, cpu, strict=True))))
-    executor.kv_cache.cache[:, :, a.block_table] = 0
-    moved = list(range(200, 200 + len(a.block_table)))
+    cpu = list(range(len(a.block_tables[0])))
+    executor.execute(SchedulerOutput(blocks_to_swap_out=list(zip(a.block_tables[0], cpu, strict=True))))
+    executor.kv_cache.cache[:, :, a.block_tables[0]] = 0
+    moved = list(range(200, 200 + len(a.block_tables[0])))
     executor.execute(SchedulerOutput(blocks_to_swap_in=list(zip(cpu, moved, strict=True))))
-    a.block_table = moved
+    a.block_tables = [moved]
     # Copy b's blocks elsewhere (as copy-on-write would) and continue from the copies.
     b = seqs[1]
-    copies = list(range(230, 230 + len(b.block_table)))
-    executor.execute(SchedulerOutput(blocks_to_copy=list(zip(b.block_table, copies, strict=True))))
-    executor.kv_cache.cache[:, :, b.block_table] = 0
-    b.block_table = copies
+    copies = list(range(230, 230 + len(b.block_tables[0])))
+    executor.execute(SchedulerOutput(blocks_to_copy=list(zip(b.block_tables[0], copies, strict=True))))
+    executor.kv_cache.cache[:, :, b.block_tables[0]] = 0
+    b.block_tables = [copies]
     assert _run(executor, seqs) == reference_tokens[:2]

@@ -6,7 +6,7 @@ from conveyor.sim.specs import list_specs, load_hardware, load_model
 
 EXPECTED_PARAMS_B = {  # published parameter counts, billions
     "llama-3-8b": 8.03, "llama-3-70b": 70.55, "qwen3-0.6b": 0.596, "qwen3-8b": 8.19,
-    "smollm2-135m": 0.1345,
+    "smollm2-135m": 0.1345, "gemma3-270m": 0.268,
 }
 
 

@@ -13,6 +13,11 @@ for new content, so an identity names one content, forever. A lookup hit must ma
 and the parent identity exactly: by induction the whole prefix matches, whatever the hash did.
 A full block whose content duplicates an already-registered block is not filed twice; it
 records the registered twin's identity as its *alias*, so its children chain correctly.
+
+The stored parent is a *key* (``ParentKey``): a parent's identity for the blocks that form a
+chain (KV-cache group 0), or, for the blocks of the other KV-cache groups, the identity of the
+group-0 block of the same index plus the group number (``BlockManager.register_full_blocks``):
+that identity names the exact prefix up to the block's end, so the same check verifies them.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from collections import OrderedDict
 
 Identity = tuple[int, int]  # (block id, generation)
 ROOT_IDENTITY: Identity = (-1, 0)  # the parent of every first block (on the base model)
+ParentKey = tuple[int, ...]  # an Identity, or (block id, generation, group) (module docstring)
 
 
 def root_identity(lora_id: int) -> Identity:
@@ -40,7 +46,7 @@ class BlockPool:
         self._block_by_hash: dict[int, int] = {}  # hash -> registered block
         self._hash: list[int | None] = [None] * num_blocks
         self._tokens: list[list[int] | None] = [None] * num_blocks
-        self._parent: list[Identity | None] = [None] * num_blocks
+        self._parent: list[ParentKey | None] = [None] * num_blocks
         self._generation = [0] * num_blocks
         self._alias: list[Identity | None] = [None] * num_blocks
 
@@ -96,13 +102,14 @@ class BlockPool:
             return (block, self._generation[block])
         return self._alias[block]
 
-    def lookup(self, block_hash: int, parent: Identity, token_ids: list[int]) -> int | None:
+    def lookup(self, block_hash: int, parent: ParentKey, token_ids: list[int]) -> int | None:
         block = self._block_by_hash.get(block_hash)
         if block is None or self._parent[block] != parent or self._tokens[block] != token_ids:
             return None
         return block
 
-    def register(self, block: int, block_hash: int, parent: Identity, token_ids: list[int]) -> None:
+    def register(self, block: int, block_hash: int, parent: ParentKey,
+                 token_ids: list[int]) -> None:
         """File a full, computed (or being computed this step) block under ``block_hash``."""
         other = self._block_by_hash.get(block_hash)
         if other is not None:

@@ -93,9 +93,8 @@ def _chunk_size(sched: SchedulerInterface, remaining: int, budget: int) -> int:
 def _continue_prefills(sched: SchedulerInterface, step: _Step) -> None:
     """Schedule chunks of mid-prefill sequences (``step.partial``: those left part-way)."""
     bm = sched.block_manager
-    gpu = bm.gpu
-    bs = bm.block_size
     max_seqs = sched.config.max_num_seqs
+    windows = bool(bm.window_groups)
     for seq in list(sched.prefilling):
         if seq.status is not RUNNING:
             continue
@@ -105,8 +104,10 @@ def _continue_prefills(sched: SchedulerInterface, step: _Step) -> None:
         computed = seq.num_computed_tokens
         remaining = len(seq.token_ids) - computed
         chunk = _chunk_size(sched, remaining, step.budget)
+        if windows:
+            bm.release_skipped(seq)
         while True:
-            fit = (len(seq.block_table) + gpu.num_free) * bs - computed
+            fit = bm.slot_capacity(seq) - computed
             if fit >= chunk:
                 break
             victim = _prefill_victim(sched, seq, step)
@@ -161,6 +162,7 @@ def _admit_new(sched: SchedulerInterface, step: _Step) -> None:
     bs = bm.block_size
     cfg = sched.config
     max_seqs = cfg.max_num_seqs
+    windows = bool(bm.window_groups)
     waiting = sched.waiting
     now = None
     retry = False  # the head just preempted lower-priority sequences: try it again
@@ -172,9 +174,11 @@ def _admit_new(sched: SchedulerInterface, step: _Step) -> None:
         if seq is None:
             break
         hits = bm.find_cached_prefix(seq)
-        cached = len(hits) * bs
+        cached = len(hits[0]) * bs
         num_tokens = len(seq.token_ids)
         chunk = _chunk_size(sched, num_tokens - cached, step.budget)
+        if windows:  # a chunk whose blocks exceed the whole cache would wait forever
+            chunk = min(chunk, bm.chunk_limit(cached))
         partial = cached + chunk < num_tokens
         group = seq.group
         seats = group.sampling_params.n if len(group.seqs) == 1 else 1

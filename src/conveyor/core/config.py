@@ -10,6 +10,8 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import TypeVar
 
+from conveyor.core.kv_cache_spec import FullAttentionSpec, KVCacheGroup, KVCacheSpec, check_groups
+
 ChoiceT = TypeVar("ChoiceT", bound="Choice")
 
 
@@ -132,12 +134,18 @@ class SchedulerConfig:
 
 @dataclass(frozen=True)
 class CacheConfig:
-    """The paged KV cache: ``num_gpu_blocks`` blocks of ``block_size`` tokens (+ a CPU swap pool)."""
+    """The paged KV cache: ``num_gpu_blocks`` blocks of ``block_size`` tokens (+ a CPU swap pool).
+
+    ``kv_cache_groups``: the model's KV-cache groups (``core/kv_cache_spec.py``), which share the
+    blocks; each sequence has one block table per group. ``()``: one full-attention group of
+    every layer (a block then holds all layers' K/V).
+    """
 
     block_size: int
     num_gpu_blocks: int
     num_cpu_blocks: int = 0
     enable_prefix_caching: bool = True
+    kv_cache_groups: tuple[KVCacheGroup, ...] = ()
 
     def __post_init__(self) -> None:
         owner = "CacheConfig"
@@ -147,3 +155,14 @@ class CacheConfig:
         if not isinstance(self.enable_prefix_caching, bool):
             raise ValueError(f"{owner}.enable_prefix_caching must be a bool, "
                              f"got {self.enable_prefix_caching!r}")
+        if not isinstance(self.kv_cache_groups, tuple):
+            raise ValueError(f"{owner}.kv_cache_groups must be a tuple of KVCacheGroup, "
+                             f"got {self.kv_cache_groups!r}")
+        check_groups(self.kv_cache_groups, owner)
+
+    @property
+    def specs(self) -> tuple[KVCacheSpec, ...]:
+        """Each group's spec (one full-attention spec for the default layout)."""
+        if not self.kv_cache_groups:
+            return (FullAttentionSpec(),)
+        return tuple(g.spec for g in self.kv_cache_groups)

@@ -37,14 +37,15 @@ def _decodes_without_preemption(sched: SchedulerInterface, limit: int) -> list[S
     bm = sched.block_manager
     running = sched.running
     needing = sched.seqs_needing_block
+    per_seq = bm.num_groups  # a boundary takes a block in every group (a bound for windows)
     if len(running) <= limit:
-        if len(needing) > bm.gpu.num_free:
+        if len(needing) * per_seq > bm.gpu.num_free:
             return None
         this_step, later = needing, []
     else:
         cut = running[limit - 1].running_stamp
         this_step = [s for s in needing if s.running_stamp <= cut]
-        if len(this_step) > bm.gpu.num_free:
+        if len(this_step) * per_seq > bm.gpu.num_free:
             return None
         later = [s for s in needing if s.running_stamp > cut]
     if this_step:
@@ -60,6 +61,8 @@ def _decodes_without_preemption(sched: SchedulerInterface, limit: int) -> list[S
 def _decodes_with_preemption(sched: SchedulerInterface, limit: int) -> list[Sequence]:
     bm = sched.block_manager
     gpu = bm.gpu
+    num_groups = bm.num_groups
+    windows = bool(bm.window_groups)
     running = sched.running
     prefilling = sched.prefilling
     priority = sched.priority_queue
@@ -74,7 +77,9 @@ def _decodes_with_preemption(sched: SchedulerInterface, limit: int) -> list[Sequ
         if len(seq.token_ids) < seq.next_check_len:  # its slot is ready: no block needed
             scheduled.append(seq)
             continue
-        while gpu.num_free == 0 and bm.slot_needs_block(seq):
+        if windows:
+            bm.release_skipped(seq)
+        while gpu.num_free < num_groups and bm.blocks_for_slot(seq) > gpu.num_free:
             victim = None
             if priority:
                 victim = sched.lowest_priority(scheduled + [seq] + running[i:end] + prefilling)

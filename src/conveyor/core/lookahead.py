@@ -34,15 +34,13 @@ def add_lookahead(sched: SchedulerInterface, decodes: list[Sequence], budget: in
     if spec is None or not spec.enabled_for(len(decodes)):
         return counts
     bm = sched.block_manager
-    gpu = bm.gpu
-    bs = bm.block_size
     k = spec.num_speculative_tokens
     for i, seq in enumerate(decodes):
         drafts, seq.draft_token_ids = seq.draft_token_ids, []
         if not (sched.is_decoding(seq) and may_speculate(seq)):
             continue
         length = len(seq.token_ids)
-        room = (len(seq.block_table) + gpu.num_free) * bs - length
+        room = bm.slot_capacity(seq) - length
         # the step appends up to limit + 1 tokens; max_len ends the sequence
         limit = max(0, min(k, budget, seq.max_len - length - 1, room, len(drafts)))
         drafting = min(spec.drafting_slots, room - limit)

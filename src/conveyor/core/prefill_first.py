@@ -51,7 +51,7 @@ def _prefill_step(sched: SchedulerInterface) -> SchedulerOutput | None:
             break
         hits = bm.find_cached_prefix(seq)
         num_tokens = len(seq.token_ids)
-        uncached = num_tokens - len(hits) * block_size
+        uncached = num_tokens - len(hits[0]) * block_size
         if total + uncached > budget:
             break
         fits = bm.num_new_blocks_to_admit(hits, num_tokens) <= gpu.num_free
@@ -60,7 +60,7 @@ def _prefill_step(sched: SchedulerInterface) -> SchedulerOutput | None:
             fits = bm.num_new_blocks_to_admit(hits, num_tokens) <= gpu.num_free
         if not fits:
             break
-        uncached = num_tokens - len(hits) * block_size
+        uncached = num_tokens - len(hits[0]) * block_size
         waiting.take(seq)
         sched.admit(seq, hits, num_tokens, now)
         sched.join_running(seq)

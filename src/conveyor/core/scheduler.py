@@ -98,8 +98,9 @@ class Scheduler:
         self.priority_queue = scheduler_config.queue is QueueOrder.PRIORITY
         self.chunked = scheduler_config.policy is SchedulingPolicy.CHUNKED
         # the longest sequence that can ever be (re)computed: model, policy and whole cache
+        # (prefill_first recomputes a preempted sequence in one step)
         self.max_seq_len = min(scheduler_config.max_seq_len,
-                               cache_config.num_gpu_blocks * cache_config.block_size)
+                               self.block_manager.max_tokens(one_step=not self.chunked))
         self._groups: dict[str, SequenceGroup] = {}
         self._finished: list[SequenceGroup] = []  # reported by the next update()
         self._next_seq_id = 0
@@ -201,7 +202,7 @@ class Scheduler:
                     f"prompt in one step of at most max_num_batched_tokens="
                     f"{cfg.max_num_batched_tokens} tokens; raise max_num_batched_tokens or use "
                     "policy 'chunked'")
-        blocks = self.block_manager.num_blocks_for(prompt_len)
+        blocks = self.block_manager.blocks_to_compute(prompt_len, one_step=not self.chunked)
         total = self.cache_config.num_gpu_blocks
         if blocks > total:
             return (f"prompt needs {blocks} KV-cache blocks of {self.block_size} tokens but the "
@@ -290,11 +291,11 @@ class Scheduler:
         self.running.append(seq)
 
     def set_next_check_len(self, seq: Sequence) -> None:
-        cap = len(seq.block_table) * self.block_size + 1
+        cap = len(seq.block_tables[0]) * self.block_size + 1
         seq.next_check_len = cap if cap < seq.max_len else seq.max_len
 
-    def admit(self, seq: Sequence, hits: list[int], num_tokens: int, now: float) -> None:
-        """Waiting -> computed: blocks for ``num_tokens`` (with ``hits`` reused)."""
+    def admit(self, seq: Sequence, hits: list[list[int]], num_tokens: int, now: float) -> None:
+        """Waiting -> computed: blocks for ``num_tokens`` (with ``hits``, per group, reused)."""
         self.block_manager.admit(seq, hits, num_tokens)
         seq.status = RUNNING
         self.set_next_check_len(seq)
@@ -452,13 +453,16 @@ class Scheduler:
             if stopped:
                 continue
             bm.trim(seq, len(tids))
+            if bm.window_groups:  # several tokens at once may leave window blocks behind
+                bm.release_skipped(seq)
             self.set_next_check_len(seq)
             if bm.slot_needs_block(seq):
                 self.mark_needs_block(seq)
 
     def _check_decode(self, seq: Sequence, tok: int, needing_block: list[Sequence]) -> None:
         """The fast path's slow case: ``tok`` may stop ``seq``, or its next slot needs a block."""
-        if not self._check_stop(seq, tok) and len(seq.token_ids) > len(seq.block_table) * self.block_size:
+        if (not self._check_stop(seq, tok)
+                and len(seq.token_ids) > len(seq.block_tables[0]) * self.block_size):
             needing_block.append(seq)  # next_check_len <= len(token_ids) already
 
     def mark_needs_block(self, seq: Sequence) -> None:
@@ -484,6 +488,7 @@ class Scheduler:
         seqs = out.seqs
         num_new = out.num_new_tokens
         bm = self.block_manager
+        windows = bool(bm.window_groups)
         now = None
         completed: list[Sequence] = []
         for i in range(start, len(seqs)):
@@ -491,6 +496,8 @@ class Scheduler:
             if seq.status is not RUNNING:  # aborted or finished between schedule and update
                 continue
             seq.num_computed_tokens += num_new[i]
+            if windows:  # the chunk is computed: its window blocks left behind go back
+                bm.release_skipped(seq)
             toks = sampled[i]
             if not toks and (seq.group.pooling_params is None
                              or seq.num_computed_tokens < len(seq.token_ids)):

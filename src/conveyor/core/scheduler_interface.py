@@ -35,7 +35,8 @@ class SchedulerInterface(Protocol):
     preempted_this_step: bool
     speculative: SpeculativeConfig | None  # None: no lookahead slots (core/lookahead.py)
 
-    def admit(self, seq: Sequence, hits: list[int], num_tokens: int, now: float) -> None: ...
+    def admit(self, seq: Sequence, hits: list[list[int]], num_tokens: int,
+              now: float) -> None: ...
 
     def join_running(self, seq: Sequence) -> None: ...
 

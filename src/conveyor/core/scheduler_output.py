@@ -8,13 +8,28 @@ sequence itself, which does not change between ``Scheduler.schedule()`` and
 * tokens to compute this step: ``seq.token_ids[start : start + num_new_tokens[i]]`` with
   ``start = seq.num_computed_tokens`` (the position of the first of them), followed, for a
   decode with a speculative proposal, by ``seq.spec_token_ids`` (``token_ids(i)``);
-* block table: ``seq.block_table`` (physical block ids, ``block_size`` tokens each);
+* block tables: ``seq.block_tables[g]`` for each KV-cache group ``g`` of
+  ``CacheConfig.kv_cache_groups`` (physical block ids, ``block_size`` tokens each; see below);
 * sampling: an entry samples when its chunk reaches the end of the sequence's tokens;
   it samples ``seq.group.sampling_params.n`` tokens when this is the group's first sample
   (the prompt's prefill completing: the parent forks into ``n`` parallel samples), else 1.
   A decode with a proposal is verified instead: it returns the accepted proposed tokens plus
   one more (1 to 1 + len(spec_token_ids) tokens). A pooling request never samples: the chunk
   that reaches the end of its prompt returns its pooled hidden state (``ExecutorOutput.pooled``).
+
+KV-cache groups (``core/kv_cache_spec.py``). Every block of the one pool holds
+``layers_per_group`` layers' K/V for ``block_size`` tokens (the KV cache is
+``[layers_per_group, 2, num_blocks, block_size, num_kv_heads, head_dim]``). Model layer ``l`` is
+(group ``g``, slot ``s``) = ``layer_slots(groups, num_layers)[l]``: it writes and reads the K/V
+of position ``p`` at slot ``s`` of block ``seq.block_tables[g][p // block_size]``, offset
+``p % block_size``. All of a sequence's tables have the same length. In a sliding-window group
+(window ``W``) the entries of blocks that lie wholly before the window of the step's first query
+(``p < num_computed_tokens - W + 1``) may be ``NULL_BLOCK`` (-1, ``core/block_manager.py``):
+their blocks were given back, and window attention never reads them (the step writes only
+positions from ``num_computed_tokens`` on, whose entries are real blocks). With the default
+layout (``kv_cache_groups == ()``) there is one full-attention group: ``seq.block_tables[0]``
+serves every layer, slot = layer index, and no entry is ``NULL_BLOCK``. Block copies and swaps
+move whole blocks (every slot), whichever group owns them.
 
 Block operations run before the forward, in the order swap out, swap in, copy. A prefix-cache
 hit may name a block that an earlier entry of the *same* step computes (identical prompts

@@ -2,7 +2,8 @@
 
 Fields read by executors and the engine (the contract; keep their names and meaning):
 ``Sequence.seq_id, group, index, token_ids, num_prompt_tokens, num_computed_tokens,
-block_table, status, stop_reason`` and ``SequenceGroup.request_id, prompt_token_ids,
+block_tables, status, stop_reason`` (``block_tables[g]``: KV-cache group g's block table, see
+core/scheduler_output.py) and ``SequenceGroup.request_id, prompt_token_ids,
 sampling_params, pooling_params, lora_id, priority, arrival_time, seqs, metrics,
 finish_message``.
 """
@@ -68,7 +69,7 @@ class Sequence:
         "token_ids",
         "num_prompt_tokens",
         "num_computed_tokens",
-        "block_table",
+        "block_tables",
         "status",
         "stop_reason",
         # scheduler bookkeeping (not part of the executor contract)
@@ -78,7 +79,7 @@ class Sequence:
         "next_check_len",
         "block_hashes",
         "num_registered_blocks",
-        "cpu_block_table",
+        "cpu_block_tables",
         "running_stamp",
         "spec_token_ids",
         "draft_token_ids",
@@ -92,7 +93,8 @@ class Sequence:
         self.token_ids = token_ids
         self.num_prompt_tokens = num_prompt_tokens
         self.num_computed_tokens = 0  # tokens whose K/V are in the cache
-        self.block_table: list[int] = []
+        # one block table per KV-cache group while it holds GPU blocks, else []
+        self.block_tables: list[list[int]] = []
         self.status = SequenceStatus.WAITING
         self.stop_reason: int | str | None = None
         # Stop limits, precomputed so that update() does one or two comparisons per token:
@@ -100,11 +102,11 @@ class Sequence:
         self.min_len = 0  # stop tokens are ignored while len(token_ids) < min_len (min_tokens)
         self.stop_ids: frozenset[int] = frozenset()  # EOS (unless ignore_eos) + stop_token_ids
         # len(token_ids) at which update() must look closer: max_len, or the next decode
-        # needing a new KV block (capacity of block_table + 1).
+        # needing a new KV block (capacity of its block tables + 1).
         self.next_check_len = 0
         self.block_hashes: list[int] = []  # chained prefix hash of each full block of token_ids
-        self.num_registered_blocks = 0  # leading blocks of block_table known to the prefix cache
-        self.cpu_block_table: list[int] = []  # while SWAPPED
+        self.num_registered_blocks = 0  # leading block indices known to the prefix cache
+        self.cpu_block_tables: list[list[int]] = []  # per group, while SWAPPED
         self.running_stamp = 0  # when it joined `running` (running stays sorted by it)
         # proposed tokens verified after the next token this step (core/lookahead.py)
         self.spec_token_ids: list[int] = []

@@ -93,6 +93,7 @@ class LLMEngine:
                 num_gpu_blocks=self.num_gpu_blocks,
                 num_cpu_blocks=self.num_cpu_blocks,
                 enable_prefix_caching=args.enable_prefix_caching,
+                kv_cache_groups=getattr(self.executor, "kv_cache_groups", ()),
             ),
             eos_token_ids=tuple(self.model_config.eos_token_ids),
             clock=self._clock,
@@ -509,7 +510,9 @@ def _num_blocks(args: EngineArgs, executor: Any, max_model_len: int | None = Non
             raise ValueError(f"kv_cache_memory ({args.kv_cache_memory}) holds no KV block of "
                              f"{bytes_per_block} bytes")
         if args.kv_cache_memory is None and max_model_len is not None:
-            needed = args.max_num_seqs * -(-max_model_len // args.block_size)
+            # every KV-cache group's blocks (a block holds one group's layers)
+            groups = max(1, len(getattr(executor, "kv_cache_groups", ())))
+            needed = args.max_num_seqs * -(-max_model_len // args.block_size) * groups
             if needed < num_gpu:
                 num_gpu = needed
                 why = (f"default: room for --max-num-seqs {args.max_num_seqs} sequences of "

@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from conveyor.core.kv_cache_spec import KVCacheGroup, layers_per_group
 from conveyor.core.scheduler_output import ExecutorOutput, SchedulerOutput
 from conveyor.core.spec_decode.config import SpeculativeConfig
 from conveyor.distributed.group import ParallelConfig
@@ -59,6 +60,11 @@ class ModelExecutor:
         if self.workers is not None:
             self.workers.check_loaded(None)
         self.model_config: ModelConfig = loaded.config
+        # The KV-cache groups the scheduler allocates for (the engine's CacheConfig): the
+        # default, one full-attention group of every layer. The runner reads
+        # seq.block_tables[0] for every layer; a hybrid layout
+        # (kv_cache_groups(model_config.attention_windows)) needs it to read each layer's group.
+        self.kv_cache_groups: tuple[KVCacheGroup, ...] = ()
         self.tokenizer = loaded.tokenizer
         self.deterministic = loaded.kernels.deterministic  # see docs/determinism.md
         self.runner = ModelRunner(loaded, self.device, seed, max_num_seqs,
@@ -128,10 +134,11 @@ class ModelExecutor:
         self.runner.use_proposer(speculative, proposer)
 
     def kv_cache_bytes_per_block(self, block_size: int) -> int:
-        """Bytes of one block on this rank (its KV heads)."""
+        """Bytes of one block on this rank (its KV heads): ``layers_per_group`` layers' K/V."""
         c = self.model_config
-        return KVCache.bytes_per_block(c.num_layers, self.runner.num_kv_heads, c.head_dim,
-                                       block_size, self.kv_cache_dtype)
+        return KVCache.bytes_per_block(layers_per_group(self.kv_cache_groups, c.num_layers),
+                                       self.runner.num_kv_heads, c.head_dim, block_size,
+                                       self.kv_cache_dtype)
 
     def initialize_cache(self, block_size: int, num_gpu_blocks: int, num_cpu_blocks: int = 0) -> None:
         if self.workers is not None:

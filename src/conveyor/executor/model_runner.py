@@ -175,7 +175,7 @@ class ModelRunner:
                     # own prefix, and a step of decodes keeps the fused decode path
                     msg.starts.extend(range(start, start + count))
                     msg.counts.extend([1] * count)
-                    msg.block_tables.extend([seq.block_table] * count)
+                    msg.block_tables.extend([seq.block_tables[0]] * count)
                     entry_slots.extend([lora_slot] * count)
                     continue
             else:
@@ -192,7 +192,7 @@ class ModelRunner:
                     logits_indices.append(len(ids) - 1)
             msg.starts.append(start)
             msg.counts.append(count)
-            msg.block_tables.append(seq.block_table)
+            msg.block_tables.append(seq.block_tables[0])
             entry_slots.append(lora_slot)
         if any(entry_slots):
             msg.lora_slots = entry_slots
@@ -280,7 +280,7 @@ class ModelRunner:
             seqs = [so.seqs[i] for i in chosen]
             proposals = proposer.propose([seq.token_ids + sampled[i]
                                           for seq, i in zip(seqs, chosen, strict=True)],
-                                         [seq.block_table for seq in seqs],
+                                         [seq.block_tables[0] for seq in seqs],
                                          spec.num_speculative_tokens)
             for i, tokens in zip(chosen, proposals, strict=True):
                 drafts[i] = tokens

@@ -14,12 +14,19 @@ Per GPU, with tensor parallelism over ``tp`` GPUs dividing both work and bytes:
   + ``step_overhead`` + ``B * per_seq_overhead``.
 
 Activation traffic, embedding lookups, norms and rotary are ignored (small next to the above).
+
+KV memory follows the engine's layout (``core/kv_cache_spec.py``): a model with sliding-window
+layers (Gemma 3) has KV-cache groups of ``layers_per_group`` layers over one pool, so a block
+holds that many layers' K/V and ``num_gpu_blocks`` counts such blocks; the scheduler's block
+manager then admits exactly as the engine's does. KV reads are priced as if every layer read the
+whole context (window layers read at most their window: an upper bound for them).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from conveyor.core.kv_cache_spec import KVCacheGroup, kv_cache_groups, layers_per_group
 from conveyor.sim.specs import GB, HardwareSpec, ModelSpec
 
 ACTIVATION_BYTES = 2  # bf16 activations in the all-reduce
@@ -93,7 +100,11 @@ class CostModel:
             self._allreduce_fixed = 2 * m.num_layers * hw.interconnect_latency_us / 1e6
         else:
             self._allreduce_per_token = self._allreduce_fixed = 0.0
-        self.block_bytes = self.kv_bytes_per_token * block_size
+        groups = kv_cache_groups(m.attention_windows)
+        # the scheduler's CacheConfig.kv_cache_groups (the default layout for one group)
+        self.kv_cache_groups: tuple[KVCacheGroup, ...] = groups if len(groups) > 1 else ()
+        self.block_bytes = (self.kv_bytes_per_token * block_size
+                            * layers_per_group(groups, m.num_layers) / m.num_layers)
         self._swap_per_block = self.block_bytes / (hw.host_link_bandwidth_gbs * GB)
 
     # -- memory ------------------------------------------------------------------------------

@@ -115,7 +115,8 @@ def build(config: SimConfig):
         ),
         CacheConfig(block_size=config.block_size, num_gpu_blocks=num_gpu_blocks,
                     num_cpu_blocks=num_cpu_blocks,
-                    enable_prefix_caching=config.enable_prefix_caching),
+                    enable_prefix_caching=config.enable_prefix_caching,
+                    kv_cache_groups=cost.kv_cache_groups),
         eos_token_ids=(),
         clock=clock,
     )

@@ -58,8 +58,9 @@ class HardwareSpec:
 
 @dataclass
 class ModelSpec(ModelShape):
-    """A Llama-family decoder (Llama, Qwen2/3, SmolLM2): its shape (``ModelShape``'s fields,
-    keyword-only) and the bytes the engine holds it in, which FLOPs and bytes depend on."""
+    """A Llama-family decoder (Llama, Qwen2/3, SmolLM2; Gemma 3 with its sliding-window layers):
+    its shape (``ModelShape``'s fields, keyword-only) and the bytes the engine holds it in,
+    which FLOPs and bytes depend on."""
 
     name: str
     weight_bytes: float = 2.0  # bytes per parameter as the engine holds them (bf16: 2)
@@ -160,6 +161,10 @@ def _build(cls, data: dict, where: str):
             raise ValueError(f"{where}: field {name} must be >= 0, got {value!r}")
         if name in _FRACTIONS and not 0 < value <= 1:
             raise ValueError(f"{where}: field {name} must be in (0, 1], got {value!r}")
+    if cls is ModelSpec:
+        for name in ("sliding_window", "sliding_window_pattern"):
+            if values[name] < 0:
+                raise ValueError(f"{where}: field {name} must be >= 0, got {values[name]!r}")
     if cls is ModelSpec and values["num_heads"] % values["num_kv_heads"]:
         raise ValueError(f"{where}: num_heads ({values['num_heads']}) must be a multiple of "
                          f"num_kv_heads ({values['num_kv_heads']})")
