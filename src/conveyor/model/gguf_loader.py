@@ -15,7 +15,16 @@ from typing import Any
 import numpy as np
 import torch
 
-from conveyor.model.config import SUPPORTED_ARCHITECTURES, ModelConfig, check_architecture
+from conveyor.model.config import (
+    FULL,
+    GEMMA3_LOCAL_ROPE_THETA,
+    GEMMA3_SLIDING_WINDOW_PATTERN,
+    SLIDING,
+    SUPPORTED_ARCHITECTURES,
+    ModelConfig,
+    check_architecture,
+    gemma3_layer_types,
+)
 from conveyor.model.layers.parallel import ShardPlan
 from conveyor.model.layers.quantized import GROUP, Blocks, Int4Blocks, Int8Blocks
 from conveyor.model.weights import (
@@ -78,7 +87,7 @@ def read_gguf_config(reader: Any, name: str) -> ModelConfig:
     eos = _field(reader, "tokenizer.ggml.eos_token_id")
     eot = _field(reader, "tokenizer.ggml.eot_token_id")
     eos_ids = [int(x) for x in (eos, eot) if x is not None]
-    return ModelConfig(
+    config = ModelConfig(
         name=name,
         architecture=arch,
         num_layers=need("block_count"),
@@ -97,6 +106,34 @@ def read_gguf_config(reader: Any, name: str) -> ModelConfig:
         qk_norm=SUPPORTED_ARCHITECTURES[arch]["qk_norm"],
         bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id"),
     )
+    if arch == "gemma3":
+        _gemma3_config(reader, config)
+    return config
+
+
+def _gemma3_config(reader: Any, config: ModelConfig) -> None:
+    """Gemma 3's fields as llama.cpp reads them: the window from ``gemma3.attention.
+    sliding_window``, its layout from ``...sliding_window_pattern`` where the file has it (a
+    period, or a per-layer list of booleans), else every sixth layer global; the sliding layers'
+    rope base fixed at 10,000; the full layers' ``rope.scaling``; the attention scale
+    1/sqrt(head_dim), but 1/sqrt(hidden / heads) for the 62-layer 27B model."""
+    arch = "gemma3"
+    config.sliding_window = int(_field(reader, f"{arch}.attention.sliding_window", 4096))
+    pattern = _field(reader, f"{arch}.attention.sliding_window_pattern")
+    if isinstance(pattern, list):
+        config.layer_types = [SLIDING if bool(p) else FULL for p in pattern]
+    else:
+        config.layer_types = gemma3_layer_types(config.num_layers,
+                                                int(pattern or GEMMA3_SLIDING_WINDOW_PATTERN))
+    config.rope_local_theta = GEMMA3_LOCAL_ROPE_THETA
+    kind = _field(reader, f"{arch}.rope.scaling.type")
+    if kind not in (None, "none"):
+        config.rope_scaling = {"rope_type": kind,
+                               "factor": float(_field(reader, f"{arch}.rope.scaling.factor", 1.0))}
+    config.query_pre_attn_scalar = (config.hidden_size // config.num_heads
+                                    if config.num_layers == 62 else config.head_dim)
+    config.final_logit_softcapping = _field(reader, f"{arch}.final_logit_softcapping")
+    config.hidden_activation = "gelu_pytorch_tanh"
 
 
 def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -192,7 +229,7 @@ def read_gguf_tensors(reader: Any, cfg: ModelConfig, plan: ShardPlan | None = No
     for t in reader.tensors:
         if t.name == ROPE_FREQS:
             continue
-        weight = gguf_tensor(t.name)
+        weight = gguf_tensor(t.name, cfg.architecture)
         if weight is None:
             raise ValueError(f"unknown GGUF tensor {t.name!r}")
         if not rank_holds(weight.spec, plan):
