@@ -54,7 +54,8 @@ class AttentionGroup:
     def window_view(self, window: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(block table, additive mask) of a layer whose tokens attend to the last ``window``
         positions: each entry's row of blocks starts at the block of its first query's window
-        start (padding: 0), the mask hides what is outside each query's window. Every such
+        start (padding: its last block), the mask hides what is outside each query's window.
+        Every such
         layer of a step has the same, so it is built once."""
         if window in self._windows:
             return self._windows[window]
@@ -67,8 +68,8 @@ class AttentionGroup:
         last = (ctx + bs - 1) // bs  # [B] blocks up to the context's end
         width = int((last - first).max())
         cols = first[:, None] + torch.arange(width)[None, :]  # [B, width] columns of the table
-        inside = cols < last[:, None]
-        table = torch.where(inside, self.tables.gather(1, torch.where(inside, cols, 0)), 0)
+        # padding repeats the entry's last block (one it reads anyway; masked as future)
+        table = self.tables.gather(1, torch.minimum(cols, last[:, None] - 1))
         key_pos = (cols[:, :, None] * bs + torch.arange(bs)).reshape(len(cols), 1, -1)
         q_off = torch.arange(self.max_query_len)[None, :]
         # a padding query slot takes its entry's last position: its row then sees something
