@@ -87,10 +87,11 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
                    kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
                    meta: StepMetadata) -> torch.Tensor:
         """Each layer with its kind's rotary: the sliding layers' or the global ones'."""
-        rope = {True: self.local_rotary.cos_sin(positions, residual.dtype),
-                False: self.rotary.cos_sin(positions, residual.dtype)}
+        local = self.local_rotary.cos_sin(positions, residual.dtype)
+        full = self.rotary.cos_sin(positions, residual.dtype)
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
-            x = layer(x, residual, *rope[layer.window is not None], k_cache, v_cache, meta)
+            cos, sin = local if layer.window is not None else full
+            x = layer(x, residual, cos, sin, k_cache, v_cache, meta)
         return x
 
     @torch.inference_mode()
