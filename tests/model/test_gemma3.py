@@ -154,7 +154,9 @@ def test_long_prompt_logprobs_close_to_transformers(cpu_executor: ModelExecutor,
                                                     reference: dict) -> None:
     """After over 2,000 tokens (every sliding layer's window moved four times), the top-20
     log-probabilities of the next token equal transformers' to float32 rounding: the same
-    dequantized weights, summed in other orders over 18 layers."""
+    dequantized weights, summed in other orders over 18 layers and 2,000-key softmaxes. The
+    difference measured 3e-5 (AVX-512); the bound leaves room for another CPU's order of
+    sums, while a wrong window or rope base moves them by far more than that."""
     ids = reference["long_ids"]
     assert len(ids) > 4 * 512
     params = SamplingParams(max_tokens=1, temperature=0, logprobs=20)
@@ -165,4 +167,4 @@ def test_long_prompt_logprobs_close_to_transformers(cpu_executor: ModelExecutor,
     assert out.outputs[0].token_ids[0] == int(expected.argmax())
     got = torch.tensor([lp.logprob for lp in top.values()], dtype=torch.float64)
     want = expected[list(top)]
-    torch.testing.assert_close(got, want, rtol=0, atol=2e-3)
+    torch.testing.assert_close(got, want, rtol=0, atol=5e-4)
