@@ -156,7 +156,7 @@ def test_long_prompt_logprobs_close_to_transformers(cpu_executor: ModelExecutor,
     log-probabilities of the next token equal transformers' to float32 rounding: the same
     dequantized weights, summed in other orders over 18 layers and 2,000-key softmaxes. The
     difference measured 3e-5 (AVX-512); the bound leaves room for another CPU's order of
-    sums, while a wrong window or rope base moves them by far more than that."""
+    sums."""
     ids = reference["long_ids"]
     assert len(ids) > 4 * 512
     params = SamplingParams(max_tokens=1, temperature=0, logprobs=20)
