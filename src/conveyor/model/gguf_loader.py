@@ -7,6 +7,7 @@ pairs); we undo that so the weights work with the HF "rotate_half" rotary layout
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Iterator
 from struct import error as struct_error
@@ -45,8 +46,6 @@ def open_gguf(path: str, keep: bool = False) -> Any:
     """A ``gguf.GGUFReader`` over ``path``, or a ValueError naming the file and what is wrong
     with it (not a GGUF file, a header or tensors cut short). ``keep``: the next call for this
     file gets this reader instead of parsing it again."""
-    import gguf
-
     stat = os.stat(path)
     version = (stat.st_size, stat.st_mtime_ns)
     kept = _kept.pop(path, None)
@@ -55,13 +54,38 @@ def open_gguf(path: str, keep: bool = False) -> Any:
     # gguf's reader maps every tensor as it opens the file, so a file cut short fails here too
     # (with an array shape error that alone would not say which file or why).
     try:
-        reader = gguf.GGUFReader(path)
+        reader = _reader_class()(path)
     except (ValueError, IndexError, KeyError, OSError, struct_error) as e:
         raise ValueError(f"{path} is not a readable GGUF file ({e}): it may be truncated, "
                          "corrupt, or another format") from e
     if keep:
         _kept[path] = (version, reader)
     return reader
+
+
+@functools.cache
+def _reader_class() -> type:
+    """``gguf.GGUFReader`` reading its metadata through a plain ndarray view of the file's map.
+
+    The reader cuts every metadata value out of its ``np.memmap`` one slice at a time, and a
+    memmap slice costs several microseconds (``__getitem__`` / ``__array_finalize__``): for a
+    vocabulary of 262,144 tokens (Gemma 3) that was 13 s of a load, against 3 s from an ndarray
+    view of the same map. Same values, same mapped tensors (as ndarrays)."""
+    import gguf
+
+    class Reader(gguf.GGUFReader):
+        def _get(self, offset: int, dtype: Any, count: int = 1,
+                 override_order: Any = None) -> np.ndarray:
+            plain = self.__dict__.get("_plain")
+            if plain is None:
+                plain = self._plain = self.data.view(np.ndarray)
+            count = int(count)
+            itemsize = np.dtype(dtype).itemsize
+            arr = plain[offset:offset + itemsize * count].view(dtype=dtype)[:count]
+            order = self.byte_order if override_order is None else override_order
+            return arr.view(arr.dtype.newbyteorder(order))
+
+    return Reader
 
 
 def _field(reader: Any, key: str, default: Any = None) -> Any:
