@@ -20,7 +20,7 @@ from conveyor.engine.args import EngineArgs
 from conveyor.engine.chat import chat_prompt
 from conveyor.engine.llm_engine import LLMEngine
 from conveyor.executor.model_executor import ModelExecutor
-from conveyor.model.config import FULL, SLIDING
+from conveyor.model.config import FULL, SLIDING, window_pattern
 from conveyor.model.loader import GEMMA3_ALIAS
 from conveyor.model.tokenizer import load_tokenizer
 from engine_runs import run_to_end
@@ -99,7 +99,8 @@ def test_config_from_the_gguf_file(cpu_executor: ModelExecutor) -> None:
     cfg = cpu_executor.model_config
     assert (cfg.architecture, cfg.num_layers, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads) == (
         "gemma3", 18, 256, 4, 1)
-    assert cfg.layer_types == ([SLIDING] * 5 + [FULL]) * 3
+    assert (cfg.sliding_window, cfg.sliding_window_pattern) == (512, 6)
+    assert cfg.attention_windows == ([512] * 5 + [0]) * 3
     assert [cfg.layer_window(i) for i in range(6)] == [512] * 5 + [None]
     assert (cfg.rope_local_theta, cfg.rope_theta, cfg.rope_scaling) == (10_000.0, 1e6, None)
     assert cfg.attention_scale is None  # query_pre_attn_scalar 256 = head_dim
@@ -107,6 +108,16 @@ def test_config_from_the_gguf_file(cpu_executor: ModelExecutor) -> None:
     assert {1, 106} <= set(cfg.eos_token_ids)  # <eos> and <end_of_turn>
     # the file stores Gemma's norm scales as 1 + w: they are near 1, not near 0
     assert cpu_executor.model.layers[0].input_norm.weight.mean() > 0.5
+
+
+def test_layer_types_as_a_window_pattern() -> None:
+    assert window_pattern(([SLIDING] * 5 + [FULL]) * 3, 18, "x") == 6
+    assert window_pattern([SLIDING] * 4, 4, "x") == 0
+    assert window_pattern([FULL] * 4, 4, "x") == 1
+    with pytest.raises(ValueError, match="every N-th layer global"):
+        window_pattern([FULL, SLIDING, SLIDING, FULL], 4, "x")
+    with pytest.raises(ValueError, match="must give 3 layers"):
+        window_pattern([SLIDING, FULL], 3, "x")
 
 
 def test_tokenizer_and_chat_turns(tokenizer) -> None:

@@ -47,12 +47,11 @@ class ModelConfig(ModelShape):
     attention_bias: bool = False
     qk_norm: bool = False
     bos_token_id: int | None = None
-    # Gemma 3 (None / defaults elsewhere): the sliding window's length, each layer's kind
-    # (SLIDING or FULL), the rope base of the sliding layers (``rope_theta`` and
-    # ``rope_scaling`` are the full layers'), the attention scale's query_pre_attn_scalar**-0.5
-    # (None: head_dim**-0.5), the final logits' tanh cap, the MLP's gate activation.
-    sliding_window: int | None = None
-    layer_types: list[str] | None = None
+    # Gemma 3 (None / defaults elsewhere; its window and layout are ModelShape's
+    # sliding_window and sliding_window_pattern): the rope base of the sliding layers
+    # (``rope_theta`` and ``rope_scaling`` are the full layers'), the attention scale's
+    # query_pre_attn_scalar**-0.5 (None: head_dim**-0.5), the final logits' tanh cap, the MLP's
+    # gate activation.
     rope_local_theta: float | None = None
     query_pre_attn_scalar: float | None = None
     final_logit_softcapping: float | None = None
@@ -60,9 +59,7 @@ class ModelConfig(ModelShape):
 
     def layer_window(self, layer: int) -> int | None:
         """The sliding window that layer ``layer`` attends through, None for its whole context."""
-        if self.layer_types is None or self.layer_types[layer] != SLIDING:
-            return None
-        return self.sliding_window
+        return self.attention_windows[layer] or None
 
     @property
     def attention_scale(self) -> float | None:
@@ -126,12 +123,10 @@ def _gemma3_from_hf(config: ModelConfig, cfg: dict[str, Any], name: str) -> None
     scaling = cfg.get("rope_scaling") or full
     config.rope_scaling = (scaling if scaling.get("rope_type", scaling.get("type", "default"))
                            != "default" else None)
-    layers = config.num_layers
-    pattern = cfg.get("sliding_window_pattern") or GEMMA3_SLIDING_WINDOW_PATTERN
-    config.layer_types = list(cfg.get("layer_types") or gemma3_layer_types(layers, pattern))
-    if len(config.layer_types) != layers:
-        raise ValueError(f"{name}/config.json: layer_types has {len(config.layer_types)} "
-                         f"entries for {layers} layers")
+    layer_types = cfg.get("layer_types")
+    config.sliding_window_pattern = (
+        window_pattern(layer_types, config.num_layers, f"{name}/config.json") if layer_types
+        else cfg.get("sliding_window_pattern") or GEMMA3_SLIDING_WINDOW_PATTERN)
     config.sliding_window = cfg.get("sliding_window") or 4096
     config.query_pre_attn_scalar = cfg.get("query_pre_attn_scalar") or 256
     config.final_logit_softcapping = cfg.get("final_logit_softcapping")
@@ -139,9 +134,20 @@ def _gemma3_from_hf(config: ModelConfig, cfg: dict[str, Any], name: str) -> None
     config.tie_word_embeddings = bool(cfg.get("tie_word_embeddings", True))
 
 
-def gemma3_layer_types(num_layers: int, pattern: int = GEMMA3_SLIDING_WINDOW_PATTERN) -> list[str]:
-    """Every ``pattern``-th layer global, the others sliding (Gemma 3's layout)."""
-    return [FULL if (i + 1) % pattern == 0 else SLIDING for i in range(num_layers)]
+def window_pattern(layer_types: list[str], num_layers: int, source: str) -> int:
+    """``layer_types`` (transformers' SLIDING / FULL per layer) as ``ModelShape``'s
+    sliding_window_pattern: N when every N-th layer is global and the others sliding, 0 when
+    every layer is sliding; another layout is refused."""
+    if len(layer_types) != num_layers or set(layer_types) - {SLIDING, FULL}:
+        raise ValueError(f"{source}: layer_types must give {num_layers} layers each "
+                         f"{SLIDING!r} or {FULL!r}, got {layer_types!r}")
+    if FULL not in layer_types:
+        return 0
+    for n in range(1, num_layers + 1):
+        if layer_types == [FULL if (i + 1) % n == 0 else SLIDING for i in range(num_layers)]:
+            return n
+    raise ValueError(f"{source}: layer_types {layer_types!r} is not every N-th layer global, "
+                     "the only layout supported")
 
 
 def _as_list(v: Any) -> list[int]:

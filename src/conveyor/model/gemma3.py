@@ -63,8 +63,6 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
         if cfg.hidden_activation not in GELU_TANH:
             raise ValueError(f"Gemma 3 with hidden_activation {cfg.hidden_activation!r} is not "
                              f"supported (only {', '.join(GELU_TANH)})")
-        if cfg.layer_types is None or cfg.sliding_window is None:
-            raise ValueError("a Gemma 3 config needs layer_types and sliding_window")
         super().__init__(cfg, backend, rope_freq_factors, tp)
         # self.rotary (built by LlamaForCausalLM from rope_theta and rope_scaling) is the global
         # layers'; the sliding layers' has its own base and no scaling.

@@ -24,7 +24,7 @@ from conveyor.model.config import (
     SUPPORTED_ARCHITECTURES,
     ModelConfig,
     check_architecture,
-    gemma3_layer_types,
+    window_pattern,
 )
 from conveyor.model.layers.parallel import ShardPlan
 from conveyor.model.layers.quantized import GROUP, Blocks, Int4Blocks, Int8Blocks
@@ -144,11 +144,10 @@ def _gemma3_config(reader: Any, config: ModelConfig) -> None:
     arch = "gemma3"
     config.sliding_window = int(_field(reader, f"{arch}.attention.sliding_window", 4096))
     pattern = _field(reader, f"{arch}.attention.sliding_window_pattern")
-    if isinstance(pattern, list):
-        config.layer_types = [SLIDING if bool(p) else FULL for p in pattern]
-    else:
-        config.layer_types = gemma3_layer_types(config.num_layers,
-                                                int(pattern or GEMMA3_SLIDING_WINDOW_PATTERN))
+    config.sliding_window_pattern = (
+        window_pattern([SLIDING if bool(p) else FULL for p in pattern], config.num_layers,
+                       f"GGUF file {config.name}") if isinstance(pattern, list)
+        else int(pattern or GEMMA3_SLIDING_WINDOW_PATTERN))
     config.rope_local_theta = GEMMA3_LOCAL_ROPE_THETA
     kind = _field(reader, f"{arch}.rope.scaling.type")
     if kind not in (None, "none"):

@@ -25,6 +25,11 @@ class ModelShape:
     vocab_size: int
     max_position_embeddings: int
     tie_word_embeddings: bool = False  # the LM head is the input embedding
+    # Sliding-window attention (Gemma 3's config keys): window layers attend to the last
+    # ``sliding_window`` positions; with ``sliding_window_pattern`` N, every N-th layer
+    # (i + 1 divisible by N) is global, the others window layers; 0: every layer a window layer.
+    sliding_window: int = 0  # 0: every layer attends to the whole prefix
+    sliding_window_pattern: int = 0
 
     @classmethod
     def from_dict(cls: type[ShapeT], values: dict[str, Any]) -> ShapeT:
@@ -35,6 +40,14 @@ class ModelShape:
     def shape_dict(self) -> dict[str, Any]:
         """The shape fields alone (of a subclass too), for reports."""
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(ModelShape)}
+
+    @property
+    def attention_windows(self) -> list[int]:
+        """Each layer's sliding window, 0 for full attention (``core.kv_cache_spec``'s input)."""
+        w, pattern = self.sliding_window, self.sliding_window_pattern
+        if not w:
+            return [0] * self.num_layers
+        return [0 if pattern and (i + 1) % pattern == 0 else w for i in range(self.num_layers)]
 
     @property
     def num_queries_per_kv(self) -> int:
