@@ -298,3 +298,35 @@ def test_fused_layers_take_quant_panels(dtype, num_seqs, deterministic):
             DecodeLayers([weights])
         finally:
             bad.parts[1] = saved
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("deterministic", [False, True], ids=["fast", "deterministic"])
+def test_fused_layers_take_each_layers_window(dtype, deterministic):
+    """A layer with a sliding window (here the first of two) attends through it in the one-call
+    layers as in the Python path, bit for bit, and neither reads the blocks before the window
+    (NaN in that layer's cache)."""
+    window = 9
+    layers = [quantized_layer(0, dtype, None, deterministic),
+              quantized_layer(1, dtype, None, deterministic)]
+    layers[0].window = window
+    weights = [decode_weights(layer) for layer in layers]
+    assert [w.window for w in weights] == [window, 0]
+    fused = DecodeLayers(weights)
+    if not fused.serves(5):
+        pytest.skip(f"no block panels for {dtype} here: the fused layers serve no rows")
+    x, residual, cos, sin, (k, v), meta = decode_step(5, dtype=dtype, deterministic=deterministic)
+    k0, v0 = k.clone(), v.clone()
+    for row, ctx in zip(meta.block_tables.tolist(), meta.context_lens.tolist(), strict=True):
+        for b in row[:max(0, ctx - window) // BLOCK]:  # wholly before the window
+            k0[b], v0[b] = float("nan"), float("nan")
+    caches = [(k0, v0), (k.clone() + 1, v.clone() - 1)]
+    assert any(k0.isnan().flatten(1).all(1))
+
+    expected_res, expected_caches, h = residual.clone(), [(a.clone(), b.clone()) for a, b in caches], x
+    for layer, (kc, vc) in zip(layers, expected_caches, strict=True):
+        h = layer(h.clone(), expected_res, cos, sin, kc, vc, meta)
+    res, got_caches = residual.clone(), [(a.clone(), b.clone()) for a, b in caches]
+    out = decode_layers(fused, x.clone(), res, cos, sin, got_caches, meta.slot_mapping,
+                        meta.block_tables, meta.context_lens, deterministic)
+    assert not h.isnan().any()
+    assert torch.equal(out, h) and torch.equal(res, expected_res)

@@ -1,4 +1,6 @@
-"""Tiny random Llama / Qwen2 / Qwen3 built with transformers, loaded by Conveyor: same logits."""
+"""Tiny random Llama / Qwen2 / Qwen3 / Gemma 3 built with transformers, loaded by Conveyor: same
+logits (Gemma 3's with a window of 8 that the 37- and 42-token sequences cross, a global layer
+with linear rope scaling, an attention scale of its own and capped logits)."""
 
 from __future__ import annotations
 
@@ -32,6 +34,14 @@ def _build(kind: str, path: str):
     elif kind == "qwen2":
         cfg = transformers.Qwen2Config(**common, tie_word_embeddings=True)
         model = transformers.Qwen2ForCausalLM(cfg)
+    elif kind == "gemma3":
+        cfg = transformers.Gemma3TextConfig(
+            **common, head_dim=16, sliding_window=8, query_pre_attn_scalar=24,
+            layer_types=["sliding_attention", "full_attention"], final_logit_softcapping=3.0,
+            rope_parameters={
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6}})
+        model = transformers.Gemma3ForCausalLM(cfg)
     else:
         cfg = transformers.Qwen3Config(**common, head_dim=24, tie_word_embeddings=False)
         model = transformers.Qwen3ForCausalLM(cfg)
@@ -53,7 +63,7 @@ def metadata(ex: ModelExecutor, tables: list[list[int]], starts: list[int], coun
 
 
 @pytest.mark.parametrize("attention_kernel", [False, True], ids=["torch", "kernel"])
-@pytest.mark.parametrize("kind", ["llama", "llama_tied", "qwen2", "qwen3"])
+@pytest.mark.parametrize("kind", ["llama", "llama_tied", "qwen2", "qwen3", "gemma3"])
 def test_logits_match_transformers(kind: str, attention_kernel: bool, tmp_path) -> None:
     ref = _build(kind, str(tmp_path))
     ex = ModelExecutor(str(tmp_path), dtype="float32", device="cpu")

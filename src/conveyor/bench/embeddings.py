@@ -27,10 +27,10 @@ EMBEDDING_PEERS = ("sentence-transformers",)
 
 def workload_texts(token_lists: list[list[int]], model: str | None) -> list[str]:
     """The workload's prompts as text, through the model's tokenizer."""
-    from conveyor.model.loader import default_model_path
+    from conveyor.model.loader import model_path
     from conveyor.model.tokenizer import load_tokenizer
 
-    tokenizer = load_tokenizer(model or default_model_path())
+    tokenizer = load_tokenizer(model_path(model))
     return [tokenizer.decode(ids, skip_special_tokens=True) for ids in token_lists]
 
 
@@ -39,10 +39,10 @@ def sentence_transformer(model: str | None, dtype: str) -> Any:
     import torch
     from sentence_transformers import SentenceTransformer, models
 
-    from conveyor.model.loader import default_model_path, read_model_config
+    from conveyor.model.loader import model_path, read_model_config
     from conveyor.model.pooling_config import read_pooling_config
 
-    path = model or default_model_path()
+    path = model_path(model)
     torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
     if os.path.isdir(path) and os.path.exists(os.path.join(path, "modules.json")):
         return SentenceTransformer(path, device="cpu", model_kwargs={"dtype": torch_dtype})

@@ -453,7 +453,7 @@ def run_vllm_sweep(args: argparse.Namespace) -> tuple[list[dict[str, Any]], dict
     from conveyor.bench import peers_vllm
     from conveyor.engine.args import from_cli_args
     from conveyor.model.device import dtype_name, resolve_device, resolve_dtype
-    from conveyor.model.loader import default_model_path
+    from conveyor.model.loader import model_path
 
     ea = from_cli_args(args)
     device = resolve_device(ea.device)
@@ -462,7 +462,7 @@ def run_vllm_sweep(args: argparse.Namespace) -> tuple[list[dict[str, Any]], dict
         return [], {"skipped": reason}
     dtype = dtype_name(resolve_dtype(ea.dtype, device))
     try:
-        model_dir = peers_vllm.converted_model(ea.model or default_model_path())
+        model_dir = peers_vllm.converted_model(model_path(ea.model))
     except RuntimeError as e:
         return [], {"skipped": f"failed ({e})"[:400]}
     port = free_loopback_port()

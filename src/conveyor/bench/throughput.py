@@ -390,12 +390,12 @@ def peer_jobs(args: argparse.Namespace, model_path: str, dtype: str) -> list[Pee
 def run_all(args: argparse.Namespace) -> dict[str, Any]:
     from conveyor.engine.args import from_cli_args
     from conveyor.model.device import dtype_name, resolve_device, resolve_dtype
-    from conveyor.model.loader import default_model_path
+    from conveyor.model.loader import model_path as resolve_model_path
 
     tp_sizes = args.tensor_parallel_size
     engine_args = dataclasses.replace(from_cli_args(args), tensor_parallel_size=tp_sizes[0])
     device = resolve_device(engine_args.device)  # --device cuda without a GPU stops here
-    model_path = engine_args.model or default_model_path()
+    model_path = resolve_model_path(engine_args.model)
     for name in [c.strip() for c in (args.compare or "").split(",") if c.strip()]:
         skip_reason(name)  # unknown names fail before anything runs
     # (engine args, what the progress line says, what the table row's config adds)

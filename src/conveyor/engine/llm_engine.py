@@ -259,10 +259,10 @@ class LLMEngine:
     def pooling_config(self) -> PoolingConfig:
         """How this model pools embeddings by default (``--pooling`` or its own config)."""
         if self._pooling_config is None:
-            from conveyor.model.loader import default_model_path
+            from conveyor.model.loader import model_path
 
             self._pooling_config = read_pooling_config(
-                self.engine_args.model or default_model_path(), self.model_config.hidden_size,
+                model_path(self.engine_args.model), self.model_config.hidden_size,
                 self.engine_args.pooling)
         return self._pooling_config
 

@@ -5,12 +5,9 @@ each layer's weights as that kernel takes them, from its projections' formats
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
 
 from conveyor.model.kernels.decode_layer import DecodeLayers, DecodeLayerWeights
-
-if TYPE_CHECKING:
-    from conveyor.model.llama import DecoderLayer, LlamaForCausalLM
+from conveyor.model.llama import DecoderLayer, LlamaForCausalLM
 
 logger = logging.getLogger(__name__)
 
@@ -21,14 +18,16 @@ def decode_weights(layer: DecoderLayer) -> DecodeLayerWeights | None:
     (no q/k norms, no biases) whose projections all have 4-bit blocks (``NibbleInt4``, or
     ``BlockPanels`` in deterministic inference). The kernel checks the rest as the layer is
     added. With every projection's panels or ``Int8Panels`` too it serves any batch, else up to
-    the blocks' ``max_tokens``."""
+    the blocks' ``max_tokens``. A layer with an attention scale of its own, or a layer class
+    other than Llama's (Gemma 3's norms and activation), stays on the Python path."""
     projections = [p.method.decode_projection() for p in layer.projections]
-    if (layer.q_norm is not None or None in projections
+    if (type(layer) is not DecoderLayer or layer.scale is not None
+            or layer.q_norm is not None or None in projections
             or any(p.bias is not None for p in layer.projections)):
         return None
     return DecodeLayerWeights(layer.input_norm.weight, layer.post_norm.weight, projections,
                               layer.num_heads, layer.num_kv_heads, layer.head_dim,
-                              layer.input_norm.eps)
+                              layer.input_norm.eps, layer.window or 0)
 
 
 def fuse_decode_layers(model: LlamaForCausalLM) -> DecodeLayers | None:

@@ -37,11 +37,11 @@ def read_hf_config(path: str) -> ModelConfig:
     return config
 
 
-def read_hf_tensors(path: str, plan: ShardPlan | None = None,
-                    head_dim: int = 0) -> Iterator[CheckpointTensor]:
-    """Every tensor in the table of ``model/weights.py``, one at a time, or with a
-    tensor-parallel ``plan`` this rank's slice of each (read through ``get_slice``: the rest of
-    a tensor is never read).
+def read_hf_tensors(path: str, plan: ShardPlan | None = None, head_dim: int = 0,
+                    architecture: str = "llama") -> Iterator[CheckpointTensor]:
+    """Every tensor in the architecture's table of ``model/weights.py``, one at a time, or with
+    a tensor-parallel ``plan`` this rank's slice of each (read through ``get_slice``: the rest of
+    a tensor is never read). A Gemma norm's weight w comes as the 1 + w the model holds.
 
     A base-model checkpoint (names without ``model.``, as sentence-transformers saves an
     embedding model) is read under the causal LM's names, its missing head being the
@@ -62,11 +62,14 @@ def read_hf_tensors(path: str, plan: ShardPlan | None = None,
                 if "rotary_emb" in name:  # older checkpoints' saved rope buffers
                     continue
                 for alias in (name, "lm_head.weight") if base and name == EMBEDDING else (name,):
-                    weight = hf_tensor(alias)
+                    weight = hf_tensor(alias, architecture)
                     if weight is None:
                         raise ValueError(f"unexpected weight {name!r} in the checkpoint")
                     if rank_holds(weight.spec, plan):
-                        yield CheckpointTensor(weight, _read(f, key, weight, plan, head_dim))
+                        tensor = _read(f, key, weight, plan, head_dim)
+                        if weight.spec.hf_plus_one:
+                            tensor = tensor.float() + 1
+                        yield CheckpointTensor(weight, tensor)
 
 
 EMBEDDING = "model.embed_tokens.weight"

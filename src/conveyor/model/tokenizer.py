@@ -21,6 +21,23 @@ DEFAULT_CHAT_TEMPLATE = (
     " + '<|im_end|>' + '\n' }}{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
+# Gemma's turns, for a Gemma vocabulary (it has GEMMA_TURN_TOKENS) whose file carries no
+# template (as Gemma 3 270M's GGUF): <bos>, then per message
+# "<start_of_turn>{user|model}\n{content}<end_of_turn>\n"; a system message goes at the top of
+# the first user turn, as Gemma's own template puts it; contents are trimmed, as there.
+GEMMA_TURN_TOKENS = ("<start_of_turn>", "<end_of_turn>")
+GEMMA_CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% if messages[0]['role'] == 'system' %}"
+    "{% set prefix = messages[0]['content'] | trim + '\n\n' %}{% set turns = messages[1:] %}"
+    "{% else %}{% set prefix = '' %}{% set turns = messages %}{% endif %}"
+    "{% for message in turns %}"
+    "{% set role = 'model' if message['role'] == 'assistant' else message['role'] %}"
+    "{{ '<start_of_turn>' + role + '\n' + (prefix if loop.first else '')"
+    " + message['content'] | trim + '<end_of_turn>\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<start_of_turn>model\n' }}{% endif %}"
+)
 
 
 def load_tokenizer(path: str) -> Any:
@@ -36,8 +53,20 @@ def load_tokenizer(path: str) -> Any:
                              "(or tokenizer_config.json) is missing")
         tok = AutoTokenizer.from_pretrained(path)
     if not getattr(tok, "chat_template", None):
-        tok.chat_template = DEFAULT_CHAT_TEMPLATE
+        tok.chat_template = GEMMA_CHAT_TEMPLATE if is_gemma_vocab(tok) else DEFAULT_CHAT_TEMPLATE
     return tok
+
+
+def is_gemma_vocab(tok: Any) -> bool:
+    """Whether ``tok`` has Gemma's turn tokens."""
+    vocab = tok.get_vocab()
+    return all(t in vocab for t in GEMMA_TURN_TOKENS)
+
+
+def end_of_turn_id(tok: Any) -> int | None:
+    """The id of Gemma's ``<end_of_turn>`` (a chat turn's end, where generation stops as at EOS),
+    None for another vocabulary."""
+    return tok.get_vocab()[GEMMA_TURN_TOKENS[1]] if is_gemma_vocab(tok) else None
 
 
 def _gguf_tokenizer(path: str) -> Any:

@@ -1,7 +1,8 @@
-"""One table of a Llama-family checkpoint's tensors: each one's name in transformers' safetensors
-and in llama.cpp's GGUF, the parameter of ``LlamaForCausalLM`` it loads into (and its part of a
-stacked projection: q/k/v in ``qkv_proj``, gate/up in ``gate_up_proj``), and how tensor
-parallelism splits it (``layers/parallel.py``).
+"""One table of a checkpoint's tensors per architecture (the Llama family's, Gemma 3's): each
+one's name in transformers' safetensors and in llama.cpp's GGUF, the parameter of the model
+(``LlamaForCausalLM``, ``Gemma3ForCausalLM``) it loads into (and its part of a stacked
+projection: q/k/v in ``qkv_proj``, gate/up in ``gate_up_proj``), and how tensor parallelism
+splits it (``layers/parallel.py``).
 
 Loaders look each tensor up here before reading it (``gguf_tensor``, ``hf_tensor``), so a rank
 reads, and for GGUF dequantizes, only its slice (``rank_slice``): its peak memory is about 1/N
@@ -39,13 +40,16 @@ class WeightSpec:
     """A checkpoint tensor (per layer, ``{i}`` stands for the layer's index)."""
     hf: str  # transformers' name
     gguf: str  # llama.cpp's name
-    module: str  # the module of LlamaForCausalLM that holds it
+    module: str  # the module of the model that holds it
     param: str  # "weight" or "bias"
     shard: str | None = None  # its rows of a stacked projection (``Linear.shards``)
     split: Split = Split.REPLICATED
     # llama.cpp's converter interleaves the rope pairs of each head's rows (Llama's Q and K)
     rope_permuted: bool = False
     optional: bool = False  # a checkpoint may lack it (biases)
+    # Gemma's norms scale by (1 + w): transformers stores w, llama.cpp's converter (and so the
+    # model's parameter) 1 + w; a safetensors checkpoint's tensor gets the 1 added on load.
+    hf_plus_one: bool = False
 
 
 _Q, _KV = Split.QUERY_ROWS, Split.KV_ROWS
@@ -83,6 +87,39 @@ MODEL_WEIGHTS = (
     WeightSpec("model.norm.weight", "output_norm.weight", "norm", "weight"),
     WeightSpec("lm_head.weight", "output.weight", "lm_head", "weight", split=Split.VOCAB_ROWS),
 )
+
+def _gemma_norm(hf: str, gguf: str, module: str) -> WeightSpec:
+    return WeightSpec(hf, gguf, module, "weight", hf_plus_one=True)
+
+
+# Gemma 3: four norms a layer (the attention's and the MLP's outputs are normed before their
+# residual adds; ``post_norm`` is the norm before the MLP, as Llama's), q/k norms, no biases;
+# llama.cpp leaves its Q and K rows as they are (neox rope).
+GEMMA3_LAYER_WEIGHTS = (
+    _gemma_norm("input_layernorm.weight", "attn_norm.weight", "input_norm"),
+    _gemma_norm("post_attention_layernorm.weight", "post_attention_norm.weight",
+                "post_attention_norm"),
+    _gemma_norm("pre_feedforward_layernorm.weight", "ffn_norm.weight", "post_norm"),
+    _gemma_norm("post_feedforward_layernorm.weight", "post_ffw_norm.weight",
+                "post_feedforward_norm"),
+    _gemma_norm("self_attn.q_norm.weight", "attn_q_norm.weight", "q_norm"),
+    _gemma_norm("self_attn.k_norm.weight", "attn_k_norm.weight", "k_norm"),
+    *(s for s in LAYER_WEIGHTS
+      if s.module in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj") and s.param == "weight"),
+)
+GEMMA3_MODEL_WEIGHTS = (
+    MODEL_WEIGHTS[0],
+    _gemma_norm("model.norm.weight", "output_norm.weight", "norm"),
+    MODEL_WEIGHTS[2],
+)
+# architecture -> (its layers' tensors, the model's others); the Llama family's by default
+_TABLES = {"gemma3": (GEMMA3_LAYER_WEIGHTS, GEMMA3_MODEL_WEIGHTS)}
+
+
+def _table(architecture: str) -> tuple[tuple[WeightSpec, ...], tuple[WeightSpec, ...]]:
+    return _TABLES.get(architecture, (LAYER_WEIGHTS, MODEL_WEIGHTS))
+
+
 # Not a parameter: llama 3's rope frequency factors in a GGUF file, which the model is built with.
 ROPE_FREQS = "rope_freqs.weight"
 
@@ -113,12 +150,14 @@ class CheckpointTensor:
     blocks: FileBlocks | None = None
 
 
-def _lookup(name: str, layer_prefix: re.Pattern, field: str) -> CheckpointWeight | None:
+def _lookup(name: str, layer_prefix: re.Pattern, field: str,
+            architecture: str) -> CheckpointWeight | None:
+    layer_weights, model_weights = _table(architecture)
     m = layer_prefix.fullmatch(name)
     if m is not None:
-        found = [s for s in LAYER_WEIGHTS if getattr(s, field) == m.group(2)]
+        found = [s for s in layer_weights if getattr(s, field) == m.group(2)]
         return CheckpointWeight(found[0], int(m.group(1))) if found else None
-    found = [s for s in MODEL_WEIGHTS if getattr(s, field) == name]
+    found = [s for s in model_weights if getattr(s, field) == name]
     return CheckpointWeight(found[0]) if found else None
 
 
@@ -126,20 +165,21 @@ _HF_LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
 _GGUF_LAYER = re.compile(r"blk\.(\d+)\.(.+)")
 
 
-def hf_tensor(name: str) -> CheckpointWeight | None:
-    """The table's entry for a transformers tensor name, None when it has none."""
-    return _lookup(name, _HF_LAYER, "hf")
+def hf_tensor(name: str, architecture: str = "llama") -> CheckpointWeight | None:
+    """The architecture's table's entry for a transformers tensor name, None when it has none."""
+    return _lookup(name, _HF_LAYER, "hf", architecture)
 
 
-def gguf_tensor(name: str) -> CheckpointWeight | None:
-    """The table's entry for a GGUF tensor name, None when it has none."""
-    return _lookup(name, _GGUF_LAYER, "gguf")
+def gguf_tensor(name: str, architecture: str = "llama") -> CheckpointWeight | None:
+    """The architecture's table's entry for a GGUF tensor name, None when it has none."""
+    return _lookup(name, _GGUF_LAYER, "gguf", architecture)
 
 
-def checkpoint_weights(num_layers: int) -> list[CheckpointWeight]:
-    """Every entry of the table for a model of ``num_layers`` layers."""
-    return ([CheckpointWeight(s) for s in MODEL_WEIGHTS]
-            + [CheckpointWeight(s, i) for i in range(num_layers) for s in LAYER_WEIGHTS])
+def checkpoint_weights(num_layers: int, architecture: str = "llama") -> list[CheckpointWeight]:
+    """Every entry of the architecture's table for a model of ``num_layers`` layers."""
+    layer_weights, model_weights = _table(architecture)
+    return ([CheckpointWeight(s) for s in model_weights]
+            + [CheckpointWeight(s, i) for i in range(num_layers) for s in layer_weights])
 
 
 @dataclass(frozen=True)
@@ -176,10 +216,11 @@ def rank_slice(spec: WeightSpec, plan: ShardPlan | None, head_dim: int) -> Weigh
     return WeightSlice(axis, start, stop)
 
 
-def weight_slice(name: str, plan: ShardPlan | None, head_dim: int) -> WeightSlice | None:
+def weight_slice(name: str, plan: ShardPlan | None, head_dim: int,
+                 architecture: str = "llama") -> WeightSlice | None:
     """``rank_slice`` of the tensor named ``name`` by transformers (an adapter's A or B takes
     its projection's)."""
-    found = hf_tensor(name)
+    found = hf_tensor(name, architecture)
     if found is None:
         raise ValueError(f"unknown weight {name!r}")
     return rank_slice(found.spec, plan, head_dim)

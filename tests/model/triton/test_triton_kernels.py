@@ -1,6 +1,8 @@
 """The Triton kernels against plain torch: KV write with scattered slots, decode with GQA and
 ragged contexts across block boundaries (one split and several), prefill chunks after cached
-prefixes. bf16 and fp16, head sizes 64 and 128, on shapes small enough for the interpreter."""
+prefixes. bf16 and fp16, head sizes 64 and 128, on shapes small enough for the interpreter;
+sliding windows at Gemma 3's head size 256, the blocks before each window poisoned with NaN
+(a kernel that read them would return NaN)."""
 
 import pytest
 import torch
@@ -36,18 +38,24 @@ def _block_tables(seq_lens, num_blocks, seed=0):
     return torch.tensor(tables, dtype=torch.int32)
 
 
-def _reference(q, k_cache, v_cache, table, seq_len, q_len):
+def _reference(q, k_cache, v_cache, table, seq_len, q_len, window=None):
     """Attention of q ([q_len, heads, D], the last q_len positions of the sequence) to the
-    sequence's first seq_len cached positions, causal, in float32."""
+    sequence's first seq_len cached positions, causal (and within ``window`` positions), in
+    float32."""
     heads, d = q.shape[1], q.shape[2]
     blocks = table[: -(-seq_len // BLOCK_SIZE)].long().cpu()
     k = k_cache.cpu()[blocks].reshape(-1, k_cache.shape[2], d)[:seq_len].float()
     v = v_cache.cpu()[blocks].reshape(-1, k_cache.shape[2], d)[:seq_len].float()
+    if window is not None:  # positions before the first query's window: unread (poisoned)
+        before = max(0, seq_len - q_len - window + 1)
+        k[:before], v[:before] = 0, 0
     g = heads // k.shape[1]
     k, v = k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1)
     s = torch.einsum("qhd,khd->hqk", q.cpu().float(), k) * d ** -0.5
     q_pos = torch.arange(seq_len - q_len, seq_len)[:, None]
     s = s.masked_fill(torch.arange(seq_len)[None, :] > q_pos, float("-inf"))
+    if window is not None:
+        s = s.masked_fill(torch.arange(seq_len)[None, :] <= q_pos - window, float("-inf"))
     return torch.einsum("hqk,khd->qhd", s.softmax(-1), v)
 
 
@@ -132,3 +140,54 @@ def test_prefill_chunks_after_cached_prefixes(dtype, head_dim, device):
         want = _reference(q[rows], k_cache, v_cache, tables[i], n, q_len)
         torch.testing.assert_close(out[rows].cpu().float(), want, atol=TOLERANCE[dtype],
                                    rtol=TOLERANCE[dtype])
+
+
+WINDOW = 20
+
+
+def _poison_before_windows(tables, first_positions, k_cache, v_cache):
+    """Points the table entries of the blocks wholly before each sequence's first query's window
+    at the last cache block, filled with NaN."""
+    poison = k_cache.shape[0] - 1
+    k_cache[poison], v_cache[poison] = float("nan"), float("nan")
+    tables = tables.clone()
+    for i, first in enumerate(first_positions):
+        tables[i, :max(0, first - WINDOW + 1) // BLOCK_SIZE] = poison
+    return tables
+
+
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_decode_attends_its_window_only(num_splits, device):
+    heads, kv_heads, head_dim, num_blocks = 4, 1, 256, 16
+    seq_lens = [5, 21, 70, 40]
+    k_cache, v_cache = _cache(num_blocks, kv_heads, head_dim, torch.bfloat16, device)
+    tables = _poison_before_windows(_block_tables(seq_lens, num_blocks - 1),
+                                    [n - 1 for n in seq_lens], k_cache, v_cache)
+    q = torch.randn(len(seq_lens), heads, head_dim).to(torch.bfloat16).to(device)
+    out = decode_attention(q, k_cache, v_cache, tables.to(device),
+                           torch.tensor(seq_lens, dtype=torch.int32, device=device),
+                           head_dim ** -0.5, num_splits, block_n=16, min_split_len=8,
+                           window=WINDOW)
+    for i, n in enumerate(seq_lens):
+        want = _reference(q[i:i + 1], k_cache, v_cache, tables[i], n, 1, WINDOW)
+        torch.testing.assert_close(out[i:i + 1].cpu().float(), want, atol=2e-2, rtol=2e-2)
+
+
+def test_prefill_chunks_attend_their_windows(device):
+    heads, kv_heads, head_dim, num_blocks = 4, 1, 256, 16
+    entries = [(0, 45), (37, 9), (50, 1)]  # a chunk longer than the window; after a prefix
+    seq_lens = [p + n for p, n in entries]
+    k_cache, v_cache = _cache(num_blocks, kv_heads, head_dim, torch.bfloat16, device)
+    tables = _poison_before_windows(_block_tables(seq_lens, num_blocks - 1),
+                                    [p for p, _ in entries], k_cache, v_cache)
+    q_lens = [n for _, n in entries]
+    starts = torch.tensor([0] + q_lens).cumsum(0).to(torch.int32)
+    q = torch.randn(sum(q_lens), heads, head_dim).to(torch.bfloat16).to(device)
+    out = prefill_attention(q, k_cache, v_cache, tables.to(device),
+                            torch.tensor(seq_lens, dtype=torch.int32, device=device),
+                            starts.to(device), max(q_lens), head_dim ** -0.5, block_m=16,
+                            block_n=16, window=WINDOW)
+    for i, (n, q_len) in enumerate(zip(seq_lens, q_lens, strict=True)):
+        rows = slice(int(starts[i]), int(starts[i + 1]))
+        want = _reference(q[rows], k_cache, v_cache, tables[i], n, q_len, WINDOW)
+        torch.testing.assert_close(out[rows].cpu().float(), want, atol=2e-2, rtol=2e-2)

@@ -55,6 +55,10 @@ class Backend:
         """``silu(gate) * up`` of a fused [T, gate | up] row."""
         raise NotImplementedError
 
+    def gelu_tanh_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """``gelu(gate, approximate="tanh") * up`` of a fused [T, gate | up] row (Gemma)."""
+        raise NotImplementedError
+
     def rotary(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                out: torch.Tensor | None = None) -> torch.Tensor:
         """x [T, heads, head_dim] rotated (HF "rotate_half" layout) by cos, sin [T, 1, head_dim];
@@ -63,11 +67,17 @@ class Backend:
 
     def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                   k_cache: torch.Tensor, v_cache: torch.Tensor, meta: StepMetadata,
-                  out: torch.Tensor | None = None) -> torch.Tensor:
+                  out: torch.Tensor | None = None, window: int | None = None,
+                  scale: float | None = None) -> torch.Tensor:
         """Write this step's K/V ([T, kv_heads, head_dim]) into the cache ([num_blocks,
         block_size, kv_heads, head_dim]), then attend: q [T, heads, head_dim] (rows may be
         strided, heads packed) -> [T, heads * head_dim], written into ``out`` when it is a
-        contiguous tensor of that shape and q's dtype."""
+        contiguous tensor of that shape and q's dtype.
+
+        ``window`` (a sliding-window layer's): a token at position p attends to positions
+        (p - window, p] only, and no block of the step's block tables that lies wholly before
+        that range is read: a hybrid KV cache may have freed it, its entry naming a reused or
+        null block. None: the whole context. ``scale``: of q.k (None: head_dim**-0.5)."""
         raise NotImplementedError
 
 

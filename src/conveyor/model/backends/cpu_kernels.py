@@ -81,10 +81,11 @@ class CpuBackend(TorchBackend):
 
     def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                   k_cache: torch.Tensor, v_cache: torch.Tensor, meta: StepMetadata,
-                  out: torch.Tensor | None = None) -> torch.Tensor:
+                  out: torch.Tensor | None = None, window: int | None = None,
+                  scale: float | None = None) -> torch.Tensor:
         if not isinstance(meta, KernelMetadata):  # TorchBackend's metadata: its attention
-            return super().attention(q, k, v, k_cache, v_cache, meta, out)
+            return super().attention(q, k, v, k_cache, v_cache, meta, out, window, scale)
         return kernel_attention(q, k_cache, v_cache, meta.block_tables, meta.context_lens,
-                                q.shape[2] ** -0.5, meta.token_seqs, out=out,
-                                new_kv=(k, v, meta.slot_mapping),
-                                deterministic=meta.deterministic)
+                                q.shape[2] ** -0.5 if scale is None else scale, meta.token_seqs,
+                                out=out, new_kv=(k, v, meta.slot_mapping),
+                                deterministic=meta.deterministic, window=window)

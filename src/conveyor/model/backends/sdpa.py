@@ -9,6 +9,11 @@ table and an additive mask (0 or -inf, in the model's dtype, built once per step
 converted from bool by every layer's call) hides padding and future positions. Grouped-query
 attention is done without repeating K/V: the ``g`` query heads that share a KV head are folded
 into the query-length axis, ``[B, kv_heads, Q * g, head_dim]``.
+
+A sliding-window layer's group gathers each entry's blocks from the one holding its first
+query's window start on (``AttentionGroup.window_view``, built once per step and window): the
+blocks before it are never read, and the mask hides the positions of the gathered blocks that
+are outside a query's window.
 """
 
 from __future__ import annotations
@@ -35,7 +40,47 @@ class AttentionGroup:
     mask: torch.Tensor  # [B, 1, Q * g, C] additive: 0 = attend, -inf = hidden
     query_tokens: torch.Tensor  # [B, Q] flat token of each query slot (padding: the group's first)
     real_slots: torch.Tensor  # [num_tokens] the slot b * Q + q of each of the group's tokens
+    # On the CPU, for window_view: each entry's first position computed, its count, its whole
+    # block table (padding: 0), and the block size and query heads per KV head
+    starts: torch.Tensor | None = None
+    counts: torch.Tensor | None = None
+    tables: torch.Tensor | None = None
+    block_size: int = 0
+    num_queries_per_kv: int = 1
     _rows: dict[tuple[str | int, ...], torch.Tensor] = field(default_factory=dict, repr=False)
+    _windows: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict,
+                                                                   repr=False)
+
+    def window_view(self, window: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(block table, additive mask) of a layer whose tokens attend to the last ``window``
+        positions: each entry's row of blocks starts at the block of its first query's window
+        start (padding: its last block), the mask hides what is outside each query's window.
+        Every such
+        layer of a step has the same, so it is built once."""
+        if window in self._windows:
+            return self._windows[window]
+        bs = self.block_size
+        ctx = self.starts + self.counts
+        if int(ctx.max()) <= window:  # no query's window leaves out any position
+            self._windows[window] = (self.block_table, self.mask)
+            return self._windows[window]
+        first = torch.clamp(self.starts - window + 1, min=0) // bs  # [B] first block read
+        last = (ctx + bs - 1) // bs  # [B] blocks up to the context's end
+        width = int((last - first).max())
+        cols = first[:, None] + torch.arange(width)[None, :]  # [B, width] columns of the table
+        # padding repeats the entry's last block (one it reads anyway; masked as future)
+        table = self.tables.gather(1, torch.minimum(cols, last[:, None] - 1))
+        key_pos = (cols[:, :, None] * bs + torch.arange(bs)).reshape(len(cols), 1, -1)
+        q_off = torch.arange(self.max_query_len)[None, :]
+        # a padding query slot takes its entry's last position: its row then sees something
+        q_pos = (self.starts[:, None] + torch.minimum(q_off, self.counts[:, None] - 1))[:, :, None]
+        visible = (key_pos <= q_pos) & (key_pos > q_pos - window)  # [B, Q, C]
+        visible = visible.repeat_interleave(self.num_queries_per_kv, dim=1)[:, None]
+        mask = torch.zeros(visible.shape, dtype=self.mask.dtype).masked_fill_(~visible,
+                                                                              float("-inf"))
+        device = self.block_table.device
+        self._windows[window] = (table.to(torch.int64).to(device), mask.to(device))
+        return self._windows[window]
 
     def query_rows(self, rows_per_token: int, kv_heads: int, g: int) -> torch.Tensor:
         """Row (token * rows_per_token + head) of each query head in a [rows, head_dim] view of
@@ -133,7 +178,8 @@ class TorchBackend(Backend):
             groups.append(AttentionGroup(batch, max_q, token_start, n_tok,
                                          g_tab[:, :num_blocks].contiguous().to(device),
                                          mask.to(device), query_tokens.to(device),
-                                         real_slots.to(device)))
+                                         real_slots.to(device), g_start, g_new, g_tab,
+                                         block_size, num_queries_per_kv))
             token_start += n_tok
         return GroupedMetadata(torch.tensor(slots, device=self.device),
                                torch.tensor(positions, device=self.device), groups)
@@ -152,6 +198,10 @@ class TorchBackend(Backend):
         gate, up = gate_up.chunk(2, dim=-1)
         return F.silu(gate) * up
 
+    def gelu_tanh_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.gelu(gate, approximate="tanh") * up
+
     def rotary(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                out: torch.Tensor | None = None) -> torch.Tensor:
         half = x.shape[-1] // 2
@@ -160,7 +210,8 @@ class TorchBackend(Backend):
 
     def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                   k_cache: torch.Tensor, v_cache: torch.Tensor, meta: GroupedMetadata,
-                  out: torch.Tensor | None = None) -> torch.Tensor:
+                  out: torch.Tensor | None = None, window: int | None = None,
+                  scale: float | None = None) -> torch.Tensor:
         """Each group is gathered straight into SDPA's [B, kv_heads, Q * g, head_dim] layout,
         and its output straight into its rows of the result: one copy each way, with
         ``index_select`` (whole head_dim rows; advanced indexing would go element by
@@ -181,12 +232,13 @@ class TorchBackend(Backend):
         for grp in meta.groups:
             b, nq = grp.batch, grp.max_query_len
             qg = q_rows.index_select(0, grp.query_rows(rows_per_token, kv_heads, g))
-            blocks = grp.block_table.view(-1)
+            table, mask = (grp.block_table, grp.mask) if window is None else grp.window_view(window)
+            blocks = table.reshape(-1)
             keys = k_cache.index_select(0, blocks).view(b, -1, kv_heads, head_dim).transpose(1, 2)
             values = v_cache.index_select(0, blocks).view(b, -1, kv_heads, head_dim).transpose(1, 2)
             keys, values = keys.to(q.dtype), values.to(q.dtype)
             o = F.scaled_dot_product_attention(qg.view(b, kv_heads, nq * g, head_dim), keys,
-                                               values, attn_mask=grp.mask)
+                                               values, attn_mask=mask, scale=scale)
             rows = out[grp.token_start: grp.token_start + grp.num_tokens].view(-1, head_dim)
             torch.index_select(o.reshape(-1, head_dim), 0, grp.output_rows(kv_heads, g), out=rows)
         return out

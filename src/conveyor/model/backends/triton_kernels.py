@@ -2,7 +2,8 @@
 (it runs anywhere Triton does: its interpreter runs it on CPU tensors in the tests).
 
 Attention: one call per layer writes the step's K/V into the cache and attends, decodes through
-the split-K decode kernel, prefill chunks through the prefill kernel. ``TritonMetadata``
+the split-K decode kernel, prefill chunks through the prefill kernel (a sliding-window layer's
+``window`` given to both: they read no block before it). ``TritonMetadata``
 carries what the kernels read: every entry's block table row and context length, where each
 chunk's query rows start, and the decode kernel's number of context splits. The norm over
 [T, D] rows, rotary and the activation are Triton kernels too; q/k norms over heads run
@@ -114,7 +115,8 @@ class TritonBackend(TorchBackend):
 
     def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                   k_cache: torch.Tensor, v_cache: torch.Tensor, meta: TritonMetadata,
-                  out: torch.Tensor | None = None) -> torch.Tensor:
+                  out: torch.Tensor | None = None, window: int | None = None,
+                  scale: float | None = None) -> torch.Tensor:
         from conveyor.model.kernels.triton.decode_attention import decode_attention
         from conveyor.model.kernels.triton.kv_write import write_kv
         from conveyor.model.kernels.triton.prefill_attention import prefill_attention
@@ -123,13 +125,14 @@ class TritonBackend(TorchBackend):
         out = output_buffer(out, (num_tokens, num_heads * head_dim), q)
         heads_out = out.view(num_tokens, num_heads, head_dim)
         write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-        scale = head_dim ** -0.5
+        scale = head_dim ** -0.5 if scale is None else scale
         nd = meta.num_decodes
         if nd:
             decode_attention(q[:nd], k_cache, v_cache, meta.block_tables[:nd],
-                             meta.seq_lens[:nd], scale, meta.num_splits, out=heads_out[:nd])
+                             meta.seq_lens[:nd], scale, meta.num_splits, out=heads_out[:nd],
+                             window=window)
         if nd < meta.seq_lens.shape[0]:
             prefill_attention(q[nd:], k_cache, v_cache, meta.block_tables[nd:],
                               meta.seq_lens[nd:], meta.prefill_query_start, meta.max_query_len,
-                              scale, out=heads_out[nd:])
+                              scale, out=heads_out[nd:], window=window)
         return out

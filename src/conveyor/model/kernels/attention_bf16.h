@@ -22,6 +22,7 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <vector>
 
@@ -42,11 +43,13 @@ struct Bf16Scratch {  // per thread, reused across tasks and calls
   std::vector<vfloat> dots;
 };
 
+// The first `skip` positions of the context are read but weigh nothing (as in attend).
 template <int CHUNKS>  // head_dim / kBf16Chunk
 void attend_bf16(uint16_t* out, const uint16_t* q, const uint16_t* k_cache,
-                 const uint16_t* v_cache, const int32_t* table, int64_t ctx, int64_t h0,
-                 int64_t h1, int64_t group, int64_t block_size, int64_t token_stride,
-                 float scale, Bf16Scratch& scratch, KeyStream& next_keys) {
+                 const uint16_t* v_cache, const int32_t* table, int64_t ctx, int64_t skip,
+                 int64_t h0, int64_t h1, int64_t group, int64_t block_size,
+                 int64_t token_stride, float scale, Bf16Scratch& scratch,
+                 KeyStream& next_keys) {
   constexpr int64_t head_dim = CHUNKS * kBf16Chunk;
   const int64_t block_stride = block_size * token_stride;
   const int64_t num_blocks = (ctx + block_size - 1) / block_size;
@@ -83,8 +86,10 @@ void attend_bf16(uint16_t* out, const uint16_t* q, const uint16_t* k_cache,
 
   // Softmax, the weights rounded to bf16 (zeros from ctx to padded: the last pair's partner
   // after an odd context).
-  for (int64_t i = 0; i < heads; ++i)
+  for (int64_t i = 0; i < heads; ++i) {
+    std::fill(scores + i * padded, scores + i * padded + skip, -INFINITY);
     inv_sum[i] = softmax_row(scores + i * padded, ctx, padded, weights + i * padded);
+  }
 
   // out_i = sum_t w[i][t] v_t / sum_t w[i][t]: per KV head, up to kBf16GroupTile query heads and
   // one chunk of 32 dimensions at a time (2 accumulators a head), over the context's row pairs.

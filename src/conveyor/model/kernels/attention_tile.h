@@ -145,11 +145,14 @@ inline void store_output(const float* o, float inv_sum, T* out, int64_t head_dim
 // out + i * out_stride, context ctx0 + i positions) against KV head h and its `group` query
 // heads. Row r of the tile is token r / group, query head h * group + r % group.
 // F = BF16 takes T = C = uint16_t (bf16) and head_dim a multiple of 32.
+// window > 0: a row sees only the last `window` positions of its context; keys of blocks that
+// lie wholly before the first row's window are never read (their scores and values are zeros
+// where a tile of keys straddles that point, and weigh nothing).
 template <class F, typename T, typename C>
 void attend_tile(T* out, int64_t out_stride, const T* q, int64_t q_stride, const C* k_cache,
                  const C* v_cache, const int32_t* table, int64_t ctx0, int64_t n, int64_t h,
                  int64_t group, int64_t head_dim, int64_t block_size, int64_t token_stride,
-                 float scale, TileScratch<typename F::T>& scratch) {
+                 float scale, int64_t window, TileScratch<typename F::T>& scratch) {
   using E = typename F::T;
   constexpr bool kBf16 = F::kStep == 2;
   const int64_t rows = n * group, ctx = ctx0 + n - 1;  // ctx: the last token's context
@@ -169,6 +172,13 @@ void attend_tile(T* out, int64_t out_stride, const T* q, int64_t q_stride, const
   float* o = scratch.o.data();
 
   auto row_ctx = [&](int64_t r) { return ctx0 + r / group; };
+  // A row's first visible position; the first position read (the start of row 0's window's
+  // block): rows later in the tile start their windows later.
+  auto row_lo = [&](int64_t r) {
+    return window > 0 ? std::max<int64_t>(0, row_ctx(r) - window) : int64_t{0};
+  };
+  const int64_t first_read = row_lo(0) / block_size * block_size;
+  alignas(64) static const C zero_row[256] = {};  // stands in for a row before first_read
   auto cache_row = [&](const C* cache, int64_t pos) {
     return cache + (table[pos / block_size] * block_size + pos % block_size) * token_stride +
            h * head_dim;
@@ -187,20 +197,23 @@ void attend_tile(T* out, int64_t out_stride, const T* q, int64_t q_stride, const
 
   const C* key_rows[kKeyTile];
   const C* value_rows[kValueKeys];
-  for (int64_t c0 = 0; c0 < ctx; c0 += kKeyChunk) {
+  for (int64_t c0 = first_read / kKeyChunk * kKeyChunk; c0 < ctx; c0 += kKeyChunk) {
     const int64_t c1 = std::min(ctx, c0 + kKeyChunk);
     const int64_t width = (c1 - c0 + kKeyTile - 1) / kKeyTile * kKeyTile;  // scores per row
 
     // Scores, kKeyTile keys at a time; a row tile whose rows all end before the keys skips them.
     for (int64_t k0 = c0; k0 < c1; k0 += kKeyTile) {
+      if (k0 + kKeyTile <= first_read) continue;  // every row's window starts later
       const int64_t nk = std::min<int64_t>(kKeyTile, c1 - k0);
-      for (int64_t k = 0; k < nk; ++k) key_rows[k] = cache_row(k_cache, k0 + k);
+      const int64_t skip = std::max<int64_t>(0, first_read - k0);  // rows not to read
+      for (int64_t k = skip; k < nk; ++k) key_rows[k] = cache_row(k_cache, k0 + k);
       for (int64_t half = 0; half < kKeyTile; half += kLanes)
         for (int64_t c = 0; c < lane_chunks; ++c) {
           vfloat block[kLanes];
           for (int64_t j = 0; j < kLanes; ++j)
-            block[j] = half + j < nk ? lanes<F>(key_rows[half + j] + c * kLanes * F::kStep)
-                                     : vfloat{};
+            block[j] = half + j < nk && half + j >= skip
+                           ? lanes<F>(key_rows[half + j] + c * kLanes * F::kStep)
+                           : vfloat{};
           transpose(block);
           for (int64_t d = 0; d < kLanes; ++d)
             std::memcpy(kt + ((c * kLanes + d) * kKeyTile + half) * F::kStep, &block[d],
@@ -208,7 +221,7 @@ void attend_tile(T* out, int64_t out_stride, const T* q, int64_t q_stride, const
         }
       for (int64_t r0 = 0; r0 < rows; r0 += kRowTile) {
         const int64_t m = std::min<int64_t>(kRowTile, rows - r0);
-        if (k0 >= row_ctx(r0 + m - 1)) continue;
+        if (k0 >= row_ctx(r0 + m - 1) || k0 + kKeyTile <= row_lo(r0)) continue;
         with_constant<kRowTile>(m, [&](auto mr) {
           score_rows<F, decltype(mr)::value>(qs + r0 * head_dim, head_dim, kt,
                                              scores + r0 * stride + k0 - c0, stride,
@@ -217,14 +230,17 @@ void attend_tile(T* out, int64_t out_stride, const T* q, int64_t q_stride, const
       }
     }
 
-    // Softmax over each row's own keys in the chunk; the rest of the row gets 0. A row whose
-    // context ends before the chunk takes no part in it.
+    // Softmax over each row's own keys in the chunk (those of its window); the rest of the row
+    // gets 0. A row whose context ends before the chunk, or whose window starts after it, takes
+    // no part in it.
     for (int64_t r = 0; r < rows; ++r) {
       E* pr = p + r * stride;
       const int64_t own = std::min(c1, row_ctx(r)) - c0;
-      if (own <= 0) {
+      const int64_t before = std::max(c0, row_lo(r)) - c0;  // keys before the row's window
+      if (own <= before) {
         std::fill(pr, pr + width, E{});  // 0 as float and as bf16
       } else {
+        std::fill(scores + r * stride, scores + r * stride + before, -INFINITY);
         const float rescale = softmax_fold(scores + r * stride, own, width, scratch.row_max[r],
                                            scratch.row_sum[r], pr);
         if (rescale != 1.f)
@@ -235,15 +251,17 @@ void attend_tile(T* out, int64_t out_stride, const T* q, int64_t q_stride, const
 
     // Values, kValueKeys keys at a time, two vectors of the head dimension per pass.
     for (int64_t k0 = c0; k0 < c1; k0 += kValueKeys) {
+      if (k0 + kValueKeys <= first_read) continue;
       const int64_t nk = std::min<int64_t>(kValueKeys, c1 - k0);
-      for (int64_t k = 0; k < nk; ++k) value_rows[k] = cache_row(v_cache, k0 + k);
+      for (int64_t k = 0; k < nk; ++k)
+        value_rows[k] = k0 + k < first_read ? zero_row : cache_row(v_cache, k0 + k);
       value_tile<F>(vt, value_rows, nk, head_dim);
       for (int64_t d0 = 0; d0 < head_dim; d0 += 2 * kLanes) {
         const bool pair = d0 + 2 * kLanes <= head_dim;
         for (int64_t r0 = 0; r0 < rows; r0 += kRowTile) {
           const int64_t m = std::min<int64_t>(kRowTile, rows - r0);
           const int64_t keys = std::min(nk, row_ctx(r0 + m - 1) - k0);  // later ones weigh 0
-          if (keys <= 0) continue;
+          if (keys <= 0 || k0 + nk <= row_lo(r0)) continue;
           with_constant<kRowTile>(m, [&](auto mr) {
             constexpr int MR = decltype(mr)::value;
             const E* pr = p + r0 * stride + k0 - c0;

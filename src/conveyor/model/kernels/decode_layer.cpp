@@ -91,7 +91,7 @@ void decode_layer(const LayerWeights* w, T* out, const T* x, T* residual, int64_
                         slot_mapping};  // rotated keys, values straight from the projection
   paged_attention<T>(attn, qk, k_cache, v_cache, new_kv, block_tables, nullptr,
                      context_lens, rows, q_heads, kv_heads, hd, block_size, max_blocks, qk_width,
-                     scale, num_threads, deterministic);
+                     scale, num_threads, deterministic, w->window);
   matmul(proj, attn, w->o, rows, q_heads * hd, a.quantized, num_threads);
   add_lora(proj, attn, w, 1, lora, rows, q_heads * hd, hidden, num_threads);
   rms_norm<T>(h, proj, residual, post_norm, rows, hidden, hidden, w->eps,

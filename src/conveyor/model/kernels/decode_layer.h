@@ -45,6 +45,7 @@ struct LayerWeights {
   Weight qkv, o, gate_up, down;
   int64_t hidden, num_heads, num_kv_heads, head_dim, intermediate;
   float eps;
+  int64_t window = 0;  // attention's sliding window (paged_attention.h); 0: none
   LoraStack lora[4] = {};  // qkv, o, gate_up, down
 };
 

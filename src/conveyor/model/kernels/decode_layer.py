@@ -83,6 +83,7 @@ class DecodeLayerWeights:
     num_kv_heads: int
     head_dim: int
     eps: float
+    window: int = 0  # attention's sliding window (``kernel_attention``); 0: none
 
 
 class LoRAStacks(Protocol):
@@ -105,7 +106,7 @@ class DecodeLayers:
         self.weights = torch.classes.conveyor.DecodeLayers()
         for w in layers:
             self.weights.add_layer(w.input_norm, w.post_norm, w.num_heads, w.num_kv_heads,
-                                   w.head_dim, w.eps)
+                                   w.head_dim, w.eps, w.window)
             for p in w.projections:
                 b, q = p.blocks, p.int8
                 if hasattr(b, "parts"):

@@ -14,6 +14,7 @@
 #include <torch/custom_class.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cmath>
 #include <optional>
 #include <string>
@@ -479,10 +480,11 @@ CacheShape check_caches(const Tensor& k_cache, const Tensor& v_cache, const char
 }
 
 // The index tensors of `tokens` query tokens over caches of `cache`'s shape, values included:
-// every block, slot and sequence they name must exist.
+// every block, slot and sequence they name must exist (under a sliding `window`, the blocks
+// from the window's first one on: the entries before it are never read).
 void check_indices(const CacheShape& cache, int64_t tokens, const Tensor& block_tables,
                    const Tensor& context_lens, const std::optional<Tensor>& token_seqs,
-                   const std::optional<Tensor>& slot_mapping) {
+                   const std::optional<Tensor>& slot_mapping, int64_t window = 0) {
   TORCH_CHECK(block_tables.dim() == 2, "block_tables must be 2-D, got shape ",
               block_tables.sizes());
   const int64_t seqs = block_tables.size(0), max_blocks = block_tables.size(1);
@@ -503,7 +505,8 @@ void check_indices(const CacheShape& cache, int64_t tokens, const Tensor& block_
     TORCH_CHECK(lens[t] >= 0 && lens[t] <= max_blocks * cache.block_size, "context_lens[", t,
                 "] = ", lens[t], " is outside 0..", max_blocks * cache.block_size);
     const int32_t* row = tables + seq * max_blocks;
-    for (int64_t b = 0; b < (lens[t] + cache.block_size - 1) / cache.block_size; ++b)
+    for (int64_t b = window_start(lens[t], window, cache.block_size).first_block;
+         b < (lens[t] + cache.block_size - 1) / cache.block_size; ++b)
       TORCH_CHECK(row[b] >= 0 && row[b] < cache.num_blocks, "block_tables[", seq, ", ", b,
                   "] = ", row[b], " is not a cache block (", cache.num_blocks, " blocks)");
   }
@@ -520,8 +523,10 @@ void paged_attention_op(const Tensor& q_in, const Tensor& k_cache, const Tensor&
                      const Tensor& block_tables, const Tensor& context_lens,
                      const std::optional<Tensor>& token_seqs, double scale, const Tensor& out,
                      const std::optional<Tensor>& new_k, const std::optional<Tensor>& new_v,
-                     const std::optional<Tensor>& slot_mapping, bool deterministic) {
+                     const std::optional<Tensor>& slot_mapping, bool deterministic,
+                     int64_t window) {
   check_activation_dtype(q_in, "q");
+  TORCH_CHECK(window >= 0, "window must be 0 (none) or positive, got ", window);
   TORCH_CHECK(q_in.dim() == 3, "q must be 3-D [tokens, heads, head_dim], got shape ",
               q_in.sizes());
   const Tensor q = q_in.stride(2) == 1 && q_in.stride(1) == q_in.size(2) ? q_in
@@ -536,7 +541,7 @@ void paged_attention_op(const Tensor& q_in, const Tensor& k_cache, const Tensor&
   TORCH_CHECK(!is_bf16(q) || bf16_cache, "k_cache must be bfloat16 for bfloat16 queries");
   TORCH_CHECK(new_k.has_value() == new_v.has_value() && new_k.has_value() == slot_mapping.has_value(),
               "new_k, new_v and slot_mapping come together");
-  check_indices(c, tokens, block_tables, context_lens, token_seqs, slot_mapping);
+  check_indices(c, tokens, block_tables, context_lens, token_seqs, slot_mapping, window);
   if (new_k) {
     for (const auto& [t, name] : {std::pair{&*new_k, "new_k"}, std::pair{&*new_v, "new_v"}}) {
       check_dtype(*t, name, q.scalar_type());
@@ -558,7 +563,7 @@ void paged_attention_op(const Tensor& q_in, const Tensor& k_cache, const Tensor&
                             token_seqs ? data<const int32_t>(*token_seqs) : nullptr,
                             data<const int32_t>(context_lens), tokens, heads, c.num_kv_heads,
                             c.head_dim, c.block_size, block_tables.size(1), q.stride(0),
-                            static_cast<float>(scale), threads(), deterministic);
+                            static_cast<float>(scale), threads(), deterministic, window);
     };
     if (bf16_cache)
       run(static_cast<uint16_t*>(nullptr));
@@ -588,7 +593,7 @@ struct DecodeLayers : torch::CustomClassHolder {
   // A layer: its norms ([hidden] in the activations' dtype, every layer's the same) and sizes;
   // its four projections follow (add_projection).
   void add_layer(const Tensor& input_norm, const Tensor& post_norm, int64_t num_heads,
-                 int64_t num_kv_heads, int64_t head_dim, double eps) {
+                 int64_t num_kv_heads, int64_t head_dim, double eps, int64_t window) {
     TORCH_CHECK(complete(), "the last layer added lacks projections (add_projection)");
     check_activation_dtype(input_norm, "input_norm");
     TORCH_CHECK(input_norm.dim() == 1, "input_norm must be 1-D, got shape ", input_norm.sizes());
@@ -617,6 +622,8 @@ struct DecodeLayers : torch::CustomClassHolder {
     w.num_kv_heads = num_kv_heads;
     w.head_dim = head_dim;
     w.eps = static_cast<float>(eps);
+    TORCH_CHECK(window >= 0, "window must be 0 (none) or positive, got ", window);
+    w.window = window;
     layers.push_back(w);
     projections_ = 0;
   }
@@ -813,7 +820,16 @@ void decode_layers_op(const c10::intrusive_ptr<DecodeLayers>& weights, const Ten
     check_tensor(k_caches[i], k_name.c_str(), weights->dtype, k_caches[0].sizes());
     check_tensor(v_caches[i], v_name.c_str(), weights->dtype, k_caches[0].sizes());
   }
-  check_indices(c, rows, block_tables, context_lens, std::nullopt, slot_mapping);
+  // Blocks before a window are never read: check those that the widest window reads.
+  int64_t widest = 0;
+  for (const LayerWeights& w : layers) {
+    if (w.window == 0) {
+      widest = 0;
+      break;
+    }
+    widest = std::max(widest, w.window);
+  }
+  check_indices(c, rows, block_tables, context_lens, std::nullopt, slot_mapping, widest);
   LoraStep lora;
   if (lora_slots) {
     TORCH_CHECK(weights->has_lora(), "lora_slots given, but weights holds no LoRA stacks "
@@ -885,7 +901,7 @@ TORCH_LIBRARY(CONVEYOR_OPS_NAMESPACE, m) {
         &lora_apply_op);
   m.def("paged_attention(Tensor q, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor block_tables, "
         "Tensor context_lens, Tensor? token_seqs, float scale, Tensor(c!) out, Tensor? new_k, "
-        "Tensor? new_v, Tensor? slot_mapping, bool deterministic=False) -> ()",
+        "Tensor? new_v, Tensor? slot_mapping, bool deterministic=False, int window=0) -> ()",
         &paged_attention_op);
   m.def("decode_layers(__torch__.torch.classes." CONVEYOR_NAME(CONVEYOR_OPS_NAMESPACE)
         ".DecodeLayers weights, Tensor(a!) x, Tensor(b!) residual, "

@@ -30,6 +30,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cmath>
 #include <cstdint>
 #include <type_traits>
 #include <vector>
@@ -56,9 +57,11 @@ struct Scratch {  // per thread, reused across tasks and calls
 // One query token, KV heads [h0, h1): each of them with its `group` query heads. The context is
 // read block by block (attention_keys.h, then the values; the next block is prefetched).
 // CHUNKS = head_dim / kLanes when known at compile time (loops unroll), 0 for any other size.
+// The first `skip` positions of the context are read but weigh nothing (a sliding window's
+// start inside the table's first block, see window_start).
 template <typename T, typename C, int CHUNKS>
 void attend(T* out, const T* q, const C* k_cache, const C* v_cache, const int32_t* table,
-            int64_t ctx, int64_t h0, int64_t h1, int64_t group, int64_t head_dim,
+            int64_t ctx, int64_t skip, int64_t h0, int64_t h1, int64_t group, int64_t head_dim,
             int64_t block_size, int64_t token_stride, float scale, Scratch& scratch,
             KeyStream& next_keys) {
   const int64_t chunks = CHUNKS ? CHUNKS : head_dim / kLanes;
@@ -102,8 +105,10 @@ void attend(T* out, const T* q, const C* k_cache, const C* v_cache, const int32_
     }
   });
 
-  for (int64_t i = 0; i < heads; ++i)
+  for (int64_t i = 0; i < heads; ++i) {
+    std::fill(scores + i * padded, scores + i * padded + skip, -INFINITY);
     inv_sum[i] = softmax_row(scores + i * padded, ctx, padded, scores + i * padded);
+  }
 
   // out_i = sum_t p[i][t] v_t / sum_t p[i][t]. Block by block; within a block, one cache line
   // of a KV head's values (kLineChunks vectors) for up to kGroupTile of its query heads at a
@@ -208,7 +213,7 @@ void paged_attention(T* out, const T* q, C* k_cache, C* v_cache, NewKV<T> new_kv
                      const int32_t* context_lens, int64_t num_tokens, int64_t num_heads,
                      int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
                      int64_t max_blocks, int64_t q_stride, float scale, int num_threads,
-                     bool deterministic) {
+                     bool deterministic, int64_t window) {
   const int64_t group = num_heads / num_kv_heads;
   const int64_t token_stride = num_kv_heads * head_dim;
   const bool pairs = std::is_same_v<T, uint16_t> && std::is_same_v<C, uint16_t> &&
@@ -221,6 +226,17 @@ void paged_attention(T* out, const T* q, C* k_cache, C* v_cache, NewKV<T> new_kv
   const int64_t num_tasks = static_cast<int64_t>(tasks.size());
   auto table_of = [&](int64_t t) {  // token t's sequence's block table
     return block_tables + (token_seqs ? token_seqs[t] : t) * max_blocks;
+  };
+  // What a decode-way token reads: its table from the window's first block, the context from
+  // that block's first row, the rows of it before the window.
+  struct Span {
+    const int32_t* table;
+    int64_t ctx, skip;
+  };
+  auto span_of = [&](int64_t t) {
+    const int64_t ctx = context_lens[t];
+    const WindowStart w = window_start(ctx, window, block_size);
+    return Span{table_of(t) + w.first_block, ctx - w.first_block * block_size, w.skip};
   };
   std::atomic<int64_t> next_task{0};
 #pragma omp parallel num_threads(num_threads)
@@ -244,13 +260,14 @@ void paged_attention(T* out, const T* q, C* k_cache, C* v_cache, NewKV<T> new_kv
       const int64_t t = task.t, h0 = task.h0, h1 = task.h1;
       const int64_t ctx = context_lens[t];
       const int32_t* table = table_of(t);
+      const Span span = span_of(t);
       T* o = out + t * num_heads * head_dim;
       const T* qt = q + t * q_stride;
       if (task.tile) {
         auto tile = [&](auto step, auto& step_scratch) {  // step: madd_step.h's F32 or BF16
           attend_tile<decltype(step)>(o, num_heads * head_dim, qt, q_stride, k_cache, v_cache,
                                       table, ctx, task.n, h0, group, head_dim, block_size,
-                                      token_stride, scale, step_scratch);
+                                      token_stride, scale, window, step_scratch);
         };
 #ifdef __AVX512BF16__
         if constexpr (std::is_same_v<T, uint16_t> && std::is_same_v<C, uint16_t>)
@@ -269,22 +286,28 @@ void paged_attention(T* out, const T* q, C* k_cache, C* v_cache, NewKV<T> new_kv
         const auto* kb = reinterpret_cast<const uint16_t*>(k_cache);
         const auto* vb = reinterpret_cast<const uint16_t*>(v_cache);
         if (head_dim == 64)
-          attend_bf16<2>(ob, qb, kb, vb, table, ctx, h0, h1, group, block_size, token_stride,
-                         scale, bf16_scratch, next_keys);
+          attend_bf16<2>(ob, qb, kb, vb, span.table, span.ctx, span.skip, h0, h1, group,
+                         block_size, token_stride, scale, bf16_scratch, next_keys);
         else
-          attend_bf16<4>(ob, qb, kb, vb, table, ctx, h0, h1, group, block_size, token_stride,
-                         scale, bf16_scratch, next_keys);
+          attend_bf16<4>(ob, qb, kb, vb, span.table, span.ctx, span.skip, h0, h1, group,
+                         block_size, token_stride, scale, bf16_scratch, next_keys);
       }
 #endif
       else if (head_dim == 64)
-        attend<T, C, 64 / kLanes>(o, qt, k_cache, v_cache, table, ctx, h0, h1, group,
-                                  head_dim, block_size, token_stride, scale, scratch, next_keys);
+        attend<T, C, 64 / kLanes>(o, qt, k_cache, v_cache, span.table, span.ctx, span.skip, h0,
+                                  h1, group, head_dim, block_size, token_stride, scale, scratch,
+                                  next_keys);
       else if (head_dim == 128)
-        attend<T, C, 128 / kLanes>(o, qt, k_cache, v_cache, table, ctx, h0, h1, group,
-                                   head_dim, block_size, token_stride, scale, scratch, next_keys);
+        attend<T, C, 128 / kLanes>(o, qt, k_cache, v_cache, span.table, span.ctx, span.skip, h0,
+                                   h1, group, head_dim, block_size, token_stride, scale, scratch,
+                                   next_keys);
+      else if (head_dim == 256)
+        attend<T, C, 256 / kLanes>(o, qt, k_cache, v_cache, span.table, span.ctx, span.skip, h0,
+                                   h1, group, head_dim, block_size, token_stride, scale, scratch,
+                                   next_keys);
       else
-        attend<T, C, 0>(o, qt, k_cache, v_cache, table, ctx, h0, h1, group, head_dim,
-                        block_size, token_stride, scale, scratch, next_keys);
+        attend<T, C, 0>(o, qt, k_cache, v_cache, span.table, span.ctx, span.skip, h0, h1, group,
+                        head_dim, block_size, token_stride, scale, scratch, next_keys);
     };
     // Dynamic scheduling by hand. With tasks enough to go round, a thread claims its next task
     // as it starts one, so that a decode task can fetch the next one's keys (KeyStream) while it
@@ -295,8 +318,9 @@ void paged_attention(T* out, const T* q, C* k_cache, C* v_cache, NewKV<T> new_kv
       KeyStream next_keys;
       if (following < num_tasks && !tasks[following].tile) {
         const Task& f = tasks[following];
-        next_keys = KeyStream(k_cache, table_of(f.t), context_lens[f.t], f.h0, f.h1, head_dim,
-                              block_size, token_stride);
+        const Span next = span_of(f.t);
+        next_keys = KeyStream(k_cache, next.table, next.ctx, f.h0, f.h1, head_dim, block_size,
+                              token_stride);
       }
       run(tasks[i], next_keys);
       i = claim_ahead ? following : next_task++;
@@ -307,15 +331,16 @@ void paged_attention(T* out, const T* q, C* k_cache, C* v_cache, NewKV<T> new_kv
 template void paged_attention<float, float>(float*, const float*, float*, float*, NewKV<float>,
                                             const int32_t*, const int32_t*, const int32_t*,
                                             int64_t, int64_t, int64_t, int64_t, int64_t, int64_t,
-                                            int64_t, float, int, bool);
+                                            int64_t, float, int, bool, int64_t);
 template void paged_attention<float, uint16_t>(float*, const float*, uint16_t*, uint16_t*,
                                                NewKV<float>, const int32_t*, const int32_t*,
                                                const int32_t*, int64_t, int64_t, int64_t, int64_t,
-                                               int64_t, int64_t, int64_t, float, int, bool);
+                                               int64_t, int64_t, int64_t, float, int, bool,
+                                               int64_t);
 template void paged_attention<uint16_t, uint16_t>(uint16_t*, const uint16_t*, uint16_t*,
                                                   uint16_t*, NewKV<uint16_t>, const int32_t*,
                                                   const int32_t*, const int32_t*, int64_t,
                                                   int64_t, int64_t, int64_t, int64_t, int64_t,
-                                                  int64_t, float, int, bool);
+                                                  int64_t, float, int, bool, int64_t);
 
 }  // namespace conveyor

@@ -37,6 +37,7 @@ def kernel_attention(
     out: torch.Tensor | None = None,
     new_kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     deterministic: bool = False,
+    window: int | None = None,
 ) -> torch.Tensor:
     """Returns [T, num_heads * head_dim], written into ``out`` when it is a contiguous tensor
     of that shape and q's dtype.
@@ -48,7 +49,11 @@ def kernel_attention(
     ``deterministic``: every query row takes one arithmetic (the one-token path; bf16 over an
     odd block size, the tiles), so that a token's output does not depend on whether it is a
     decode or part of a chunk, nor on the chunk's boundaries (docs/determinism.md); otherwise
-    runs of enough rows go in the faster tiles."""
+    runs of enough rows go in the faster tiles.
+
+    ``window``: a token at position p attends to positions (p - window, p] only (a sliding-window
+    layer); the blocks of its table that lie wholly before that range are never read, so their
+    entries may name freed or reused blocks. None: its whole context."""
     ops = kernel_ops()
     if ops is None:
         raise RuntimeError("the paged attention kernel is not available")
@@ -57,5 +62,5 @@ def kernel_attention(
         out = torch.empty(shape, dtype=q.dtype)
     k, v, slots = new_kv if new_kv is not None else (None, None, None)
     ops.paged_attention(q, k_cache, v_cache, block_tables, context_lens, token_seqs, scale, out,
-                        k, v, slots, deterministic)
+                        k, v, slots, deterministic, window or 0)
     return out

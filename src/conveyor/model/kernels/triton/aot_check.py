@@ -58,12 +58,14 @@ def _builds(dtype: str, head_dim: int, group: int = 3, block_size: int = 16, num
     yield "kv_write", kv_write._kv_write_kernel, {
         "k_ptr": f"*{t}", "v_ptr": f"*{t}", "slot_ptr": "*i64", **cache}, (), dict(
         NUM_KV_HEADS=4, HEAD_DIM=head_dim, BLOCK_H=4, BLOCK_D=block_d)
-    yield "decode_split", decode_attention._decode_split_kernel, {
-        "q_ptr": f"*{t}", **cache, **tables, "part_o_ptr": "*fp32", "part_lse_ptr": "*fp32"}, (
-        "scale",), dict(GROUP=group, BLOCK_SIZE=block_size, NUM_SPLITS=num_splits,
-                        MIN_SPLIT_LEN=decode_attention.MIN_TOKENS_PER_SPLIT,
-                        BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_N=32, DOT=dot,
-                        PRECISION=dot_precision(torch_dtype), **kw)
+    for suffix, window in (("", 0), ("_window", 512)):  # a sliding-window layer's too
+        yield f"decode_split{suffix}", decode_attention._decode_split_kernel, {
+            "q_ptr": f"*{t}", **cache, **tables, "part_o_ptr": "*fp32",
+            "part_lse_ptr": "*fp32"}, ("scale",), dict(
+            GROUP=group, BLOCK_SIZE=block_size, NUM_SPLITS=num_splits,
+            MIN_SPLIT_LEN=decode_attention.MIN_TOKENS_PER_SPLIT,
+            BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_N=32, DOT=dot,
+            PRECISION=dot_precision(torch_dtype), WINDOW=window, **kw)
     yield "decode_reduce", decode_attention._decode_reduce_kernel, {
         "part_o_ptr": "*fp32", "part_lse_ptr": "*fp32", "out_ptr": f"*{t}"}, (), dict(
         NUM_SPLITS=num_splits, BLOCK_S=triton.next_power_of_2(num_splits), **kw)
@@ -81,11 +83,13 @@ def _builds(dtype: str, head_dim: int, group: int = 3, block_size: int = 16, num
     yield "lora_expand", lora._lora_expand_kernel, {
         "y_ptr": f"*{t}", "b_ptr": "*fp32", "slot_ptr": "*i32", "u_ptr": "*fp32"}, (), dict(
         OUT=3072, BLOCK_R=lora.block_r(48), BLOCK_N=lora.BLOCK_N)
-    block_m, block_n = prefill_attention.prefill_tiles(torch_dtype)
-    yield "prefill", prefill_attention._prefill_kernel, {
-        "q_ptr": f"*{t}", **cache, "out_ptr": f"*{t}", **tables, "query_start_ptr": "*i32"}, (
-        "scale",), dict(GROUP=group, BLOCK_SIZE=block_size, BLOCK_M=block_m, BLOCK_N=block_n,
-                        DOT=dot, PRECISION=dot_precision(torch_dtype), **kw)
+    block_m, block_n = prefill_attention.prefill_tiles(torch_dtype, head_dim)
+    for suffix, window in (("", 0), ("_window", 512)):
+        yield f"prefill{suffix}", prefill_attention._prefill_kernel, {
+            "q_ptr": f"*{t}", **cache, "out_ptr": f"*{t}", **tables,
+            "query_start_ptr": "*i32"}, ("scale",), dict(
+            GROUP=group, BLOCK_SIZE=block_size, BLOCK_M=block_m, BLOCK_N=block_n, DOT=dot,
+            PRECISION=dot_precision(torch_dtype), WINDOW=window, **kw)
 
 
 def compile_all(archs: list[int], dtypes: list[str], head_dims: list[int]) -> list[Compiled]:
@@ -122,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--head-dim", type=int, action="append")
     args = p.parse_args(argv)
     for c in compile_all(args.arch or [90], args.dtype or ["bfloat16", "float16", "float32"],
-                         args.head_dim or [64, 128]):
+                         args.head_dim or [64, 128, 256]):
         print(f"sm_{c.arch} {c.kernel:14s} {c.dtype:9s} head_dim {c.head_dim:3d}: "
               f"{c.shared_bytes:6d} B shared, {c.num_warps} warps")
     return 0

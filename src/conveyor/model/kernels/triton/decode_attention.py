@@ -11,6 +11,9 @@ covers at least ``min_split_len`` positions, so a short context fills the first 
 leaves the rest empty: where splits fall depends on the context length and the split count
 only, which is what makes a graph's replay equal an eager step with the same count. A sequence
 whose context length is 0 (a padded graph row) gets zeros.
+
+A sliding-window layer (``window``, a launch constant) splits only the window's positions, the
+last ``window`` of the context: nothing before them is read.
 """
 
 from __future__ import annotations
@@ -43,13 +46,20 @@ def _decode_split_kernel(
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     NUM_SPLITS: tl.constexpr, MIN_SPLIT_LEN: tl.constexpr, BLOCK_H: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, DOT: tl.constexpr, PRECISION: tl.constexpr,
+    WINDOW: tl.constexpr = 0,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + seq)
-    per_split = tl.maximum(tl.cdiv(seq_len, NUM_SPLITS), MIN_SPLIT_LEN)
-    lo = tl.minimum(split * per_split, seq_len)
+    if WINDOW > 0:  # the window's positions [first, seq_len) are split
+        first = tl.maximum(seq_len - WINDOW, 0)
+        span = seq_len - first
+        per_split = tl.maximum(tl.cdiv(span, NUM_SPLITS), MIN_SPLIT_LEN)
+        lo = first + tl.minimum(split * per_split, span)
+    else:
+        per_split = tl.maximum(tl.cdiv(seq_len, NUM_SPLITS), MIN_SPLIT_LEN)
+        lo = tl.minimum(split * per_split, seq_len)
     hi = tl.minimum(lo + per_split, seq_len)
 
     h = tl.arange(0, BLOCK_H)
@@ -127,6 +137,7 @@ def decode_attention(
     out: torch.Tensor | None = None,  # [S, num_heads, head_dim]
     block_n: int = 32,
     min_split_len: int = MIN_TOKENS_PER_SPLIT,
+    window: int | None = None,  # a sliding-window layer's: the last ``window`` positions
 ) -> torch.Tensor:
     block_size, kv_heads = check_attention_inputs(q, k_cache, v_cache)
     num_seqs, num_heads, head_dim = q.shape
@@ -148,7 +159,7 @@ def decode_attention(
         GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, NUM_SPLITS=num_splits,
         MIN_SPLIT_LEN=min_split_len, BLOCK_H=max(16, triton.next_power_of_2(group)),
         BLOCK_D=block_d, BLOCK_N=block_n,
-        DOT=dot_dtype(q.dtype), PRECISION=dot_precision(q.dtype),
+        DOT=dot_dtype(q.dtype), PRECISION=dot_precision(q.dtype), WINDOW=window or 0,
     )
     _decode_reduce_kernel[(num_seqs, num_heads)](
         part_o, part_lse, out,

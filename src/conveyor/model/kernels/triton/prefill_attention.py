@@ -6,7 +6,9 @@ A sequence's context is ``seq_len`` positions; its ``q_len`` new tokens sit at p
 ``seq_len - q_len ..``, so a prefix-cache hit or an earlier chunk of a chunked prefill is just
 ``seq_len > q_len``. Grid ``(seqs, heads, query tiles)``: a program takes ``BLOCK_M`` query rows
 of one head and walks the keys up to its last row's position ``BLOCK_N`` at a time, with an
-online softmax. GQA maps query head ``h`` to KV head ``h // group``.
+online softmax. GQA maps query head ``h`` to KV head ``h // group``. A sliding-window layer
+(``window``, a launch constant) starts the walk at its first row's window and masks each row to
+its own: no key before the tile's first window is read.
 """
 
 from __future__ import annotations
@@ -18,9 +20,12 @@ import triton.language as tl
 from conveyor.model.kernels.triton.common import check_attention_inputs, dot_dtype, dot_precision
 
 
-def prefill_tiles(dtype: torch.dtype) -> tuple[int, int]:
+def prefill_tiles(dtype: torch.dtype, head_dim: int = 128) -> tuple[int, int]:
     """(BLOCK_M, BLOCK_N): 64 x 64 for 16-bit types; 32 x 32 for float32, whose K and V tiles at
-    head_dim 128 would need 115 KB of shared memory, more than sm_86/89 cards have."""
+    head_dim 128 would need 115 KB of shared memory, more than sm_86/89 cards have; at head_dim
+    256 (Gemma), halved again in the query rows (float32) or both (16-bit) for the same reason."""
+    if head_dim > 128:
+        return (16, 32) if dtype == torch.float32 else (32, 32)
     return (32, 32) if dtype == torch.float32 else (64, 64)
 
 
@@ -32,7 +37,7 @@ def _prefill_kernel(
     stride_ch,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DOT: tl.constexpr,
-    PRECISION: tl.constexpr,
+    PRECISION: tl.constexpr, WINDOW: tl.constexpr = 0,
 ):
     seq = tl.program_id(0)
     head = tl.program_id(1)
@@ -56,7 +61,11 @@ def _prefill_kernel(
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
         end = tl.minimum(prefix + (tile + 1) * BLOCK_M, seq_len)  # the tile's last row + 1
-        for start in range(0, end, BLOCK_N):
+        if WINDOW > 0:  # from the first row's window on
+            begin = tl.maximum(prefix + tile * BLOCK_M - WINDOW + 1, 0)
+        else:
+            begin = 0
+        for start in range(begin, end, BLOCK_N):
             n = start + tl.arange(0, BLOCK_N)
             n_mask = n < end
             block = tl.load(block_table_ptr + seq * stride_bt + n // BLOCK_SIZE, mask=n_mask,
@@ -67,6 +76,8 @@ def _prefill_kernel(
             k = tl.load(k_cache_ptr + kv_off, mask=kv_mask, other=0.0).to(tl.float32)
             s = tl.dot(q, tl.trans(k.to(DOT)), input_precision=PRECISION) * scale  # [BLOCK_M, BLOCK_N]
             visible = (n[None, :] <= q_pos[:, None]) & n_mask[None, :]
+            if WINDOW > 0:
+                visible = visible & (n[None, :] > q_pos[:, None] - WINDOW)
             s = tl.where(visible, s, float("-inf"))
             # Rows past q_len see no key; their max stays finite through the 0 fallback.
             m_new = tl.maximum(m_i, tl.max(s, axis=1))
@@ -95,12 +106,13 @@ def prefill_attention(
     out: torch.Tensor | None = None,  # [T, num_heads, head_dim]
     block_m: int | None = None,  # default: prefill_tiles
     block_n: int | None = None,
+    window: int | None = None,  # a sliding-window layer's: the last ``window`` positions
 ) -> torch.Tensor:
     block_size, kv_heads = check_attention_inputs(q, k_cache, v_cache)
     _, num_heads, head_dim = q.shape
     if out is None:
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    default_m, default_n = prefill_tiles(q.dtype)
+    default_m, default_n = prefill_tiles(q.dtype, head_dim)
     block_m, block_n = block_m or default_m, block_n or default_n
     num_seqs = seq_lens.shape[0]
     if num_seqs == 0 or max_query_len == 0:
@@ -112,6 +124,6 @@ def prefill_attention(
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         GROUP=num_heads // kv_heads, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=triton.next_power_of_2(head_dim),
-        DOT=dot_dtype(q.dtype), PRECISION=dot_precision(q.dtype),
+        DOT=dot_dtype(q.dtype), PRECISION=dot_precision(q.dtype), WINDOW=window or 0,
     )
     return out
