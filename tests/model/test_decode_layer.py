@@ -312,9 +312,9 @@ def test_fused_layers_take_each_layers_window(dtype, deterministic):
     weights = [decode_weights(layer) for layer in layers]
     assert [w.window for w in weights] == [window, 0]
     fused = DecodeLayers(weights)
-    if not fused.serves(5):
+    if not fused.serves(3):
         pytest.skip(f"no block panels for {dtype} here: the fused layers serve no rows")
-    x, residual, cos, sin, (k, v), meta = decode_step(5, dtype=dtype, deterministic=deterministic)
+    x, residual, cos, sin, (k, v), meta = decode_step(3, dtype=dtype, deterministic=deterministic)
     k0, v0 = k.clone(), v.clone()
     for row, ctx in zip(meta.block_tables.tolist(), meta.context_lens.tolist(), strict=True):
         for b in row[:max(0, ctx - window) // BLOCK]:  # wholly before the window
