@@ -1,5 +1,6 @@
-"""Gemma 3 270M (the embedded Q4_K_M GGUF) against transformers' float32 model on the same file:
-the same greedy tokens (short prompts, and one that crosses the 512-token sliding window), close
+"""Gemma 3 270M (the embedded Q4_K_M GGUF) against transformers' float32 model on the same file,
+on its hybrid KV cache (six groups of three layers: one global, five sliding-window): the same
+greedy tokens (short prompts, and one that crosses the 512-token sliding window), close
 log-probabilities after a prompt of over 2,000 tokens (four windows), and the same tokens
 through the torch and C++ backends with chunked prefill and prefix caching. The Triton
 backend's run (interpreter) is ``model/triton/test_triton_gemma3.py``.
@@ -86,8 +87,12 @@ def torch_executor(path: str) -> ModelExecutor:
 
 
 def engine(ex: ModelExecutor, **kwargs) -> LLMEngine:
-    return LLMEngine(EngineArgs(model=GEMMA3_ALIAS, dtype="float32", device="cpu", **kwargs),
-                     executor=ex)
+    eng = LLMEngine(EngineArgs(model=GEMMA3_ALIAS, dtype="float32", device="cpu", **kwargs),
+                    executor=ex)
+    groups = eng.scheduler.cache_config.kv_cache_groups
+    assert len(groups) == 6 and groups == ex.kv_cache_groups  # the hybrid layout, not ()
+    assert ex.kv_cache.cache.shape[0] == 3  # a block holds one group's three layers
+    return eng
 
 
 def greedy(eng: LLMEngine, prompts: list, prefix: str = "") -> list[list[int]]:
