@@ -35,6 +35,36 @@ def randomize(model: torch.nn.Module) -> None:
             p.copy_(1.0 + 0.2 * torch.randn_like(p) if "norm" in name else 0.2 * torch.randn_like(p))
 
 
+def gemma3_model(common: dict, layer_types: list[str], sliding_window: int = 8):
+    """A transformers Gemma 3 (text) of ``common``'s sizes with layers of ``layer_types``
+    (``sliding_attention`` / ``full_attention``), head size 16, an attention scale of its own,
+    linear rope scaling on the global layers and capped logits (weights not yet random)."""
+    import transformers
+
+    cfg = transformers.Gemma3TextConfig(
+        **common, head_dim=16, sliding_window=sliding_window, query_pre_attn_scalar=24,
+        layer_types=layer_types, final_logit_softcapping=3.0,
+        rope_parameters={
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+            "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6}})
+    return transformers.Gemma3ForCausalLM(cfg)
+
+
+def save_hybrid_gemma3(path: str, sliding_window: int = 8):
+    """A tiny random Gemma 3 saved at ``path`` (with ``save_word_tokenizer``'s tokenizer), six
+    layers with every third global: KV-cache groups of two layers, the global (2, 5) and the
+    sliding (0, 1) and (3, 4). Returns transformers' model."""
+    model = gemma3_model(dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96,
+                              num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=2,
+                              max_position_embeddings=512, bos_token_id=1, eos_token_id=2),
+                         (["sliding_attention"] * 2 + ["full_attention"]) * 2, sliding_window)
+    randomize(model)
+    model.eval()
+    model.save_pretrained(path)
+    save_word_tokenizer(path)
+    return model
+
+
 def save_sentence_transformer(path: str, pooling: str, normalize: bool,
                               matryoshka_dimensions: list[int] | None = None,
                               vocab_size: int = VOCAB) -> None:

@@ -1,5 +1,6 @@
-"""Gemma 3 270M (the embedded Q4_K_M GGUF) against transformers' float32 model on the same file:
-the same greedy tokens (short prompts, and one that crosses the 512-token sliding window), close
+"""Gemma 3 270M (the embedded Q4_K_M GGUF) against transformers' float32 model on the same file,
+on its hybrid KV cache (six groups of three layers: one global, five sliding-window): the same
+greedy tokens (short prompts, and one that crosses the 512-token sliding window), close
 log-probabilities after a prompt of over 2,000 tokens (four windows), and the same tokens
 through the torch and C++ backends with chunked prefill and prefix caching. The Triton
 backend's run (interpreter) is ``model/triton/test_triton_gemma3.py``.
@@ -18,7 +19,7 @@ import torch
 from conveyor.core.sampling_params import SamplingParams
 from conveyor.engine.args import EngineArgs
 from conveyor.engine.chat import chat_prompt
-from conveyor.engine.llm_engine import LLMEngine
+from conveyor.engine.llm_engine import LLMEngine, _num_blocks
 from conveyor.executor.model_executor import ModelExecutor
 from conveyor.model.config import FULL, SLIDING, window_pattern
 from conveyor.model.loader import GEMMA3_ALIAS
@@ -86,8 +87,12 @@ def torch_executor(path: str) -> ModelExecutor:
 
 
 def engine(ex: ModelExecutor, **kwargs) -> LLMEngine:
-    return LLMEngine(EngineArgs(model=GEMMA3_ALIAS, dtype="float32", device="cpu", **kwargs),
-                     executor=ex)
+    eng = LLMEngine(EngineArgs(model=GEMMA3_ALIAS, dtype="float32", device="cpu", **kwargs),
+                    executor=ex)
+    groups = eng.scheduler.cache_config.kv_cache_groups
+    assert len(groups) == 6 and groups == ex.kv_cache_groups  # the hybrid layout, not ()
+    assert ex.kv_cache.cache.shape[0] == 3  # a block holds one group's three layers
+    return eng
 
 
 def greedy(eng: LLMEngine, prompts: list, prefix: str = "") -> list[list[int]]:
@@ -108,6 +113,15 @@ def test_config_from_the_gguf_file(cpu_executor: ModelExecutor) -> None:
     assert {1, 106} <= set(cfg.eos_token_ids)  # <eos> and <end_of_turn>
     # the file stores Gemma's norm scales as 1 + w: they are near 1, not near 0
     assert cpu_executor.model.layers[0].input_norm.weight.mean() > 0.5
+
+
+def test_engine_sizes_the_hybrid_cache(cpu_executor: ModelExecutor) -> None:
+    """A block holds one group's 3 layers (not 18): 1 GiB of float32 KV holds 10,922 blocks
+    of 16 tokens, 6 x one group of 18 layers' 1,820 (docs/kv_cache.md)."""
+    assert len(cpu_executor.kv_cache_groups) == 6
+    assert cpu_executor.kv_cache_bytes_per_block(16) == 2 * 3 * 256 * 16 * 4
+    args = EngineArgs(model=GEMMA3_ALIAS, dtype="float32", device="cpu", kv_cache_memory=2**30)
+    assert _num_blocks(args, cpu_executor)[0] == 10_922
 
 
 def test_layer_types_as_a_window_pattern() -> None:

@@ -14,7 +14,7 @@ from conveyor.executor.model_executor import ModelExecutor
 from conveyor.model.backends.sdpa import TorchBackend
 from conveyor.model.device import select_kernels
 from conveyor.model.kv_cache import KVCache
-from tiny_models import VOCAB, randomize, save_word_tokenizer
+from tiny_models import VOCAB, gemma3_model, randomize, save_word_tokenizer
 
 
 def _build(kind: str, path: str):
@@ -35,13 +35,7 @@ def _build(kind: str, path: str):
         cfg = transformers.Qwen2Config(**common, tie_word_embeddings=True)
         model = transformers.Qwen2ForCausalLM(cfg)
     elif kind == "gemma3":
-        cfg = transformers.Gemma3TextConfig(
-            **common, head_dim=16, sliding_window=8, query_pre_attn_scalar=24,
-            layer_types=["sliding_attention", "full_attention"], final_logit_softcapping=3.0,
-            rope_parameters={
-                "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
-                "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6}})
-        model = transformers.Gemma3ForCausalLM(cfg)
+        model = gemma3_model(common, ["sliding_attention", "full_attention"])
     else:
         cfg = transformers.Qwen3Config(**common, head_dim=24, tie_word_embeddings=False)
         model = transformers.Qwen3ForCausalLM(cfg)

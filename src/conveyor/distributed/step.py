@@ -1,7 +1,7 @@
 """The message rank 0 sends every rank, and its transport.
 
 A step is plain integers: the tokens to compute (ids, each entry's start position and count,
-its block table), which flat tokens' logits are wanted, and the scheduler's block operations
+its block table in every KV-cache group), which flat tokens' logits are wanted, and the scheduler's block operations
 (swap out, swap in, copy). They travel as two int64 broadcasts, a fixed header of counts and
 one flat payload, so a worker never sees a Python object of the scheduler's. The same
 ``StepMessage`` is what every rank's ``ModelRunner.forward`` runs, rank 0's included. Other
@@ -18,8 +18,9 @@ from conveyor.distributed.group import LONG_WAIT_S, broadcast
 from conveyor.lora.adapter import MODULES as LORA_MODULES
 
 STEP, INIT_CACHE, SHUTDOWN, ENABLE_LORA, LORA_SLOT = 0, 1, 2, 3, 4
-# kind, tokens, entries, table width, logits rows, swap-out, swap-in, copy, extra, LoRA slots
-_HEADER = 10
+# kind, tokens, entries, table width, logits rows, swap-out, swap-in, copy, extra, LoRA slots,
+# further KV-cache groups
+_HEADER = 11
 
 
 @dataclass
@@ -28,7 +29,9 @@ class StepMessage:
     input_ids: list[int] = field(default_factory=list)
     starts: list[int] = field(default_factory=list)  # per entry: first position computed
     counts: list[int] = field(default_factory=list)  # per entry: tokens computed
-    block_tables: list[list[int]] = field(default_factory=list)
+    block_tables: list[list[int]] = field(default_factory=list)  # per entry: KV-cache group 0's
+    # groups 1..G-1 (hybrid KV cache), per group per entry; NULL_BLOCK (-1) before a window
+    group_tables: list[list[list[int]]] = field(default_factory=list)
     logits_indices: list[int] = field(default_factory=list)
     swap_out: list[tuple[int, int]] = field(default_factory=list)
     swap_in: list[tuple[int, int]] = field(default_factory=list)
@@ -39,13 +42,15 @@ class StepMessage:
     lora_slots: list[int] = field(default_factory=list)  # per entry: its adapter's slot (0: none)
 
     def pack(self) -> tuple[torch.Tensor, torch.Tensor]:
+        # a sequence's tables have the same length in every group
         width = max((len(t) for t in self.block_tables), default=0)
         header = [self.kind, len(self.input_ids), len(self.starts), width,
                   len(self.logits_indices), len(self.swap_out), len(self.swap_in),
-                  len(self.copy), len(self.extra), len(self.lora_slots)]
+                  len(self.copy), len(self.extra), len(self.lora_slots), len(self.group_tables)]
         flat = list(self.input_ids) + list(self.starts) + list(self.counts)
-        for t in self.block_tables:
-            flat += list(t) + [0] * (width - len(t))
+        for tables in (self.block_tables, *self.group_tables):
+            for t in tables:
+                flat += list(t) + [0] * (width - len(t))
         flat += list(self.logits_indices)
         for pairs in (self.swap_out, self.swap_in, self.copy):
             flat += [x for pair in pairs for x in pair]
@@ -54,7 +59,8 @@ class StepMessage:
 
     @staticmethod
     def unpack(header: torch.Tensor, payload: torch.Tensor) -> StepMessage:
-        kind, n_tok, n_ent, width, n_log, n_out, n_in, n_copy, n_extra, n_lora = header.tolist()
+        (kind, n_tok, n_ent, width, n_log, n_out, n_in, n_copy, n_extra, n_lora,
+         n_groups) = header.tolist()
         flat = payload.tolist()
         pos = 0
 
@@ -69,8 +75,10 @@ class StepMessage:
 
         ids, starts, counts = take(n_tok), take(n_ent), take(n_ent)
         tables = [take(width) for _ in range(n_ent)]
-        return StepMessage(kind, ids, starts, counts, tables, take(n_log), pairs(n_out),
-                           pairs(n_in), pairs(n_copy), take(n_extra), take(n_lora))
+        group_tables = [[take(width) for _ in range(n_ent)] for _ in range(n_groups)]
+        return StepMessage(kind, ids, starts, counts, tables, group_tables, take(n_log),
+                           pairs(n_out), pairs(n_in), pairs(n_copy), take(n_extra),
+                           take(n_lora))
 
 
 def send_message(msg: StepMessage) -> None:

@@ -36,7 +36,8 @@ def build_speculative(args: EngineArgs, executor: Any, num_gpu_blocks: int,
                           seed=args.seed, kv_cache_dtype=args.kv_cache_dtype,
                           max_num_seqs=args.max_num_seqs, enforce_eager=args.enforce_eager,
                           deterministic=args.deterministic)
-    proposer = DraftModelProposer(draft, executor.model_config.vocab_size)
+    proposer = DraftModelProposer(draft, executor.model_config.vocab_size,
+                                  executor.kv_cache_groups)
     proposer.initialize_cache(args.block_size, num_gpu_blocks, num_cpu_blocks)
     executor.use_proposer(config, proposer)
     return config

@@ -60,17 +60,16 @@ class ModelExecutor:
         if self.workers is not None:
             self.workers.check_loaded(None)
         self.model_config: ModelConfig = loaded.config
-        # The KV-cache groups the scheduler allocates for (the engine's CacheConfig): the
-        # default, one full-attention group of every layer. The runner reads
-        # seq.block_tables[0] for every layer; a hybrid layout
-        # (kv_cache_groups(model_config.attention_windows)) needs it to read each layer's group.
-        self.kv_cache_groups: tuple[KVCacheGroup, ...] = ()
         self.tokenizer = loaded.tokenizer
         self.deterministic = loaded.kernels.deterministic  # see docs/determinism.md
         self.runner = ModelRunner(loaded, self.device, seed, max_num_seqs,
                                   cuda_graphs=not enforce_eager and self.workers is None,
                                   trim_after_long_steps=trim)
         self.model = self.runner.model
+        # The KV-cache groups the scheduler allocates for (the engine's CacheConfig), from the
+        # model's attention windows (``model_kv_cache_groups``); every rank's runner derives
+        # the same from the same model config.
+        self.kv_cache_groups: tuple[KVCacheGroup, ...] = self.runner.kv_cache_groups
 
     def _start_workers(self, model: str | None, int8_activations: bool,
                        deterministic: bool) -> None:

@@ -5,6 +5,11 @@ by the backend), the forward (replayed from CUDA graphs for decode steps on CUDA
 rank 0 the sampling, the grammar masks of structured outputs and, after the step, the
 proposals of speculative decoding.
 
+The KV cache follows the model's KV-cache groups (``model_kv_cache_groups``: Gemma 3's window and
+global layers in groups of their own, ``docs/kv_cache.md``): a block holds ``layers_per_group``
+layers, each layer reads and writes its group's slot, and a step carries each entry's block table
+in every group, from which the backend builds one metadata object per group.
+
 ``prepare`` lays a ``SchedulerOutput`` out flat (single-token entries first, then prefill
 chunks, each by length: attention groups pad less) as the ``StepMessage`` every rank runs,
 with logits only at sampling positions; ``forward`` runs it; ``sample`` turns the logits into
@@ -19,6 +24,12 @@ from typing import Any
 
 import torch
 
+from conveyor.core.kv_cache_spec import (
+    KVCacheGroup,
+    kv_cache_groups,
+    layer_slots,
+    layers_per_group,
+)
 from conveyor.core.lookahead import may_speculate
 from conveyor.core.scheduler_output import ExecutorOutput, SchedulerOutput
 from conveyor.core.spec_decode.config import SpeculativeConfig
@@ -28,6 +39,8 @@ from conveyor.executor.pooler import Pooler, PoolingEntry
 from conveyor.executor.prompt_logprobs import PromptScoring, positions_to_score, score
 from conveyor.executor.proposer import Proposer
 from conveyor.executor.spec_verify import Proposal, proposal_rows, verify
+from conveyor.model.backends.base import StepMetadata
+from conveyor.model.config import ModelConfig
 from conveyor.model.device import TRIM_AFTER_TOKENS, return_freed_memory
 from conveyor.model.kv_cache import KVCache
 from conveyor.model.loader import LoadedModel
@@ -45,6 +58,13 @@ class PreparedStep:
     hidden_rows: list[int] = field(default_factory=list)  # flat tokens whose hidden states pool
 
 
+def model_kv_cache_groups(config: ModelConfig) -> tuple[KVCacheGroup, ...]:
+    """The KV-cache groups of ``config``'s layers (``kv_cache_groups`` of its attention windows);
+    ``()``, the default layout of one group of every layer, where they form one group."""
+    groups = kv_cache_groups(config.attention_windows)
+    return groups if len(groups) > 1 else ()
+
+
 class ModelRunner:
     def __init__(self, loaded: LoadedModel, device: torch.device, seed: int = 0,
                  max_num_seqs: int = 64, cuda_graphs: bool = False,
@@ -58,6 +78,8 @@ class ModelRunner:
         self.num_kv_heads = layer.num_kv_heads
         self.num_queries_per_kv = layer.num_heads // layer.num_kv_heads
         self.max_num_seqs = max_num_seqs
+        self.kv_cache_groups = model_kv_cache_groups(self.config)
+        self.layer_slots = layer_slots(self.kv_cache_groups, self.config.num_layers)
         self.use_cuda_graphs = cuda_graphs and device.type == "cuda"
         # eager decode steps (with graphs off too) plan as the graph they would pad to
         self.backend.plan_decode(self.config.max_position_embeddings, self.config.num_kv_heads,
@@ -80,12 +102,15 @@ class ModelRunner:
                    dtype: torch.dtype) -> None:
         c = self.config
         self.kv_cache = self.graphs = None  # the old one's memory goes first
-        self.kv_cache = KVCache(c.num_layers, self.num_kv_heads, c.head_dim, block_size,
-                                num_blocks, num_cpu_blocks, dtype, self.device)
+        groups = self.kv_cache_groups
+        self.kv_cache = KVCache(layers_per_group(groups, c.num_layers), self.num_kv_heads,
+                                c.head_dim, block_size, num_blocks, num_cpu_blocks, dtype,
+                                self.device,
+                                [s for _, s in self.layer_slots] if groups else None)
         if self.use_cuda_graphs:
             width = -(-c.max_position_embeddings // block_size)
             self.graphs = CudaGraphRunner(self._decode_forward, self.max_num_seqs, width,
-                                          self.device)
+                                          self.device, max(1, len(groups)))
 
     def enable_lora(self, num_slots: int, max_rank: int,
                     slot_of: Mapping[int, int] | None = None) -> None:
@@ -122,10 +147,15 @@ class ModelRunner:
                 and (lora is None or not lora.active)
                 and self.graphs.serves(n, max(len(t) for t in step.block_tables))):
             logits = self.graphs.run(step.input_ids, step.starts, step.block_tables,
-                                     cache.block_size)
+                                     cache.block_size, step.group_tables)
             return logits[torch.tensor(step.logits_indices, device=self.device)]
         meta = self.backend.build_metadata(step.block_tables, step.starts, step.counts,
                                            cache.block_size, self.num_queries_per_kv, self.dtype)
+        if step.group_tables:  # a hybrid cache: each group's tables, slots and metadata
+            self._per_layer(meta, [
+                self.backend.build_metadata(tables, step.starts, step.counts, cache.block_size,
+                                            self.num_queries_per_kv, self.dtype)
+                for tables in step.group_tables])
         hidden = (None if hidden_indices is None
                   else torch.tensor(hidden_indices, device=self.device))
         out = self.model(torch.tensor(step.input_ids, device=self.device), meta.positions,
@@ -135,11 +165,24 @@ class ModelRunner:
             return_freed_memory()  # the step's activations are freed once the caller is done
         return out
 
+    def _per_layer(self, meta: StepMetadata, others: list[StepMetadata]) -> None:
+        """Give ``meta`` (group 0's) every layer's metadata: its group's, ``others`` being
+        groups 1..G-1's."""
+        by_group = [meta, *others]
+        meta.layer_metadata = [by_group[g] for g, _ in self.layer_slots]
+
     def _decode_forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                         slot_mapping: torch.Tensor, block_tables: torch.Tensor,
-                        seq_lens: torch.Tensor) -> torch.Tensor:
-        """The forward a CUDA graph captures: a decode step over the graphs' static inputs."""
-        meta = self.backend.decode_metadata(slot_mapping, positions, block_tables, seq_lens)
+                        seq_lens: torch.Tensor, group_slot_mapping: torch.Tensor | None = None,
+                        group_block_tables: torch.Tensor | None = None) -> torch.Tensor:
+        """The forward a CUDA graph captures: a decode step over the graphs' static inputs
+        (with several KV-cache groups, groups 1..G-1's slots and tables too)."""
+        decode_metadata = self.backend.decode_metadata
+        meta = decode_metadata(slot_mapping, positions, block_tables, seq_lens)
+        if group_slot_mapping is not None:
+            self._per_layer(meta, [decode_metadata(slots, positions, tables, seq_lens)
+                                   for slots, tables in zip(group_slot_mapping,
+                                                            group_block_tables, strict=True)])
         rows = torch.arange(input_ids.shape[0], device=self.device)
         return self.model(input_ids, positions, self.kv_cache.layers, meta, rows)
 
@@ -162,6 +205,8 @@ class ModelRunner:
         lora_slot_of = self.lora_slot_of  # None: no LoRA
         entry_slots: list[int] = []  # each entry's adapter slot (0: the base model)
         ids = msg.input_ids
+        # a hybrid cache: groups 1..G-1's tables, entry by entry (group 0's: block_tables)
+        group_tables = msg.group_tables = [[] for _ in self.kv_cache_groups[1:]]
         for i in order:
             seq, count = so.seqs[i], so.num_new_tokens[i]
             start = seq.num_computed_tokens
@@ -176,6 +221,9 @@ class ModelRunner:
                     msg.starts.extend(range(start, start + count))
                     msg.counts.extend([1] * count)
                     msg.block_tables.extend([seq.block_tables[0]] * count)
+                    if group_tables:
+                        for g, tables in enumerate(group_tables, 1):
+                            tables.extend([seq.block_tables[g]] * count)
                     entry_slots.extend([lora_slot] * count)
                     continue
             else:
@@ -193,6 +241,9 @@ class ModelRunner:
             msg.starts.append(start)
             msg.counts.append(count)
             msg.block_tables.append(seq.block_tables[0])
+            if group_tables:
+                for g, tables in enumerate(group_tables, 1):
+                    tables.append(seq.block_tables[g])
             entry_slots.append(lora_slot)
         if any(entry_slots):
             msg.lora_slots = entry_slots
@@ -280,7 +331,7 @@ class ModelRunner:
             seqs = [so.seqs[i] for i in chosen]
             proposals = proposer.propose([seq.token_ids + sampled[i]
                                           for seq, i in zip(seqs, chosen, strict=True)],
-                                         [seq.block_tables[0] for seq in seqs],
+                                         [seq.block_tables for seq in seqs],
                                          spec.num_speculative_tokens)
             for i, tokens in zip(chosen, proposals, strict=True):
                 drafts[i] = tokens

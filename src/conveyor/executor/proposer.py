@@ -12,7 +12,8 @@ class Proposer(Protocol):
     def follow(self, step: StepMessage) -> None:
         """Compute ``step`` (its block operations and tokens) where the proposer keeps state."""
 
-    def propose(self, contexts: list[list[int]], block_tables: list[list[int]],
+    def propose(self, contexts: list[list[int]], block_tables: list[list[list[int]]],
                 k: int) -> list[list[int]]:
         """Up to ``k`` tokens likely to follow each of ``contexts`` (possibly none); each
-        sequence's ``block_tables`` row holds the slots of its positions."""
+        sequence's ``block_tables`` row holds its block table in every KV-cache group
+        (``seq.block_tables``), the slots of its positions."""

@@ -84,12 +84,15 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
     def run_layers(self, x: torch.Tensor, residual: torch.Tensor, positions: torch.Tensor,
                    kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
                    meta: StepMetadata) -> torch.Tensor:
-        """Each layer with its kind's rotary: the sliding layers' or the global ones'."""
+        """Each layer with its kind's rotary (the sliding layers' or the global ones') and its
+        KV-cache group's metadata."""
         local = self.local_rotary.cos_sin(positions, residual.dtype)
         full = self.rotary.cos_sin(positions, residual.dtype)
-        for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
+        for layer, (k_cache, v_cache), layer_meta in zip(self.layers, kv_caches,
+                                                         meta.per_layer(len(self.layers)),
+                                                         strict=True):
             cos, sin = local if layer.window is not None else full
-            x = layer(x, residual, cos, sin, k_cache, v_cache, meta)
+            x = layer(x, residual, cos, sin, k_cache, v_cache, layer_meta)
         return x
 
     @torch.inference_mode()

@@ -1,18 +1,26 @@
 """The paged KV cache and its CPU swap pool.
 
-One tensor ``[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]`` holds every
-layer's K and V, so a block copy or swap is one indexed copy across all layers.
-``layer(i)`` gives the per-layer ``(k, v)`` views ``[num_blocks, block_size, kv_heads, head_dim]``.
+One tensor ``[layers_per_group, 2, num_blocks, block_size, num_kv_heads, head_dim]`` holds the K
+and V of every slot of every block, so a block copy or swap is one indexed copy across all slots.
+A block holds ``layers_per_group`` layers (``core.kv_cache_spec``): with KV-cache groups, layer
+``l`` keeps its K/V in slot ``s`` of its group's blocks, ``(g, s) = layer_slots(...)[l]``; with
+one group, layer ``l`` is slot ``l``. ``layers[l]`` is layer ``l``'s ``(k, v)`` views
+``[num_blocks, block_size, kv_heads, head_dim]`` (its slot's).
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import torch
 
 
 class KVCache:
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, block_size: int,
-                 num_blocks: int, num_cpu_blocks: int, dtype: torch.dtype, device: torch.device):
+                 num_blocks: int, num_cpu_blocks: int, dtype: torch.dtype, device: torch.device,
+                 layer_slots: Sequence[int] | None = None):
+        """``num_layers``: slots per block (``layers_per_group``); ``layer_slots``: each model
+        layer's slot (None: layer i in slot i)."""
         if block_size < 1 or num_blocks < 1 or num_cpu_blocks < 0:
             raise ValueError(f"invalid cache shape: block_size={block_size}, "
                              f"num_gpu_blocks={num_blocks}, num_cpu_blocks={num_cpu_blocks}")
@@ -25,7 +33,8 @@ class KVCache:
         # untouched, its pages cost no resident memory until swapping uses them.
         self.cpu_pool = torch.empty(cpu_shape, dtype=dtype, device="cpu",
                                     pin_memory=self.device.type == "cuda")
-        self.layers = [(self.cache[i, 0], self.cache[i, 1]) for i in range(num_layers)]
+        slots = range(num_layers) if layer_slots is None else layer_slots
+        self.layers = [(self.cache[s, 0], self.cache[s, 1]) for s in slots]
 
     @staticmethod
     def bytes_per_block(num_layers: int, num_kv_heads: int, head_dim: int, block_size: int,
@@ -53,7 +62,7 @@ class KVCache:
 
     @staticmethod
     def _copy_runs(pairs: list[tuple[int, int]], src: torch.Tensor, dst: torch.Tensor) -> None:
-        """Between the GPU cache and the pinned pool: per layer and K/V, one asynchronous copy per
+        """Between the GPU cache and the pinned pool: per slot and K/V, one asynchronous copy per
         run of consecutive blocks (each a contiguous slab on both sides). The copies queue on the
         current stream, so the next step's kernels, and a later swap-in of these blocks, are
         ordered after them without a host sync."""

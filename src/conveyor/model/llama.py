@@ -182,14 +182,17 @@ class LlamaForCausalLM(nn.Module):
         """Every layer over the residual stream ``residual + x``; returns the last ``x``."""
         cos, sin = self.rotary.cos_sin(positions, residual.dtype)
         fused = self.fused_decode
-        if (fused is not None and meta.decode_only and fused.serves(x.shape[0])
+        if (fused is not None and meta.decode_only and meta.layer_metadata is None
+                and fused.serves(x.shape[0])
                 and kv_caches[0][0].dtype == x.dtype):  # a float32 model's cache may be bf16
             lora_slots = self.lora.slots if self.lora is not None else None
             return decode_layers(fused, x, residual, cos, sin, kv_caches, meta.slot_mapping,
                                  meta.block_tables, meta.context_lens, meta.deterministic,
                                  lora_slots)
-        for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
-            x = layer(x, residual, cos, sin, k_cache, v_cache, meta)
+        for layer, (k_cache, v_cache), layer_meta in zip(self.layers, kv_caches,
+                                                         meta.per_layer(len(self.layers)),
+                                                         strict=True):
+            x = layer(x, residual, cos, sin, k_cache, v_cache, layer_meta)
         return x
 
     @property

@@ -20,7 +20,7 @@ class NgramProposer:
     def follow(self, step: object) -> None:
         """Nothing to compute per step: the lookup reads only the tokens."""
 
-    def propose(self, contexts: list[list[int]], block_tables: list[list[int]],
+    def propose(self, contexts: list[list[int]], block_tables: list[list[list[int]]],
                 k: int) -> list[list[int]]:
         return [self.lookup(tokens, k) for tokens in contexts]
 

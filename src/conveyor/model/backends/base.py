@@ -4,15 +4,25 @@ read by every layer's attention."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 
 @dataclass
 class StepMetadata:
+    """A step's metadata over one block table per entry. With several KV-cache groups (a hybrid
+    cache: ``core.kv_cache_spec``) the backend builds one per group, from that group's tables,
+    and the first (group 0's) lists every layer's in ``layer_metadata``."""
+
     slot_mapping: torch.Tensor  # [T] cache slot where each new token's K/V goes
     positions: torch.Tensor  # [T] position of each new token in its sequence
+    # per model layer: the metadata of its KV-cache group (None: this one serves every layer)
+    layer_metadata: list[StepMetadata] | None = field(default=None, kw_only=True, repr=False)
+
+    def per_layer(self, num_layers: int) -> list[StepMetadata]:
+        """Each of ``num_layers`` layers' metadata."""
+        return self.layer_metadata or [self] * num_layers
 
     @property
     def decode_only(self) -> bool:

@@ -18,8 +18,8 @@ from conveyor.model.backends.base import StepMetadata
 from conveyor.model.backends.sdpa import (
     TorchBackend,
     num_leading_decodes,
-    padded_tables,
     slots_and_positions,
+    table_tensor,
 )
 from conveyor.model.kernels import fused_ops
 from conveyor.model.kernels.paged_attention import kernel_attention
@@ -55,7 +55,7 @@ class CpuBackend(TorchBackend):
             return super().build_metadata(block_tables, starts, counts, block_size,
                                           num_queries_per_kv, dtype)
         slots, positions = slots_and_positions(block_tables, starts, counts, block_size)
-        table = torch.tensor(padded_tables(block_tables), dtype=torch.int32)
+        table = table_tensor(block_tables, torch.int32)
         context_lens = torch.tensor([p + 1 for p in positions], dtype=torch.int32)
         token_seqs = None
         if num_leading_decodes(counts) < len(counts):

@@ -131,9 +131,13 @@ def slots_and_positions(block_tables: list[list[int]], starts: list[int], counts
     return slots, positions
 
 
-def padded_tables(block_tables: list[list[int]]) -> list[list[int]]:
+def table_tensor(block_tables: list[list[int]], dtype: torch.dtype) -> torch.Tensor:
+    """[entries, longest table] on the host, padded with block 0; a ``NULL_BLOCK`` (-1) entry
+    (a block wholly before a sliding window, given back) becomes block 0 too: window attention
+    never reads it, and an index into the cache stays valid."""
     width = max(len(t) for t in block_tables)
-    return [t + [0] * (width - len(t)) for t in block_tables]
+    return torch.tensor([t + [0] * (width - len(t)) for t in block_tables],
+                        dtype=dtype).clamp_(min=0)
 
 
 class TorchBackend(Backend):
@@ -149,7 +153,7 @@ class TorchBackend(Backend):
         if any(n == 1 for n in counts[num_decode:]):
             raise ValueError("entries must be ordered with single-token entries first")
         slots, positions = slots_and_positions(block_tables, starts, counts, block_size)
-        table = torch.tensor(padded_tables(block_tables), dtype=torch.int64)
+        table = table_tensor(block_tables, torch.int64)
         start_t = torch.tensor(starts, dtype=torch.int64)
         new_t = torch.tensor(counts, dtype=torch.int64)
         groups = []

@@ -20,8 +20,8 @@ from conveyor.model.backends.base import StepMetadata, output_buffer
 from conveyor.model.backends.sdpa import (
     TorchBackend,
     num_leading_decodes,
-    padded_tables,
     slots_and_positions,
+    table_tensor,
 )
 
 DEFAULT_NUM_SMS = 132  # an H100's; used where the device cannot be asked (no GPU)
@@ -79,7 +79,7 @@ class TritonBackend(TorchBackend):
 
         return TritonMetadata(
             on_device(slots, torch.int64), on_device(positions, torch.int64),
-            on_device(padded_tables(block_tables)),
+            table_tensor(block_tables, torch.int32).to(self.device, non_blocking=True),
             on_device([s + n for s, n in zip(starts, counts, strict=True)]),
             on_device(query_start), num_decodes, max(counts[num_decodes:], default=0),
             self.decode_splits(max(num_decodes, 1)))
