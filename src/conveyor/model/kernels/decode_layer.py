@@ -60,16 +60,26 @@ class Int8PanelWeights(Protocol):
     exact_weights: torch.Tensor | None
 
 
+class Int8BlockWeights(Protocol):
+    """``layers/block_method.py``'s ``Int8BlockMethod``: per part in output order, a GGUF type
+    id, the file's bytes and the rows."""
+    formats: list[int]
+    data: list[torch.Tensor]
+    sizes: list[int]
+
+
 @dataclass(frozen=True)
 class DecodeProjection:
     """A projection's weight as the kernel multiplies it: its 4-bit blocks (``panel_order``: as
     ``BlockPanels``, deterministic inference, else as ``NibbleInt4``) or its ``QuantPanels`` up
     to their rows, then what serves more rows, if anything: its panels (``pack_panels``' layout
-    in the activations' dtype) or its ``Int8Panels``."""
-    blocks: FourBitBlocks | QuantBlocks
+    in the activations' dtype) or its ``Int8Panels``. ``integer``: ``blocks`` are
+    ``Int8BlockWeights``, serving every row on the integer block GEMM."""
+    blocks: FourBitBlocks | QuantBlocks | Int8BlockWeights
     panel_order: bool
     panels: torch.Tensor | None = None
     int8: Int8PanelWeights | None = None
+    integer: bool = False
 
 
 @dataclass
@@ -108,6 +118,9 @@ class DecodeLayers:
                                    w.head_dim, w.eps)
             for p in w.projections:
                 b, q = p.blocks, p.int8
+                if p.integer:
+                    self.weights.add_int8_projection(b.formats, b.data, b.sizes)
+                    continue
                 if hasattr(b, "parts"):
                     parts = b.parts
                     self.weights.add_quant_projection(

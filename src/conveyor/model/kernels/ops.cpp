@@ -22,6 +22,7 @@
 #include "block_matmul.h"
 #include "decode_layer.h"
 #include "fused_ops.h"
+#include "int8_blocks.h"
 #include "int8_gemm.h"
 #include "lora.h"
 #include "paged_attention.h"
@@ -126,6 +127,11 @@ std::vector<std::string> features_op() {
 #endif
 #ifdef CONVEYOR_INT8_GEMM
   out.push_back("int8_gemm");
+#endif
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+  out.push_back("avx512vnni");
+#elif defined(__AVXVNNI__)
+  out.push_back("avxvnni");
 #endif
   return out;
 }
@@ -267,6 +273,50 @@ Tensor quant_panel_gemm_op(const Tensor& x_in, int64_t format, const Tensor& cod
     using T = std::remove_pointer_t<decltype(type)>;
     quant_panel_gemm(data<T>(y), n, data<const T>(x), x.stride(0), w, x.size(0), n, x.size(1),
                      threads());
+  });
+  return y;
+}
+
+// ---- int8_blocks.cpp ----
+
+// A weight's parts (Int8BlockMethod, layers/block_method.py) for x [m, k]: per part a GGUF type
+// id, the file's bytes [rows, k / block * block bytes] and its rows; `prefix` names the weight.
+std::vector<Int8BlockPart> int8_block_parts(const std::vector<int64_t>& formats,
+                                            const std::vector<Tensor>& blocks,
+                                            const std::vector<int64_t>& sizes, int64_t k,
+                                            const std::string& prefix) {
+  TORCH_CHECK(!formats.empty() && blocks.size() == formats.size() && sizes.size() == formats.size(),
+              prefix, "formats, blocks and sizes must hold one entry per part (at least one), got ",
+              formats.size(), ", ", blocks.size(), " and ", sizes.size());
+  check_multiple(k, kActBlock, "the input size of int8 blocks");
+  std::vector<Int8BlockPart> parts;
+  for (size_t i = 0; i < formats.size(); ++i) {
+    const std::string p = prefix + "part " + std::to_string(i) + "'s ";
+    int64_t block = 0;
+    const int64_t bytes = int8_block_bytes(formats[i], block);
+    TORCH_CHECK(bytes, p + "format must be a GGUF type id of Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, "
+                "Q4_K, Q5_K or Q6_K (2, 3, 6, 7, 8, 12, 13, 14), got ", formats[i]);
+    TORCH_CHECK(sizes[i] > 0, p + "size must be positive, got ", sizes[i]);
+    check_multiple(k, block, (p + "input size (its blocks')").c_str());
+    check_tensor(blocks[i], (p + "data").c_str(), at::kByte, {sizes[i], k / block * bytes});
+    parts.push_back(Int8BlockPart{formats[i], data<const uint8_t>(blocks[i]), sizes[i]});
+  }
+  return parts;
+}
+
+Tensor int8_block_gemm_op(const Tensor& x_in, const std::vector<int64_t>& formats,
+                          const std::vector<Tensor>& blocks, const std::vector<int64_t>& sizes) {
+  check_activation_dtype(x_in, "x");
+  const Tensor x = unit_stride_rows(x_in, "x");
+  const std::vector<Int8BlockPart> parts = int8_block_parts(formats, blocks, sizes, x.size(1), "");
+  int64_t n = 0;
+  for (const Int8BlockPart& p : parts) n += p.n_out;
+  Tensor y = at::empty({x.size(0), n}, x.options());
+  static thread_local Int8Rows scratch;
+  with_type(x, [&](auto* type) {
+    using T = std::remove_pointer_t<decltype(type)>;
+    int8_block_matmul(data<T>(y), data<const T>(x), x.stride(0), parts.data(),
+                      static_cast<int>(parts.size()), x.size(0), x.size(1), scratch, threads());
   });
   return y;
 }
@@ -728,6 +778,26 @@ struct DecodeLayers : torch::CustomClassHolder {
     place(weight);
   }
 
+  // The last layer's next projection on integer compute (int8_blocks.cpp), serving every row:
+  // its parts in output order, each a GGUF type id, the file's bytes and its rows.
+  void add_int8_projection(const std::vector<int64_t>& formats, const std::vector<Tensor>& blocks,
+                           const std::vector<int64_t>& sizes) {
+    TORCH_CHECK(formats.size() <= kMaxQuantParts, "at most ", kMaxQuantParts, " parts, got ",
+                formats.size());
+    int64_t rows = 0;
+    for (int64_t s : sizes) rows += s;
+    int64_t n_out, k;
+    const std::string name = next_projection(rows, 0, n_out, k);
+    TORCH_CHECK(rows == n_out, name, "'s parts must have ", n_out, " outputs in all, got ", rows);
+    const std::vector<Int8BlockPart> parts =
+        int8_block_parts(formats, blocks, sizes, k, name + "'s ");
+    Weight weight{nullptr, nullptr, nullptr, nullptr, Int8Weight{}, n_out, 0, 0};
+    std::copy(parts.begin(), parts.end(), weight.int8_blocks);
+    weight.int8_block_count = static_cast<int>(parts.size());
+    tensors.insert(tensors.end(), blocks.begin(), blocks.end());
+    place(weight);
+  }
+
   void place(const Weight& weight) {
     LayerWeights& w = layers.back();
     Weight* slots[4] = {&w.qkv, &w.o, &w.gate_up, &w.down};
@@ -860,6 +930,7 @@ TORCH_LIBRARY(CONVEYOR_OPS_NAMESPACE, m) {
       .def("add_layer", &DecodeLayers::add_layer)
       .def("add_projection", &DecodeLayers::add_projection)
       .def("add_quant_projection", &DecodeLayers::add_quant_projection)
+      .def("add_int8_projection", &DecodeLayers::add_int8_projection)
       .def("set_lora", &DecodeLayers::set_lora)
       .def("has_lora", &DecodeLayers::has_lora)
       .def("max_rows", &DecodeLayers::max_rows)
@@ -873,6 +944,8 @@ TORCH_LIBRARY(CONVEYOR_OPS_NAMESPACE, m) {
         &block_matmul_op);
   m.def("quant_panel_gemm(Tensor x, int format, Tensor codes, Tensor header, int n) -> Tensor",
         &quant_panel_gemm_op);
+  m.def("int8_block_gemm(Tensor x, int[] formats, Tensor[] blocks, int[] sizes) -> Tensor",
+        &int8_block_gemm_op);
   m.def("int8_gemm(Tensor x, Tensor codes, Tensor scale, Tensor minimum, int n, Tensor? exact, "
         "Tensor? exact_weights) -> Tensor",
         &int8_gemm_op);

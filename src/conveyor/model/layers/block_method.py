@@ -8,6 +8,10 @@
   layouts; the other types (Q5_0, Q5_1, K-quants, and stacks that mix types) ``QuantPanels``.
 * ``Int8PanelMethod``: a bf16 model's blocks as ``Int8Panels`` (``kernels/int8_gemm.cpp``,
   AVX512-VNNI), activations rounded to 8 bits per block of 32 (docs/performance.md).
+* ``Int8BlockMethod``: integer compute (``weight_compute="int8"``): the file's blocks, every type
+  and every number of rows, multiplied as integers against activations rounded to 8 bits per
+  row and block of 32 (``kernels/int8_blocks.cpp``): the same bits whatever the batch, the
+  thread count or the build target.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from __future__ import annotations
 import torch
 
 from conveyor.model.kernels.decode_layer import DecodeProjection
+from conveyor.model.kernels.int8_blocks import int8_block_gemm
 from conveyor.model.layers.gguf_blocks import FileBlocks, GGUFBlocks, QuantPanels
 from conveyor.model.layers.linear import LinearMethod, PanelMethod
 from conveyor.model.layers.quantized import (
@@ -49,6 +54,40 @@ class Int8PanelMethod(LinearMethod):
 
     def nbytes(self) -> int:
         return self.int8.nbytes()
+
+
+class Int8BlockMethod(LinearMethod):
+    """A weight's GGUF blocks in the file's bytes (``GGUFBlocks``, one part per run of rows of
+    one type), every call on ``int8_block_gemm``; ``dtype``: the activations' (float32 or bf16,
+    what ``dense_weight`` gives)."""
+
+    def __init__(self, blocks: GGUFBlocks, dtype: torch.dtype) -> None:
+        self.blocks, self.dtype = blocks, dtype
+        self.out_features = blocks.out_features
+        self.formats = [p.kind for p in blocks.parts]
+        self.data = [p.data for p in blocks.parts]
+        self.sizes = [p.data.shape[0] for p in blocks.parts]
+
+    @staticmethod
+    def pack(blocks: FileBlocks, dtype: torch.dtype) -> Int8BlockMethod | None:
+        """None where the blocks have no form in a file's bytes (``GGUFBlocks.of``)."""
+        if dtype not in (torch.float32, torch.bfloat16):
+            raise ValueError(f"int8 blocks run with float32 or bf16 activations, not {dtype}")
+        converted = GGUFBlocks.of(blocks)
+        return None if converted is None else Int8BlockMethod(converted, dtype)
+
+    def apply(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        y = int8_block_gemm(x, self.formats, self.data, self.sizes)
+        return y if bias is None else y.add_(bias)
+
+    def dense_weight(self) -> torch.Tensor:
+        return self.blocks.dequantize().to(self.dtype)
+
+    def nbytes(self) -> int:
+        return self.blocks.nbytes()
+
+    def decode_projection(self) -> DecodeProjection:
+        return DecodeProjection(self, False, integer=True)
 
 
 class BlockMethod(LinearMethod):
