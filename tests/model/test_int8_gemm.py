@@ -2,19 +2,12 @@
 activations rounded to 8 bits per block of 32, then multiplied by the exact block weights. And
 what that rounding costs against the unrounded product, and the Linear that uses it."""
 
-from functools import partial
 
 import pytest
 import torch
 
-from conveyor.model.backends.sdpa import TorchBackend
-from conveyor.model.device import KernelPlan
 from conveyor.model.kernels.int8_gemm import int8_gemm_available
-from conveyor.model.layers.block_method import BlockMethod, Int8PanelMethod
-from conveyor.model.layers.formats import linear_format
-from conveyor.model.layers.linear import Linear, PanelMethod
 from conveyor.model.layers.quantized import GROUP, Int4Blocks, Int8Blocks, Int8Panels
-from gguf_blocks import load_blocks
 
 needs_kernel = pytest.mark.skipif(not int8_gemm_available(),
                                   reason="the int8 GEMM needs a compiler targeting AVX512-VNNI")
@@ -90,31 +83,6 @@ def test_strided_input_is_accepted_and_bad_input_refused():
         panels.matmul(torch.randn(2, 128, dtype=torch.float16))
     with pytest.raises(ValueError, match="divisible by 32"):
         Int8Panels.pack(Int8Blocks(torch.zeros(4, 48, dtype=torch.int8), torch.ones(4, 1)))
-
-
-@needs_kernel
-def test_linear_on_int8_panels_serves_rows_above_its_blocks():
-    blocks = random_blocks(40, 64, 3, 4)
-    linear = Linear(64, 40, bias=True)
-    load_blocks(linear, blocks)
-    linear.bias.data = torch.randn(40)
-    linear.to(torch.bfloat16)
-    kernels = KernelPlan(linear=PanelMethod, block_weights=True, int8_panels=True,
-                         backend=TorchBackend(torch.device("cpu")))
-    linear.process_weights_after_loading(partial(linear_format, kernels, int8=True))
-    method = linear.method
-    assert isinstance(method, BlockMethod) and isinstance(method.large, Int8PanelMethod)
-    assert linear.weight is None  # dropped
-    int8 = method.large.int8
-    most = method.max_tokens
-    small, large = torch.randn(most, 64).bfloat16(), torch.randn(most + 1, 64).bfloat16()
-    torch.testing.assert_close(linear(small), method.small.matmul(small) + linear.bias)
-    torch.testing.assert_close(linear(large), int8.matmul(large) + linear.bias)
-    assert linear.weight_bytes(most + 1) == int8.nbytes()
-    assert method.nbytes() == method.small.nbytes() + int8.nbytes()
-    assert torch.equal(linear.dense_weight(), blocks.dequantize().bfloat16())
-    with pytest.raises(ValueError, match="blocks of 64 rows for 40"):
-        Linear(64, 40).load("weight", None, torch.zeros(40, 64), random_blocks(64, 64, 0, 4))
 
 
 @needs_kernel

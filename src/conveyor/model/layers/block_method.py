@@ -3,11 +3,9 @@
 
 * ``BlockMethod``: the file's blocks, multiplied as stored, serve calls of up to their
   ``max_tokens`` rows, where reading the weight dominates and the blocks are fewer bytes; another
-  format (a dense one, or ``Int8PanelMethod``) serves the larger calls. The row-count switch
+  format (a dense one) serves the larger calls. The row-count switch
   lives here, and only here. 4-bit and 8-bit blocks (Q4_0, Q4_1, Q8_0) take ``pack_blocks``'
   layouts; the other types (Q5_0, Q5_1, K-quants, and stacks that mix types) ``QuantPanels``.
-* ``Int8PanelMethod``: a bf16 model's blocks as ``Int8Panels`` (``kernels/int8_gemm.cpp``,
-  AVX512-VNNI), activations rounded to 8 bits per block of 32 (docs/performance.md).
 * ``Int8BlockMethod``: integer compute (``weight_compute="int8"``): the file's blocks, every type
   and every number of rows, multiplied as integers against activations rounded to 8 bits per
   row and block of 32 (``kernels/int8_blocks.cpp``): the same bits whatever the batch, the
@@ -25,35 +23,9 @@ from conveyor.model.layers.linear import LinearMethod, PanelMethod
 from conveyor.model.layers.quantized import (
     BlockPanels,
     Blocks,
-    Int8Panels,
     NibbleInt4,
     pack_blocks,
 )
-
-
-class Int8PanelMethod(LinearMethod):
-    """A GGUF file's blocks as ``Int8Panels``; ``dtype``: the activations' (what
-    ``dense_weight`` gives)."""
-
-    def __init__(self, panels: Int8Panels, dtype: torch.dtype) -> None:
-        self.int8, self.dtype = panels, dtype
-        self.out_features = panels.n_out
-
-    @staticmethod
-    def pack(blocks: Blocks, dtype: torch.dtype,
-             exact: torch.Tensor | None = None) -> Int8PanelMethod:
-        """``exact``: input channels kept out of the rounding (``calibration.py``)."""
-        return Int8PanelMethod(Int8Panels.pack(blocks, exact), dtype)
-
-    def apply(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        y = self.int8.matmul(x)
-        return y if bias is None else y.add_(bias)
-
-    def dense_weight(self) -> torch.Tensor:
-        return self.int8.dequantize().to(self.dtype)
-
-    def nbytes(self) -> int:
-        return self.int8.nbytes()
 
 
 class Int8BlockMethod(LinearMethod):
@@ -124,13 +96,12 @@ class BlockMethod(LinearMethod):
         return self.small.nbytes() if rows <= self.max_tokens else self.large.bytes_read(rows)
 
     def decode_projection(self) -> DecodeProjection | None:
-        """4-bit blocks or ``QuantPanels`` only; above them the panels or ``Int8Panels``, where
-        the large format is one of those."""
+        """4-bit blocks or ``QuantPanels`` only; above them the panels, where the large format
+        is those."""
         small, large = self.small, self.large
         if not (isinstance(small, (NibbleInt4, QuantPanels))
                 or (isinstance(small, BlockPanels) and small.min is not None)):
             return None
         return DecodeProjection(
             small, isinstance(small, BlockPanels),
-            panels=large.panels if isinstance(large, PanelMethod) else None,
-            int8=large.int8 if isinstance(large, Int8PanelMethod) else None)
+            panels=large.panels if isinstance(large, PanelMethod) else None)
