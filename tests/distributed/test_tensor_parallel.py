@@ -87,6 +87,26 @@ def test_smollm2_tp3_equals_tp1() -> None:
 
 
 @pytest.mark.slow
+def test_smollm2_tp3_integer_compute_equals_tp1() -> None:
+    """Integer weight compute: each rank multiplies its rows (QKV, gate/up) or its input blocks
+    (o, down) of the file's blocks, as the float weights are split."""
+    from conveyor.model.layers.block_method import Int8BlockMethod
+
+    one = ModelExecutor(dtype="float32", device="cpu", weight_compute="int8")
+    expected = _smollm2_cases(one)
+    tp = ModelExecutor(dtype="float32", device="cpu", weight_compute="int8",
+                       parallel=EngineArgs(tensor_parallel_size=3,
+                                           threads_per_rank=1).parallel_config())
+    try:
+        layer = tp.model.layers[0]
+        assert isinstance(layer.o_proj.method, Int8BlockMethod)
+        assert layer.o_proj.method.blocks.in_features == 576 // 3
+        assert _smollm2_cases(tp) == expected
+    finally:
+        tp.shutdown()
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("model", ["tiny_llama", "tiny_qwen3"])
 def test_tiny_models_tp2_equal_tp1(model: str, request) -> None:
     """8 query heads; the Llama has 2 KV heads (one a rank), the Qwen3 4 (two a rank, q/k norms,
