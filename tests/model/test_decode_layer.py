@@ -94,7 +94,7 @@ def larges(dtype: torch.dtype) -> list[str | None]:
 
 
 # Without panels up to each dtype's max_tokens, where the Python path runs the same block
-# kernel; with panels or Int8Panels, beyond it too, where both run the same GEMM.
+# kernel; with panels or on integer compute, beyond it too, where both run the same GEMM.
 @pytest.mark.parametrize("dtype,num_seqs,large",
                          [(torch.float32, n, None) for n in (1, 3, 5, 12)]
                          + [(torch.float32, n, large) for n in (13, 40)
@@ -156,7 +156,7 @@ def test_fused_layers_are_used_only_where_they_apply(monkeypatch, dtype, large):
     model.fused_decode = fuse_decode_layers(model)
     assert model.fused_decode is not None
     most = max_rows(dtype)
-    # As far as the 4-bit copies serve; with panels or Int8Panels, any decode step.
+    # As far as the 4-bit copies serve; with panels or on integer compute, any decode step.
     for num_seqs, used in ((most, True), (most + 1, large is not None), (30, large is not None)):
         x, residual, cos, sin, (k, v), meta = decode_step(num_seqs, dtype=dtype)
         ids = torch.arange(num_seqs) % CFG.vocab_size

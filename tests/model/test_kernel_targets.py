@@ -23,7 +23,6 @@ from conveyor.model.layers.quantized import (
     GROUP,
     BlockPanels,
     Int4Blocks,
-    Int8Panels,
     NibbleInt4,
 )
 from gguf_blocks import file_blocks, raw_blocks
@@ -150,18 +149,6 @@ def test_quant_panel_gemm_equals_the_panels(ops) -> None:
             for rows in (1, 2, 5, 6, 7, 13):
                 got = ops.quant_panel_gemm(x[:rows], kind, part.codes, part.header, width + 5)
                 assert torch.equal(got, full[:rows]), (NAMES[kind], dtype, rows)
-
-
-def test_int8_gemm_exists_only_with_vnni(ops) -> None:
-    panels = Int8Panels.pack(_int4(40, 128))
-    x = _randn(9, 128).bfloat16()
-    if "int8_gemm" not in ops.features():
-        with pytest.raises(RuntimeError, match="AVX512-VNNI"):
-            ops.int8_gemm(x, panels.codes, panels.scale, panels.min, 40, None, None)
-        return
-    got = ops.int8_gemm(x, panels.codes, panels.scale, panels.min, 40, None, None)
-    expected = x.double() @ panels.dequantize().double().T
-    assert (got.double() - expected).norm() / expected.norm() < 0.02
 
 
 def test_fused_ops(ops) -> None:

@@ -15,9 +15,7 @@
 //
 // where each matmul is int8_blocks.cpp's integer GEMM where the weight has it (integer compute:
 // every row), else the 4-bit block kernel (or quant_panels.cpp's, for QuantPanels) up to its
-// max_block_rows rows and above them the
-// integer GEMM of int8_gemm.cpp where the weight has Int8Panels, else the panel GEMM (as Linear
-// picks), so its results equal the layer's Python path bit for bit (the tests check). The
+// max_block_rows rows and above them the panel GEMM (as Linear picks), so its results equal the layer's Python path bit for bit (the tests check). The
 // pieces are the kernels' own entry points; ops.cpp holds the typed operator.
 
 #include <cstdint>
@@ -26,7 +24,6 @@
 #include "decode_layer.h"
 #include "fused_ops.h"
 #include "int8_blocks.h"
-#include "int8_gemm.h"
 #include "lora.h"
 #include "paged_attention.h"
 #include "panel_gemm.h"
@@ -50,7 +47,6 @@ void add_lora(T* y, const T* x, const LayerWeights* w, int p, const LoraStep& st
 template <typename T>
 void matmul(T* y, const T* x, const Weight& w, int64_t rows, int64_t k, Activations<T>& a,
             int num_threads) {
-  QuantizedRows& scratch = a.quantized;
   if (w.int8_block_count) {
     int8_block_matmul(y, x, k, w.int8_blocks, w.int8_block_count, rows, k, a.int8_rows,
                       num_threads);
@@ -63,8 +59,6 @@ void matmul(T* y, const T* x, const Weight& w, int64_t rows, int64_t k, Activati
                      num_threads);
   else if (rows <= w.max_block_rows)
     block_matmul(y, x, w.codes, w.scale, w.minimum, rows, w.n_out, k, k, num_threads);
-  else if (w.int8.codes)
-    int8_matmul(y, x, w.int8, rows, k, k, scratch, num_threads);
   else
     panel_gemm(y, x, static_cast<const T*>(w.panels), rows, w.n_out, k, num_threads);
 }

@@ -7,7 +7,6 @@
 #include <memory>
 
 #include "int8_blocks.h"
-#include "int8_gemm.h"
 #include "quant_panels.h"
 
 namespace conveyor {
@@ -27,7 +26,6 @@ struct Weight {
   const float* scale;
   const float* minimum;
   const void* panels;  // pack_panels' layout in the activations' type; null: none
-  Int8Weight int8;  // Int8Panels; codes null: none
   int64_t n_out;
   int64_t max_block_rows;  // rows up to which the blocks serve (NibbleInt4.max_tokens)
   int64_t block_panels;  // nonzero: codes, scale and minimum are BlockPanels (panel_gemm.cpp)
@@ -64,7 +62,6 @@ struct LoraStep {  // a step's rows under adapters
 template <typename T>
 struct Activations {
   std::unique_ptr<T[]> h, qkv, qk, attn, proj, gate_up, act;
-  QuantizedRows quantized;  // the int8 GEMM's rounded inputs
   Int8Rows int8_rows;  // the integer block GEMM's
   Activations(const LayerWeights& w, int64_t rows)
       : h(new T[rows * w.hidden]),
