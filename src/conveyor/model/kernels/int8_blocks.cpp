@@ -23,14 +23,14 @@
 // baseline), whatever the number of rows, the rows beside it, or the threads (they split the
 // outputs). docs/determinism.md.
 //
-// The micro-kernels. AVX512-VNNI (with BW): panels of 16 outputs, one per int32 lane, decoded
-// once per call for all of K (nibbles split by masks and shifts, the high bits from their
-// planes, 16 outputs' bytes transposed to lanes), then 4 rows at a time, per block of 32, eight
-// vpdpbusd against the row's 4-byte groups broadcast and the float steps on 16 outputs at once:
-// no horizontal sums. Elsewhere: per tile of kOut = 8 outputs and up to kRows rows, each block
-// of 32 is decoded once from the file's bytes to 8 x 32 code bytes, then each row's 8 dot
-// products are summed to 8 lanes (a tree of vphaddd: integer, exact) and the float work above
-// runs across the 8 outputs. Rows are rounded to 8 bits once per call (int8_rows).
+// The micro-kernels. AVX2 and up: panels of 16 outputs (AVX512-VNNI with BW: 512-bit vectors)
+// or 8 (256-bit), one per int32 lane, decoded once per call for all of K (nibbles split by masks
+// and shifts, the high bits from their planes, the outputs' bytes transposed to lanes), then 4
+// rows at a time, per block of 32, eight dot products (vpdpbusd; on AVX2 vpmaddubsw + vpmaddwd)
+// against the row's 4-byte groups broadcast and the float steps on the panel's outputs at once:
+// no horizontal sums. The baseline: per tile of kOut = 8 outputs and up to kRows rows, each
+// block of 32 decoded once to 8 x 32 code bytes, then each row's dot products in C++ and the
+// float work above across the 8 outputs. Rows are rounded to 8 bits once per call (int8_rows).
 
 #include <algorithm>
 #include <cmath>
@@ -120,34 +120,10 @@ inline void decode(const uint8_t* b, int64_t t, uint8_t* u) {
 }
 
 // Integer dot products of kOut outputs' 32 codes with one row's 32 activations: lo[o] over
-// the first 16, hi[o] over the last 16. Exact.
+// the first 16, hi[o] over the last 16. Exact. (The baseline target's; SIMD targets take the
+// panels below.)
 template <bool Signed>
 inline void dots(const uint8_t (*u)[32], const int8_t* q, int32_t* lo, int32_t* hi) {
-#ifdef __AVX2__
-  const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q));
-  __m256i v[kOut];
-  for (int o = 0; o < kOut; ++o) {
-    __m256i w = _mm256_load_si256(reinterpret_cast<const __m256i*>(u[o]));
-    __m256i x = a;
-    if constexpr (Signed) {  // |w| (128 as an unsigned byte) times q with w's sign
-      x = _mm256_sign_epi8(a, w);
-      w = _mm256_sign_epi8(w, w);
-    }
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-    v[o] = _mm256_dpbusd_epi32(_mm256_setzero_si256(), w, x);
-#elif defined(__AVXVNNI__)
-    v[o] = _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), w, x);
-#else  // pairs of products fit int16: |w| <= 63 or (signed) 128, |q| <= 127
-    v[o] = _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), _mm256_set1_epi16(1));
-#endif
-  }
-  // lane l of v[o]: inputs 4l .. 4l + 3. Two rounds of pairwise sums leave, per 128-bit half,
-  // four outputs' sums of that half's inputs.
-  const __m256i ab = _mm256_hadd_epi32(_mm256_hadd_epi32(v[0], v[1]), _mm256_hadd_epi32(v[2], v[3]));
-  const __m256i cd = _mm256_hadd_epi32(_mm256_hadd_epi32(v[4], v[5]), _mm256_hadd_epi32(v[6], v[7]));
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(lo), _mm256_permute2x128_si256(ab, cd, 0x20));
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(hi), _mm256_permute2x128_si256(ab, cd, 0x31));
-#else
   for (int o = 0; o < kOut; ++o) {
     int32_t s0 = 0, s1 = 0;
     for (int i = 0; i < 16; ++i) {
@@ -159,7 +135,6 @@ inline void dots(const uint8_t (*u)[32], const int8_t* q, int32_t* lo, int32_t* 
     lo[o] = s0;
     hi[o] = s1;
   }
-#endif
 }
 
 // y[0:R, 0:cols] for one tile of outputs [j0, j0 + cols) of part w.
@@ -211,134 +186,235 @@ void tile(T* y, int64_t ldy, const Int8Rows& a, int64_t r0, const Int8BlockPart&
     for (int64_t o = 0; o < cols; ++o) store(acc[r][o], y + (r0 + r) * ldy + j0 + o);
 }
 
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #define CONVEYOR_INT8_PANELS 1
-// The AVX512-VNNI kernel: outputs in panels of 16, one per int32 lane. A panel's codes are
-// decoded once per call, for all of K, into a buffer that stays in L1/L2: per activation block
-// of 32, 8 vectors whose lane o holds output o's codes 4g .. 4g + 3 (g = 0..7), all unsigned
-// (Q8_0's codes + 128, offset 128: the same integer D), and its s (s0, s1 for Q6_K) and m as 16
-// floats. Then per 4 rows, per block: lo = dpbusd over groups 0..3, hi over 4..7 against the
-// row's 4-byte groups broadcast, and the float steps above on 16 outputs at once (each a
-// vector IEEE operation in the scalar code's order): no horizontal sums.
-constexpr int kPanel16 = 16;
-
-// Lane o of g[j] (j = 0..3) = the 4 bytes at p[o] + off + 4j.
-inline void transpose4(const uint8_t* const* p, int64_t off, __m512i* g) {
-  __m512i z[4];
-  for (int j = 0; j < 4; ++j) {
-    __m512i v = _mm512_castsi128_si512(
-        _mm_loadu_si128(reinterpret_cast<const __m128i*>(p[j] + off)));
-    v = _mm512_inserti32x4(v, _mm_loadu_si128(reinterpret_cast<const __m128i*>(p[j + 4] + off)), 1);
-    v = _mm512_inserti32x4(v, _mm_loadu_si128(reinterpret_cast<const __m128i*>(p[j + 8] + off)), 2);
-    v = _mm512_inserti32x4(v, _mm_loadu_si128(reinterpret_cast<const __m128i*>(p[j + 12] + off)), 3);
-    z[j] = v;
-  }
-  const __m512i t0 = _mm512_unpacklo_epi32(z[0], z[1]), t1 = _mm512_unpackhi_epi32(z[0], z[1]);
-  const __m512i t2 = _mm512_unpacklo_epi32(z[2], z[3]), t3 = _mm512_unpackhi_epi32(z[2], z[3]);
-  g[0] = _mm512_unpacklo_epi64(t0, t2);
-  g[1] = _mm512_unpackhi_epi64(t0, t2);
-  g[2] = _mm512_unpacklo_epi64(t1, t3);
-  g[3] = _mm512_unpackhi_epi64(t1, t3);
+// The SIMD kernel: outputs in panels of kLanesI (16 with AVX512-VNNI + BW, else 8), one per
+// int32 lane. A panel's codes are decoded once per call, for all of K, into a buffer that stays
+// in L1/L2: per activation block of 32, 8 vectors whose lane o holds output o's codes 4g .. 4g + 3
+// (g = 0..7), and its s (s0, s1 for Q6_K) and m per lane. Then per 4 rows, per block: lo = the
+// dot products over groups 0..3, hi over 4..7, against the row's 4-byte groups broadcast, and the
+// float steps above on the panel's outputs at once (each a vector IEEE operation in the scalar
+// code's order): no horizontal sums. The codes are unsigned but for Q8_0 without 512-bit VNNI,
+// whose signed codes go through vpsignb (with it, Q8_0's codes + 128 and offset 128: the same D).
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+using VI = __m512i;
+using VF = __m512;
+constexpr int kLanesI = 16;
+constexpr bool kQ8Unsigned = true;
+inline VI load_lanes(const uint8_t* const* p, int64_t off, int j) {  // outputs j, j + 4, ...
+  VI v = _mm512_castsi128_si512(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p[j] + off)));
+  v = _mm512_inserti32x4(v, _mm_loadu_si128(reinterpret_cast<const __m128i*>(p[j + 4] + off)), 1);
+  v = _mm512_inserti32x4(v, _mm_loadu_si128(reinterpret_cast<const __m128i*>(p[j + 8] + off)), 2);
+  return _mm512_inserti32x4(v, _mm_loadu_si128(reinterpret_cast<const __m128i*>(p[j + 12] + off)),
+                            3);
 }
-
-inline __m512i low_nibbles(__m512i v) { return _mm512_and_si512(v, _mm512_set1_epi8(0xF)); }
-inline __m512i high_nibbles(__m512i v) {
-  return _mm512_and_si512(_mm512_srli_epi16(v, 4), _mm512_set1_epi8(0xF));
+inline VI unpacklo32(VI a, VI b) { return _mm512_unpacklo_epi32(a, b); }
+inline VI unpackhi32(VI a, VI b) { return _mm512_unpackhi_epi32(a, b); }
+inline VI unpacklo64(VI a, VI b) { return _mm512_unpacklo_epi64(a, b); }
+inline VI unpackhi64(VI a, VI b) { return _mm512_unpackhi_epi64(a, b); }
+inline VI vand(VI a, VI b) { return _mm512_and_si512(a, b); }
+inline VI vor(VI a, VI b) { return _mm512_or_si512(a, b); }
+inline VI vxor(VI a, VI b) { return _mm512_xor_si512(a, b); }
+inline VI srli16(VI a, int n) { return _mm512_srli_epi16(a, n); }
+inline VI slli16(VI a, int n) { return _mm512_slli_epi16(a, n); }
+inline VI bytes(int v) { return _mm512_set1_epi8(static_cast<char>(v)); }
+inline VI dwords(int v) { return _mm512_set1_epi32(v); }
+inline VI add32(VI a, VI b) { return _mm512_add_epi32(a, b); }
+inline VI sub32(VI a, VI b) { return _mm512_sub_epi32(a, b); }
+inline VI zero_i() { return _mm512_setzero_si512(); }
+inline VI shuffle8(VI a, VI idx) { return _mm512_shuffle_epi8(a, idx); }
+inline VI lane_bases() {  // dword k of each 16-byte lane: bytes 4k
+  return _mm512_set_epi32(0x0C0C0C0C, 0x08080808, 0x04040404, 0, 0x0C0C0C0C, 0x08080808,
+                          0x04040404, 0, 0x0C0C0C0C, 0x08080808, 0x04040404, 0, 0x0C0C0C0C,
+                          0x08080808, 0x04040404, 0);
 }
-// Adds 16 to each byte of c whose bit in `bits` (a byte mask per byte) is set in h.
-inline __m512i fifth_bit(__m512i c, __m512i h, __m512i bits) {
+// c + 16 in each byte whose bit `bits` (a one-bit mask per byte) is set in h; c's bit 4 is clear.
+inline VI fifth_bit(VI c, VI h, VI bits) {
   return _mm512_mask_add_epi8(c, _mm512_test_epi8_mask(h, bits), c, _mm512_set1_epi8(16));
 }
-
-inline __m512i header_dwords(const uint8_t* const* b, int64_t off) {
-  alignas(64) uint32_t h[kPanel16];
-  for (int o = 0; o < kPanel16; ++o) h[o] = le32(b[o] + off);
-  return _mm512_load_si512(h);
+inline VI load_i(const void* p) { return _mm512_load_si512(p); }
+inline VF halves(const uint16_t* h) {
+  return _mm512_cvtph_ps(_mm256_load_si256(reinterpret_cast<const __m256i*>(h)));
 }
-inline __m512 halves_low(__m512i h) { return _mm512_cvtph_ps(_mm512_cvtepi32_epi16(h)); }
-inline __m512 halves_high(__m512i h) {
-  return _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(h, 16)));
+inline VF load_f(const float* p) { return _mm512_load_ps(p); }
+inline void store_f(float* p, VF v) { _mm512_store_ps(p, v); }
+inline VF zero_f() { return _mm512_setzero_ps(); }
+inline VF set_f(float v) { return _mm512_set1_ps(v); }
+inline VF to_float(VI v) { return _mm512_cvtepi32_ps(v); }
+inline VF mul(VF a, VF b) { return _mm512_mul_ps(a, b); }
+inline VF fma(VF a, VF b, VF c) { return _mm512_fmadd_ps(a, b, c); }
+template <bool Signed>
+inline VI dot(VI acc, VI codes, int32_t a) {
+  return _mm512_dpbusd_epi32(acc, codes, _mm512_set1_epi32(a));
+}
+#else
+using VI = __m256i;
+using VF = __m256;
+constexpr int kLanesI = 8;
+constexpr bool kQ8Unsigned = false;
+inline VI load_lanes(const uint8_t* const* p, int64_t off, int j) {  // outputs j, j + 4
+  return _mm256_inserti128_si256(
+      _mm256_castsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p[j] + off))),
+      _mm_loadu_si128(reinterpret_cast<const __m128i*>(p[j + 4] + off)), 1);
+}
+inline VI unpacklo32(VI a, VI b) { return _mm256_unpacklo_epi32(a, b); }
+inline VI unpackhi32(VI a, VI b) { return _mm256_unpackhi_epi32(a, b); }
+inline VI unpacklo64(VI a, VI b) { return _mm256_unpacklo_epi64(a, b); }
+inline VI unpackhi64(VI a, VI b) { return _mm256_unpackhi_epi64(a, b); }
+inline VI vand(VI a, VI b) { return _mm256_and_si256(a, b); }
+inline VI vor(VI a, VI b) { return _mm256_or_si256(a, b); }
+inline VI vxor(VI a, VI b) { return _mm256_xor_si256(a, b); }
+inline VI srli16(VI a, int n) { return _mm256_srli_epi16(a, n); }
+inline VI slli16(VI a, int n) { return _mm256_slli_epi16(a, n); }
+inline VI bytes(int v) { return _mm256_set1_epi8(static_cast<char>(v)); }
+inline VI dwords(int v) { return _mm256_set1_epi32(v); }
+inline VI add32(VI a, VI b) { return _mm256_add_epi32(a, b); }
+inline VI sub32(VI a, VI b) { return _mm256_sub_epi32(a, b); }
+inline VI zero_i() { return _mm256_setzero_si256(); }
+inline VI shuffle8(VI a, VI idx) { return _mm256_shuffle_epi8(a, idx); }
+inline VI lane_bases() {
+  return _mm256_set_epi32(0x0C0C0C0C, 0x08080808, 0x04040404, 0, 0x0C0C0C0C, 0x08080808,
+                          0x04040404, 0);
+}
+inline VI fifth_bit(VI c, VI h, VI bits) {
+  const VI set = _mm256_cmpeq_epi8(_mm256_and_si256(h, bits), bits);
+  return _mm256_or_si256(c, _mm256_and_si256(set, _mm256_set1_epi8(16)));
+}
+inline VI load_i(const void* p) { return _mm256_load_si256(reinterpret_cast<const __m256i*>(p)); }
+inline VF halves(const uint16_t* h) {
+  return _mm256_cvtph_ps(_mm_load_si128(reinterpret_cast<const __m128i*>(h)));
+}
+inline VF load_f(const float* p) { return _mm256_load_ps(p); }
+inline void store_f(float* p, VF v) { _mm256_store_ps(p, v); }
+inline VF zero_f() { return _mm256_setzero_ps(); }
+inline VF set_f(float v) { return _mm256_set1_ps(v); }
+inline VF to_float(VI v) { return _mm256_cvtepi32_ps(v); }
+inline VF mul(VF a, VF b) { return _mm256_mul_ps(a, b); }
+inline VF fma(VF a, VF b, VF c) { return _mm256_fmadd_ps(a, b, c); }
+// acc + the 4-byte dot products of codes' lanes with a; Signed: codes are int8 (Q8_0), through
+// |w| and a with w's sign. Without VNNI, pairs of products fit int16: |w| <= 63 or 128.
+template <bool Signed>
+inline VI dot(VI acc, VI codes, int32_t a) {
+  VI x = _mm256_set1_epi32(a), w = codes;
+  if constexpr (Signed) {
+    x = _mm256_sign_epi8(x, w);
+    w = _mm256_sign_epi8(w, w);
+  }
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+  return _mm256_dpbusd_epi32(acc, w, x);
+#elif defined(__AVXVNNI__)
+  return _mm256_dpbusd_avx_epi32(acc, w, x);
+#else
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(w, x),
+                                                 _mm256_set1_epi16(1)));
+#endif
+}
+#endif
+
+// Lane o of g[j] (j = 0..3) = the 4 bytes at p[o] + off + 4j.
+inline void transpose4(const uint8_t* const* p, int64_t off, VI* g) {
+  VI z[4];
+  for (int j = 0; j < 4; ++j) z[j] = load_lanes(p, off, j);
+  const VI t0 = unpacklo32(z[0], z[1]), t1 = unpackhi32(z[0], z[1]);
+  const VI t2 = unpacklo32(z[2], z[3]), t3 = unpackhi32(z[2], z[3]);
+  g[0] = unpacklo64(t0, t2);
+  g[1] = unpackhi64(t0, t2);
+  g[2] = unpacklo64(t1, t3);
+  g[3] = unpackhi64(t1, t3);
+}
+
+inline VI low_nibbles(VI v) { return vand(v, bytes(0xF)); }
+inline VI high_nibbles(VI v) { return vand(srli16(v, 4), bytes(0xF)); }
+
+inline uint16_t le16(const uint8_t* p) {
+  uint16_t v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
 }
 
 // A panel's decoded codes and scales, per activation block bb: codes[8 bb .. 8 bb + 7], s0, s1,
 // m [bb].
+struct IVec {
+  VI v;
+};
+struct FVec {
+  VF v;
+};
 struct PanelBuffer {
-  std::vector<__m512i> codes;
-  std::vector<__m512> s0, s1, m;
+  std::vector<IVec> codes;
+  std::vector<FVec> s0, s1, m;
+  VI* code(int64_t i) { return &codes[i].v; }
+  const VI* code(int64_t i) const { return &codes[i].v; }
 };
 
-// Decodes file block blk of the 16 outputs b[o] (= their rows) into the activation blocks
+// Decodes file block blk of the panel's outputs (`rows`) into activation blocks
 // blk * per_block .. of `buf`.
 template <int64_t F>
 void decode_panel_block(const uint8_t* const* rows, int64_t blk, int64_t block_bytes,
                         PanelBuffer& buf) {
-  const uint8_t* b[kPanel16];
-  for (int o = 0; o < kPanel16; ++o) b[o] = rows[o] + blk * block_bytes;
+  const uint8_t* b[kLanesI];
+  for (int o = 0; o < kLanesI; ++o) b[o] = rows[o] + blk * block_bytes;
   if constexpr (F == kQ4_0 || F == kQ4_1 || F == kQ5_0 || F == kQ5_1 || F == kQ8_0) {
-    __m512i* c = buf.codes.data() + 8 * blk;
-    const __m512i h = header_dwords(b, 0);
-    buf.s0[blk] = halves_low(h);
-    if constexpr (F == kQ4_1 || F == kQ5_1) buf.m[blk] = halves_high(h);
+    VI* c = buf.code(8 * blk);
+    alignas(64) uint16_t d[kLanesI], m[kLanesI];
+    for (int o = 0; o < kLanesI; ++o) d[o] = le16(b[o]);
+    buf.s0[blk].v = halves(d);
+    if constexpr (F == kQ4_1 || F == kQ5_1) {
+      for (int o = 0; o < kLanesI; ++o) m[o] = le16(b[o] + 2);
+      buf.m[blk].v = halves(m);
+    }
     if constexpr (F == kQ8_0) {
       transpose4(b, 2, c);
       transpose4(b, 18, c + 4);
-      for (int g = 0; g < 8; ++g) c[g] = _mm512_xor_si512(c[g], _mm512_set1_epi8(-128));
+      if constexpr (kQ8Unsigned)
+        for (int g = 0; g < 8; ++g) c[g] = vxor(c[g], bytes(0x80));
     } else {
       constexpr int64_t qh_at = F == kQ5_0 ? 2 : 4;
       constexpr int64_t qs_at = F == kQ4_0 ? 2 : F == kQ4_1 ? 4 : qh_at + 4;
-      __m512i p[4];
+      VI p[4];
       transpose4(b, qs_at, p);
       for (int g = 0; g < 4; ++g) {
         c[g] = low_nibbles(p[g]);
         c[g + 4] = high_nibbles(p[g]);
       }
       if constexpr (F == kQ5_0 || F == kQ5_1) {
-        const __m512i qh = header_dwords(b, qh_at);  // bit i: code i's fifth bit
+        alignas(64) uint32_t h[kLanesI];  // bit i: code i's fifth bit
+        for (int o = 0; o < kLanesI; ++o) h[o] = le32(b[o] + qh_at);
+        const VI qh = load_i(h);
         for (int g = 0; g < 8; ++g) {
-          // byte g / 2 of each lane into its 4 bytes, byte j tested against bit 4 (g % 2) + j
-          const int src = g / 2;
-          const __m512i spread = _mm512_shuffle_epi8(
-              qh, _mm512_set_epi8(12 + src, 12 + src, 12 + src, 12 + src, 8 + src, 8 + src,
-                                  8 + src, 8 + src, 4 + src, 4 + src, 4 + src, 4 + src, src,
-                                  src, src, src, 12 + src, 12 + src, 12 + src, 12 + src,
-                                  8 + src, 8 + src, 8 + src, 8 + src, 4 + src, 4 + src, 4 + src,
-                                  4 + src, src, src, src, src, 12 + src, 12 + src, 12 + src,
-                                  12 + src, 8 + src, 8 + src, 8 + src, 8 + src, 4 + src,
-                                  4 + src, 4 + src, 4 + src, src, src, src, src, 12 + src,
-                                  12 + src, 12 + src, 12 + src, 8 + src, 8 + src, 8 + src,
-                                  8 + src, 4 + src, 4 + src, 4 + src, 4 + src, src, src, src,
-                                  src));
+          // byte g / 2 of each lane into its 4 bytes; byte j tested against bit 4 (g % 2) + j
+          const VI spread = shuffle8(qh, add32(dwords((g / 2) * 0x01010101), lane_bases()));
           const int sh = 4 * (g % 2);
-          c[g] = fifth_bit(c[g], spread, _mm512_set1_epi32(static_cast<int>(
-                                             (0x01u << sh) | (0x02u << sh) << 8 |
-                                             (0x04u << sh) << 16 | (0x08u << sh) << 24)));
+          c[g] = fifth_bit(c[g], spread,
+                           dwords(static_cast<int>((0x01u << sh) | (0x02u << sh) << 8 |
+                                                   (0x04u << sh) << 16 | (0x08u << sh) << 24)));
         }
       }
     }
   } else if constexpr (F == kQ4_K || F == kQ5_K) {
     constexpr int64_t qs_at = F == kQ4_K ? 16 : 48;
-    __m512i* c = buf.codes.data() + 64 * blk;
-    __m512i qh[8];
+    VI* c = buf.code(64 * blk);
+    VI qh[8];
     if constexpr (F == kQ5_K) {
       transpose4(b, 16, qh);
       transpose4(b, 32, qh + 4);
     }
-    for (int pair = 0; pair < 4; ++pair) {
-      __m512i p[8];
+    for (int pair = 0; pair < 4; ++pair) {  // activation blocks 2 pair (low), 2 pair + 1 (high)
+      VI p[8];
       transpose4(b, qs_at + 32 * pair, p);
       transpose4(b, qs_at + 32 * pair + 16, p + 4);
       for (int g = 0; g < 8; ++g) {
-        __m512i lo = low_nibbles(p[g]), hi = high_nibbles(p[g]);
+        VI lo = low_nibbles(p[g]), hi = high_nibbles(p[g]);
         if constexpr (F == kQ5_K) {
-          lo = fifth_bit(lo, qh[g], _mm512_set1_epi8(static_cast<char>(1 << (2 * pair))));
-          hi = fifth_bit(hi, qh[g], _mm512_set1_epi8(static_cast<char>(1 << (2 * pair + 1))));
+          lo = fifth_bit(lo, qh[g], bytes(1 << (2 * pair)));
+          hi = fifth_bit(hi, qh[g], bytes(1 << (2 * pair + 1)));
         }
         c[16 * pair + g] = lo;
         c[16 * pair + 8 + g] = hi;
       }
     }
-    alignas(64) float s[8][kPanel16], m[8][kPanel16];
-    for (int o = 0; o < kPanel16; ++o) {
+    alignas(64) float s[8][kLanesI], m[8][kLanesI];
+    for (int o = 0; o < kLanesI; ++o) {
       float so[16], mo[16];
       quant_scales(F, b[o], so, mo);
       for (int t = 0; t < 8; ++t) {
@@ -347,37 +423,36 @@ void decode_panel_block(const uint8_t* const* rows, int64_t blk, int64_t block_b
       }
     }
     for (int t = 0; t < 8; ++t) {
-      buf.s0[8 * blk + t] = _mm512_load_ps(s[t]);
-      buf.m[8 * blk + t] = _mm512_load_ps(m[t]);
+      buf.s0[8 * blk + t].v = load_f(s[t]);
+      buf.m[8 * blk + t].v = load_f(m[t]);
     }
-  } else {  // Q6_K
-    __m512i* c = buf.codes.data() + 64 * blk;
+  } else {  // Q6_K: activation block 4 h + c: low nibbles of ql[64 h + 32 (c % 2) ..] (high
+            // for c >= 2), bits 2c, 2c + 1 of qh[128 + 32 h ..]
+    VI* c = buf.code(64 * blk);
     for (int h = 0; h < 2; ++h) {
-      __m512i ql[16], qh[8];
+      VI ql[16], qh[8];
       for (int j = 0; j < 4; ++j) transpose4(b, h * 64 + 16 * j, ql + 4 * j);
       transpose4(b, 128 + h * 32, qh);
       transpose4(b, 128 + h * 32 + 16, qh + 4);
       for (int cc = 0; cc < 4; ++cc) {
-        const __m512i* l = ql + 8 * (cc % 2);
+        const VI* l = ql + 8 * (cc % 2);
+        const int shift = 2 * cc;  // bits shift, shift + 1 to bits 4, 5 (of the same byte)
         for (int g = 0; g < 8; ++g) {
-          const __m512i low = cc / 2 ? high_nibbles(l[g]) : low_nibbles(l[g]);
-          const int shift = 2 * cc;  // bits shift, shift + 1 to bits 4, 5
-          const __m512i high = shift <= 4
-              ? _mm512_slli_epi16(qh[g], 4 - shift) : _mm512_srli_epi16(qh[g], shift - 4);
-          c[8 * (4 * h + cc) + g] =
-              _mm512_or_si512(low, _mm512_and_si512(high, _mm512_set1_epi8(0x30)));
+          const VI low = cc / 2 ? high_nibbles(l[g]) : low_nibbles(l[g]);
+          const VI high = shift <= 4 ? slli16(qh[g], 4 - shift) : srli16(qh[g], shift - 4);
+          c[8 * (4 * h + cc) + g] = vor(low, vand(high, bytes(0x30)));
         }
       }
     }
-    alignas(64) float s[16][kPanel16];
-    for (int o = 0; o < kPanel16; ++o) {
+    alignas(64) float s[16][kLanesI];
+    for (int o = 0; o < kLanesI; ++o) {
       float so[16], mo[16];
       quant_scales(F, b[o] + 192, so, mo);
       for (int j = 0; j < 16; ++j) s[j][o] = so[j];
     }
     for (int t = 0; t < 8; ++t) {
-      buf.s0[8 * blk + t] = _mm512_load_ps(s[2 * t]);
-      buf.s1[8 * blk + t] = _mm512_load_ps(s[2 * t + 1]);
+      buf.s0[8 * blk + t].v = load_f(s[2 * t]);
+      buf.s1[8 * blk + t].v = load_f(s[2 * t + 1]);
     }
   }
 }
@@ -386,57 +461,54 @@ void decode_panel_block(const uint8_t* const* rows, int64_t blk, int64_t block_b
 template <int64_t F, int R, typename T>
 inline void panel_rows(T* y, int64_t ldy, const Int8Rows& a, int64_t r0, const PanelBuffer& buf,
                        const Geometry& g, int64_t j0, int64_t cols, int64_t k) {
+  constexpr bool kSigned = F == kQ8_0 && !kQ8Unsigned;
   const int64_t act_blocks = k / kActBlock;
-  __m512 acc[R];
-  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
-  const int32_t offset = F == kQ8_0 ? 128 : static_cast<int32_t>(g.offset);
+  VF acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = zero_f();
+  const int32_t offset = F == kQ8_0 ? (kQ8Unsigned ? 128 : 0) : static_cast<int32_t>(g.offset);
   for (int64_t bb = 0; bb < act_blocks; ++bb) {
-    const __m512i* c = buf.codes.data() + 8 * bb;
-    __m512i lo[R], hi[R];
-    for (int r = 0; r < R; ++r) {
-      const int32_t* q = reinterpret_cast<const int32_t*>(a.codes.data() + (r0 + r) * k +
-                                                          bb * kActBlock);
-      lo[r] = _mm512_dpbusd_epi32(_mm512_setzero_si512(), c[0], _mm512_set1_epi32(q[0]));
-      hi[r] = _mm512_dpbusd_epi32(_mm512_setzero_si512(), c[4], _mm512_set1_epi32(q[4]));
-    }
-    for (int gg = 1; gg < 4; ++gg)
+    const VI* c = buf.code(8 * bb);
+    VI lo[R], hi[R];
+    for (int r = 0; r < R; ++r) lo[r] = hi[r] = zero_i();
+    for (int gg = 0; gg < 4; ++gg)
       for (int r = 0; r < R; ++r) {
-        const int32_t* q = reinterpret_cast<const int32_t*>(a.codes.data() + (r0 + r) * k +
-                                                            bb * kActBlock);
-        lo[r] = _mm512_dpbusd_epi32(lo[r], c[gg], _mm512_set1_epi32(q[gg]));
-        hi[r] = _mm512_dpbusd_epi32(hi[r], c[gg + 4], _mm512_set1_epi32(q[gg + 4]));
+        int32_t q[2];
+        const int8_t* row = a.codes.data() + (r0 + r) * k + bb * kActBlock;
+        std::memcpy(&q[0], row + 4 * gg, 4);
+        std::memcpy(&q[1], row + 4 * gg + 16, 4);
+        lo[r] = dot<kSigned>(lo[r], c[gg], q[0]);
+        hi[r] = dot<kSigned>(hi[r], c[gg + 4], q[1]);
       }
     for (int r = 0; r < R; ++r) {
       const int64_t at = (r0 + r) * act_blocks + bb;
-      const __m512 d = _mm512_set1_ps(a.scale[at]);
+      const VF d = set_f(a.scale[at]);
       const int32_t q0 = a.halves[2 * at], q1 = a.halves[2 * at + 1];
-      __m512 v;
+      VF v;
       if constexpr (F == kQ6_K) {
-        v = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(lo[r], _mm512_set1_epi32(offset * q0))),
-                          buf.s0[bb]);
-        v = _mm512_fmadd_ps(
-            _mm512_cvtepi32_ps(_mm512_sub_epi32(hi[r], _mm512_set1_epi32(offset * q1))),
-            buf.s1[bb], v);
+        v = mul(to_float(sub32(lo[r], dwords(offset * q0))), buf.s0[bb].v);
+        v = fma(to_float(sub32(hi[r], dwords(offset * q1))), buf.s1[bb].v, v);
       } else {
-        __m512i dsum = _mm512_add_epi32(lo[r], hi[r]);
-        if (offset != 0) dsum = _mm512_sub_epi32(dsum, _mm512_set1_epi32(offset * (q0 + q1)));
-        v = _mm512_mul_ps(_mm512_cvtepi32_ps(dsum), buf.s0[bb]);
+        VI dsum = add32(lo[r], hi[r]);
+        if (offset != 0) dsum = sub32(dsum, dwords(offset * (q0 + q1)));
+        v = mul(to_float(dsum), buf.s0[bb].v);
       }
-      acc[r] = _mm512_fmadd_ps(v, d, acc[r]);
-      if (g.minimum) acc[r] = _mm512_fmadd_ps(buf.m[bb], _mm512_set1_ps(a.sum[at]), acc[r]);
+      acc[r] = fma(v, d, acc[r]);
+      if (g.minimum) acc[r] = fma(buf.m[bb].v, set_f(a.sum[at]), acc[r]);
     }
   }
   for (int r = 0; r < R; ++r) {
     T* out = y + (r0 + r) * ldy + j0;
-    if (cols == kPanel16) {
-      vfloat v;
-      std::memcpy(&v, &acc[r], sizeof v);
-      store(v, out);
-    } else {
-      alignas(64) float tmp[kPanel16];
-      _mm512_store_ps(tmp, acc[r]);
-      for (int64_t o = 0; o < cols; ++o) store(tmp[o], out + o);
+    if constexpr (sizeof(vfloat) == sizeof(VF)) {
+      if (cols == kLanesI) {
+        vfloat v;
+        std::memcpy(&v, &acc[r], sizeof v);
+        store(v, out);
+        continue;
+      }
     }
+    alignas(64) float tmp[kLanesI];
+    store_f(tmp, acc[r]);
+    for (int64_t o = 0; o < cols; ++o) store(tmp[o], out + o);
   }
 }
 
@@ -445,7 +517,7 @@ void gemm(T* y, int64_t ldy, const Int8Rows& a, const Int8BlockPart& w, int64_t 
           int num_threads) {
   Geometry g;
   geometry(F, g);
-  const int64_t panels = (w.n_out + kPanel16 - 1) / kPanel16;
+  const int64_t panels = (w.n_out + kLanesI - 1) / kLanesI;
   const int64_t row_bytes = k / g.block * g.block_bytes, file_blocks = k / g.block;
   const int64_t act_blocks = k / kActBlock;
 #pragma omp parallel num_threads(num_threads)
@@ -457,9 +529,9 @@ void gemm(T* y, int64_t ldy, const Int8Rows& a, const Int8BlockPart& w, int64_t 
     buf.m.resize(g.minimum ? act_blocks : 0);
 #pragma omp for schedule(static)
     for (int64_t p = 0; p < panels; ++p) {
-      const int64_t j0 = p * kPanel16, cols = std::min<int64_t>(kPanel16, w.n_out - j0);
-      const uint8_t* rows[kPanel16];
-      for (int o = 0; o < kPanel16; ++o)
+      const int64_t j0 = p * kLanesI, cols = std::min<int64_t>(kLanesI, w.n_out - j0);
+      const uint8_t* rows[kLanesI];
+      for (int o = 0; o < kLanesI; ++o)
         rows[o] = w.data + (j0 + std::min<int64_t>(o, cols - 1)) * row_bytes;
       for (int64_t blk = 0; blk < file_blocks; ++blk)
         decode_panel_block<F>(rows, blk, g.block_bytes, buf);
@@ -523,7 +595,7 @@ void int8_rows(Int8Rows& out, const T* x, int64_t rows, int64_t k, int64_t x_str
 #pragma omp parallel for num_threads(num_threads) schedule(static)
   for (int64_t r = 0; r < rows; ++r) {
     for (int64_t b = 0; b < blocks; ++b) {
-#ifdef CONVEYOR_INT8_PANELS
+#if defined(__AVX512F__) && defined(__AVX512BW__)
       {  // the same operations on 16 lanes: max is exact in any order, cvtps rounds to even
         const T* xb = x + r * x_stride + b * kActBlock;
         __m512 v[2];
