@@ -86,6 +86,15 @@ def test_smollm2_tp3_equals_tp1() -> None:
         tp.shutdown()
 
 
+def test_integer_compute_under_tensor_parallelism_is_refused() -> None:
+    """Integer compute does not reproduce one process's logits across ranks: refused, before
+    any worker starts."""
+    with pytest.raises(ValueError, match="weight_compute int8 is not supported"):
+        ModelExecutor(dtype="float32", device="cpu", weight_compute="int8",
+                      parallel=EngineArgs(tensor_parallel_size=3,
+                                          threads_per_rank=1).parallel_config())
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("model", ["tiny_llama", "tiny_qwen3"])
 def test_tiny_models_tp2_equal_tp1(model: str, request) -> None:

@@ -1,6 +1,7 @@
 """Deterministic inference end to end (docs/determinism.md): every request's greedy tokens and
 logprob bits equal those of the same request run alone, whatever it is batched with, however the
-scheduler chunks, caches or preempts it, and with one or two threads; bf16 and float32."""
+scheduler chunks, caches or preempts it, and with one or two threads; bf16 and float32, each
+with float and with integer weight compute (``weight_compute="int8"``)."""
 
 from __future__ import annotations
 
@@ -16,6 +17,8 @@ from long_runs import sized
 from torch_threads import torch_threads
 
 MAX_MODEL_LEN = 128
+# The executors: a dtype, and "-int8" for integer weight compute.
+MODELS = ["bfloat16", "float32", "bfloat16-int8", "float32-int8"]
 TEXTS = [
     "The quick brown fox jumps over the lazy dog. The quick brown fox",
     "The quick brown fox jumps over the lazy dog, and then it",
@@ -32,7 +35,12 @@ TEXTS = [
 def executors():
     from conveyor.executor.model_executor import ModelExecutor
 
-    return {dtype: ModelExecutor(dtype=dtype) for dtype in ("bfloat16", "float32")}
+    return {key: ModelExecutor(dtype=dtype_of(key), weight_compute="int8" if "int8" in key
+                               else "float") for key in MODELS}
+
+
+def dtype_of(key: str) -> str:
+    return key.split("-")[0]
 
 
 @pytest.fixture(scope="module")
@@ -65,7 +73,7 @@ def alone(executor, dtype: str, prompt: list[int], max_tokens: int):
     """The request by itself: a fresh engine, nothing cached, big blocks, the default policy."""
     key = (dtype, tuple(prompt), max_tokens)
     if key not in _alone:
-        args = EngineArgs(dtype=dtype, max_model_len=MAX_MODEL_LEN, num_gpu_blocks=64,
+        args = EngineArgs(dtype=dtype_of(dtype), max_model_len=MAX_MODEL_LEN, num_gpu_blocks=64,
                           max_num_seqs=8, enable_prefix_caching=False)
         params = SamplingParams(temperature=0, max_tokens=max_tokens, logprobs=0,
                                 ignore_eos=True)
@@ -76,7 +84,7 @@ def alone(executor, dtype: str, prompt: list[int], max_tokens: int):
 
 @st.composite
 def scenarios(draw):
-    dtype = draw(st.sampled_from(["bfloat16", "float32"]))
+    dtype = draw(st.sampled_from(MODELS))
     picks = draw(st.lists(st.integers(0, len(TEXTS) - 1), min_size=1, max_size=6))
     requests = [(i, draw(st.integers(1, 6)), draw(st.sampled_from([1, 1, 2]))) for i in picks]
     policy = draw(st.sampled_from(["prefill_first", "chunked"]))
@@ -112,7 +120,7 @@ def test_every_request_equals_itself_alone(executors, prompts, scenario) -> None
     blocks = max(needs) if s["small_cache"] else sum(needs) + 8
     # prefill_first runs no sequence longer than its step budget
     max_model_len = MAX_MODEL_LEN if s["policy"] == "chunked" else min(MAX_MODEL_LEN, budget)
-    args = EngineArgs(dtype=s["dtype"], max_model_len=max_model_len, block_size=s["block_size"],
+    args = EngineArgs(dtype=dtype_of(s["dtype"]), max_model_len=max_model_len, block_size=s["block_size"],
                       num_gpu_blocks=blocks, max_num_seqs=s["max_num_seqs"],
                       max_num_batched_tokens=budget, policy=s["policy"],
                       preemption_mode=s["preemption_mode"],
@@ -132,13 +140,13 @@ def test_default_is_deterministic() -> None:
     assert EngineArgs().deterministic
 
 
-@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+@pytest.mark.parametrize("dtype", MODELS)
 def test_batch_of_one_and_of_many_agree(executors, prompts, dtype) -> None:
     """A direct, fast instance of the property: 7 requests together, chunked at 16 tokens, vs
     each alone; the text reads sensibly."""
     executor = executors[dtype]
     params = SamplingParams(temperature=0, max_tokens=6, logprobs=0, ignore_eos=True)
-    args = EngineArgs(dtype=dtype, max_model_len=MAX_MODEL_LEN, num_gpu_blocks=96,
+    args = EngineArgs(dtype=dtype_of(dtype), max_model_len=MAX_MODEL_LEN, num_gpu_blocks=96,
                       max_num_seqs=8, policy="chunked", max_num_batched_tokens=16)
     got = run(executor, args, [(p, params) for p in prompts])
     for prompt, samples in zip(prompts, got, strict=True):
@@ -147,9 +155,10 @@ def test_batch_of_one_and_of_many_agree(executors, prompts, dtype) -> None:
     assert "Earth" in planets
 
 
+@pytest.mark.parametrize("key", ["bfloat16", "bfloat16-int8"])
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
-def test_preempted_requests_equal_themselves_alone(executors, prompts, mode) -> None:
-    executor = executors["bfloat16"]
+def test_preempted_requests_equal_themselves_alone(executors, prompts, mode, key) -> None:
+    executor = executors[key]
     params = SamplingParams(temperature=0, max_tokens=10, logprobs=0, ignore_eos=True)
     chosen = prompts[2:7]
     # room for the largest request alone: the others' growth preempts
@@ -160,4 +169,4 @@ def test_preempted_requests_equal_themselves_alone(executors, prompts, mode) -> 
     got = run(executor, args, [(p, params) for p in chosen], preemptions=preemptions)
     assert preemptions[0] > 0
     for prompt, samples in zip(chosen, got, strict=True):
-        assert samples[0] == alone(executor, "bfloat16", prompt, 10)
+        assert samples[0] == alone(executor, key, prompt, 10)

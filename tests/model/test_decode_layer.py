@@ -15,7 +15,6 @@ from conveyor.model.config import ModelConfig
 from conveyor.model.device import KernelPlan
 from conveyor.model.fused_decode import decode_weights, fuse_decode_layers
 from conveyor.model.kernels.decode_layer import DecodeLayers, decode_layer_available, decode_layers
-from conveyor.model.kernels.int8_gemm import int8_gemm_available
 from conveyor.model.kernels.paged_attention import attention_kernel_available
 from conveyor.model.kernels.panel_gemm import block_panel_gemm_available, panel_gemm_available
 from conveyor.model.layers.formats import linear_format
@@ -41,30 +40,24 @@ def quantized_layer(seed: int = 0, dtype: torch.dtype = torch.float32,
                     large: str | None = None, deterministic: bool = False) -> DecoderLayer:
     """A layer whose weights are its random 4-bit blocks (and their dequantization), laid out
     as a GGUF checkpoint's are (``Linear.process_weights_after_loading``); ``large`` says what
-    serves more rows than the blocks: the dense weight (None), "panels" or "int8"
-    (Int8Panels); ``deterministic``: the blocks packed as for deterministic inference."""
+    serves more rows than the blocks: the dense weight (None), "panels", or "int8": integer
+    compute (``Int8BlockMethod``) serving every row; ``deterministic``: the blocks packed as for deterministic inference."""
     g = torch.Generator().manual_seed(seed)
     layer = DecoderLayer(CFG, BACKEND)
     for norm in (layer.input_norm, layer.post_norm):
         norm.weight.data = 1 + 0.1 * torch.randn(norm.weight.shape, generator=g)
     for linear in layer.projections:
         n, k = linear.out_features, linear.in_features
-        scale = torch.rand(n, k // GROUP, generator=g) * 0.02 + 0.005
+        scale = (torch.rand(n, k // GROUP, generator=g) * 0.02 + 0.005).half().float()
+        low = -8 * scale + 0.01 * torch.randn(n, k // GROUP, generator=g)
         load_blocks(linear, Int4Blocks(torch.randint(0, 16, (n, k), dtype=torch.uint8,
-                                                     generator=g), scale,
-                                       -8 * scale + 0.01 * torch.randn(n, k // GROUP,
-                                                                       generator=g)))
+                                                     generator=g), scale, low.half().float()))
     layer.to(dtype)
     kernels = KernelPlan(linear=PanelMethod if large == "panels" else DenseMethod,
-                         block_weights=True, int8_panels=large == "int8", backend=BACKEND,
+                         block_weights=True, int8_blocks=large == "int8", backend=BACKEND,
                          deterministic=deterministic)
     for linear in layer.projections:
-        # exact channels where the model has them (calibration.py)
-        exact = (torch.tensor([1, 2, linear.in_features // 2, linear.in_features - 1],
-                              dtype=torch.int32)
-                 if linear in (layer.qkv_proj, layer.gate_up_proj) else None)
-        linear.process_weights_after_loading(partial(linear_format, kernels,
-                                                     int8=kernels.int8_panels, exact=exact))
+        linear.process_weights_after_loading(partial(linear_format, kernels))
     return layer
 
 
@@ -96,16 +89,16 @@ def max_rows(dtype: torch.dtype) -> int:
 
 
 def larges(dtype: torch.dtype) -> list[str | None]:
-    """What may serve rows beyond the blocks here: nothing, panels, Int8Panels (bf16)."""
-    return ([None] + (["panels"] if panel_gemm_available(dtype) else [])
-            + (["int8"] if dtype == torch.bfloat16 and int8_gemm_available() else []))
+    """What may serve rows beyond the blocks here: nothing, panels, integer compute."""
+    return [None] + (["panels"] if panel_gemm_available(dtype) else []) + ["int8"]
 
 
 # Without panels up to each dtype's max_tokens, where the Python path runs the same block
-# kernel; with panels or Int8Panels, beyond it too, where both run the same GEMM.
+# kernel; with panels or on integer compute, beyond it too, where both run the same GEMM.
 @pytest.mark.parametrize("dtype,num_seqs,large",
                          [(torch.float32, n, None) for n in (1, 3, 5, 12)]
-                         + [(torch.float32, n, "panels") for n in (13, 40)]
+                         + [(torch.float32, n, large) for n in (13, 40)
+                            for large in ("panels", "int8")]
                          + [(torch.bfloat16, n, None) for n in (1, 3, 4)]
                          + [(torch.bfloat16, n, large) for n in (5, 40)
                             for large in ("panels", "int8")])
@@ -163,7 +156,7 @@ def test_fused_layers_are_used_only_where_they_apply(monkeypatch, dtype, large):
     model.fused_decode = fuse_decode_layers(model)
     assert model.fused_decode is not None
     most = max_rows(dtype)
-    # As far as the 4-bit copies serve; with panels or Int8Panels, any decode step.
+    # As far as the 4-bit copies serve; with panels or on integer compute, any decode step.
     for num_seqs, used in ((most, True), (most + 1, large is not None), (30, large is not None)):
         x, residual, cos, sin, (k, v), meta = decode_step(num_seqs, dtype=dtype)
         ids = torch.arange(num_seqs) % CFG.vocab_size
@@ -261,7 +254,7 @@ def gguf_layer(seed: int, dtype: torch.dtype, deterministic: bool) -> DecoderLay
             blocks = raw_blocks(kind, stop - start, linear.in_features, g)
             linear.load("weight", name, blocks.dequantize(), blocks)
     layer.to(dtype)
-    kernels = KernelPlan(linear=PanelMethod, block_weights=True, int8_panels=False,
+    kernels = KernelPlan(linear=PanelMethod, block_weights=True, int8_blocks=False,
                          backend=BACKEND, deterministic=deterministic)
     for linear in layer.projections:
         linear.process_weights_after_loading(partial(linear_format, kernels))

@@ -14,7 +14,6 @@ from conveyor.model.layers.quantized import (
     BlockPanels,
     Int4Blocks,
     Int8Blocks,
-    Int8Panels,
     NibbleInt4,
 )
 
@@ -104,26 +103,6 @@ def test_block_panel_gemm() -> None:
         fn(torch.randn(2, 64).bfloat16(), wb.codes, wb.scale, wb.min)
 
 
-@pytest.mark.skipif("int8_gemm" not in kernel_features(), reason="needs AVX512-VNNI")
-def test_int8_gemm() -> None:
-    p = Int8Panels.pack(Int4Blocks(torch.randint(0, 16, (40, 64), dtype=torch.uint8),
-                                   torch.rand(40, 2), torch.zeros(40, 2)))
-    exact = torch.tensor([1, 5], dtype=torch.int32)
-    weights = torch.zeros(2, 1, 32, 2, dtype=torch.bfloat16)
-    args = dict(x=torch.randn(3, 64).bfloat16(), codes=p.codes, scale=p.scale, minimum=p.min,
-                n=40, exact=exact, exact_weights=weights)
-    ops.int8_gemm(**args)
-    refuses(ops.int8_gemm, args, "scale", p.scale.double(), "scale must be float32")
-    refuses(ops.int8_gemm, args, "codes", strided(p.codes), "codes must be contiguous")
-    refuses(ops.int8_gemm, args, "minimum", p.min[:1], "minimum must have shape")
-    refuses(ops.int8_gemm, args, "exact", exact.long(), "exact must be int32")
-    refuses(ops.int8_gemm, args, "exact", torch.tensor([1, 64], dtype=torch.int32),
-            "exact holds channel 64")
-    refuses(ops.int8_gemm, args, "exact_weights", weights[:1], "exact_weights must have shape")
-    with pytest.raises(RuntimeError, match="codes must have shape"):
-        ops.int8_gemm(**{**args, "n": 65})
-
-
 def test_fused_ops() -> None:
     x, w = torch.randn(4, 64), torch.randn(64)
     args = dict(x=x, weight=w, eps=1e-5, residual=torch.randn(4, 64), out=torch.empty(4, 64))
@@ -192,10 +171,9 @@ def test_paged_attention(deterministic) -> None:
 
 def _projection(w, **large) -> dict:
     """add_projection's arguments for 4-bit blocks ``w`` (``NibbleInt4`` or ``BlockPanels``) and
-    what serves more rows (``panels`` or ``int8_*``), if anything."""
+    what serves more rows (``panels``), if anything."""
     args = dict(codes=w.codes, scale=w.scale, minimum=w.min, max_block_rows=4,
-                block_panels=isinstance(w, BlockPanels), panels=None, int8_codes=None,
-                int8_scale=None, int8_minimum=None, exact=None, exact_weights=None)
+                block_panels=isinstance(w, BlockPanels), panels=None)
     return {**args, **large}
 
 
@@ -227,10 +205,7 @@ def test_decode_layers() -> None:
     for bad, match in (
             (_projection(blocks4(hidden, heads * head_dim)), "qkv's codes must have 128 rows"),
             ({**qkv, "scale": qkv["scale"].double()}, "qkv blocks' scale must be float32"),
-            ({**qkv, "panels": torch.zeros(3)}, "qkv's panels must have shape"),
-            ({**qkv, "exact": torch.zeros(2, dtype=torch.int32)},
-             "exact channels come with Int8Panels"),
-            ({**qkv, "int8_codes": qkv["codes"]}, "come as codes, scale and minimum together")):
+            ({**qkv, "panels": torch.zeros(3)}, "qkv's panels must have shape")):
         with pytest.raises(RuntimeError, match=match):
             add(bad)
     for p in projections:

@@ -18,12 +18,11 @@ import torch.nn.functional as F
 
 from conveyor.model.kernels import build
 from conveyor.model.kernels.panel_gemm import pack_panels
-from conveyor.model.layers.gguf_blocks import NAMES, QuantPanels
+from conveyor.model.layers.gguf_blocks import LAYOUTS, NAMES, QuantPanels
 from conveyor.model.layers.quantized import (
     GROUP,
     BlockPanels,
     Int4Blocks,
-    Int8Panels,
     NibbleInt4,
 )
 from gguf_blocks import file_blocks, raw_blocks
@@ -152,18 +151,6 @@ def test_quant_panel_gemm_equals_the_panels(ops) -> None:
                 assert torch.equal(got, full[:rows]), (NAMES[kind], dtype, rows)
 
 
-def test_int8_gemm_exists_only_with_vnni(ops) -> None:
-    panels = Int8Panels.pack(_int4(40, 128))
-    x = _randn(9, 128).bfloat16()
-    if "int8_gemm" not in ops.features():
-        with pytest.raises(RuntimeError, match="AVX512-VNNI"):
-            ops.int8_gemm(x, panels.codes, panels.scale, panels.min, 40, None, None)
-        return
-    got = ops.int8_gemm(x, panels.codes, panels.scale, panels.min, 40, None, None)
-    expected = x.double() @ panels.dequantize().double().T
-    assert (got.double() - expected).norm() / expected.norm() < 0.02
-
-
 def test_fused_ops(ops) -> None:
     for dtype in (torch.float32, torch.bfloat16):
         x, residual, weight = _randn(5, 64).to(dtype), _randn(5, 64, seed=1).to(dtype), _randn(64, seed=2).to(dtype)
@@ -225,3 +212,18 @@ def test_paged_attention(ops) -> None:
             scores = torch.einsum("hd,thd->ht", q[t].double(), keys) * head_dim ** -0.5
             expected = torch.einsum("ht,thd->hd", scores.softmax(-1), vals).reshape(-1)
             _close(out[t], expected, dtype, 2)
+
+
+@pytest.mark.parametrize("kind", [pytest.param(kind, id=name) for kind, name in NAMES.items()])
+def test_int8_block_gemm_bits_equal_on_every_target(ops, kind):
+    """Integer compute's bits are the same on every build target (int8_blocks.cpp)."""
+    native = build.load_ops()
+    g = torch.Generator().manual_seed(kind)
+    k = 2 * LAYOUTS[kind].block
+    part = raw_blocks(kind, 13, k, g).parts[0]
+    args = ([kind], [part.data], [13])
+    for rows in (1, 6):
+        x = torch.randn(rows, k, generator=g)
+        for dtype in (torch.float32, torch.bfloat16):
+            got = ops.int8_block_gemm(x.to(dtype), *args)
+            assert torch.equal(got, native.int8_block_gemm(x.to(dtype), *args))

@@ -91,7 +91,7 @@ def test_linear_with_panels_equals_dense_linear_with_bias(dtype) -> None:
     x = torch.randn(9, 40).to(dtype)
     expected = F.linear(x.double(), layer.weight.double(), layer.bias.double())
     dense = layer.weight.data.clone()
-    plan = KernelPlan(linear=PanelMethod, block_weights=False, int8_panels=False,
+    plan = KernelPlan(linear=PanelMethod, block_weights=False, int8_blocks=False,
                       backend=TorchBackend(torch.device("cpu")))
     layer.process_weights_after_loading(partial(linear_format, plan))
     assert isinstance(layer.method, PanelMethod) and layer.weight is None

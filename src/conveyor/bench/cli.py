@@ -11,11 +11,12 @@ BENCHMARKS = [
     "conveyor.bench.serving",  # bench serve
     "conveyor.bench.soak",  # bench soak
     "conveyor.bench.doc_tables",  # bench report
+    "conveyor.bench.accuracy",  # bench accuracy
 ]
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
-    parser = subparsers.add_parser("bench", help="benchmarks (scheduler, throughput, serve, "
+    parser = subparsers.add_parser("bench", help="benchmarks (scheduler, throughput, serve, accuracy, "
                                    "soak) and the docs' tables of their results (report)")
     inner = parser.add_subparsers(dest="benchmark", metavar="BENCHMARK")
     for name in BENCHMARKS:

@@ -29,7 +29,7 @@ class EngineArgs:
     model: str | None = None  # None: the embedded SmolLM2-135M-Instruct GGUF
     dtype: str = "auto"  # auto | bfloat16 | float32 | float16
     kv_cache_dtype: str = "auto"  # auto (the model's dtype) | bfloat16 | float32 | float16
-    int8_activations: bool = False  # GGUF matmuls of a bf16 model on 8-bit activations (VNNI)
+    weight_compute: str = "float"  # float | int8: a GGUF model's quantized matmuls as integers
     device: str = "auto"  # auto | cpu | cuda
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 4096
@@ -90,10 +90,10 @@ _HELP = {
     "dtype": "weights/activations dtype: auto, bfloat16, float32, float16",
     "kv_cache_dtype": "KV cache dtype: auto (the model's) or another; bfloat16 under a float32 "
                       "model halves the cache's bytes (outputs then differ slightly)",
-    "int8_activations": "where the CPU has AVX512-VNNI, a bf16 model's GGUF 4/8-bit matmuls "
-                        "beyond a few rows round activations to 8 bits per block of 32 and "
-                        "multiply as integers, as llama.cpp does: faster, less accurate "
-                        "(docs/performance.md)",
+    "weight_compute": "how a GGUF model's quantized weights are multiplied: float (the "
+                      "activations' dtype) or int8 (activations rounded to 8 bits per block of "
+                      "32, the file's blocks multiplied as integers, as llama.cpp does; "
+                      "accuracy in docs/performance.md)",
     "device": "auto, cpu or cuda",
     "max_num_seqs": "most sequences in one batch",
     "max_num_batched_tokens": "most tokens computed in one step",
@@ -163,6 +163,7 @@ _HELP = {
 _CHOICES = {
     "dtype": ["auto", "bfloat16", "float32", "float16"],
     "kv_cache_dtype": ["auto", "bfloat16", "float32", "float16"],
+    "weight_compute": ["float", "int8"],
     "device": ["auto", "cpu", "cuda"],
     **{name: choice.values() for name, choice in CHOICE_FIELDS.items()},
     "speculative_method": ["ngram", "draft_model"],

@@ -55,7 +55,7 @@ class LLMEngine:
 
             executor = ModelExecutor(args.model, dtype=args.dtype, device=args.device,
                                      seed=args.seed, kv_cache_dtype=args.kv_cache_dtype,
-                                     int8_activations=args.int8_activations,
+                                     weight_compute=args.weight_compute,
                                      parallel=args.parallel_config(),
                                      max_num_seqs=args.max_num_seqs,
                                      enforce_eager=args.enforce_eager,

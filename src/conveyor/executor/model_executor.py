@@ -36,7 +36,7 @@ from conveyor.model.loader import load_model, read_model_config
 
 class ModelExecutor:
     def __init__(self, model: str | None = None, dtype: str = "auto", device: str = "auto",
-                 seed: int = 0, kv_cache_dtype: str = "auto", int8_activations: bool = False,
+                 seed: int = 0, kv_cache_dtype: str = "auto", weight_compute: str = "float",
                  parallel: ParallelConfig | None = None, max_num_seqs: int = 64,
                  enforce_eager: bool = False, deterministic: bool = True) -> None:
         self.device = resolve_device(device)
@@ -48,10 +48,10 @@ class ModelExecutor:
         self.workers = None
         self.tp: TensorParallel | None = None
         if self.parallel.tensor_parallel_size > 1:
-            self._start_workers(model, int8_activations, deterministic)
+            self._start_workers(model, weight_compute, deterministic)
         torch.manual_seed(seed)
         try:
-            loaded = load_model(model, self.dtype, self.device, int8_activations,
+            loaded = load_model(model, self.dtype, self.device, weight_compute,
                                 self.kv_cache_dtype, deterministic=deterministic, tp=self.tp)
         except Exception as e:
             if self.workers is None:
@@ -71,22 +71,24 @@ class ModelExecutor:
         # the same from the same model config.
         self.kv_cache_groups: tuple[KVCacheGroup, ...] = self.runner.kv_cache_groups
 
-    def _start_workers(self, model: str | None, int8_activations: bool,
+    def _start_workers(self, model: str | None, weight_compute: str,
                        deterministic: bool) -> None:
         """Check the split before any process starts, then start or meet the other ranks."""
         from conveyor.distributed.workers import TensorParallelWorkers, threads_per_rank
         from conveyor.executor.tp_worker import worker_process
 
         size = self.parallel.tensor_parallel_size
-        if int8_activations:
-            raise ValueError("int8_activations is not supported with tensor_parallel_size > 1")
+        if weight_compute == "int8":
+            # Ranks computing their split of the blocks as integers do not yet reproduce one
+            # process's logits, so the combination is refused rather than run inexactly.
+            raise ValueError("weight_compute int8 is not supported with tensor_parallel_size > 1")
         check_tensor_parallel(read_model_config(model), size)
         self._threads_before = torch.get_num_threads()
         torch.set_num_threads(threads_per_rank(self.parallel))
         self.workers = TensorParallelWorkers(self.parallel, {
             "model": model, "device": self.device.type, "dtype": dtype_name(self.dtype),
             "kv_cache_dtype": dtype_name(self.kv_cache_dtype),
-            "deterministic": deterministic}, worker_process)
+            "deterministic": deterministic, "weight_compute": weight_compute}, worker_process)
         self.tp = TensorParallel(0, size)
 
     def __copy__(self) -> ModelExecutor:

@@ -61,6 +61,7 @@ def run_worker(spec: WorkerSpec) -> int:
             kv_dtype = resolve_dtype(settings["kv_cache_dtype"], device)
             loaded = load_model(settings["model"], dtype, device, kv_cache_dtype=kv_dtype,
                                 deterministic=settings["deterministic"],
+                                weight_compute=settings["weight_compute"],
                                 tp=TensorParallel(spec.rank, spec.world_size),
                                 with_tokenizer=False)
             runner = ModelRunner(loaded, device, trim_after_long_steps=trim)

@@ -76,7 +76,7 @@ class KernelPlan:
     """Which kernels serve a model on this device, chosen once at load (``select_kernels``)."""
     linear: type[LinearMethod]  # every Linear's weight format (layers/linear.py)
     block_weights: bool  # keep a GGUF file's quantized blocks for small batches
-    int8_panels: bool  # a bf16 model's GGUF matmuls above the blocks on 8-bit activations
+    int8_blocks: bool  # integer compute: a GGUF model's quantized matmuls as integers
     backend: Backend  # attention, norm, rotary, activation (model/backends/)
     # same bits however a request is batched (docs/determinism.md): GGUF blocks as BlockPanels
     # (or serving no rows), every attention query row through the one-token path
@@ -85,7 +85,7 @@ class KernelPlan:
 
 def select_kernels(device: torch.device, dtype: torch.dtype, head_dim: int,
                    cache_dtype: torch.dtype | None = None,
-                   int8_activations: bool = False, deterministic: bool = True) -> KernelPlan:
+                   weight_compute: str = "float", deterministic: bool = True) -> KernelPlan:
     """The one place a model's kernels are chosen.
 
     * ``linear``: on the CPU, ``PanelMethod`` for float32, and for bf16 where the build targets
@@ -95,9 +95,10 @@ def select_kernels(device: torch.device, dtype: torch.dtype, head_dim: int,
       cannot be built); ``DenseMethod`` elsewhere (oneDNN would emulate bf16).
     * ``block_weights``: wherever the weights are packed for the CPU and the kernels built
       (layers/quantized.py, float32 or bf16 activations).
-    * ``int8_panels``: when asked (``int8_activations``), for a bf16 model on panels whose
-      build has the int8 GEMM (AVX512-VNNI). A float32 model keeps float32 activations:
-      asking for float32 is asking for its accuracy.
+    * ``int8_blocks``: integer compute, when asked (``weight_compute="int8"``), on the CPU
+      wherever the block weights are kept: every projection the file stores as blocks then
+      multiplies them as integers against activations rounded to 8 bits
+      (``layers/block_method.py``'s ``Int8BlockMethod``), whatever the model's dtype.
     * ``backend``: on CUDA, ``TritonBackend`` where Triton is installed and head_dim is a power
       of two from 16 to 256; on the CPU, ``CpuBackend`` wherever the kernels build, its
       attention kernel where it takes the queries' and cache's dtypes (float32/bf16; a float32
@@ -106,10 +107,12 @@ def select_kernels(device: torch.device, dtype: torch.dtype, head_dim: int,
       (``BlockPanels`` for the blocks, the attention's one-token path for every row).
     """
     from conveyor.model.kernels.block_matmul import block_matmul_available
-    from conveyor.model.kernels.int8_gemm import int8_gemm_available
     from conveyor.model.kernels.panel_gemm import panel_gemm_available
     from conveyor.model.layers.linear import DenseMethod, OneDnnMethod, PanelMethod
 
+    if weight_compute not in WEIGHT_COMPUTE:
+        raise ValueError(f"weight_compute must be one of {', '.join(WEIGHT_COMPUTE)}, got "
+                         f"{weight_compute!r}")
     linear: type[LinearMethod] = DenseMethod
     if device.type == "cpu":
         native_bf16 = dtype == torch.bfloat16 and cpu_has_native_bf16()
@@ -120,16 +123,20 @@ def select_kernels(device: torch.device, dtype: torch.dtype, head_dim: int,
         elif (dtype == torch.float32 or native_bf16) and OneDnnMethod.available():
             linear = OneDnnMethod
     packed = linear is not DenseMethod
+    block_weights = packed and block_matmul_available()
+    if weight_compute == "int8" and not block_weights:
+        raise ValueError(f"weight_compute int8 needs the CPU kernels (device {device.type}, "
+                         f"dtype {dtype})")
     return KernelPlan(
         linear=linear,
-        block_weights=packed and block_matmul_available(),
-        int8_panels=(int8_activations and dtype == torch.bfloat16 and linear is PanelMethod
-                     and int8_gemm_available()),
+        block_weights=block_weights,
+        int8_blocks=weight_compute == "int8",
         backend=select_backend(device, dtype, head_dim, cache_dtype, deterministic),
         deterministic=deterministic)
 
 
 BACKENDS = ("torch", "cpu", "triton")
+WEIGHT_COMPUTE = ("float", "int8")  # how quantized weights are multiplied (select_kernels)
 
 
 def select_backend(device: torch.device, dtype: torch.dtype, head_dim: int,

@@ -17,9 +17,9 @@ def decode_weights(layer: DecoderLayer) -> DecodeLayerWeights | None:
     layer's Python path, without the Python around each call; None unless it is a Llama layer
     (no q/k norms, no biases) whose projections all have 4-bit blocks (``NibbleInt4``, or
     ``BlockPanels`` in deterministic inference). The kernel checks the rest as the layer is
-    added. With every projection's panels or ``Int8Panels`` too it serves any batch, else up to
-    the blocks' ``max_tokens``. A layer with an attention scale of its own, or a layer class
-    other than Llama's (Gemma 3's norms and activation), stays on the Python path."""
+    added. With every projection's panels too (or on integer compute) it serves any batch, else
+    up to the blocks' ``max_tokens``. A layer with an attention scale of its own, or a layer
+    class other than Llama's (Gemma 3's norms and activation), stays on the Python path."""
     projections = [p.method.decode_projection() for p in layer.projections]
     if (type(layer) is not DecoderLayer or layer.scale is not None
             or layer.q_norm is not None or None in projections

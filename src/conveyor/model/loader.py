@@ -172,16 +172,15 @@ def open_checkpoint(path: str) -> Checkpoint:
 
 
 def load_model(model: str | None, dtype: torch.dtype, device: torch.device,
-               int8_activations: bool = False,
+               weight_compute: str = "float",
                kv_cache_dtype: torch.dtype | None = None, deterministic: bool = True,
                tp: TensorParallel | None = None, with_tokenizer: bool = True) -> LoadedModel:
-    """``int8_activations``: let a GGUF model's quantized matmuls round their activations to 8
-    bits where that is faster (``KernelPlan.int8_panels``): off by default, for accuracy.
+    """``weight_compute``: ``float``, or ``int8``: a GGUF model's quantized matmuls round their
+    activations to 8 bits and multiply the file's blocks as integers (``KernelPlan.int8_blocks``).
     ``kv_cache_dtype`` (default: ``dtype``) is what the attention kernel's choice depends on.
     ``deterministic``: small batches' matmuls give the large ones' bits and every attention
     query row takes one arithmetic (``KernelPlan.deterministic``, ``pack_blocks``;
     docs/determinism.md). ``tp``: load only this rank's shard (``layers/parallel.py``)."""
-    from conveyor.model.calibration import exact_channels
     from conveyor.model.device import dtype_name, return_freed_memory, select_kernels
     from conveyor.model.tokenizer import end_of_turn_id, load_tokenizer
 
@@ -190,7 +189,7 @@ def load_model(model: str | None, dtype: torch.dtype, device: torch.device,
         raise ValueError(f"model {path!r} not found (expected a .gguf file or an HF model directory)")
     checkpoint = open_checkpoint(path)
     config = checkpoint.config
-    kernels = select_kernels(device, dtype, config.head_dim, kv_cache_dtype, int8_activations,
+    kernels = select_kernels(device, dtype, config.head_dim, kv_cache_dtype, weight_compute,
                              deterministic)
     plan = shard_plan(config, tp.rank, tp.size) if tp is not None and tp.size > 1 else None
     tokenizer = load_tokenizer(path) if with_tokenizer else None
@@ -205,11 +204,7 @@ def load_model(model: str | None, dtype: torch.dtype, device: torch.device,
     net.rotary_to(device)
     config.dtype = dtype_name(dtype)
     config.num_params = net.num_params()
-    # Calibration runs a prefill of its own, on the weights as loaded: one process only (the
-    # executor refuses int8 activations under TP).
-    int8 = (kernels.int8_panels and plan is None
-            and any(p.blocks for layer in net.layers for p in layer.projections))
-    process_weights_after_loading(net, kernels, exact_channels(net, tokenizer) if int8 else None)
+    process_weights_after_loading(net, kernels)
     return_freed_memory()
     return LoadedModel(config, net, tokenizer, kernels)
 
@@ -257,20 +252,13 @@ def _module(model: nn.Module, path: str) -> nn.Module | None:
     return module
 
 
-def process_weights_after_loading(model: LlamaForCausalLM, kernels: KernelPlan,
-                                  exact: dict[Linear, torch.Tensor] | None = None) -> None:
-    """After ``load_weights`` and ``.to()``: every projection in this device's format, and with
-    ``exact`` (``calibration.exact_channels``, for ``kernels.int8_panels``) the layers' GGUF
-    blocks on the int8 GEMM, keeping those channels exact; embedding lookups from the
-    checkpoint's blocks where they can; the decode layers fused where they can."""
-    for layer in model.layers:
-        for p in layer.projections:
-            p.process_weights_after_loading(partial(linear_format, kernels, int8=exact is not None,
-                                                    exact=(exact or {}).get(p)))
-    # The lm_head stays on its bf16 panels: rounding the final hidden state to 8 bits cost more
-    # agreement with float32's top-1 than all the layers' rounding together
-    # (docs/performance.md), for a small part of a decode step.
-    model.lm_head.process_weights_after_loading(partial(linear_format, kernels))
+def process_weights_after_loading(model: LlamaForCausalLM, kernels: KernelPlan) -> None:
+    """After ``load_weights`` and ``.to()``: every projection (the lm_head too) in this
+    device's format (``layers/formats.py``; integer compute where ``kernels.int8_blocks``);
+    embedding lookups from the checkpoint's blocks where they can; the decode layers fused where
+    they can."""
+    for p in (*(p for layer in model.layers for p in layer.projections), model.lm_head):
+        p.process_weights_after_loading(partial(linear_format, kernels))
     model.embed_tokens.process_weights_after_loading(
         shared=model.lm_head.weight is model.embed_tokens.weight)
     model.fused_decode = fuse_decode_layers(model)

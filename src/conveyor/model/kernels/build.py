@@ -214,7 +214,8 @@ def kernel_ops() -> Any | None:
 
 @functools.cache
 def kernel_features() -> frozenset[str]:
-    """What the native build targets (``avx2``, ``avx512f``, ``avx512bf16``, ``int8_gemm``);
-    empty when the kernels are off or unavailable."""
+    """What the native build targets (``avx2``, ``avx512f``, ``avx512bf16``, and ``avx512vnni``
+    or ``avxvnni``: the integer dot product ``int8_block_gemm`` runs on); empty when the kernels
+    are off or unavailable."""
     ops = kernel_ops()
     return frozenset(ops.features()) if ops is not None else frozenset()

@@ -13,10 +13,9 @@
 // With a step's LoRA slots, each projection's output then gets its rows' adapter updates
 // (lora.cpp's lora_apply, as layers/lora.py adds them on the Python path).
 //
-// where each matmul is the 4-bit block kernel (or quant_panels.cpp's, for QuantPanels) up to its
-// max_block_rows rows and above them the
-// integer GEMM of int8_gemm.cpp where the weight has Int8Panels, else the panel GEMM (as Linear
-// picks), so its results equal the layer's Python path bit for bit (the tests check). The
+// where each matmul is int8_blocks.cpp's integer GEMM where the weight has it (integer compute:
+// every row), else the 4-bit block kernel (or quant_panels.cpp's, for QuantPanels) up to its
+// max_block_rows rows and above them the panel GEMM (as Linear picks), so its results equal the layer's Python path bit for bit (the tests check). The
 // pieces are the kernels' own entry points; ops.cpp holds the typed operator.
 
 #include <cstdint>
@@ -24,7 +23,7 @@
 #include "block_matmul.h"
 #include "decode_layer.h"
 #include "fused_ops.h"
-#include "int8_gemm.h"
+#include "int8_blocks.h"
 #include "lora.h"
 #include "paged_attention.h"
 #include "panel_gemm.h"
@@ -46,9 +45,12 @@ void add_lora(T* y, const T* x, const LayerWeights* w, int p, const LoraStep& st
 
 // y [rows, w.n_out] = x [rows, k] @ W^T by the kernel that serves `rows` rows.
 template <typename T>
-void matmul(T* y, const T* x, const Weight& w, int64_t rows, int64_t k, QuantizedRows& scratch,
+void matmul(T* y, const T* x, const Weight& w, int64_t rows, int64_t k, Activations<T>& a,
             int num_threads) {
-  if (rows <= w.max_block_rows && w.quant.count) {
+  if (w.int8_block_count) {
+    int8_block_matmul(y, x, k, w.int8_blocks, w.int8_block_count, rows, k, a.int8_rows,
+                      num_threads);
+  } else if (rows <= w.max_block_rows && w.quant.count) {
     for (int i = 0, column = 0; i < w.quant.count; column += w.quant.n_out[i++])
       quant_panel_gemm(y + column, w.n_out, x, k, w.quant.parts[i], rows, w.quant.n_out[i], k,
                        num_threads);
@@ -57,8 +59,6 @@ void matmul(T* y, const T* x, const Weight& w, int64_t rows, int64_t k, Quantize
                      num_threads);
   else if (rows <= w.max_block_rows)
     block_matmul(y, x, w.codes, w.scale, w.minimum, rows, w.n_out, k, k, num_threads);
-  else if (w.int8.codes)
-    int8_matmul(y, x, w.int8, rows, k, k, scratch, num_threads);
   else
     panel_gemm(y, x, static_cast<const T*>(w.panels), rows, w.n_out, k, num_threads);
 }
@@ -83,7 +83,7 @@ void decode_layer(const LayerWeights* w, T* out, const T* x, T* residual, int64_
   T *proj = a.proj.get(), *gate_up = a.gate_up.get(), *act = a.act.get();
 
   rms_norm<T>(h, x, residual, input_norm, rows, hidden, hidden, w->eps, num_threads);
-  matmul(qkv, h, w->qkv, rows, hidden, a.quantized, num_threads);
+  matmul(qkv, h, w->qkv, rows, hidden, a, num_threads);
   add_lora(qkv, h, w, 0, lora, rows, hidden, qkv_width, num_threads);
   rotary<T>(qk, qkv, cos, sin, rows, q_heads + kv_heads, hd, qkv_width, qk_width,
             num_threads);
@@ -92,14 +92,14 @@ void decode_layer(const LayerWeights* w, T* out, const T* x, T* residual, int64_
   paged_attention<T>(attn, qk, k_cache, v_cache, new_kv, block_tables, nullptr,
                      context_lens, rows, q_heads, kv_heads, hd, block_size, max_blocks, qk_width,
                      scale, num_threads, deterministic, w->window);
-  matmul(proj, attn, w->o, rows, q_heads * hd, a.quantized, num_threads);
+  matmul(proj, attn, w->o, rows, q_heads * hd, a, num_threads);
   add_lora(proj, attn, w, 1, lora, rows, q_heads * hd, hidden, num_threads);
   rms_norm<T>(h, proj, residual, post_norm, rows, hidden, hidden, w->eps,
               num_threads);
-  matmul(gate_up, h, w->gate_up, rows, hidden, a.quantized, num_threads);
+  matmul(gate_up, h, w->gate_up, rows, hidden, a, num_threads);
   add_lora(gate_up, h, w, 2, lora, rows, hidden, 2 * inter, num_threads);
   silu_mul<T>(act, gate_up, rows, inter, num_threads);
-  matmul(out, act, w->down, rows, inter, a.quantized, num_threads);
+  matmul(out, act, w->down, rows, inter, a, num_threads);
   add_lora(out, act, w, 3, lora, rows, inter, hidden, num_threads);
 }
 

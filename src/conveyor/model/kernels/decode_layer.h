@@ -6,7 +6,7 @@
 #include <cstdint>
 #include <memory>
 
-#include "int8_gemm.h"
+#include "int8_blocks.h"
 #include "quant_panels.h"
 
 namespace conveyor {
@@ -26,11 +26,13 @@ struct Weight {
   const float* scale;
   const float* minimum;
   const void* panels;  // pack_panels' layout in the activations' type; null: none
-  Int8Weight int8;  // Int8Panels; codes null: none
   int64_t n_out;
   int64_t max_block_rows;  // rows up to which the blocks serve (NibbleInt4.max_tokens)
   int64_t block_panels;  // nonzero: codes, scale and minimum are BlockPanels (panel_gemm.cpp)
   QuantParts quant = {};  // in place of codes, scale and minimum where it has parts
+  // Integer compute (int8_blocks.cpp): the file's blocks, serving every row; count 0: none.
+  Int8BlockPart int8_blocks[kMaxQuantParts] = {};
+  int int8_block_count = 0;
 };
 
 struct LoraStack {  // a projection's adapters: lora.cpp's a [slots, rank, in], b [slots, rank, out]
@@ -61,7 +63,7 @@ struct LoraStep {  // a step's rows under adapters
 template <typename T>
 struct Activations {
   std::unique_ptr<T[]> h, qkv, qk, attn, proj, gate_up, act;
-  QuantizedRows quantized;  // the int8 GEMM's rounded inputs
+  Int8Rows int8_rows;  // the integer block GEMM's
   Activations(const LayerWeights& w, int64_t rows)
       : h(new T[rows * w.hidden]),
         qkv(new T[rows * w.qkv.n_out]),

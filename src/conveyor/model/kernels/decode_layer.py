@@ -51,13 +51,12 @@ class QuantBlocks(Protocol):
     max_tokens: int
 
 
-class Int8PanelWeights(Protocol):
-    """``layers/quantized.py``'s ``Int8Panels``."""
-    codes: torch.Tensor
-    scale: torch.Tensor
-    min: torch.Tensor
-    exact: torch.Tensor | None
-    exact_weights: torch.Tensor | None
+class Int8BlockWeights(Protocol):
+    """``layers/block_method.py``'s ``Int8BlockMethod``: per part in output order, a GGUF type
+    id, the file's bytes and the rows."""
+    formats: list[int]
+    data: list[torch.Tensor]
+    sizes: list[int]
 
 
 @dataclass(frozen=True)
@@ -65,11 +64,12 @@ class DecodeProjection:
     """A projection's weight as the kernel multiplies it: its 4-bit blocks (``panel_order``: as
     ``BlockPanels``, deterministic inference, else as ``NibbleInt4``) or its ``QuantPanels`` up
     to their rows, then what serves more rows, if anything: its panels (``pack_panels``' layout
-    in the activations' dtype) or its ``Int8Panels``."""
-    blocks: FourBitBlocks | QuantBlocks
+    in the activations' dtype). ``integer``: ``blocks`` are
+    ``Int8BlockWeights``, serving every row on the integer block GEMM."""
+    blocks: FourBitBlocks | QuantBlocks | Int8BlockWeights
     panel_order: bool
     panels: torch.Tensor | None = None
-    int8: Int8PanelWeights | None = None
+    integer: bool = False
 
 
 @dataclass
@@ -108,7 +108,10 @@ class DecodeLayers:
             self.weights.add_layer(w.input_norm, w.post_norm, w.num_heads, w.num_kv_heads,
                                    w.head_dim, w.eps, w.window)
             for p in w.projections:
-                b, q = p.blocks, p.int8
+                b = p.blocks
+                if p.integer:
+                    self.weights.add_int8_projection(b.formats, b.data, b.sizes)
+                    continue
                 if hasattr(b, "parts"):
                     parts = b.parts
                     self.weights.add_quant_projection(
@@ -116,10 +119,8 @@ class DecodeLayers:
                         [t.header for t in parts], [t.n_out for t in parts], b.max_tokens,
                         p.panels)
                     continue
-                int8 = ((q.codes, q.scale, q.min, q.exact, q.exact_weights) if q is not None
-                        else (None,) * 5)
                 self.weights.add_projection(b.codes, b.scale, b.min, b.max_tokens,
-                                            p.panel_order, p.panels, *int8)
+                                            p.panel_order, p.panels)
         self.num_layers = len(layers)
         self.dtype = layers[0].input_norm.dtype
         max_rows = self.weights.max_rows()

@@ -23,7 +23,7 @@
 #include "block_matmul.h"
 #include "decode_layer.h"
 #include "fused_ops.h"
-#include "int8_gemm.h"
+#include "int8_blocks.h"
 #include "lora.h"
 #include "paged_attention.h"
 #include "panel_gemm.h"
@@ -125,8 +125,10 @@ std::vector<std::string> features_op() {
 #ifdef __AVX512BF16__
   out.push_back("avx512bf16");
 #endif
-#ifdef CONVEYOR_INT8_GEMM
-  out.push_back("int8_gemm");
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+  out.push_back("avx512vnni");
+#elif defined(__AVXVNNI__)
+  out.push_back("avxvnni");
 #endif
   return out;
 }
@@ -211,16 +213,16 @@ Tensor block_panel_gemm_op(const Tensor& x_in, const Tensor& codes, const Tensor
 void check_blocks(const Tensor& codes, const Tensor& scale, const std::optional<Tensor>& minimum,
                   const char* prefix, int64_t k) {
   const std::string p(prefix);
-  check_multiple(k, kInt8Block, "the input size of block weights");
+  check_multiple(k, kActBlock, "the input size of block weights");
   TORCH_CHECK(codes.dim() == 2, p + "codes must be 2-D, got shape ", codes.sizes());
   const int64_t n = codes.size(0);
   if (minimum) {
     check_tensor(codes, (p + "codes").c_str(), at::kByte, {n, k / 2});
-    check_tensor(*minimum, (p + "minimum").c_str(), at::kFloat, {n, k / kInt8Block});
+    check_tensor(*minimum, (p + "minimum").c_str(), at::kFloat, {n, k / kActBlock});
   } else {
     check_tensor(codes, (p + "codes").c_str(), at::kChar, {n, k});
   }
-  check_tensor(scale, (p + "scale").c_str(), at::kFloat, {n, k / kInt8Block});
+  check_tensor(scale, (p + "scale").c_str(), at::kFloat, {n, k / kActBlock});
 }
 
 Tensor block_matmul_op(const Tensor& x_in, const Tensor& codes, const Tensor& scale,
@@ -272,58 +274,46 @@ Tensor quant_panel_gemm_op(const Tensor& x_in, int64_t format, const Tensor& cod
   return y;
 }
 
-// ---- int8_gemm.cpp ----
+// ---- int8_blocks.cpp ----
 
-// Int8Panels of an [n, k] weight; the tensors it points to must outlive its use.
-Int8Weight int8_weight(const Tensor& codes, const Tensor& scale, const Tensor& minimum,
-                       const std::optional<Tensor>& exact,
-                       const std::optional<Tensor>& exact_weights, int64_t n, int64_t k,
-                       const char* prefix) {
-#ifndef CONVEYOR_INT8_GEMM
-  TORCH_CHECK(false, prefix, "codes: Int8Panels need a build targeting AVX512-VNNI, "
-              "AVX512-BW and AVX512-BF16");
-#endif
-  const std::string p(prefix);
-  check_multiple(k, kInt8Block, "the input size of Int8Panels");
-  TORCH_CHECK(n > 0, "n must be positive, got ", n);
-  const int64_t panels = (n + kInt8Panel - 1) / kInt8Panel, blocks = k / kInt8Block;
-  check_tensor(codes, (p + "codes").c_str(), at::kByte, {panels, blocks, kGroups, kInt8Panel, 4});
-  check_tensor(scale, (p + "scale").c_str(), at::kFloat, {panels, blocks, kInt8Panel});
-  check_tensor(minimum, (p + "minimum").c_str(), at::kFloat, {panels, blocks, kInt8Panel});
-  Int8Weight w{data<const uint8_t>(codes), data<const float>(scale), data<const float>(minimum),
-               n, nullptr, nullptr, 0};
-  TORCH_CHECK(exact.has_value() == exact_weights.has_value(),
-              p + "exact and " + p + "exact_weights come together");
-  if (exact && exact->numel()) {
-    TORCH_CHECK(exact->dim() == 1, p + "exact must be 1-D, got shape ", exact->sizes());
-    const int64_t e = exact->size(0);
-    check_multiple(e, 2, (p + "exact's length").c_str());
-    check_tensor(*exact, (p + "exact").c_str(), at::kInt, {e});
-    check_tensor(*exact_weights, (p + "exact_weights").c_str(), at::kBFloat16,
-                 {panels, e / 2, kInt8Panel, 2});
-    const int32_t* channels = data<const int32_t>(*exact);
-    for (int64_t i = 0; i < e; ++i)
-      TORCH_CHECK(channels[i] >= 0 && channels[i] < k, p + "exact holds channel ", channels[i],
-                  ", outside 0..", k - 1);
-    w.exact = channels;
-    w.exact_weights = data<const uint16_t>(*exact_weights);
-    w.n_exact = e;
+// A weight's parts (Int8BlockMethod, layers/block_method.py) for x [m, k]: per part a GGUF type
+// id, the file's bytes [rows, k / block * block bytes] and its rows; `prefix` names the weight.
+std::vector<Int8BlockPart> int8_block_parts(const std::vector<int64_t>& formats,
+                                            const std::vector<Tensor>& blocks,
+                                            const std::vector<int64_t>& sizes, int64_t k,
+                                            const std::string& prefix) {
+  TORCH_CHECK(!formats.empty() && blocks.size() == formats.size() && sizes.size() == formats.size(),
+              prefix, "formats, blocks and sizes must hold one entry per part (at least one), got ",
+              formats.size(), ", ", blocks.size(), " and ", sizes.size());
+  check_multiple(k, kActBlock, "the input size of int8 blocks");
+  std::vector<Int8BlockPart> parts;
+  for (size_t i = 0; i < formats.size(); ++i) {
+    const std::string p = prefix + "part " + std::to_string(i) + "'s ";
+    int64_t block = 0;
+    const int64_t bytes = int8_block_bytes(formats[i], block);
+    TORCH_CHECK(bytes, p + "format must be a GGUF type id of Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, "
+                "Q4_K, Q5_K or Q6_K (2, 3, 6, 7, 8, 12, 13, 14), got ", formats[i]);
+    TORCH_CHECK(sizes[i] > 0, p + "size must be positive, got ", sizes[i]);
+    check_multiple(k, block, (p + "input size (its blocks')").c_str());
+    check_tensor(blocks[i], (p + "data").c_str(), at::kByte, {sizes[i], k / block * bytes});
+    parts.push_back(Int8BlockPart{formats[i], data<const uint8_t>(blocks[i]), sizes[i]});
   }
-  return w;
+  return parts;
 }
 
-Tensor int8_gemm_op(const Tensor& x_in, const Tensor& codes, const Tensor& scale,
-                 const Tensor& minimum, int64_t n, const std::optional<Tensor>& exact,
-                 const std::optional<Tensor>& exact_weights) {
+Tensor int8_block_gemm_op(const Tensor& x_in, const std::vector<int64_t>& formats,
+                          const std::vector<Tensor>& blocks, const std::vector<int64_t>& sizes) {
   check_activation_dtype(x_in, "x");
   const Tensor x = unit_stride_rows(x_in, "x");
-  const Int8Weight w = int8_weight(codes, scale, minimum, exact, exact_weights, n, x.size(1), "");
+  const std::vector<Int8BlockPart> parts = int8_block_parts(formats, blocks, sizes, x.size(1), "");
+  int64_t n = 0;
+  for (const Int8BlockPart& p : parts) n += p.n_out;
   Tensor y = at::empty({x.size(0), n}, x.options());
-  static thread_local QuantizedRows scratch;
+  static thread_local Int8Rows scratch;
   with_type(x, [&](auto* type) {
     using T = std::remove_pointer_t<decltype(type)>;
-    int8_matmul(data<T>(y), data<const T>(x), w, x.size(0), x.size(1), x.stride(0), scratch,
-                threads());
+    int8_block_matmul(data<T>(y), data<const T>(x), x.stride(0), parts.data(),
+                      static_cast<int>(parts.size()), x.size(0), x.size(1), scratch, threads());
   });
   return y;
 }
@@ -653,15 +643,10 @@ struct DecodeLayers : torch::CustomClassHolder {
   // The last layer's next projection [n_out, k], in qkv, o, gate_up, down order: its 4-bit
   // blocks (codes, scale, minimum) serving up to max_block_rows rows, as BlockPanels
   // (panel_gemm.cpp's layout) where block_panels says so, else as NibbleInt4; then what serves
-  // more rows, if anything: its panels, or its Int8Panels (int8_codes, int8_scale,
-  // int8_minimum, and exact, exact_weights where it keeps exact channels).
+  // more rows, if anything: its panels.
   void add_projection(const Tensor& codes, const Tensor& scale, const Tensor& minimum,
                       int64_t max_block_rows, bool block_panels,
-                      const std::optional<Tensor>& panels, const std::optional<Tensor>& int8_codes,
-                      const std::optional<Tensor>& int8_scale,
-                      const std::optional<Tensor>& int8_minimum,
-                      const std::optional<Tensor>& exact,
-                      const std::optional<Tensor>& exact_weights) {
+                      const std::optional<Tensor>& panels) {
     TORCH_CHECK(codes.dim() == 2, kProjections[projections_ % 4],
                 "'s codes must be 2-D, got shape ", codes.sizes());
     int64_t n_out, k;
@@ -673,25 +658,14 @@ struct DecodeLayers : torch::CustomClassHolder {
                          k);
     else
       check_blocks(codes, scale, minimum, (name + " blocks' ").c_str(), k);
-    TORCH_CHECK(int8_codes.has_value() == int8_scale.has_value() &&
-                    int8_codes.has_value() == int8_minimum.has_value(),
-                name, "'s Int8Panels come as codes, scale and minimum together");
-    TORCH_CHECK(!(panels && int8_codes), name, " takes panels or Int8Panels, not both");
-    TORCH_CHECK(int8_codes || !(exact || exact_weights), name,
-                "'s exact channels come with Int8Panels");
     Weight weight{data<const uint8_t>(codes), data<const float>(scale),
-                  data<const float>(minimum), nullptr, Int8Weight{}, n_out, max_block_rows,
+                  data<const float>(minimum), nullptr, n_out, max_block_rows,
                   block_panels ? 1 : 0};
     tensors.insert(tensors.end(), {codes, scale, minimum});
     if (panels) {
       check_panels(*panels, (name + "'s panels").c_str(), dtype, n_out, k);
       weight.panels = panels->data_ptr();
       tensors.push_back(*panels);
-    } else if (int8_codes) {
-      weight.int8 = int8_weight(*int8_codes, *int8_scale, *int8_minimum, exact, exact_weights,
-                                n_out, k, (name + "'s Int8Panels' ").c_str());
-      for (const auto* t : {&int8_codes, &int8_scale, &int8_minimum, &exact, &exact_weights})
-        if (t->has_value()) tensors.push_back(**t);
     } else if (max_rows_ < 0 || max_block_rows < max_rows_) {
       max_rows_ = max_block_rows;
     }
@@ -715,7 +689,7 @@ struct DecodeLayers : torch::CustomClassHolder {
     int64_t n_out, k;
     const std::string name = next_projection(rows, max_block_rows, n_out, k);
     TORCH_CHECK(rows == n_out, name, "'s parts must have ", n_out, " outputs in all, got ", rows);
-    Weight weight{nullptr, nullptr, nullptr, nullptr, Int8Weight{}, n_out, max_block_rows, 0};
+    Weight weight{nullptr, nullptr, nullptr, nullptr, n_out, max_block_rows, 0};
     for (size_t i = 0; i < count; ++i) {
       const std::string part = name + "'s part " + std::to_string(i) + " ";
       check_quant_panels(formats[i], codes[i], headers[i], part.c_str(), sizes[i], k);
@@ -732,6 +706,26 @@ struct DecodeLayers : torch::CustomClassHolder {
     } else if (max_rows_ < 0 || max_block_rows < max_rows_) {
       max_rows_ = max_block_rows;
     }
+    place(weight);
+  }
+
+  // The last layer's next projection on integer compute (int8_blocks.cpp), serving every row:
+  // its parts in output order, each a GGUF type id, the file's bytes and its rows.
+  void add_int8_projection(const std::vector<int64_t>& formats, const std::vector<Tensor>& blocks,
+                           const std::vector<int64_t>& sizes) {
+    TORCH_CHECK(formats.size() <= kMaxQuantParts, "at most ", kMaxQuantParts, " parts, got ",
+                formats.size());
+    int64_t rows = 0;
+    for (int64_t s : sizes) rows += s;
+    int64_t n_out, k;
+    const std::string name = next_projection(rows, 0, n_out, k);
+    TORCH_CHECK(rows == n_out, name, "'s parts must have ", n_out, " outputs in all, got ", rows);
+    const std::vector<Int8BlockPart> parts =
+        int8_block_parts(formats, blocks, sizes, k, name + "'s ");
+    Weight weight{nullptr, nullptr, nullptr, nullptr, n_out, 0, 0};
+    std::copy(parts.begin(), parts.end(), weight.int8_blocks);
+    weight.int8_block_count = static_cast<int>(parts.size());
+    tensors.insert(tensors.end(), blocks.begin(), blocks.end());
     place(weight);
   }
 
@@ -876,6 +870,7 @@ TORCH_LIBRARY(CONVEYOR_OPS_NAMESPACE, m) {
       .def("add_layer", &DecodeLayers::add_layer)
       .def("add_projection", &DecodeLayers::add_projection)
       .def("add_quant_projection", &DecodeLayers::add_quant_projection)
+      .def("add_int8_projection", &DecodeLayers::add_int8_projection)
       .def("set_lora", &DecodeLayers::set_lora)
       .def("has_lora", &DecodeLayers::has_lora)
       .def("max_rows", &DecodeLayers::max_rows)
@@ -889,9 +884,8 @@ TORCH_LIBRARY(CONVEYOR_OPS_NAMESPACE, m) {
         &block_matmul_op);
   m.def("quant_panel_gemm(Tensor x, int format, Tensor codes, Tensor header, int n) -> Tensor",
         &quant_panel_gemm_op);
-  m.def("int8_gemm(Tensor x, Tensor codes, Tensor scale, Tensor minimum, int n, Tensor? exact, "
-        "Tensor? exact_weights) -> Tensor",
-        &int8_gemm_op);
+  m.def("int8_block_gemm(Tensor x, int[] formats, Tensor[] blocks, int[] sizes) -> Tensor",
+        &int8_block_gemm_op);
   m.def("rms_norm(Tensor x, Tensor weight, float eps, Tensor(a!)? residual, Tensor(b!) out) -> ()",
         &rms_norm_op);
   m.def("silu_mul(Tensor gate_up) -> Tensor", &silu_mul_op);

@@ -348,6 +348,23 @@ bool quant_layout(int64_t format, QuantLayout& layout) {
   }
 }
 
+void quant_scales(int64_t format, const uint8_t* header, float* s, float* m) {
+  switch (format) {
+#define CONVEYOR_SCALES_CASE(id) \
+    case id: return Format<id>::scales(header, s, m);
+    CONVEYOR_SCALES_CASE(kQ4_0)
+    CONVEYOR_SCALES_CASE(kQ4_1)
+    CONVEYOR_SCALES_CASE(kQ5_0)
+    CONVEYOR_SCALES_CASE(kQ5_1)
+    CONVEYOR_SCALES_CASE(kQ8_0)
+    CONVEYOR_SCALES_CASE(kQ4_K)
+    CONVEYOR_SCALES_CASE(kQ5_K)
+    CONVEYOR_SCALES_CASE(kQ6_K)
+#undef CONVEYOR_SCALES_CASE
+  }
+  std::abort();  // callers check the format first
+}
+
 int64_t quant_step_bytes(const QuantLayout& layout) { return kPanel * layout.code_bits / 8; }
 
 template <>

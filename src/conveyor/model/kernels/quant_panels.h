@@ -22,6 +22,11 @@ struct QuantLayout {
 // Its layout; false for a type the kernel does not read.
 bool quant_layout(int64_t format, QuantLayout& layout);
 
+// A block's float32 s[sub], m[sub] (m: 0 where the type has none), from its scale bytes `header`
+// (the file's bytes [header start, header start + header_bytes) of the block), as gguf computes
+// them; the format must be one quant_layout takes.
+void quant_scales(int64_t format, const uint8_t* header, float* s, float* m);
+
 // Bytes of one step of K (one k, the kPanel outputs of a panel) in the codes.
 int64_t quant_step_bytes(const QuantLayout& layout);
 

@@ -3,11 +3,13 @@
 
 * ``BlockMethod``: the file's blocks, multiplied as stored, serve calls of up to their
   ``max_tokens`` rows, where reading the weight dominates and the blocks are fewer bytes; another
-  format (a dense one, or ``Int8PanelMethod``) serves the larger calls. The row-count switch
+  format (a dense one) serves the larger calls. The row-count switch
   lives here, and only here. 4-bit and 8-bit blocks (Q4_0, Q4_1, Q8_0) take ``pack_blocks``'
   layouts; the other types (Q5_0, Q5_1, K-quants, and stacks that mix types) ``QuantPanels``.
-* ``Int8PanelMethod``: a bf16 model's blocks as ``Int8Panels`` (``kernels/int8_gemm.cpp``,
-  AVX512-VNNI), activations rounded to 8 bits per block of 32 (docs/performance.md).
+* ``Int8BlockMethod``: integer compute (``weight_compute="int8"``): the file's blocks, every type
+  and every number of rows, multiplied as integers against activations rounded to 8 bits per
+  row and block of 32 (``kernels/int8_blocks.cpp``): the same bits whatever the batch, the
+  thread count or the build target.
 """
 
 from __future__ import annotations
@@ -15,40 +17,49 @@ from __future__ import annotations
 import torch
 
 from conveyor.model.kernels.decode_layer import DecodeProjection
+from conveyor.model.kernels.int8_blocks import int8_block_gemm
 from conveyor.model.layers.gguf_blocks import FileBlocks, GGUFBlocks, QuantPanels
 from conveyor.model.layers.linear import LinearMethod, PanelMethod
 from conveyor.model.layers.quantized import (
     BlockPanels,
     Blocks,
-    Int8Panels,
     NibbleInt4,
     pack_blocks,
 )
 
 
-class Int8PanelMethod(LinearMethod):
-    """A GGUF file's blocks as ``Int8Panels``; ``dtype``: the activations' (what
-    ``dense_weight`` gives)."""
+class Int8BlockMethod(LinearMethod):
+    """A weight's GGUF blocks in the file's bytes (``GGUFBlocks``, one part per run of rows of
+    one type), every call on ``int8_block_gemm``; ``dtype``: the activations' (float32 or bf16,
+    what ``dense_weight`` gives)."""
 
-    def __init__(self, panels: Int8Panels, dtype: torch.dtype) -> None:
-        self.int8, self.dtype = panels, dtype
-        self.out_features = panels.n_out
+    def __init__(self, blocks: GGUFBlocks, dtype: torch.dtype) -> None:
+        self.blocks, self.dtype = blocks, dtype
+        self.out_features = blocks.out_features
+        self.formats = [p.kind for p in blocks.parts]
+        self.data = [p.data for p in blocks.parts]
+        self.sizes = [p.data.shape[0] for p in blocks.parts]
 
     @staticmethod
-    def pack(blocks: Blocks, dtype: torch.dtype,
-             exact: torch.Tensor | None = None) -> Int8PanelMethod:
-        """``exact``: input channels kept out of the rounding (``calibration.py``)."""
-        return Int8PanelMethod(Int8Panels.pack(blocks, exact), dtype)
+    def pack(blocks: FileBlocks, dtype: torch.dtype) -> Int8BlockMethod | None:
+        """None where the blocks have no form in a file's bytes (``GGUFBlocks.of``)."""
+        if dtype not in (torch.float32, torch.bfloat16):
+            raise ValueError(f"int8 blocks run with float32 or bf16 activations, not {dtype}")
+        converted = GGUFBlocks.of(blocks)
+        return None if converted is None else Int8BlockMethod(converted, dtype)
 
     def apply(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        y = self.int8.matmul(x)
+        y = int8_block_gemm(x, self.formats, self.data, self.sizes)
         return y if bias is None else y.add_(bias)
 
     def dense_weight(self) -> torch.Tensor:
-        return self.int8.dequantize().to(self.dtype)
+        return self.blocks.dequantize().to(self.dtype)
 
     def nbytes(self) -> int:
-        return self.int8.nbytes()
+        return self.blocks.nbytes()
+
+    def decode_projection(self) -> DecodeProjection:
+        return DecodeProjection(self, False, integer=True)
 
 
 class BlockMethod(LinearMethod):
@@ -85,13 +96,12 @@ class BlockMethod(LinearMethod):
         return self.small.nbytes() if rows <= self.max_tokens else self.large.bytes_read(rows)
 
     def decode_projection(self) -> DecodeProjection | None:
-        """4-bit blocks or ``QuantPanels`` only; above them the panels or ``Int8Panels``, where
-        the large format is one of those."""
+        """4-bit blocks or ``QuantPanels`` only; above them the panels, where the large format
+        is those."""
         small, large = self.small, self.large
         if not (isinstance(small, (NibbleInt4, QuantPanels))
                 or (isinstance(small, BlockPanels) and small.min is not None)):
             return None
         return DecodeProjection(
             small, isinstance(small, BlockPanels),
-            panels=large.panels if isinstance(large, PanelMethod) else None,
-            int8=large.int8 if isinstance(large, Int8PanelMethod) else None)
+            panels=large.panels if isinstance(large, PanelMethod) else None)

@@ -1,33 +1,33 @@
 """The format each projection's weight takes, chosen once at load (``Linear``'s
 ``process_weights_after_loading``) from this device's ``KernelPlan`` and what the checkpoint
 gave: the plan's dense format (``layers/linear.py``), and where the checkpoint stored the weight
-as blocks, ``BlockMethod`` over them with that format, or with ``int8`` (4-bit and 8-bit blocks)
-their integer GEMM (``layers/block_method.py``), above their rows."""
+as blocks, ``BlockMethod`` over them with that format above their rows, or under integer compute
+(``KernelPlan.int8_blocks``) ``Int8BlockMethod``, the blocks on integer dot products at every
+row count (``layers/block_method.py``)."""
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-import torch
 from torch import nn
 
-from conveyor.model.layers.block_method import BlockMethod, Int8PanelMethod
-from conveyor.model.layers.gguf_blocks import FileBlocks, GGUFBlocks
+from conveyor.model.layers.block_method import BlockMethod, Int8BlockMethod
+from conveyor.model.layers.gguf_blocks import FileBlocks
 from conveyor.model.layers.linear import DenseMethod, LinearMethod
 
 if TYPE_CHECKING:
     from conveyor.model.device import KernelPlan
 
 
-def linear_format(kernels: KernelPlan, weight: nn.Parameter, blocks: FileBlocks | None,
-                  int8: bool = False, exact: torch.Tensor | None = None) -> LinearMethod:
-    """``weight`` (and ``blocks``) in their format; ``int8``: the 4-bit and 8-bit blocks' integer
-    GEMM in place of the dense format (``exact``: the input channels it keeps exact,
-    calibration.py)."""
-    if blocks is not None and not isinstance(blocks, GGUFBlocks) and int8:
-        large: LinearMethod = Int8PanelMethod.pack(blocks, weight.dtype, exact)
-    elif kernels.linear is DenseMethod:
-        large = DenseMethod(weight)
+def linear_format(kernels: KernelPlan, weight: nn.Parameter,
+                  blocks: FileBlocks | None) -> LinearMethod:
+    """``weight`` (and ``blocks``) in their format."""
+    if blocks is not None and kernels.int8_blocks:
+        integer = Int8BlockMethod.pack(blocks, weight.dtype)
+        if integer is not None:
+            return integer
+    if kernels.linear is DenseMethod:
+        large: LinearMethod = DenseMethod(weight)
     else:
         large = kernels.linear(weight.data)
     return large if blocks is None else BlockMethod.pack(blocks, large, kernels.deterministic)

@@ -157,8 +157,9 @@ class GGUFBlocks:
 
     @staticmethod
     def of(blocks: Int4Blocks | Int8Blocks | GGUFBlocks) -> GGUFBlocks | None:
-        """Q4_0 / Q4_1 / Q8_0 blocks back in the file's bytes (as Q4_1 and Q8_0: the same
-        weights), so that they stack with other types; None where a value is no fp16."""
+        """Q4_0 / Q4_1 / Q8_0 blocks back in the file's bytes (4-bit ones as Q4_0 where their
+        minimum is -8 times their scale, else as Q4_1: the same weights), so that they stack
+        with other types; None where a value is no fp16."""
         if isinstance(blocks, GGUFBlocks):
             return blocks
         n = blocks.codes.shape[0]
@@ -167,8 +168,11 @@ class GGUFBlocks:
             values = [blocks.scale]
         else:
             q = blocks.codes.view(n, -1, 2, GROUP // 2)
-            codes, kind = q[:, :, 0] | (q[:, :, 1] << 4), Q4_1
-            values = [blocks.scale, blocks.min]
+            codes = q[:, :, 0] | (q[:, :, 1] << 4)
+            if torch.equal(blocks.min, -8 * blocks.scale):
+                kind, values = Q4_0, [blocks.scale]
+            else:
+                kind, values = Q4_1, [blocks.scale, blocks.min]
         head = [v.half() for v in values]
         if any(not torch.equal(h.float(), v.float()) for h, v in zip(head, values, strict=True)):
             return None

@@ -24,10 +24,8 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 import torch
-import torch.nn.functional as F
 
 from conveyor.model.kernels.block_matmul import block_matmul
-from conveyor.model.kernels.int8_gemm import PANEL, int8_gemm
 from conveyor.model.kernels.panel_gemm import (
     block_panel_gemm,
     block_panel_gemm_available,
@@ -197,72 +195,3 @@ class NibbleInt4:
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.codes, self.scale, self.min))
-
-
-@dataclass
-class Int8Panels:
-    """4-bit or 8-bit blocks laid out for ``kernels/int8_gemm.cpp``: unsigned byte codes in
-    column panels (the operand order of vpdpbusd), multiplied by activations rounded to 8 bits
-    per block of 32. What serves a bf16 model's calls above the blocks' ``max_tokens`` rows where
-    the CPU has AVX512-VNNI, in place of bf16 panels: faster, and 0.6x the bytes (the activation
-    rounding is what llama.cpp and vLLM's GGUF kernels do too).
-
-    ``exact``: input channels kept out of the rounding (the largest activations, which would
-    set their blocks' scales), multiplied in bf16 against ``exact_weights``, their columns."""
-    codes: torch.Tensor  # [panels, K / 32, 8, 32, 4] uint8: codes[p, b, g, j, e] = u[32p + j, 32b + 4g + e]
-    scale: torch.Tensor  # [panels, K / 32, 32] float32: d
-    min: torch.Tensor  # [panels, K / 32, 32] float32: m, with w = d * u + m
-    n_out: int
-    exact: torch.Tensor | None = None  # [E] int32, E even
-    exact_weights: torch.Tensor | None = None  # [panels, E / 2, 32, 2] bf16: W[32p + j, exact[2i + e]]
-
-    @staticmethod
-    def pack(blocks: Blocks, exact: torch.Tensor | None = None) -> Int8Panels:
-        """4-bit: the file's codes and minima; 8-bit: codes + 128 (unsigned) and m = -128 d.
-        ``exact``: an even number of distinct input channels to keep exact."""
-        n, k = blocks.codes.shape
-        _check_input_size(k)
-        if exact is not None and exact.numel() and (exact.dim() != 1 or exact.numel() % 2
-                                                    or exact.unique().numel() != exact.numel()
-                                                    or int(exact.min()) < 0
-                                                    or int(exact.max()) >= k):
-            raise ValueError(f"exact must be an even number of distinct channels below {k}, "
-                             f"got {exact.tolist()}")
-        if isinstance(blocks, Int4Blocks):
-            codes, minimum = blocks.codes, blocks.min
-        else:
-            codes, minimum = (blocks.codes.to(torch.int16) + 128).to(torch.uint8), -128 * blocks.scale
-        padded = -n % PANEL
-        codes = F.pad(codes, (0, 0, 0, padded))
-        panels, steps = codes.shape[0] // PANEL, k // GROUP
-
-        def per_panel(t: torch.Tensor) -> torch.Tensor:  # [N, K / 32] -> [panels, K / 32, 32]
-            t = F.pad(t.float(), (0, 0, 0, padded))
-            return t.view(panels, PANEL, steps).transpose(1, 2).contiguous()
-
-        packed = Int8Panels(
-            codes.view(panels, PANEL, steps, GROUP // 4, 4).permute(0, 2, 3, 1, 4).contiguous(),
-            per_panel(blocks.scale), per_panel(minimum), n)
-        if exact is not None and exact.numel():
-            columns = F.pad(packed.dequantize()[:, exact], (0, 0, 0, padded))  # [panels * 32, E]
-            packed.exact = exact.to(torch.int32).contiguous()
-            packed.exact_weights = (columns.bfloat16().view(panels, PANEL, -1, 2)
-                                    .transpose(1, 2).contiguous())
-        return packed
-
-    def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        return int8_gemm(x, self.codes, self.scale, self.min, self.n_out, self.exact,
-                         self.exact_weights)
-
-    def dequantize(self) -> torch.Tensor:
-        """The [N, K] float32 weight."""
-        panels, steps = self.codes.shape[:2]
-        u = self.codes.permute(0, 3, 1, 2, 4).reshape(panels * PANEL, steps, GROUP).float()
-        w = u * self.scale.transpose(1, 2).reshape(-1, steps, 1) + self.min.transpose(1, 2).reshape(-1, steps, 1)
-        return w.reshape(panels * PANEL, steps * GROUP)[:self.n_out]
-
-    def nbytes(self) -> int:
-        parts = [self.codes, self.scale, self.min]
-        if self.exact is not None:
-            parts += [self.exact, self.exact_weights]
-        return sum(t.numel() * t.element_size() for t in parts)

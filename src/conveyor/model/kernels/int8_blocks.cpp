@@ -1,0 +1,690 @@
+// y = x @ W^T on the CPU's integer dot products, W kept as a GGUF file's own bytes (Q4_0, Q4_1,
+// Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, row by row as the file stores them), x rounded to 8 bits
+// per row and block of 32 as llama.cpp rounds its activations (Q8_0):
+//
+//   d = max|x| / 127, q = rint(x / d) (in -127..127, ties to even), S = d * sum(q)
+//
+// Every one of these types holds, per sub-block of 16 or 32 weights, unsigned codes u and float32
+// s, m from its scale bytes (quant_panels.cpp's quant_scales, gguf's values): w = u s + m (Q4_1,
+// Q5_1, Q4_K, Q5_K) or w = (u - offset) s (Q4_0, Q5_0, Q6_K; Q8_0: signed codes, offset 0).
+// Per output, row and activation block of 32, with integer sums I = sum u q over each sub-block
+// and Q = sum q:
+//
+//   D = I - offset Q                      (exact: an int32, below 2^24, so exact as a float too)
+//   v = D * s                             (Q6_K, two sub-blocks: v = fma(D1, s1, D0 * s0))
+//   acc = fma(v, d, acc)                  (the block's scales, once per block)
+//   acc = fma(m, S, acc)                  (the types with a minimum)
+//
+// from acc = 0, block by block along K. The integer sums are exact whatever computes them, and
+// every float operation is one IEEE operation written out (a multiply whose product no add
+// consumes, or an explicit fma), so no compiler contraction changes it: each output is the
+// same bits on every build target (vpdpbusd with AVX512-VNNI or AVX-VNNI; vpmaddubsw +
+// vpmaddwd on AVX2, Q8_0's signed codes through vpsignb as llama.cpp does; plain C++ on the
+// baseline), whatever the number of rows, the rows beside it, or the threads (they split the
+// outputs). docs/determinism.md.
+//
+// The micro-kernels. AVX2 and up: panels of 16 outputs (AVX512-VNNI with BW: 512-bit vectors)
+// or 8 (256-bit), one per int32 lane, decoded once per call for all of K (nibbles split by masks
+// and shifts, the high bits from their planes, the outputs' bytes transposed to lanes), then 4
+// rows at a time, per block of 32, eight dot products (vpdpbusd; on AVX2 vpmaddubsw + vpmaddwd)
+// against the row's 4-byte groups broadcast and the float steps on the panel's outputs at once:
+// no horizontal sums. The baseline: per tile of kOut = 8 outputs and up to kRows rows, each
+// block of 32 decoded once to 8 x 32 code bytes, then each row's dot products in C++ and the
+// float work above across the 8 outputs. Rows are rounded to 8 bits once per call (int8_rows).
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <type_traits>
+#include <vector>
+
+#ifdef __AVX2__
+#include <immintrin.h>
+#endif
+
+#include "dispatch.h"
+#include "int8_blocks.h"
+#include "quant_panels.h"
+#include "vec.h"
+
+namespace {
+
+using namespace conveyor;
+
+constexpr int kOut = 8;  // outputs per tile: one vector of int32 or float lanes on AVX2
+constexpr int kRows = 4;  // rows sharing a tile's decoded codes
+constexpr int64_t kRowChunk = 64;  // rows a pass over the weight serves (their codes stay cached)
+
+struct Geometry {
+  int64_t block, block_bytes, header_at, offset;
+  int subs;  // sub-blocks (own s, m) per block of 32 activations: 1, or 2 (Q6_K)
+  bool minimum, signed_codes;
+};
+
+bool geometry(int64_t format, Geometry& g) {
+  switch (format) {
+    case kQ4_0: g = {32, 18, 0, 8, 1, false, false}; return true;
+    case kQ4_1: g = {32, 20, 0, 0, 1, true, false}; return true;
+    case kQ5_0: g = {32, 22, 0, 16, 1, false, false}; return true;
+    case kQ5_1: g = {32, 24, 0, 0, 1, true, false}; return true;
+    case kQ8_0: g = {32, 34, 0, 0, 1, false, true}; return true;
+    case kQ4_K: g = {256, 144, 0, 0, 1, true, false}; return true;
+    case kQ5_K: g = {256, 176, 0, 0, 1, true, false}; return true;
+    case kQ6_K: g = {256, 210, 192, 32, 2, false, false}; return true;
+    default: return false;
+  }
+}
+
+inline uint32_t le32(const uint8_t* p) {
+  uint32_t v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+
+// The 32 codes of activation block t (0 .. block / 32 - 1) of a block b of the file's bytes.
+template <int64_t F>
+inline void decode(const uint8_t* b, int64_t t, uint8_t* u) {
+  if constexpr (F == kQ4_0 || F == kQ4_1) {
+    const uint8_t* qs = b + (F == kQ4_0 ? 2 : 4);
+    for (int i = 0; i < 16; ++i) {
+      u[i] = qs[i] & 0xF;
+      u[i + 16] = qs[i] >> 4;
+    }
+  } else if constexpr (F == kQ5_0 || F == kQ5_1) {
+    const int64_t head = F == kQ5_0 ? 2 : 4;
+    const uint32_t qh = le32(b + head);
+    const uint8_t* qs = b + head + 4;
+    for (int i = 0; i < 16; ++i) {
+      u[i] = (qs[i] & 0xF) | (((qh >> i) & 1) << 4);
+      u[i + 16] = (qs[i] >> 4) | (((qh >> (i + 16)) & 1) << 4);
+    }
+  } else if constexpr (F == kQ8_0) {
+    std::memcpy(u, b + 2, 32);
+  } else if constexpr (F == kQ4_K || F == kQ5_K) {
+    const uint8_t* qs = b + (F == kQ4_K ? 16 : 48) + 32 * (t / 2);
+    const int shift = 4 * static_cast<int>(t % 2);
+    for (int i = 0; i < 32; ++i) u[i] = (qs[i] >> shift) & 0xF;
+    if constexpr (F == kQ5_K) {
+      const uint8_t* qh = b + 16;
+      for (int i = 0; i < 32; ++i) u[i] |= ((qh[i] >> t) & 1) << 4;
+    }
+  } else {  // Q6_K: 128 bytes of low nibbles, 64 of 2-bit high parts, 16 scales, d
+    const int64_t h = t / 4, c = t % 4;
+    const uint8_t* ql = b + h * 64 + 32 * (c % 2);
+    const uint8_t* qh = b + 128 + h * 32;
+    const int low = 4 * static_cast<int>(c / 2), high = 2 * static_cast<int>(c);
+    for (int i = 0; i < 32; ++i) u[i] = ((ql[i] >> low) & 0xF) | (((qh[i] >> high) & 3) << 4);
+  }
+}
+
+// Integer dot products of kOut outputs' 32 codes with one row's 32 activations: lo[o] over
+// the first 16, hi[o] over the last 16. Exact. (The baseline target's; SIMD targets take the
+// panels below.)
+template <bool Signed>
+inline void dots(const uint8_t (*u)[32], const int8_t* q, int32_t* lo, int32_t* hi) {
+  for (int o = 0; o < kOut; ++o) {
+    int32_t s0 = 0, s1 = 0;
+    for (int i = 0; i < 16; ++i) {
+      const int32_t w0 = Signed ? static_cast<int8_t>(u[o][i]) : u[o][i];
+      const int32_t w1 = Signed ? static_cast<int8_t>(u[o][i + 16]) : u[o][i + 16];
+      s0 += w0 * q[i];
+      s1 += w1 * q[i + 16];
+    }
+    lo[o] = s0;
+    hi[o] = s1;
+  }
+}
+
+// y[0:R, 0:cols] for one tile of outputs [j0, j0 + cols) of part w.
+template <int64_t F, int R, typename T>
+void tile(T* y, int64_t ldy, const Int8Rows& a, int64_t r0, const Int8BlockPart& w,
+          const Geometry& g, int64_t j0, int64_t cols, int64_t k) {
+  const int64_t act_blocks = k / kActBlock, per_block = g.block / kActBlock;
+  const int64_t row_bytes = k / g.block * g.block_bytes;
+  constexpr int kSubs = 16;  // per block, at most (Q6_K: 256 / 16)
+  const uint8_t* rows[kOut];
+  for (int o = 0; o < kOut; ++o) rows[o] = w.data + (j0 + std::min<int64_t>(o, cols - 1)) * row_bytes;
+  alignas(32) uint8_t u[kOut][32];
+  float s[kSubs][kOut], m[kSubs][kOut];
+  float acc[R][kOut] = {};
+  for (int64_t bb = 0; bb < act_blocks; ++bb) {
+    const int64_t blk = bb / per_block, t = bb % per_block;
+    if (t == 0)
+      for (int o = 0; o < kOut; ++o) {
+        float so[kSubs], mo[kSubs];
+        quant_scales(F, rows[o] + blk * g.block_bytes + g.header_at, so, mo);
+        for (int64_t i = 0; i < per_block * g.subs; ++i) {
+          s[i][o] = so[i];
+          m[i][o] = mo[i];
+        }
+      }
+    for (int o = 0; o < kOut; ++o) decode<F>(rows[o] + blk * g.block_bytes, t, u[o]);
+    for (int r = 0; r < R; ++r) {
+      const int64_t at = (r0 + r) * act_blocks + bb;
+      alignas(32) int32_t lo[kOut], hi[kOut];
+      dots<F == kQ8_0>(u, a.codes.data() + (r0 + r) * k + bb * kActBlock, lo, hi);
+      const float d = a.scale[at], sum = a.sum[at];
+      const int32_t q0 = a.halves[2 * at], q1 = a.halves[2 * at + 1];
+      for (int o = 0; o < kOut; ++o) {
+        float v;
+        if (g.subs == 2) {
+          const float* s0 = s[2 * t];
+          const float* s1 = s[2 * t + 1];
+          v = static_cast<float>(lo[o] - g.offset * q0) * s0[o];
+          v = std::fma(static_cast<float>(hi[o] - g.offset * q1), s1[o], v);
+        } else {
+          v = static_cast<float>(lo[o] + hi[o] - g.offset * (q0 + q1)) * s[t][o];
+        }
+        acc[r][o] = std::fma(v, d, acc[r][o]);
+        if (g.minimum) acc[r][o] = std::fma(m[t][o], sum, acc[r][o]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int64_t o = 0; o < cols; ++o) store(acc[r][o], y + (r0 + r) * ldy + j0 + o);
+}
+
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define CONVEYOR_INT8_PANELS 1
+// The SIMD kernel: outputs in panels of kLanesI (16 with AVX512-VNNI + BW, else 8), one per
+// int32 lane. A panel's codes are decoded once per call, for all of K, into a buffer that stays
+// in L1/L2: per activation block of 32, 8 vectors whose lane o holds output o's codes 4g .. 4g + 3
+// (g = 0..7), and its s (s0, s1 for Q6_K) and m per lane. Then per 4 rows, per block: lo = the
+// dot products over groups 0..3, hi over 4..7, against the row's 4-byte groups broadcast, and the
+// float steps above on the panel's outputs at once (each a vector IEEE operation in the scalar
+// code's order): no horizontal sums. The codes are unsigned but for Q8_0 without 512-bit VNNI,
+// whose signed codes go through vpsignb (with it, Q8_0's codes + 128 and offset 128: the same D).
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+using VI = __m512i;
+using VF = __m512;
+constexpr int kLanesI = 16;
+constexpr bool kQ8Unsigned = true;
+inline VI load_lanes(const uint8_t* const* p, int64_t off, int j) {  // outputs j, j + 4, ...
+  VI v = _mm512_castsi128_si512(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p[j] + off)));
+  v = _mm512_inserti32x4(v, _mm_loadu_si128(reinterpret_cast<const __m128i*>(p[j + 4] + off)), 1);
+  v = _mm512_inserti32x4(v, _mm_loadu_si128(reinterpret_cast<const __m128i*>(p[j + 8] + off)), 2);
+  return _mm512_inserti32x4(v, _mm_loadu_si128(reinterpret_cast<const __m128i*>(p[j + 12] + off)),
+                            3);
+}
+inline VI unpacklo32(VI a, VI b) { return _mm512_unpacklo_epi32(a, b); }
+inline VI unpackhi32(VI a, VI b) { return _mm512_unpackhi_epi32(a, b); }
+inline VI unpacklo64(VI a, VI b) { return _mm512_unpacklo_epi64(a, b); }
+inline VI unpackhi64(VI a, VI b) { return _mm512_unpackhi_epi64(a, b); }
+inline VI vand(VI a, VI b) { return _mm512_and_si512(a, b); }
+inline VI vor(VI a, VI b) { return _mm512_or_si512(a, b); }
+inline VI vxor(VI a, VI b) { return _mm512_xor_si512(a, b); }
+inline VI srli16(VI a, int n) { return _mm512_srli_epi16(a, n); }
+inline VI slli16(VI a, int n) { return _mm512_slli_epi16(a, n); }
+inline VI bytes(int v) { return _mm512_set1_epi8(static_cast<char>(v)); }
+inline VI dwords(int v) { return _mm512_set1_epi32(v); }
+inline VI add32(VI a, VI b) { return _mm512_add_epi32(a, b); }
+inline VI sub32(VI a, VI b) { return _mm512_sub_epi32(a, b); }
+inline VI zero_i() { return _mm512_setzero_si512(); }
+inline VI shuffle8(VI a, VI idx) { return _mm512_shuffle_epi8(a, idx); }
+inline VI lane_bases() {  // dword k of each 16-byte lane: bytes 4k
+  return _mm512_set_epi32(0x0C0C0C0C, 0x08080808, 0x04040404, 0, 0x0C0C0C0C, 0x08080808,
+                          0x04040404, 0, 0x0C0C0C0C, 0x08080808, 0x04040404, 0, 0x0C0C0C0C,
+                          0x08080808, 0x04040404, 0);
+}
+// c + 16 in each byte whose bit `bits` (a one-bit mask per byte) is set in h; c's bit 4 is clear.
+inline VI fifth_bit(VI c, VI h, VI bits) {
+  return _mm512_mask_add_epi8(c, _mm512_test_epi8_mask(h, bits), c, _mm512_set1_epi8(16));
+}
+inline VI load_i(const void* p) { return _mm512_load_si512(p); }
+inline VF halves(const uint16_t* h) {
+  return _mm512_cvtph_ps(_mm256_load_si256(reinterpret_cast<const __m256i*>(h)));
+}
+inline VF load_f(const float* p) { return _mm512_load_ps(p); }
+inline void store_f(float* p, VF v) { _mm512_store_ps(p, v); }
+inline VF zero_f() { return _mm512_setzero_ps(); }
+inline VF set_f(float v) { return _mm512_set1_ps(v); }
+inline VF to_float(VI v) { return _mm512_cvtepi32_ps(v); }
+inline VF mul(VF a, VF b) { return _mm512_mul_ps(a, b); }
+inline VF fma(VF a, VF b, VF c) { return _mm512_fmadd_ps(a, b, c); }
+template <bool Signed>
+inline VI dot(VI acc, VI codes, int32_t a) {
+  return _mm512_dpbusd_epi32(acc, codes, _mm512_set1_epi32(a));
+}
+#else
+using VI = __m256i;
+using VF = __m256;
+constexpr int kLanesI = 8;
+constexpr bool kQ8Unsigned = false;
+inline VI load_lanes(const uint8_t* const* p, int64_t off, int j) {  // outputs j, j + 4
+  return _mm256_inserti128_si256(
+      _mm256_castsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p[j] + off))),
+      _mm_loadu_si128(reinterpret_cast<const __m128i*>(p[j + 4] + off)), 1);
+}
+inline VI unpacklo32(VI a, VI b) { return _mm256_unpacklo_epi32(a, b); }
+inline VI unpackhi32(VI a, VI b) { return _mm256_unpackhi_epi32(a, b); }
+inline VI unpacklo64(VI a, VI b) { return _mm256_unpacklo_epi64(a, b); }
+inline VI unpackhi64(VI a, VI b) { return _mm256_unpackhi_epi64(a, b); }
+inline VI vand(VI a, VI b) { return _mm256_and_si256(a, b); }
+inline VI vor(VI a, VI b) { return _mm256_or_si256(a, b); }
+inline VI vxor(VI a, VI b) { return _mm256_xor_si256(a, b); }
+inline VI srli16(VI a, int n) { return _mm256_srli_epi16(a, n); }
+inline VI slli16(VI a, int n) { return _mm256_slli_epi16(a, n); }
+inline VI bytes(int v) { return _mm256_set1_epi8(static_cast<char>(v)); }
+inline VI dwords(int v) { return _mm256_set1_epi32(v); }
+inline VI add32(VI a, VI b) { return _mm256_add_epi32(a, b); }
+inline VI sub32(VI a, VI b) { return _mm256_sub_epi32(a, b); }
+inline VI zero_i() { return _mm256_setzero_si256(); }
+inline VI shuffle8(VI a, VI idx) { return _mm256_shuffle_epi8(a, idx); }
+inline VI lane_bases() {
+  return _mm256_set_epi32(0x0C0C0C0C, 0x08080808, 0x04040404, 0, 0x0C0C0C0C, 0x08080808,
+                          0x04040404, 0);
+}
+inline VI fifth_bit(VI c, VI h, VI bits) {
+  const VI set = _mm256_cmpeq_epi8(_mm256_and_si256(h, bits), bits);
+  return _mm256_or_si256(c, _mm256_and_si256(set, _mm256_set1_epi8(16)));
+}
+inline VI load_i(const void* p) { return _mm256_load_si256(reinterpret_cast<const __m256i*>(p)); }
+inline VF halves(const uint16_t* h) {
+  return _mm256_cvtph_ps(_mm_load_si128(reinterpret_cast<const __m128i*>(h)));
+}
+inline VF load_f(const float* p) { return _mm256_load_ps(p); }
+inline void store_f(float* p, VF v) { _mm256_store_ps(p, v); }
+inline VF zero_f() { return _mm256_setzero_ps(); }
+inline VF set_f(float v) { return _mm256_set1_ps(v); }
+inline VF to_float(VI v) { return _mm256_cvtepi32_ps(v); }
+inline VF mul(VF a, VF b) { return _mm256_mul_ps(a, b); }
+inline VF fma(VF a, VF b, VF c) { return _mm256_fmadd_ps(a, b, c); }
+// acc + the 4-byte dot products of codes' lanes with a; Signed: codes are int8 (Q8_0), through
+// |w| and a with w's sign. Without VNNI, pairs of products fit int16: |w| <= 63 or 128.
+template <bool Signed>
+inline VI dot(VI acc, VI codes, int32_t a) {
+  VI x = _mm256_set1_epi32(a), w = codes;
+  if constexpr (Signed) {
+    x = _mm256_sign_epi8(x, w);
+    w = _mm256_sign_epi8(w, w);
+  }
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+  return _mm256_dpbusd_epi32(acc, w, x);
+#elif defined(__AVXVNNI__)
+  return _mm256_dpbusd_avx_epi32(acc, w, x);
+#else
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(w, x),
+                                                 _mm256_set1_epi16(1)));
+#endif
+}
+#endif
+
+// Lane o of g[j] (j = 0..3) = the 4 bytes at p[o] + off + 4j.
+inline void transpose4(const uint8_t* const* p, int64_t off, VI* g) {
+  VI z[4];
+  for (int j = 0; j < 4; ++j) z[j] = load_lanes(p, off, j);
+  const VI t0 = unpacklo32(z[0], z[1]), t1 = unpackhi32(z[0], z[1]);
+  const VI t2 = unpacklo32(z[2], z[3]), t3 = unpackhi32(z[2], z[3]);
+  g[0] = unpacklo64(t0, t2);
+  g[1] = unpackhi64(t0, t2);
+  g[2] = unpacklo64(t1, t3);
+  g[3] = unpackhi64(t1, t3);
+}
+
+inline VI low_nibbles(VI v) { return vand(v, bytes(0xF)); }
+inline VI high_nibbles(VI v) { return vand(srli16(v, 4), bytes(0xF)); }
+
+inline uint16_t le16(const uint8_t* p) {
+  uint16_t v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+
+// A panel's decoded codes and scales, per activation block bb: codes[8 bb .. 8 bb + 7], s0, s1,
+// m [bb].
+struct IVec {
+  VI v;
+};
+struct FVec {
+  VF v;
+};
+struct PanelBuffer {
+  std::vector<IVec> codes;
+  std::vector<FVec> s0, s1, m;
+  VI* code(int64_t i) { return &codes[i].v; }
+  const VI* code(int64_t i) const { return &codes[i].v; }
+};
+
+// Decodes file block blk of the panel's outputs (`rows`) into activation blocks
+// blk * per_block .. of `buf`.
+template <int64_t F>
+void decode_panel_block(const uint8_t* const* rows, int64_t blk, int64_t block_bytes,
+                        PanelBuffer& buf) {
+  const uint8_t* b[kLanesI];
+  for (int o = 0; o < kLanesI; ++o) b[o] = rows[o] + blk * block_bytes;
+  if constexpr (F == kQ4_0 || F == kQ4_1 || F == kQ5_0 || F == kQ5_1 || F == kQ8_0) {
+    VI* c = buf.code(8 * blk);
+    alignas(64) uint16_t d[kLanesI], m[kLanesI];
+    for (int o = 0; o < kLanesI; ++o) d[o] = le16(b[o]);
+    buf.s0[blk].v = halves(d);
+    if constexpr (F == kQ4_1 || F == kQ5_1) {
+      for (int o = 0; o < kLanesI; ++o) m[o] = le16(b[o] + 2);
+      buf.m[blk].v = halves(m);
+    }
+    if constexpr (F == kQ8_0) {
+      transpose4(b, 2, c);
+      transpose4(b, 18, c + 4);
+      if constexpr (kQ8Unsigned)
+        for (int g = 0; g < 8; ++g) c[g] = vxor(c[g], bytes(0x80));
+    } else {
+      constexpr int64_t qh_at = F == kQ5_0 ? 2 : 4;
+      constexpr int64_t qs_at = F == kQ4_0 ? 2 : F == kQ4_1 ? 4 : qh_at + 4;
+      VI p[4];
+      transpose4(b, qs_at, p);
+      for (int g = 0; g < 4; ++g) {
+        c[g] = low_nibbles(p[g]);
+        c[g + 4] = high_nibbles(p[g]);
+      }
+      if constexpr (F == kQ5_0 || F == kQ5_1) {
+        alignas(64) uint32_t h[kLanesI];  // bit i: code i's fifth bit
+        for (int o = 0; o < kLanesI; ++o) h[o] = le32(b[o] + qh_at);
+        const VI qh = load_i(h);
+        for (int g = 0; g < 8; ++g) {
+          // byte g / 2 of each lane into its 4 bytes; byte j tested against bit 4 (g % 2) + j
+          const VI spread = shuffle8(qh, add32(dwords((g / 2) * 0x01010101), lane_bases()));
+          const int sh = 4 * (g % 2);
+          c[g] = fifth_bit(c[g], spread,
+                           dwords(static_cast<int>((0x01u << sh) | (0x02u << sh) << 8 |
+                                                   (0x04u << sh) << 16 | (0x08u << sh) << 24)));
+        }
+      }
+    }
+  } else if constexpr (F == kQ4_K || F == kQ5_K) {
+    constexpr int64_t qs_at = F == kQ4_K ? 16 : 48;
+    VI* c = buf.code(64 * blk);
+    VI qh[8];
+    if constexpr (F == kQ5_K) {
+      transpose4(b, 16, qh);
+      transpose4(b, 32, qh + 4);
+    }
+    for (int pair = 0; pair < 4; ++pair) {  // activation blocks 2 pair (low), 2 pair + 1 (high)
+      VI p[8];
+      transpose4(b, qs_at + 32 * pair, p);
+      transpose4(b, qs_at + 32 * pair + 16, p + 4);
+      for (int g = 0; g < 8; ++g) {
+        VI lo = low_nibbles(p[g]), hi = high_nibbles(p[g]);
+        if constexpr (F == kQ5_K) {
+          lo = fifth_bit(lo, qh[g], bytes(1 << (2 * pair)));
+          hi = fifth_bit(hi, qh[g], bytes(1 << (2 * pair + 1)));
+        }
+        c[16 * pair + g] = lo;
+        c[16 * pair + 8 + g] = hi;
+      }
+    }
+    alignas(64) float s[8][kLanesI], m[8][kLanesI];
+    for (int o = 0; o < kLanesI; ++o) {
+      float so[16], mo[16];
+      quant_scales(F, b[o], so, mo);
+      for (int t = 0; t < 8; ++t) {
+        s[t][o] = so[t];
+        m[t][o] = mo[t];
+      }
+    }
+    for (int t = 0; t < 8; ++t) {
+      buf.s0[8 * blk + t].v = load_f(s[t]);
+      buf.m[8 * blk + t].v = load_f(m[t]);
+    }
+  } else {  // Q6_K: activation block 4 h + c: low nibbles of ql[64 h + 32 (c % 2) ..] (high
+            // for c >= 2), bits 2c, 2c + 1 of qh[128 + 32 h ..]
+    VI* c = buf.code(64 * blk);
+    for (int h = 0; h < 2; ++h) {
+      VI ql[16], qh[8];
+      for (int j = 0; j < 4; ++j) transpose4(b, h * 64 + 16 * j, ql + 4 * j);
+      transpose4(b, 128 + h * 32, qh);
+      transpose4(b, 128 + h * 32 + 16, qh + 4);
+      for (int cc = 0; cc < 4; ++cc) {
+        const VI* l = ql + 8 * (cc % 2);
+        const int shift = 2 * cc;  // bits shift, shift + 1 to bits 4, 5 (of the same byte)
+        for (int g = 0; g < 8; ++g) {
+          const VI low = cc / 2 ? high_nibbles(l[g]) : low_nibbles(l[g]);
+          const VI high = shift <= 4 ? slli16(qh[g], 4 - shift) : srli16(qh[g], shift - 4);
+          c[8 * (4 * h + cc) + g] = vor(low, vand(high, bytes(0x30)));
+        }
+      }
+    }
+    alignas(64) float s[16][kLanesI];
+    for (int o = 0; o < kLanesI; ++o) {
+      float so[16], mo[16];
+      quant_scales(F, b[o] + 192, so, mo);
+      for (int j = 0; j < 16; ++j) s[j][o] = so[j];
+    }
+    for (int t = 0; t < 8; ++t) {
+      buf.s0[8 * blk + t].v = load_f(s[2 * t]);
+      buf.s1[8 * blk + t].v = load_f(s[2 * t + 1]);
+    }
+  }
+}
+
+// y[r0 .. r0 + R, j0 .. j0 + cols) from a decoded panel.
+template <int64_t F, int R, typename T>
+inline void panel_rows(T* y, int64_t ldy, const Int8Rows& a, int64_t r0, const PanelBuffer& buf,
+                       const Geometry& g, int64_t j0, int64_t cols, int64_t k) {
+  constexpr bool kSigned = F == kQ8_0 && !kQ8Unsigned;
+  const int64_t act_blocks = k / kActBlock;
+  VF acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = zero_f();
+  const int32_t offset = F == kQ8_0 ? (kQ8Unsigned ? 128 : 0) : static_cast<int32_t>(g.offset);
+  for (int64_t bb = 0; bb < act_blocks; ++bb) {
+    const VI* c = buf.code(8 * bb);
+    VI lo[R], hi[R];
+    for (int r = 0; r < R; ++r) lo[r] = hi[r] = zero_i();
+    for (int gg = 0; gg < 4; ++gg)
+      for (int r = 0; r < R; ++r) {
+        int32_t q[2];
+        const int8_t* row = a.codes.data() + (r0 + r) * k + bb * kActBlock;
+        std::memcpy(&q[0], row + 4 * gg, 4);
+        std::memcpy(&q[1], row + 4 * gg + 16, 4);
+        lo[r] = dot<kSigned>(lo[r], c[gg], q[0]);
+        hi[r] = dot<kSigned>(hi[r], c[gg + 4], q[1]);
+      }
+    for (int r = 0; r < R; ++r) {
+      const int64_t at = (r0 + r) * act_blocks + bb;
+      const VF d = set_f(a.scale[at]);
+      const int32_t q0 = a.halves[2 * at], q1 = a.halves[2 * at + 1];
+      VF v;
+      if constexpr (F == kQ6_K) {
+        v = mul(to_float(sub32(lo[r], dwords(offset * q0))), buf.s0[bb].v);
+        v = fma(to_float(sub32(hi[r], dwords(offset * q1))), buf.s1[bb].v, v);
+      } else {
+        VI dsum = add32(lo[r], hi[r]);
+        if (offset != 0) dsum = sub32(dsum, dwords(offset * (q0 + q1)));
+        v = mul(to_float(dsum), buf.s0[bb].v);
+      }
+      acc[r] = fma(v, d, acc[r]);
+      if (g.minimum) acc[r] = fma(buf.m[bb].v, set_f(a.sum[at]), acc[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    T* out = y + (r0 + r) * ldy + j0;
+    if constexpr (sizeof(vfloat) == sizeof(VF)) {
+      if (cols == kLanesI) {
+        vfloat v;
+        std::memcpy(&v, &acc[r], sizeof v);
+        store(v, out);
+        continue;
+      }
+    }
+    alignas(64) float tmp[kLanesI];
+    store_f(tmp, acc[r]);
+    for (int64_t o = 0; o < cols; ++o) store(tmp[o], out + o);
+  }
+}
+
+template <int64_t F, typename T>
+void gemm(T* y, int64_t ldy, const Int8Rows& a, const Int8BlockPart& w, int64_t m, int64_t k,
+          int num_threads) {
+  Geometry g;
+  geometry(F, g);
+  const int64_t panels = (w.n_out + kLanesI - 1) / kLanesI;
+  const int64_t row_bytes = k / g.block * g.block_bytes, file_blocks = k / g.block;
+  const int64_t act_blocks = k / kActBlock;
+#pragma omp parallel num_threads(num_threads)
+  {
+    PanelBuffer buf;
+    buf.codes.resize(8 * act_blocks);
+    buf.s0.resize(act_blocks);
+    buf.s1.resize(F == kQ6_K ? act_blocks : 0);
+    buf.m.resize(g.minimum ? act_blocks : 0);
+#pragma omp for schedule(static)
+    for (int64_t p = 0; p < panels; ++p) {
+      const int64_t j0 = p * kLanesI, cols = std::min<int64_t>(kLanesI, w.n_out - j0);
+      const uint8_t* rows[kLanesI];
+      for (int o = 0; o < kLanesI; ++o)
+        rows[o] = w.data + (j0 + std::min<int64_t>(o, cols - 1)) * row_bytes;
+      for (int64_t blk = 0; blk < file_blocks; ++blk)
+        decode_panel_block<F>(rows, blk, g.block_bytes, buf);
+      int64_t r = 0;
+      for (; r + kRows <= m; r += kRows) panel_rows<F, kRows>(y, ldy, a, r, buf, g, j0, cols, k);
+      with_constant<kRows - 1>(m - r, [&](auto rows_left) {
+        panel_rows<F, decltype(rows_left)::value>(y, ldy, a, r, buf, g, j0, cols, k);
+      });
+    }
+  }
+}
+#else
+template <int64_t F, typename T>
+void gemm(T* y, int64_t ldy, const Int8Rows& a, const Int8BlockPart& w, int64_t m, int64_t k,
+          int num_threads) {
+  Geometry g;
+  geometry(F, g);
+  const int64_t tiles = (w.n_out + kOut - 1) / kOut;
+  for (int64_t c0 = 0; c0 < m; c0 += kRowChunk) {
+    const int64_t c1 = std::min(m, c0 + kRowChunk);
+#pragma omp parallel for num_threads(num_threads) schedule(static)
+    for (int64_t p = 0; p < tiles; ++p) {
+      const int64_t j0 = p * kOut, cols = std::min<int64_t>(kOut, w.n_out - j0);
+      int64_t r = c0;
+      for (; r + kRows <= c1; r += kRows) tile<F, kRows>(y, ldy, a, r, w, g, j0, cols, k);
+      with_constant<kRows - 1>(c1 - r, [&](auto rows) {
+        tile<F, decltype(rows)::value>(y, ldy, a, r, w, g, j0, cols, k);
+      });
+    }
+  }
+}
+#endif  // CONVEYOR_INT8_PANELS
+
+inline float widen(float x) { return x; }
+inline float widen(uint16_t bits) {
+  const uint32_t u = static_cast<uint32_t>(bits) << 16;
+  float f;
+  std::memcpy(&f, &u, sizeof f);
+  return f;
+}
+
+}  // namespace
+
+namespace conveyor {
+
+int64_t int8_block_bytes(int64_t format, int64_t& block) {
+  Geometry g;
+  if (!geometry(format, g)) return 0;
+  block = g.block;
+  return g.block_bytes;
+}
+
+template <typename T>
+void int8_rows(Int8Rows& out, const T* x, int64_t rows, int64_t k, int64_t x_stride,
+               int num_threads) {
+  const int64_t blocks = k / kActBlock;
+  int8_t* codes = at_least(out.codes, rows * k);
+  float* scale = at_least(out.scale, rows * blocks);
+  float* sum = at_least(out.sum, rows * blocks);
+  int32_t* halves = at_least(out.halves, 2 * rows * blocks);
+#pragma omp parallel for num_threads(num_threads) schedule(static)
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t b = 0; b < blocks; ++b) {
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+      {  // the same operations on 16 lanes: max is exact in any order, cvtps rounds to even
+        const T* xb = x + r * x_stride + b * kActBlock;
+        __m512 v[2];
+        for (int h = 0; h < 2; ++h) {
+          if constexpr (std::is_same_v<T, float>) {
+            v[h] = _mm512_loadu_ps(xb + 16 * h);
+          } else {
+            v[h] = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(
+                _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xb + 16 * h))), 16));
+          }
+        }
+        const __m512 mx = _mm512_max_ps(_mm512_abs_ps(v[0]), _mm512_abs_ps(v[1]));
+        const float amax = std::max(0.f, _mm512_reduce_max_ps(mx));
+        const float d = amax / 127.f, id = d != 0.f ? 1.f / d : 0.f;
+        int8_t* q = codes + r * k + b * kActBlock;
+        int32_t half[2];
+        for (int h = 0; h < 2; ++h) {
+          const __m512i qi = _mm512_cvtps_epi32(_mm512_mul_ps(v[h], _mm512_set1_ps(id)));
+          _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 16 * h), _mm512_cvtepi32_epi8(qi));
+          half[h] = _mm512_reduce_add_epi32(qi);
+        }
+        const int64_t at = r * blocks + b;
+        scale[at] = d;
+        sum[at] = d * static_cast<float>(half[0] + half[1]);
+        halves[2 * at] = half[0];
+        halves[2 * at + 1] = half[1];
+        continue;
+      }
+#endif
+      const T* xb = x + r * x_stride + b * kActBlock;
+      float v[kActBlock], amax = 0.f;
+      for (int i = 0; i < kActBlock; ++i) {
+        v[i] = widen(xb[i]);
+        amax = std::max(amax, std::fabs(v[i]));
+      }
+      const float d = amax / 127.f, id = d != 0.f ? 1.f / d : 0.f;
+      int8_t* q = codes + r * k + b * kActBlock;
+      int32_t half[2] = {0, 0};
+      for (int i = 0; i < kActBlock; ++i) {
+        const int32_t qi = static_cast<int32_t>(std::nearbyint(v[i] * id));
+        q[i] = static_cast<int8_t>(qi);
+        half[i / 16] += qi;
+      }
+      const int64_t at = r * blocks + b;
+      scale[at] = d;
+      sum[at] = d * static_cast<float>(half[0] + half[1]);
+      halves[2 * at] = half[0];
+      halves[2 * at + 1] = half[1];
+    }
+  }
+}
+
+template <typename T>
+void int8_block_gemm(T* y, int64_t ldy, const Int8Rows& a, const Int8BlockPart& w, int64_t m,
+                     int64_t k, int num_threads) {
+  switch (w.format) {
+#define CONVEYOR_INT8_CASE(id) \
+    case id: return gemm<id>(y, ldy, a, w, m, k, num_threads);
+    CONVEYOR_INT8_CASE(kQ4_0)
+    CONVEYOR_INT8_CASE(kQ4_1)
+    CONVEYOR_INT8_CASE(kQ5_0)
+    CONVEYOR_INT8_CASE(kQ5_1)
+    CONVEYOR_INT8_CASE(kQ8_0)
+    CONVEYOR_INT8_CASE(kQ4_K)
+    CONVEYOR_INT8_CASE(kQ5_K)
+    CONVEYOR_INT8_CASE(kQ6_K)
+#undef CONVEYOR_INT8_CASE
+  }
+  std::abort();  // ops.cpp checks the format first
+}
+
+template <typename T>
+void int8_block_matmul(T* y, const T* x, int64_t x_stride, const Int8BlockPart* parts,
+                       int count, int64_t m, int64_t k, Int8Rows& scratch, int num_threads) {
+  int64_t n = 0;
+  for (int i = 0; i < count; ++i) n += parts[i].n_out;
+  int8_rows(scratch, x, m, k, x_stride, num_threads);
+  for (int i = 0, column = 0; i < count; column += parts[i++].n_out)
+    int8_block_gemm(y + column, n, scratch, parts[i], m, k, num_threads);
+}
+
+#define CONVEYOR_INT8_TYPES(T)                                                               \
+  template void int8_rows<T>(Int8Rows&, const T*, int64_t, int64_t, int64_t, int);           \
+  template void int8_block_gemm<T>(T*, int64_t, const Int8Rows&, const Int8BlockPart&,       \
+                                   int64_t, int64_t, int);                                   \
+  template void int8_block_matmul<T>(T*, const T*, int64_t, const Int8BlockPart*, int,       \
+                                     int64_t, int64_t, Int8Rows&, int);
+CONVEYOR_INT8_TYPES(float)
+CONVEYOR_INT8_TYPES(uint16_t)
+#undef CONVEYOR_INT8_TYPES
+
+}  // namespace conveyor
