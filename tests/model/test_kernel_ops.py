@@ -185,7 +185,7 @@ def test_decode_layers() -> None:
               (2 * inter, hidden), (hidden, inter)]
     projections = [_projection(blocks4(n, k)) for n, k in shapes]
     layer = dict(input_norm=norm, post_norm=norm, num_heads=heads, num_kv_heads=kv_heads,
-                 head_dim=head_dim, eps=1e-5)
+                 head_dim=head_dim, eps=1e-5, window=0)
 
     def add(p: dict) -> None:
         layers.add_projection(*p.values())
@@ -258,7 +258,7 @@ def test_decode_layers_block_panels() -> None:
     hidden, heads, kv_heads, head_dim, inter = 64, 2, 1, 32, 64
     norm = torch.ones(hidden)
     layers = torch.classes.conveyor.DecodeLayers()
-    layers.add_layer(norm, norm, heads, kv_heads, head_dim, 1e-5)
+    layers.add_layer(norm, norm, heads, kv_heads, head_dim, 1e-5, 0)
     shapes = [((heads + 2 * kv_heads) * head_dim, hidden), (hidden, heads * head_dim),
               (2 * inter, hidden), (hidden, inter)]
     projections = [_projection(block_panels4(n, k)) for n, k in shapes]

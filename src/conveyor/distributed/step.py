@@ -97,8 +97,9 @@ def receive_message() -> StepMessage:
 
 
 def _payload_sizes(h: list[int]) -> list[int]:
-    _kind, n_tok, n_ent, width, n_log, n_out, n_in, n_copy, n_extra, n_lora = h
-    return [n_tok, 2 * n_ent, n_ent * width, n_log, 2 * (n_out + n_in + n_copy), n_extra, n_lora]
+    _kind, n_tok, n_ent, width, n_log, n_out, n_in, n_copy, n_extra, n_lora, n_groups = h
+    return [n_tok, 2 * n_ent, (1 + n_groups) * n_ent * width, n_log,
+            2 * (n_out + n_in + n_copy), n_extra, n_lora]
 
 
 def lora_slot_message(slot: int, weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]],
