@@ -662,14 +662,7 @@ struct DecodeLayers : torch::CustomClassHolder {
                   data<const float>(minimum), nullptr, n_out, max_block_rows,
                   block_panels ? 1 : 0};
     tensors.insert(tensors.end(), {codes, scale, minimum});
-    if (panels) {
-      check_panels(*panels, (name + "'s panels").c_str(), dtype, n_out, k);
-      weight.panels = panels->data_ptr();
-      tensors.push_back(*panels);
-    } else if (max_rows_ < 0 || max_block_rows < max_rows_) {
-      max_rows_ = max_block_rows;
-    }
-    place(weight);
+    place_with_panels(weight, panels, name, k);
   }
 
   // The last layer's next projection as QuantPanels (layers/gguf_blocks.py): its parts in
@@ -699,14 +692,7 @@ struct DecodeLayers : torch::CustomClassHolder {
       tensors.insert(tensors.end(), {codes[i], headers[i]});
     }
     weight.quant.count = static_cast<int>(count);
-    if (panels) {
-      check_panels(*panels, (name + "'s panels").c_str(), dtype, n_out, k);
-      weight.panels = panels->data_ptr();
-      tensors.push_back(*panels);
-    } else if (max_rows_ < 0 || max_block_rows < max_rows_) {
-      max_rows_ = max_block_rows;
-    }
-    place(weight);
+    place_with_panels(weight, panels, name, k);
   }
 
   // The last layer's next projection on integer compute (int8_blocks.cpp), serving every row:
@@ -726,6 +712,20 @@ struct DecodeLayers : torch::CustomClassHolder {
     std::copy(parts.begin(), parts.end(), weight.int8_blocks);
     weight.int8_block_count = static_cast<int>(parts.size());
     tensors.insert(tensors.end(), blocks.begin(), blocks.end());
+    place(weight);
+  }
+
+  // A blocks projection's panels serve the rows above its blocks' max_block_rows; without
+  // panels the layers serve no more rows than the blocks do.
+  void place_with_panels(Weight& weight, const std::optional<Tensor>& panels,
+                         const std::string& name, int64_t k) {
+    if (panels) {
+      check_panels(*panels, (name + "'s panels").c_str(), dtype, weight.n_out, k);
+      weight.panels = panels->data_ptr();
+      tensors.push_back(*panels);
+    } else if (max_rows_ < 0 || weight.max_block_rows < max_rows_) {
+      max_rows_ = weight.max_block_rows;
+    }
     place(weight);
   }
 
