@@ -120,15 +120,24 @@ def test_fused_layers_equal_python_path(dtype, num_seqs, large, deterministic):
     assert meta.decode_only
     caches = [(k.clone(), v.clone()), (k.clone() + 1, v.clone() - 1)]
 
+    h, expected_res, expected_caches, out, res, got_caches = python_and_fused(
+        layers, fused, x, residual, cos, sin, caches, meta, deterministic)
+    assert torch.equal(out, h) and torch.equal(res, expected_res)
+    for got, expected in zip(got_caches, expected_caches, strict=True):
+        assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1])
+
+
+def python_and_fused(layers, fused, x, residual, cos, sin, caches, meta, deterministic):
+    """One decode step through the layers' Python path and through the one-call layers, each on
+    its own copies of the residual and caches: (hidden, residual, caches) of the Python path,
+    then the same of the one-call layers."""
     expected_res, expected_caches, h = residual.clone(), [(a.clone(), b.clone()) for a, b in caches], x
     for layer, (kc, vc) in zip(layers, expected_caches, strict=True):
         h = layer(h.clone(), expected_res, cos, sin, kc, vc, meta)
     res, got_caches = residual.clone(), [(a.clone(), b.clone()) for a, b in caches]
     out = decode_layers(fused, x.clone(), res, cos, sin, got_caches, meta.slot_mapping,
                         meta.block_tables, meta.context_lens, deterministic)
-    assert torch.equal(out, h) and torch.equal(res, expected_res)
-    for got, expected in zip(got_caches, expected_caches, strict=True):
-        assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1])
+    return h, expected_res, expected_caches, out, res, got_caches
 
 
 def _tiny_model(dtype: torch.dtype = torch.float32, large: str | None = None,
@@ -273,12 +282,8 @@ def test_fused_layers_take_quant_panels(dtype, num_seqs, deterministic):
     x, residual, cos, sin, (k, v), meta = decode_step(num_seqs, dtype=dtype,
                                                       deterministic=deterministic)
     caches = [(k.clone(), v.clone()), (k.clone() + 1, v.clone() - 1)]
-    expected_res, expected_caches, h = residual.clone(), [(a.clone(), b.clone()) for a, b in caches], x
-    for layer, (kc, vc) in zip(layers, expected_caches, strict=True):
-        h = layer(h.clone(), expected_res, cos, sin, kc, vc, meta)
-    res, got_caches = residual.clone(), [(a.clone(), b.clone()) for a, b in caches]
-    out = decode_layers(fused, x.clone(), res, cos, sin, got_caches, meta.slot_mapping,
-                        meta.block_tables, meta.context_lens, deterministic)
+    h, expected_res, expected_caches, out, res, got_caches = python_and_fused(
+        layers, fused, x, residual, cos, sin, caches, meta, deterministic)
     assert torch.equal(out, h) and torch.equal(res, expected_res)
     for got, expected in zip(got_caches, expected_caches, strict=True):
         assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1])
@@ -315,11 +320,7 @@ def test_fused_layers_take_each_layers_window(dtype, deterministic):
     caches = [(k0, v0), (k.clone() + 1, v.clone() - 1)]
     assert any(k0.isnan().flatten(1).all(1))
 
-    expected_res, expected_caches, h = residual.clone(), [(a.clone(), b.clone()) for a, b in caches], x
-    for layer, (kc, vc) in zip(layers, expected_caches, strict=True):
-        h = layer(h.clone(), expected_res, cos, sin, kc, vc, meta)
-    res, got_caches = residual.clone(), [(a.clone(), b.clone()) for a, b in caches]
-    out = decode_layers(fused, x.clone(), res, cos, sin, got_caches, meta.slot_mapping,
-                        meta.block_tables, meta.context_lens, deterministic)
+    h, expected_res, expected_caches, out, res, got_caches = python_and_fused(
+        layers, fused, x, residual, cos, sin, caches, meta, deterministic)
     assert not h.isnan().any()
     assert torch.equal(out, h) and torch.equal(res, expected_res)
