@@ -75,11 +75,7 @@ inline void score_rows(const typename F::T* q, int64_t head_dim, const typename 
   for (int64_t d = 0; d < head_dim; d += F::kStep) {
     const auto* k = kt + d * kKeyTile;
     const auto k0 = F::vector(k), k1 = F::vector(k + kLanes * F::kStep);
-    for (int r = 0; r < MR; ++r) {
-      const auto x = F::broadcast(q + r * head_dim + d);
-      F::madd(acc[r][0], x, k0);
-      F::madd(acc[r][1], x, k1);
-    }
+    madd_rows<F>(acc, q + d, head_dim, k0, k1);
   }
   for (int r = 0; r < MR; ++r) {
     store(acc[r][0] * scale, s + r * s_stride);

@@ -47,4 +47,18 @@ struct BF16 {
 };
 #endif
 
+// One step of an R-row tile: rows r < R of x (`x + r * stride`) broadcast against two weight
+// vectors, into acc[r][0] and acc[r][1]. The inner loop of the panel GEMMs (panel_gemm.cpp,
+// quant_panels.cpp) and of the prefill attention tiles (attention_tile.h).
+template <class F, int R, class W>
+__attribute__((always_inline)) inline void madd_rows(vfloat (&acc)[R][2],
+                                                     const typename F::T* x, int64_t stride,
+                                                     W w0, W w1) {
+  for (int r = 0; r < R; ++r) {
+    const auto xr = F::broadcast(x + r * stride);
+    F::madd(acc[r][0], xr, w0);
+    F::madd(acc[r][1], xr, w1);
+  }
+}
+
 }  // namespace conveyor

@@ -71,11 +71,7 @@ void tile(typename F::T* y, int64_t ldy, const typename F::T* x, const typename 
     for (due += lines; due >= steps; due -= steps, line += kLineElems)
       __builtin_prefetch(line, 0, 2);
     const auto w0 = F::vector(w), w1 = F::vector(w + kStepElems / 2);
-    for (int r = 0; r < R; ++r) {
-      const auto xr = F::broadcast(x + r * k + i);
-      F::madd(acc[r][0], xr, w0);
-      F::madd(acc[r][1], xr, w1);
-    }
+    madd_rows<F>(acc, x + i, k, w0, w1);
   }
   for (int r = 0; r < R; ++r) store_row(acc[r], y + r * ldy, cols);
 }
@@ -233,11 +229,7 @@ void block_tile(typename F::T* y, int64_t ldy, const typename F::T* x, const Blo
       const int64_t i = b * 32 + s * F::kStep;
       decltype(F::vector(x)) w0, w1;
       steps.step(s, w0, w1);
-      for (int r = 0; r < R; ++r) {
-        const auto xr = F::broadcast(x + r * k + i);
-        F::madd(acc[r][0], xr, w0);
-        F::madd(acc[r][1], xr, w1);
-      }
+      madd_rows<F>(acc, x + i, k, w0, w1);
     }
   }
   for (int r = 0; r < R; ++r) store_row(acc[r], y + r * ldy, cols);

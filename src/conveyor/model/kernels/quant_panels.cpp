@@ -276,11 +276,7 @@ void quant_tile(typename F::T* y, int64_t ldy, const typename F::T* x, int64_t x
       for (int64_t i = first; i < first + Fm::kSub; i += F::kStep) {
         decltype(F::vector(x)) w0, w1;
         Steps<F, Fm>::weights(codes + i * kStep, sv, mv, w0, w1);
-        for (int r = 0; r < R; ++r) {
-          const auto xr = F::broadcast(x + r * x_stride + i);
-          F::madd(acc[r][0], xr, w0);
-          F::madd(acc[r][1], xr, w1);
-        }
+        madd_rows<F>(acc, x + i, x_stride, w0, w1);
       }
     }
   }
