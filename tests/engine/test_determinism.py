@@ -61,9 +61,14 @@ def run(executor, args: EngineArgs, requests: list[tuple[list[int], SamplingPara
     outs = run_to_end(engine, requests)
     if preemptions is not None:
         preemptions.append(engine.get_stats().scheduler.num_preemptions)
-    return [[(list(c.token_ids), [lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs,
-                                                                  strict=True)])
-             for c in out.outputs] for out in outs]
+    return [samples(out) for out in outs]
+
+
+def samples(out) -> list[tuple[list[int], list[float]]]:
+    """A finished request's samples as (token ids, chosen-token logprobs)."""
+    return [(list(c.token_ids), [lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs,
+                                                                strict=True)])
+            for c in out.outputs]
 
 
 _alone: dict[tuple, list[tuple[list[int], list[float]]]] = {}
@@ -170,3 +175,51 @@ def test_preempted_requests_equal_themselves_alone(executors, prompts, mode, key
     assert preemptions[0] > 0
     for prompt, samples in zip(chosen, got, strict=True):
         assert samples[0] == alone(executor, key, prompt, 10)
+
+
+LONG_PROMPT_TOKENS = 3000
+LONG_BLOCK = 16
+LONG_HIT_BLOCKS = 85  # a cached prefix of 1,360 tokens: an odd number of blocks, no tile multiple
+
+
+@pytest.fixture(scope="module")
+def long_prompt(executors) -> list[int]:
+    from conveyor.bench.accuracy import DEFAULT_TEXT
+
+    ids = executors["float32"].tokenizer.encode(DEFAULT_TEXT.read_text())
+    assert len(ids) >= LONG_PROMPT_TOKENS
+    return ids[:LONG_PROMPT_TOKENS]
+
+
+@pytest.mark.slow
+def test_long_prompt_whole_chunked_and_after_a_prefix_hit(executors, long_prompt) -> None:
+    """A 3,000-token prompt computed in one prefill, in 7 chunks, and after a prefix-cache hit
+    of 85 blocks: the same tokens and logprob bits (bf16; the shorter tests above cover every
+    executor)."""
+    key = "bfloat16"
+    executor = executors[key]
+    params = SamplingParams(temperature=0, max_tokens=4, logprobs=0, ignore_eos=True)
+    base = dict(dtype=dtype_of(key), max_model_len=LONG_PROMPT_TOKENS + 8, block_size=LONG_BLOCK,
+                num_gpu_blocks=2 * (LONG_PROMPT_TOKENS // LONG_BLOCK + 2), max_num_seqs=2)
+    whole = EngineArgs(**base, policy="prefill_first", enable_prefix_caching=False,
+                       max_num_batched_tokens=LONG_PROMPT_TOKENS + 8)
+    chunk = -(-LONG_PROMPT_TOKENS // 7)
+    chunked = EngineArgs(**base, policy="chunked", enable_prefix_caching=False,
+                         max_num_batched_tokens=chunk)
+    cached = EngineArgs(**base, policy="prefill_first", enable_prefix_caching=True,
+                        max_num_batched_tokens=LONG_PROMPT_TOKENS + 8)
+    expected = run(executor, whole, [(long_prompt, params)])
+    engine = LLMEngine(chunked, executor=executor)
+    engine.add_request("chunked", long_prompt, params)
+    steps, outs = 0, []
+    while engine.has_unfinished_requests():
+        steps += 1
+        outs += [out for out in engine.step() if out.finished]
+    assert steps == 7 + params.max_tokens - 1  # 7 prefill chunks, the first token with the last
+    assert samples(outs[0]) == expected[0]
+    hit = LONG_HIT_BLOCKS * LONG_BLOCK
+    engine = LLMEngine(cached, executor=executor)
+    run_to_end(engine, [(long_prompt[:hit], SamplingParams(temperature=0, max_tokens=1))], "warm")
+    outs = run_to_end(engine, [(long_prompt, params)])
+    assert engine.get_stats().scheduler.prefix_cache_hits == hit
+    assert samples(outs[0]) == expected[0]
