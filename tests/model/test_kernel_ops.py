@@ -113,12 +113,14 @@ def test_fused_ops() -> None:
     refuses(ops.rms_norm, args, "x", torch.randn(4, 60), "x's width must be a multiple")
 
     gate_up = torch.randn(3, 64)
-    ops.silu_mul(gate_up)
-    for bad, match in ((gate_up.long(), "gate_up must be float32 or bfloat16"),
-                       (strided(gate_up), "gate_up must be contiguous"),
-                       (torch.randn(64), "gate_up must be 2-D")):
-        with pytest.raises(RuntimeError, match=match):
-            ops.silu_mul(bad)
+    for fn in (ops.silu_mul, ops.gelu_tanh_mul):
+        fn(gate_up)
+        for bad, match in ((gate_up.long(), "gate_up must be float32 or bfloat16"),
+                           (strided(gate_up), "gate_up must be contiguous"),
+                           (torch.randn(64), "gate_up must be 2-D"),
+                           (torch.randn(3, 40), "half of gate_up's width must be a multiple")):
+            with pytest.raises(RuntimeError, match=match):
+                fn(bad)
 
     q = torch.randn(3, 2, 32)
     cos = torch.randn(3, 1, 32)

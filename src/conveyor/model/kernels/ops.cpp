@@ -342,17 +342,31 @@ void rms_norm_op(const Tensor& x, const Tensor& weight, double eps,
   });
 }
 
-Tensor silu_mul_op(const Tensor& gate_up) {
+// A gated activation's [rows, 2 * inter] input (gate first) checked; its [rows, inter] output.
+Tensor gated_output(const Tensor& gate_up) {
   check_activation_dtype(gate_up, "gate_up");
   TORCH_CHECK(gate_up.dim() == 2, "gate_up must be 2-D, got shape ", gate_up.sizes());
   check_contiguous(gate_up, "gate_up");
   const int64_t rows = gate_up.size(0), inter = gate_up.size(1) / 2;
   check_multiple(inter, kLanes, "half of gate_up's width");
   TORCH_CHECK(gate_up.size(1) == 2 * inter, "gate_up's width must be even");
-  Tensor out = at::empty({rows, inter}, gate_up.options());
+  return at::empty({rows, inter}, gate_up.options());
+}
+
+Tensor silu_mul_op(const Tensor& gate_up) {
+  Tensor out = gated_output(gate_up);
   with_type(gate_up, [&](auto* type) {
     using T = std::remove_pointer_t<decltype(type)>;
-    silu_mul<T>(data<T>(out), data<const T>(gate_up), rows, inter, threads());
+    silu_mul<T>(data<T>(out), data<const T>(gate_up), out.size(0), out.size(1), threads());
+  });
+  return out;
+}
+
+Tensor gelu_tanh_mul_op(const Tensor& gate_up) {
+  Tensor out = gated_output(gate_up);
+  with_type(gate_up, [&](auto* type) {
+    using T = std::remove_pointer_t<decltype(type)>;
+    gelu_tanh_mul<T>(data<T>(out), data<const T>(gate_up), out.size(0), out.size(1), threads());
   });
   return out;
 }
@@ -889,6 +903,7 @@ TORCH_LIBRARY(CONVEYOR_OPS_NAMESPACE, m) {
   m.def("rms_norm(Tensor x, Tensor weight, float eps, Tensor(a!)? residual, Tensor(b!) out) -> ()",
         &rms_norm_op);
   m.def("silu_mul(Tensor gate_up) -> Tensor", &silu_mul_op);
+  m.def("gelu_tanh_mul(Tensor gate_up) -> Tensor", &gelu_tanh_mul_op);
   m.def("rotary(Tensor x, Tensor cos, Tensor sin, Tensor(a!) out) -> ()", &rotary_op);
   m.def("argmax(Tensor x) -> Tensor", &argmax_op);
   m.def("lora_apply(Tensor(a!) y, Tensor x, Tensor a, Tensor b, Tensor slots, int width) -> ()",
