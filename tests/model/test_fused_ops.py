@@ -66,6 +66,38 @@ def test_silu_mul(dtype) -> None:
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+def test_gelu_tanh_mul(dtype) -> None:
+    """Gemma's gate: torch's tanh GeLU to float32 rounding (computed as g / (1 + exp(-2u)), no
+    tanh); very negative gates (u far below exp's clamp) give a tiny value, as torch's ~0."""
+    gate_up = 4 * _randn(70, 2 * 1536, dtype=dtype)
+    gate_up[0, :4] = torch.tensor([-30.0, -12.0, 30.0, 0.0])
+    gate, up = gate_up.chunk(2, dim=-1)
+    expected = F.gelu(gate, approximate="tanh") * up
+    torch.testing.assert_close(fused_ops.gelu_tanh_mul(gate_up), expected, **TOL[dtype])
+    assert fused_ops.gelu_tanh_mul(torch.randn(2, 2 * 24)) is None  # not a multiple of 16
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_per_head_norms_are_rows_of_the_kernel(dtype) -> None:
+    """``CpuBackend.rms_norm`` of [T, heads, head_dim] heads (q/k norms; strided views of the QKV
+    rows) is the 2-D kernel over the heads as rows, bit for bit, and close to eager torch."""
+    from conveyor.model.backends.cpu_kernels import CpuBackend
+
+    qkv = _randn(5, (4 + 2 * 2) * 32, dtype=dtype)
+    q = qkv[:, :128].view(5, 4, 32)
+    weight = 1 + 0.1 * _randn(32, dtype=dtype, seed=1)
+    backend = CpuBackend(torch.device("cpu"), attention_kernel=True)
+    got = backend.rms_norm(q, weight, 1e-6)
+    assert got.shape == q.shape
+    assert torch.equal(got, fused_ops.rms_norm(q.reshape(20, 32), weight, 1e-6).view(5, 4, 32))
+    for t in (0, 2):  # one row's heads: a view of its QKV row, not a copy
+        assert torch.equal(backend.rms_norm(q[t:t + 1], weight, 1e-6), got[t:t + 1])
+    qf = q.float()
+    eager = weight * (qf * torch.rsqrt(qf.pow(2).mean(-1, keepdim=True) + 1e-6)).to(dtype)
+    torch.testing.assert_close(got, eager, **TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_rotary(dtype) -> None:
     from conveyor.model.layers.rotary import RotaryEmbedding, rope_inv_freq
 

@@ -2,7 +2,8 @@
 on its hybrid KV cache (six groups of three layers: one global, five sliding-window): the same
 greedy tokens (short prompts, and one that crosses the 512-token sliding window), close
 log-probabilities after a prompt of over 2,000 tokens (four windows), and the same tokens
-through the torch and C++ backends with chunked prefill and prefix caching. The Triton
+through the torch and C++ backends with chunked prefill and prefix caching; on the C++ backend
+every decode step's layers run in one call (``kernels/decode_layer.cpp``). The Triton
 backend's run (interpreter) is ``model/triton/test_triton_gemma3.py``.
 
 One load per backend (module-scoped executors; an engine per schedule reuses one) and one of
@@ -150,12 +151,25 @@ def test_tokenizer_and_chat_turns(tokenizer) -> None:
 
 
 @pytest.mark.slow
-def test_greedy_tokens_equal_transformers(cpu_executor: ModelExecutor, reference: dict) -> None:
-    """The C++ backend, whole prompts then decodes; a second engine with chunked prefill (the
-    long prompt in chunks of up to 96 tokens) on the same weights, run twice: the second run's
-    prompts come from the prefix cache."""
+def test_greedy_tokens_equal_transformers(cpu_executor: ModelExecutor, reference: dict,
+                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """The C++ backend, whole prompts then decodes, every decode step's 18 layers in one C++ call
+    (``kernels/decode_layer.cpp``: the file's Q5_0/Q4_K/Q6_K/Q8_0 projections as ``QuantPanels``,
+    on the hybrid cache's six groups); a second engine with chunked prefill (the long prompt in
+    chunks of up to 96 tokens) on the same weights, run twice: the second run's prompts come
+    from the prefix cache."""
+    import conveyor.model.llama as llama
+
     assert reference["tokens"][0][:len(SHORT_PROMPT_TOKENS)] == SHORT_PROMPT_TOKENS
+    model = cpu_executor.model
+    assert model.fused_decode is not None and model.fused_decode.num_layers == 18
+    calls = []  # rows of each step in one call
+    real = llama.decode_layers
+    monkeypatch.setattr(llama, "decode_layers",
+                        lambda *a: calls.append(a[1].shape[0]) or real(*a))
     assert greedy(engine(cpu_executor), PROMPTS) == reference["tokens"]
+    # every decode step: each prompt's tokens after its first (which its prefill gives)
+    assert sum(calls) == len(PROMPTS) * (NEW_TOKENS - 1)
     chunked = engine(cpu_executor, policy="chunked", max_num_batched_tokens=96)
     assert greedy(chunked, PROMPTS) == reference["tokens"]
     outs = run_to_end(chunked, [(p, GREEDY) for p in PROMPTS], "again")

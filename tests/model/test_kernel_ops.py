@@ -113,12 +113,14 @@ def test_fused_ops() -> None:
     refuses(ops.rms_norm, args, "x", torch.randn(4, 60), "x's width must be a multiple")
 
     gate_up = torch.randn(3, 64)
-    ops.silu_mul(gate_up)
-    for bad, match in ((gate_up.long(), "gate_up must be float32 or bfloat16"),
-                       (strided(gate_up), "gate_up must be contiguous"),
-                       (torch.randn(64), "gate_up must be 2-D")):
-        with pytest.raises(RuntimeError, match=match):
-            ops.silu_mul(bad)
+    for fn in (ops.silu_mul, ops.gelu_tanh_mul):
+        fn(gate_up)
+        for bad, match in ((gate_up.long(), "gate_up must be float32 or bfloat16"),
+                           (strided(gate_up), "gate_up must be contiguous"),
+                           (torch.randn(64), "gate_up must be 2-D"),
+                           (torch.randn(3, 40), "half of gate_up's width must be a multiple")):
+            with pytest.raises(RuntimeError, match=match):
+                fn(bad)
 
     q = torch.randn(3, 2, 32)
     cos = torch.randn(3, 1, 32)
@@ -196,6 +198,17 @@ def test_decode_layers() -> None:
             ("num_kv_heads", 3, "num_heads must be a positive multiple of num_kv_heads")):
         with pytest.raises(RuntimeError, match=match):
             layers.add_layer(*{**layer, name: bad}.values())
+    head_norm = torch.ones(head_dim)
+    for extra, match in (  # what a layer may add to Llama's (Qwen3's q/k norms, Gemma 3's)
+            (dict(q_norm=head_norm), "q_norm and k_norm come together"),
+            (dict(q_norm=norm, k_norm=norm), r"q_norm must have shape \[32\]"),
+            (dict(post_attention_norm=norm.bfloat16()), "post_attention_norm must be float32"),
+            (dict(post_feedforward_norm=norm[:32]), "post_feedforward_norm must have shape"),
+            (dict(activation="relu"), 'activation must be "silu" or "gelu_tanh", got "relu"'),
+            (dict(scale=-1.0), "scale must be positive and finite"),
+            (dict(rotary=-1), "rotary must be >= 0")):
+        with pytest.raises(RuntimeError, match=match):
+            layers.add_layer(*layer.values(), **extra)
     with pytest.raises(RuntimeError, match="add_layer first"):
         add(projections[0])
     layers.add_layer(*layer.values())
@@ -214,22 +227,33 @@ def test_decode_layers() -> None:
 
     cache = torch.zeros(4, 4, kv_heads, head_dim)
     run = dict(weights=layers, x=torch.randn(2, hidden), residual=torch.randn(2, hidden),
-               cos=torch.ones(2, 1, head_dim), sin=torch.zeros(2, 1, head_dim),
-               k_caches=[cache], v_caches=[cache.clone()], slot_mapping=torch.tensor([0, 5]),
-               block_tables=torch.tensor([[0], [1]], dtype=torch.int32),
-               context_lens=torch.tensor([1, 2], dtype=torch.int32))
+               cos=[torch.ones(2, 1, head_dim)], sin=[torch.zeros(2, 1, head_dim)],
+               k_caches=[cache], v_caches=[cache.clone()], slot_mapping=[torch.tensor([0, 5])],
+               block_tables=[torch.tensor([[0], [1]], dtype=torch.int32)],
+               context_lens=[torch.tensor([1, 2], dtype=torch.int32)])
     ops.decode_layers(**run)
     ops.decode_layers(**run, deterministic=True)
     fn = ops.decode_layers
     refuses(fn, run, "x", torch.randn(2, hidden).bfloat16(), "x must be float32")
     refuses(fn, run, "residual", strided(torch.randn(2, hidden)), "residual must be contiguous")
-    refuses(fn, run, "cos", torch.ones(3, 1, head_dim), "cos must have shape")
+    refuses(fn, run, "cos", [torch.ones(3, 1, head_dim)], r"cos\[0\] must have shape")
+    refuses(fn, run, "sin", [], "cos and sin need one table per rotary")
     refuses(fn, run, "x", torch.randn(5, hidden), "more than the weights serve")
     with pytest.raises(RuntimeError, match=r"v_caches\[0\] must have shape"):
         fn(**{**run, "v_caches": [cache[:2].clone()]})
     with pytest.raises(RuntimeError, match="one cache per layer"):
         fn(**{**run, "k_caches": [cache, cache]})
-    refuses(fn, run, "slot_mapping", torch.tensor([0, 16]), "slot_mapping.1. = 16 is not a cache row")
+    refuses(fn, run, "slot_mapping", [torch.tensor([0, 16])],
+            "slot_mapping.1. = 16 is not a cache row")
+    # KV-cache groups: one set of indices each, a group per layer
+    refuses(fn, run, "context_lens", run["context_lens"] * 2, "one tensor per KV-cache group")
+    two = {**run, **{k: run[k] * 2 for k in ("slot_mapping", "block_tables", "context_lens")}}
+    refuses(fn, two, "layer_groups", [], "layer_groups must give each layer's KV-cache group")
+    refuses(fn, two, "layer_groups", [2], r"layer_groups\[0\] = 2 is not a group \(2 groups\)")
+    fn(**two, layer_groups=[1])
+    refuses(fn, {**two, "layer_groups": [1]}, "block_tables",
+            [two["block_tables"][0], torch.tensor([[0], [9]], dtype=torch.int32)],
+            r"KV-cache group 1: block_tables\[1, 0\] = 9 is not a cache block")
 
     # LoRA stacks (a, b per projection) and a step's slots
     stack = lambda k: torch.zeros(3, 8, k)  # noqa: E731
@@ -249,6 +273,36 @@ def test_decode_layers() -> None:
             r"lora_slots\[1\] = 3 is not a slot")
     refuses(fn, {**run, **lora}, "lora_widths", [8, 0, 9, 8], r"lora_widths\[2\] must be in 0..8")
     refuses(fn, {**run, **lora}, "lora_widths", [8], "4 widths per layer")
+
+
+def test_decode_layers_of_gemma_and_qk_norms() -> None:
+    """A Gemma-style layer (q/k norms, output norms, tanh GeLU, its scale, rotary table 1) and a
+    Qwen3-style one: each layer's rotary table must be one of the call's."""
+    hidden, heads, kv_heads, head_dim, inter = 64, 2, 1, 32, 64
+    norm, head_norm = torch.ones(hidden), torch.ones(head_dim)
+    shapes = [((heads + 2 * kv_heads) * head_dim, hidden), (hidden, heads * head_dim),
+              (2 * inter, hidden), (hidden, inter)]
+    layers = torch.classes.conveyor.DecodeLayers()
+    layers.add_layer(norm, norm, heads, kv_heads, head_dim, 1e-6, 3, q_norm=head_norm,
+                     k_norm=head_norm, post_attention_norm=norm, post_feedforward_norm=norm,
+                     activation="gelu_tanh", scale=0.125, rotary=1)
+    for n, k in shapes:
+        layers.add_projection(*_projection(blocks4(n, k)).values())
+    layers.add_layer(norm, norm, heads, kv_heads, head_dim, 1e-6, 0, q_norm=head_norm,
+                     k_norm=head_norm)
+    for n, k in shapes:
+        layers.add_projection(*_projection(blocks4(n, k)).values())
+    cache = torch.zeros(4, 4, kv_heads, head_dim)
+    angles = [torch.ones(2, 1, head_dim), torch.ones(2, 1, head_dim)]
+    run = dict(weights=layers, x=torch.randn(2, hidden), residual=torch.randn(2, hidden),
+               cos=angles, sin=[torch.zeros(2, 1, head_dim)] * 2, k_caches=[cache, cache.clone()],
+               v_caches=[cache.clone(), cache.clone()], slot_mapping=[torch.tensor([0, 5])],
+               block_tables=[torch.tensor([[0], [1]], dtype=torch.int32)],
+               context_lens=[torch.tensor([1, 2], dtype=torch.int32)])
+    ops.decode_layers(**run)
+    assert not run["x"].isnan().any()
+    with pytest.raises(RuntimeError, match="layer 0 takes rotary table 1, but cos and sin hold 1"):
+        ops.decode_layers(**{**run, "cos": angles[:1], "sin": run["sin"][:1]})
 
 
 @pytest.mark.skipif("avx2" not in kernel_features(), reason="needs AVX2")
@@ -272,7 +326,7 @@ def test_decode_layers_block_panels() -> None:
         layers.add_projection(*p.values())
     cache = torch.zeros(4, 4, kv_heads, head_dim)
     ops.decode_layers(layers, torch.randn(2, hidden), torch.randn(2, hidden),
-                      torch.ones(2, 1, head_dim), torch.zeros(2, 1, head_dim), [cache],
-                      [cache.clone()], torch.tensor([0, 5]),
-                      torch.tensor([[0], [1]], dtype=torch.int32),
-                      torch.tensor([1, 2], dtype=torch.int32), True)
+                      [torch.ones(2, 1, head_dim)], [torch.zeros(2, 1, head_dim)], [cache],
+                      [cache.clone()], [torch.tensor([0, 5])],
+                      [torch.tensor([[0], [1]], dtype=torch.int32)],
+                      [torch.tensor([1, 2], dtype=torch.int32)], deterministic=True)

@@ -164,6 +164,9 @@ def test_fused_ops(ops) -> None:
         gate_up = _randn(4, 64).to(dtype)
         _close(ops.silu_mul(gate_up), F.silu(gate_up[:, :32].float()) * gate_up[:, 32:].float(),
                dtype, 2)
+        _close(ops.gelu_tanh_mul(gate_up),
+               F.gelu(gate_up[:, :32].float(), approximate="tanh") * gate_up[:, 32:].float(),
+               dtype, 2)
         heads = _randn(3, 2, 32).to(dtype)
         angles = _randn(3, 1, 32, seed=3)
         cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)

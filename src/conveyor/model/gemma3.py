@@ -27,6 +27,7 @@ from conveyor.model.layers.rotary import RotaryEmbedding, rope_inv_freq
 from conveyor.model.llama import DecoderLayer, LlamaForCausalLM
 
 GELU_TANH = ("gelu_pytorch_tanh", "gelu_tanh")  # transformers' names of the activation
+LOCAL_ROTARY = 1  # the sliding layers' rotary_index: rotaries[1] in run_layers
 
 
 class Gemma3DecoderLayer(DecoderLayer):
@@ -38,6 +39,8 @@ class Gemma3DecoderLayer(DecoderLayer):
         super().__init__(cfg, backend, tp)
         self.window = cfg.layer_window(index)
         self.scale = cfg.attention_scale
+        # the sliding layers' rotary is the model's local_rotary (Gemma3ForCausalLM.run_layers)
+        self.rotary_index = LOCAL_ROTARY if self.window is not None else 0
         self.post_attention_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, backend)
         self.post_feedforward_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, backend)
 
@@ -84,14 +87,18 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
     def run_layers(self, x: torch.Tensor, residual: torch.Tensor, positions: torch.Tensor,
                    kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
                    meta: StepMetadata) -> torch.Tensor:
-        """Each layer with its kind's rotary (the sliding layers' or the global ones') and its
-        KV-cache group's metadata."""
-        local = self.local_rotary.cos_sin(positions, residual.dtype)
-        full = self.rotary.cos_sin(positions, residual.dtype)
+        """Each layer with its kind's rotary (the global layers' or the sliding ones', by its
+        ``rotary_index``) and its KV-cache group's metadata; a decode step in one call where the
+        fused layers serve it (``decode_in_one_call``)."""
+        rotaries = [self.rotary.cos_sin(positions, residual.dtype),
+                    self.local_rotary.cos_sin(positions, residual.dtype)]
+        out = self.decode_in_one_call(x, residual, rotaries, kv_caches, meta)
+        if out is not None:
+            return out
         for layer, (k_cache, v_cache), layer_meta in zip(self.layers, kv_caches,
                                                          meta.per_layer(len(self.layers)),
                                                          strict=True):
-            cos, sin = local if layer.window is not None else full
+            cos, sin = rotaries[layer.rotary_index]
             x = layer(x, residual, cos, sin, k_cache, v_cache, layer_meta)
         return x
 

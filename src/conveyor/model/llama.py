@@ -32,11 +32,28 @@ from conveyor.model.weights import weight_slice
 MLP_CHUNK_TOKENS = 1024
 
 
+def kv_cache_groups(layer_metadata: list[StepMetadata]) -> tuple[list[StepMetadata], list[int]]:
+    """A hybrid KV cache's per-layer metadata as its groups' (each distinct object, in the order
+    of first use) and each layer's index among them."""
+    groups: list[StepMetadata] = []
+    index: dict[int, int] = {}
+    layer_groups = []
+    for m in layer_metadata:
+        i = index.setdefault(id(m), len(groups))
+        if i == len(groups):
+            groups.append(m)
+        layer_groups.append(i)
+    return groups, layer_groups
+
+
 class DecoderLayer(nn.Module):
     # What the attention is given: a sliding window (None: the whole context) and a scale
     # (None: head_dim**-0.5). A Llama layer has neither; Gemma 3's layers set them.
     window: int | None = None
     scale: float | None = None
+    # Which of the model's rotary tables the layer takes (``run_layers``' ``rotaries``): 0, the
+    # model's ``rotary``; Gemma 3's sliding layers take 1, its ``local_rotary``.
+    rotary_index: int = 0
 
     def __init__(self, cfg: ModelConfig, backend: Backend,
                  tp: TensorParallel | None = None) -> None:
@@ -180,20 +197,40 @@ class LlamaForCausalLM(nn.Module):
                    kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
                    meta: StepMetadata) -> torch.Tensor:
         """Every layer over the residual stream ``residual + x``; returns the last ``x``."""
-        cos, sin = self.rotary.cos_sin(positions, residual.dtype)
-        fused = self.fused_decode
-        if (fused is not None and meta.decode_only and meta.layer_metadata is None
-                and fused.serves(x.shape[0])
-                and kv_caches[0][0].dtype == x.dtype):  # a float32 model's cache may be bf16
-            lora_slots = self.lora.slots if self.lora is not None else None
-            return decode_layers(fused, x, residual, cos, sin, kv_caches, meta.slot_mapping,
-                                 meta.block_tables, meta.context_lens, meta.deterministic,
-                                 lora_slots)
+        cos, sin = rotary = self.rotary.cos_sin(positions, residual.dtype)
+        out = self.decode_in_one_call(x, residual, [rotary], kv_caches, meta)
+        if out is not None:
+            return out
         for layer, (k_cache, v_cache), layer_meta in zip(self.layers, kv_caches,
                                                          meta.per_layer(len(self.layers)),
                                                          strict=True):
             x = layer(x, residual, cos, sin, k_cache, v_cache, layer_meta)
         return x
+
+    def decode_in_one_call(self, x: torch.Tensor, residual: torch.Tensor,
+                           rotaries: list[tuple[torch.Tensor, torch.Tensor]],
+                           kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+                           meta: StepMetadata) -> torch.Tensor | None:
+        """``run_layers``' result through the one-call decode layers (``fused_decode``), or None
+        where they do not serve the step: not every token a decode, more rows than their blocks
+        serve, or a cache of another dtype (a float32 model's may be bf16). ``rotaries``: the
+        (cos, sin) of each ``DecoderLayer.rotary_index``; a hybrid KV cache's groups each bring
+        their own slots, tables and context lengths (``meta.layer_metadata``)."""
+        fused = self.fused_decode
+        if (fused is None or not meta.decode_only or not fused.serves(x.shape[0])
+                or kv_caches[0][0].dtype != x.dtype):
+            return None
+        groups, layer_groups = [meta], []
+        if meta.layer_metadata is not None:
+            groups, layer_groups = kv_cache_groups(meta.layer_metadata)
+            if not all(g.decode_only for g in groups):
+                return None
+        lora_slots = self.lora.slots if self.lora is not None else None
+        return decode_layers(fused, x, residual, [cos for cos, _ in rotaries],
+                             [sin for _, sin in rotaries], kv_caches,
+                             [g.slot_mapping for g in groups], [g.block_tables for g in groups],
+                             [g.context_lens for g in groups], meta.deterministic, lora_slots,
+                             layer_groups)
 
     @property
     def dtype(self) -> torch.dtype:

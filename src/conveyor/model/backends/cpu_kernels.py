@@ -4,8 +4,9 @@ Attention: every token of a step goes to the kernel of ``kernels/paged_attention
 entry order: each token attends to its own causal prefix, read straight from its sequence's
 blocks. No padding, no mask, no gathered keys. Where the kernel does not take the model's
 dtypes or head size (``attention_kernel_available``), attention is ``TorchBackend``'s.
-The norm, rotary and activation kernels serve float32/bf16 rows whose widths are multiples of
-16; a call they do not take runs ``TorchBackend``'s math.
+The norm, rotary and activation kernels (SiLU, and Gemma's tanh GeLU) serve float32/bf16 rows
+whose widths are multiples of 16 (a per-head norm's rows are its heads); a call they do not take
+runs ``TorchBackend``'s math.
 """
 
 from __future__ import annotations
@@ -67,12 +68,23 @@ class CpuBackend(TorchBackend):
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float,
                  residual: torch.Tensor | None = None,
                  out: torch.Tensor | None = None) -> torch.Tensor:
+        if x.dim() == 3 and residual is None:
+            # Per-head norms (q/k norms of [T, heads, head_dim], whose rows may be strided views
+            # of the QKV output): every head a row of the same kernel, as the one-call decode
+            # layers norm them (a copy where the heads are not evenly spaced).
+            fused = fused_ops.rms_norm(x.reshape(-1, x.shape[-1]), weight, eps)
+            if fused is not None:
+                return fused.view(x.shape)
         fused = fused_ops.rms_norm(x, weight, eps, residual, out) if x.dim() == 2 else None
         return fused if fused is not None else super().rms_norm(x, weight, eps, residual, out)
 
     def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         fused = fused_ops.silu_mul(gate_up)
         return fused if fused is not None else super().silu_and_mul(gate_up)
+
+    def gelu_tanh_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        fused = fused_ops.gelu_tanh_mul(gate_up)
+        return fused if fused is not None else super().gelu_tanh_and_mul(gate_up)
 
     def rotary(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                out: torch.Tensor | None = None) -> torch.Tensor:

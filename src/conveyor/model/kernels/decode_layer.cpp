@@ -1,24 +1,31 @@
-// Every Llama decoder layer of a decode step, in one call (CPU, float32 or bf16).
+// Every decoder layer of a decode step, in one call (CPU, float32 or bf16): Llama's, with per-head
+// q/k norms (Qwen3's), or Gemma 3's.
 //
 // At small batches a decode step's kernels are short, so the Python around each layer's nine
 // kernel calls costs about as much as the kernels themselves. This runs the same kernels, in
 // the same order and with the same arithmetic, from C++, for each layer:
 //
 //   residual += x; h = rms_norm(residual)             (input_norm)
-//   qkv = h @ Wqkv^T; q, k = rotary(q, k)              (one rotary pass over q's and k's heads)
-//   k, v -> their cache slots; a = paged_attention(q)
-//   residual += a @ Wo^T; h = rms_norm(residual)       (post_norm)
-//   out = (silu(h @ Wgate^T) * (h @ Wup^T)) @ Wdown^T
-//
-// With a step's LoRA slots, each projection's output then gets its rows' adapter updates
-// (lora.cpp's lora_apply, as layers/lora.py adds them on the Python path).
+//   qkv = h @ Wqkv^T; q, k = rotary(q, k)              (one rotary pass over q's and k's heads;
+//                                                       with q/k norms, each head normed first)
+//   k, v -> their cache slots; a = paged_attention(q)  (the layer's scale and window)
+//   p = a @ Wo^T [; p = rms_norm(p)]                   (post_attention_norm, Gemma)
+//   residual += p; h = rms_norm(residual)              (post_norm)
+//   out = (act(h @ Wgate^T) * (h @ Wup^T)) @ Wdown^T   (act: SiLU, or Gemma's tanh GeLU)
+//   [out = rms_norm(out)]                              (post_feedforward_norm, Gemma)
 //
 // where each matmul is int8_blocks.cpp's integer GEMM where the weight has it (integer compute:
 // every row), else the 4-bit block kernel (or quant_panels.cpp's, for QuantPanels) up to its
-// max_block_rows rows and above them the panel GEMM (as Linear picks), so its results equal the layer's Python path bit for bit (the tests check). The
-// pieces are the kernels' own entry points; ops.cpp holds the typed operator.
+// max_block_rows rows and above them the panel GEMM (as Linear picks), so its results equal the
+// layer's Python path bit for bit (the tests check). With a step's LoRA slots, each
+// projection's output then gets its rows' adapter updates (lora.cpp's lora_apply, as
+// layers/lora.py adds them on the Python path). Each layer takes its rotary table (Gemma's
+// sliding layers have their own) and its KV-cache group's slots, block tables and context
+// lengths (a hybrid cache: docs/kv_cache.md). The pieces are the kernels' own entry points;
+// ops.cpp holds the typed operator.
 
 #include <cstdint>
+#include <cstring>
 
 #include "block_matmul.h"
 #include "decode_layer.h"
@@ -69,13 +76,11 @@ namespace conveyor {
 
 template <typename T>
 void decode_layer(const LayerWeights* w, T* out, const T* x, T* residual, int64_t rows,
-                  const T* cos, const T* sin, T* k_cache, T* v_cache, int64_t block_size,
-                  const int64_t* slot_mapping, const int32_t* block_tables,
-                  const int32_t* context_lens, int64_t max_blocks, float scale,
+                  const LayerStep<T>& step, T* k_cache, T* v_cache, int64_t block_size,
                   Activations<T>& a, int num_threads, bool deterministic, const LoraStep& lora) {
   const int64_t hidden = w->hidden, hd = w->head_dim, inter = w->intermediate;
   const int64_t q_heads = w->num_heads, kv_heads = w->num_kv_heads;
-  const int64_t qk_width = (q_heads + kv_heads) * hd;
+  const int64_t q_width = q_heads * hd, k_width = kv_heads * hd, qk_width = q_width + k_width;
   const int64_t qkv_width = w->qkv.n_out;
   const T* input_norm = static_cast<const T*>(w->input_norm);
   const T* post_norm = static_cast<const T*>(w->post_norm);
@@ -85,32 +90,58 @@ void decode_layer(const LayerWeights* w, T* out, const T* x, T* residual, int64_
   rms_norm<T>(h, x, residual, input_norm, rows, hidden, hidden, w->eps, num_threads);
   matmul(qkv, h, w->qkv, rows, hidden, a, num_threads);
   add_lora(qkv, h, w, 0, lora, rows, hidden, qkv_width, num_threads);
-  rotary<T>(qk, qkv, cos, sin, rows, q_heads + kv_heads, hd, qkv_width, qk_width,
-            num_threads);
-  const NewKV<T> new_kv{qk + q_heads * hd, qkv + qk_width, qk_width, qkv_width,
-                        slot_mapping};  // rotated keys, values straight from the projection
-  paged_attention<T>(attn, qk, k_cache, v_cache, new_kv, block_tables, nullptr,
-                     context_lens, rows, q_heads, kv_heads, hd, block_size, max_blocks, qk_width,
-                     scale, num_threads, deterministic, w->window);
-  matmul(proj, attn, w->o, rows, q_heads * hd, a, num_threads);
-  add_lora(proj, attn, w, 1, lora, rows, q_heads * hd, hidden, num_threads);
+  const T *q = qk, *k = qk + q_width;  // rotated heads, rows q_stride and k_stride apart
+  int64_t q_stride = qk_width, k_stride = qk_width;
+  if (w->q_norm) {
+    // Each head of q, then of k, a row of rms_norm (the Python path's per-head norms): copied
+    // out of the QKV rows so that the rows are evenly spaced, normed and rotated in place.
+    T *qn = qk, *kn = qk + rows * q_width;
+    for (int64_t r = 0; r < rows; ++r) {
+      std::memcpy(qn + r * q_width, qkv + r * qkv_width, q_width * sizeof(T));
+      std::memcpy(kn + r * k_width, qkv + r * qkv_width + q_width, k_width * sizeof(T));
+    }
+    rms_norm<T>(qn, qn, nullptr, static_cast<const T*>(w->q_norm), rows * q_heads, hd, hd,
+                w->eps, num_threads);
+    rms_norm<T>(kn, kn, nullptr, static_cast<const T*>(w->k_norm), rows * kv_heads, hd, hd,
+                w->eps, num_threads);
+    rotary<T>(qn, qn, step.cos, step.sin, rows, q_heads, hd, q_width, q_width, num_threads);
+    rotary<T>(kn, kn, step.cos, step.sin, rows, kv_heads, hd, k_width, k_width, num_threads);
+    q = qn, k = kn, q_stride = q_width, k_stride = k_width;
+  } else {
+    rotary<T>(qk, qkv, step.cos, step.sin, rows, q_heads + kv_heads, hd, qkv_width, qk_width,
+              num_threads);
+  }
+  const NewKV<T> new_kv{k, qkv + qk_width, k_stride, qkv_width,
+                        step.slot_mapping};  // rotated keys, values straight from the projection
+  paged_attention<T>(attn, q, k_cache, v_cache, new_kv, step.block_tables, nullptr,
+                     step.context_lens, rows, q_heads, kv_heads, hd, block_size, step.max_blocks,
+                     q_stride, w->scale, num_threads, deterministic, w->window);
+  matmul(proj, attn, w->o, rows, q_width, a, num_threads);
+  add_lora(proj, attn, w, 1, lora, rows, q_width, hidden, num_threads);
+  if (w->post_attention_norm)  // in place: each row is read before it is written
+    rms_norm<T>(proj, proj, nullptr, static_cast<const T*>(w->post_attention_norm), rows, hidden,
+                hidden, w->eps, num_threads);
   rms_norm<T>(h, proj, residual, post_norm, rows, hidden, hidden, w->eps,
               num_threads);
   matmul(gate_up, h, w->gate_up, rows, hidden, a, num_threads);
   add_lora(gate_up, h, w, 2, lora, rows, hidden, 2 * inter, num_threads);
-  silu_mul<T>(act, gate_up, rows, inter, num_threads);
+  if (w->activation == Activation::kGeluTanh)
+    gelu_tanh_mul<T>(act, gate_up, rows, inter, num_threads);
+  else
+    silu_mul<T>(act, gate_up, rows, inter, num_threads);
   matmul(out, act, w->down, rows, inter, a, num_threads);
   add_lora(out, act, w, 3, lora, rows, inter, hidden, num_threads);
+  if (w->post_feedforward_norm)
+    rms_norm<T>(out, out, nullptr, static_cast<const T*>(w->post_feedforward_norm), rows, hidden,
+                hidden, w->eps, num_threads);
 }
 
 template void decode_layer<float>(const LayerWeights*, float*, const float*, float*, int64_t,
-                                  const float*, const float*, float*, float*, int64_t,
-                                  const int64_t*, const int32_t*, const int32_t*, int64_t, float,
+                                  const LayerStep<float>&, float*, float*, int64_t,
                                   Activations<float>&, int, bool, const LoraStep&);
 template void decode_layer<uint16_t>(const LayerWeights*, uint16_t*, const uint16_t*, uint16_t*,
-                                     int64_t, const uint16_t*, const uint16_t*, uint16_t*,
-                                     uint16_t*, int64_t, const int64_t*, const int32_t*,
-                                     const int32_t*, int64_t, float, Activations<uint16_t>&, int,
-                                     bool, const LoraStep&);
+                                     int64_t, const LayerStep<uint16_t>&, uint16_t*, uint16_t*,
+                                     int64_t, Activations<uint16_t>&, int, bool,
+                                     const LoraStep&);
 
 }  // namespace conveyor

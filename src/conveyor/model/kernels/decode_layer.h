@@ -1,5 +1,6 @@
-// Every Llama decoder layer of a decode step in one call (decode_layer.cpp): a layer's weights
-// as the kernels take them, and one layer's step. T is float, or bf16 stored as uint16_t.
+// Every decoder layer of a decode step in one call (decode_layer.cpp): Llama's, and the same with
+// per-head q/k norms (Qwen3) or with Gemma 3's additions. A layer's weights as the kernels take
+// them, and one layer's step. T is float, or bf16 stored as uint16_t.
 
 #pragma once
 
@@ -41,14 +42,36 @@ struct LoraStack {  // a projection's adapters: lora.cpp's a [slots, rank, in], 
   int64_t rank = 0;
 };
 
+enum class Activation { kSilu, kGeluTanh };  // the MLP's gate: silu_mul or gelu_tanh_mul
+
+// Every norm in the activations' type, with one eps; a null optional norm is none.
 struct LayerWeights {
-  const void* input_norm;  // [hidden] in the activations' type, as post_norm
+  const void* input_norm;  // [hidden], as post_norm (the MLP's input norm)
   const void* post_norm;
+  const void* q_norm = nullptr;  // [head_dim]: q's and k's heads normed before the rotary
+  const void* k_norm = nullptr;
+  const void* post_attention_norm = nullptr;  // [hidden]: the attention's output (after o)
+  const void* post_feedforward_norm = nullptr;  // [hidden]: the MLP's output (after down)
   Weight qkv, o, gate_up, down;
   int64_t hidden, num_heads, num_kv_heads, head_dim, intermediate;
   float eps;
+  float scale = 0;  // of q.k in attention
+  Activation activation = Activation::kSilu;
   int64_t window = 0;  // attention's sliding window (paged_attention.h); 0: none
+  int64_t rotary = 0;  // which of the call's rotary tables (cos, sin) the layer takes
   LoraStack lora[4] = {};  // qkv, o, gate_up, down
+};
+
+// What one layer reads of a step besides its weights: its rotary table's rows and its KV-cache
+// group's indices.
+template <typename T>
+struct LayerStep {
+  const T* cos;  // [rows, head_dim], as sin
+  const T* sin;
+  const int64_t* slot_mapping;  // [rows] flat cache rows
+  const int32_t* block_tables;  // [rows, max_blocks]
+  const int32_t* context_lens;  // [rows]
+  int64_t max_blocks;
 };
 
 struct LoraStep {  // a step's rows under adapters
@@ -59,7 +82,8 @@ struct LoraStep {  // a step's rows under adapters
 
 // A layer's intermediate activations, allocated once per call for all layers (which share their
 // sizes) and left uninitialized: every element is written before it is read, so zeroing them
-// would be a wasted pass over memory per layer.
+// would be a wasted pass over memory per layer. qk: the rotated q and k heads, per row [q | k]
+// (rows qk-width apart), or with q/k norms every row's q, then every row's k.
 template <typename T>
 struct Activations {
   std::unique_ptr<T[]> h, qkv, qk, attn, proj, gate_up, act;
@@ -75,13 +99,11 @@ struct Activations {
 };
 
 // One layer, in T (float, or bf16 stored as uint16_t). x, out: [rows, hidden] (out may be x);
-// residual: [rows, hidden], updated in place; cos, sin: [rows, head_dim]; caches: [num_blocks,
-// block_size, num_kv_heads, head_dim]; slot_mapping: [rows] flat cache rows.
+// residual: [rows, hidden], updated in place; caches: [num_blocks, block_size, num_kv_heads,
+// head_dim].
 template <typename T>
 void decode_layer(const LayerWeights* w, T* out, const T* x, T* residual, int64_t rows,
-                  const T* cos, const T* sin, T* k_cache, T* v_cache, int64_t block_size,
-                  const int64_t* slot_mapping, const int32_t* block_tables,
-                  const int32_t* context_lens, int64_t max_blocks, float scale,
+                  const LayerStep<T>& step, T* k_cache, T* v_cache, int64_t block_size,
                   Activations<T>& a, int num_threads, bool deterministic, const LoraStep& lora);
 
 }  // namespace conveyor

@@ -1,5 +1,7 @@
 """Every decoder layer of a decode step in one call (``torch.ops.conveyor.decode_layers``,
-``decode_layer.cpp``).
+``decode_layer.cpp``): Llama's layers, with per-head q/k norms (Qwen3's), or Gemma 3's (norms of
+the attention's and the MLP's outputs, the tanh GeLU, an attention scale, a rotary table per
+layer kind, a KV-cache group per layer).
 
 ``DecodeLayers`` holds a model's layers as the C++ side's ``DecodeLayers`` object, built once at
 load time from each layer's ``DecodeLayerWeights`` (its norms, sizes and a ``DecodeProjection``
@@ -72,10 +74,17 @@ class DecodeProjection:
     integer: bool = False
 
 
+ACTIVATIONS = ("silu", "gelu_tanh")  # the MLP's gate: Llama's, Gemma's
+
+
 @dataclass
 class DecodeLayerWeights:
-    """A layer's norms (float32 or bf16: the activations' dtype) and its projections, in
-    ``PROJECTIONS`` order."""
+    """A layer's norms (float32 or bf16: the activations' dtype, one ``eps``) and its
+    projections, in ``PROJECTIONS`` order; then what a layer may add to Llama's: per-head q/k
+    norms ([head_dim], before the rotary: Qwen3, Gemma 3), norms of the attention's output (after
+    o) and of the MLP's (after down), both [hidden] (Gemma 3), the tanh GeLU gate, an attention
+    scale of its own (None: head_dim**-0.5), and which of the call's rotary tables it takes
+    (``decode_layers``' ``cos``/``sin`` lists)."""
     input_norm: torch.Tensor
     post_norm: torch.Tensor
     projections: list[DecodeProjection]
@@ -84,6 +93,13 @@ class DecodeLayerWeights:
     head_dim: int
     eps: float
     window: int = 0  # attention's sliding window (``kernel_attention``); 0: none
+    q_norm: torch.Tensor | None = None
+    k_norm: torch.Tensor | None = None
+    post_attention_norm: torch.Tensor | None = None
+    post_feedforward_norm: torch.Tensor | None = None
+    activation: str = "silu"  # one of ACTIVATIONS
+    scale: float | None = None
+    rotary: int = 0
 
 
 class LoRAStacks(Protocol):
@@ -106,7 +122,10 @@ class DecodeLayers:
         self.weights = torch.classes.conveyor.DecodeLayers()
         for w in layers:
             self.weights.add_layer(w.input_norm, w.post_norm, w.num_heads, w.num_kv_heads,
-                                   w.head_dim, w.eps, w.window)
+                                   w.head_dim, w.eps, w.window, q_norm=w.q_norm,
+                                   k_norm=w.k_norm, post_attention_norm=w.post_attention_norm,
+                                   post_feedforward_norm=w.post_feedforward_norm,
+                                   activation=w.activation, scale=w.scale, rotary=w.rotary)
             for p in w.projections:
                 b = p.blocks
                 if p.integer:
@@ -143,22 +162,35 @@ class DecodeLayers:
 
 
 def decode_layers(layers: DecodeLayers, x: torch.Tensor, residual: torch.Tensor,
-                  cos: torch.Tensor, sin: torch.Tensor,
-                  kv_caches: list[tuple[torch.Tensor, torch.Tensor]], slot_mapping: torch.Tensor,
-                  block_tables: torch.Tensor, context_lens: torch.Tensor,
+                  cos: torch.Tensor | Sequence[torch.Tensor],
+                  sin: torch.Tensor | Sequence[torch.Tensor],
+                  kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+                  slot_mapping: torch.Tensor | Sequence[torch.Tensor],
+                  block_tables: torch.Tensor | Sequence[torch.Tensor],
+                  context_lens: torch.Tensor | Sequence[torch.Tensor],
                   deterministic: bool = False,
-                  lora_slots: torch.Tensor | None = None) -> torch.Tensor:
+                  lora_slots: torch.Tensor | None = None,
+                  layer_groups: Sequence[int] = ()) -> torch.Tensor:
     """Runs every layer on ``x`` [T, hidden] (one decode token per row) and returns the last
     layer's output, written over ``x``; ``residual`` is updated in place and each layer's K/V
     are written to their slots, as the Python path does. Every tensor but the index ones is in
-    the layers' dtype. ``deterministic``: attention as ``kernel_attention`` computes it so.
-    ``lora_slots`` [T] int32: each row's LoRA slot (0: none) in the stacks of ``set_lora``."""
+    the layers' dtype. ``cos``, ``sin``: the rotary table, or a list of them, a layer taking the
+    one its ``DecodeLayerWeights.rotary`` names. ``slot_mapping``, ``block_tables``,
+    ``context_lens``: the step's, or with a hybrid KV cache a list of each KV-cache group's, layer
+    ``l`` reading group ``layer_groups[l]``'s. ``deterministic``: attention as
+    ``kernel_attention`` computes it so. ``lora_slots`` [T] int32: each row's LoRA slot (0: none)
+    in the stacks of ``set_lora``."""
     widths = []
     if lora_slots is not None:
         if layers.lora is None:
             raise ValueError("lora_slots need the layers' LoRA stacks (set_lora)")
         widths = [p.width for p in layers.lora]
-    layers.run(layers.weights, x, residual, cos, sin, [k for k, _ in kv_caches],
-               [v for _, v in kv_caches], slot_mapping, block_tables, context_lens, deterministic,
+    layers.run(layers.weights, x, residual, _listed(cos), _listed(sin),
+               [k for k, _ in kv_caches], [v for _, v in kv_caches], _listed(slot_mapping),
+               _listed(block_tables), _listed(context_lens), list(layer_groups), deterministic,
                lora_slots, widths)
     return x
+
+
+def _listed(t: torch.Tensor | Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    return [t] if isinstance(t, torch.Tensor) else list(t)

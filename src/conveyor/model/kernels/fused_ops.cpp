@@ -6,6 +6,10 @@
 //
 //   rms_norm:  [residual += x;] out = weight * T(h * rsqrt(mean(h^2) + eps)), h = residual or x
 //   silu_mul:  out = T(silu(gate)) * up, gate_up = [gate | up] per row
+//   gelu_tanh_mul: out = T(gelu_tanh(gate)) * up, as silu_mul (Gemma's MLP), where
+//              gelu_tanh(g) = g/2 (1 + tanh(u)), u = sqrt(2/pi) (g + 0.044715 g^3), is computed
+//              as g / (1 + exp(-2u)), the same function (1 + tanh(u) = 2 / (1 + exp(-2u)))
+//              on silu_mul's exp, without tanh's cancellation where u is very negative
 //   rotary:    out = T(x * cos) + T(rotate_half(x) * sin), per head ("rotate_half" layout);
 //              out may be x (each pair of halves is read before it is written)
 //   argmax:    out[r] = the first index of row r's largest value (greedy sampling; a NaN
@@ -74,6 +78,29 @@ void silu_mul(T* out, const T* gate_up, int64_t rows, int64_t inter, int num_thr
 }
 
 template <typename T>
+void gelu_tanh_mul(T* out, const T* gate_up, int64_t rows, int64_t inter, int num_threads) {
+  constexpr float kBeta = 0.7978845608028654f;  // sqrt(2 / pi), as torch's kernel has it
+  constexpr float kKappa = 0.044715f;
+#pragma omp parallel for num_threads(num_threads) if (rows * inter >= kParallelElements)
+  for (int64_t r = 0; r < rows; ++r) {
+    const T* g = gate_up + r * 2 * inter;
+    T* o = out + r * inter;
+    in_batches<8>(inter, [&](int64_t c, auto batch) {  // exps overlap, as in silu_mul
+      constexpr int B = decltype(batch)::value;
+      vfloat gv[B], e[B];
+      for (int i = 0; i < B; ++i) {
+        gv[i] = load(g + c + i * kLanes);
+        const vfloat u = (gv[i] + kKappa * (gv[i] * gv[i] * gv[i])) * kBeta;
+        e[i] = vexp(u * -2.f);
+      }
+      for (int i = 0; i < B; ++i)
+        store(rounded(gv[i] / (1.f + e[i]), g) * load(g + inter + c + i * kLanes),
+              o + c + i * kLanes);
+    });
+  }
+}
+
+template <typename T>
 void rotary(T* out, const T* x, const T* cos, const T* sin, int64_t rows, int64_t heads,
             int64_t head_dim, int64_t x_stride, int64_t out_stride, int num_threads) {
   const int64_t half = head_dim / 2;
@@ -133,6 +160,8 @@ template void rms_norm<uint16_t>(uint16_t*, const uint16_t*, uint16_t*, const ui
                                 int64_t, int64_t, float, int);
 template void silu_mul<float>(float*, const float*, int64_t, int64_t, int);
 template void silu_mul<uint16_t>(uint16_t*, const uint16_t*, int64_t, int64_t, int);
+template void gelu_tanh_mul<float>(float*, const float*, int64_t, int64_t, int);
+template void gelu_tanh_mul<uint16_t>(uint16_t*, const uint16_t*, int64_t, int64_t, int);
 template void rotary<float>(float*, const float*, const float*, const float*, int64_t, int64_t,
                             int64_t, int64_t, int64_t, int);
 template void rotary<uint16_t>(uint16_t*, const uint16_t*, const uint16_t*, const uint16_t*,

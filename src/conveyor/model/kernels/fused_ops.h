@@ -17,6 +17,10 @@ void rms_norm(T* out, const T* x, T* residual, const T* weight, int64_t rows, in
 template <typename T>
 void silu_mul(T* out, const T* gate_up, int64_t rows, int64_t inter, int num_threads);
 
+// out [rows, inter] = T(gelu_tanh(gate)) * up (Gemma's gating), gate_up as silu_mul's.
+template <typename T>
+void gelu_tanh_mul(T* out, const T* gate_up, int64_t rows, int64_t inter, int num_threads);
+
 // Each head of each row rotated ("rotate_half" layout) by its row's cos and sin [rows,
 // head_dim]; out may be x.
 template <typename T>

@@ -44,12 +44,24 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     return out
 
 
-def silu_mul(gate_up: torch.Tensor) -> torch.Tensor | None:
-    """gate_up [T, 2 I] (gate first) -> silu(gate) * up [T, I]."""
+def _gated(gate_up: torch.Tensor):
     ops = _ops(gate_up, gate_up.shape[-1] // 2)
     if ops is None or gate_up.dim() != 2 or not gate_up.is_contiguous():
         return None
-    return ops.silu_mul(gate_up)
+    return ops
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor | None:
+    """gate_up [T, 2 I] (gate first) -> silu(gate) * up [T, I]."""
+    ops = _gated(gate_up)
+    return None if ops is None else ops.silu_mul(gate_up)
+
+
+def gelu_tanh_mul(gate_up: torch.Tensor) -> torch.Tensor | None:
+    """gate_up [T, 2 I] (gate first) -> gelu(gate, approximate="tanh") * up [T, I] (Gemma's
+    MLP)."""
+    ops = _gated(gate_up)
+    return None if ops is None else ops.gelu_tanh_mul(gate_up)
 
 
 def packed_heads(x: torch.Tensor) -> bool:

@@ -18,6 +18,7 @@
 #include <cmath>
 #include <optional>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "block_matmul.h"
@@ -342,17 +343,31 @@ void rms_norm_op(const Tensor& x, const Tensor& weight, double eps,
   });
 }
 
-Tensor silu_mul_op(const Tensor& gate_up) {
+// A gated activation's [rows, 2 * inter] input (gate first) checked; its [rows, inter] output.
+Tensor gated_output(const Tensor& gate_up) {
   check_activation_dtype(gate_up, "gate_up");
   TORCH_CHECK(gate_up.dim() == 2, "gate_up must be 2-D, got shape ", gate_up.sizes());
   check_contiguous(gate_up, "gate_up");
   const int64_t rows = gate_up.size(0), inter = gate_up.size(1) / 2;
   check_multiple(inter, kLanes, "half of gate_up's width");
   TORCH_CHECK(gate_up.size(1) == 2 * inter, "gate_up's width must be even");
-  Tensor out = at::empty({rows, inter}, gate_up.options());
+  return at::empty({rows, inter}, gate_up.options());
+}
+
+Tensor silu_mul_op(const Tensor& gate_up) {
+  Tensor out = gated_output(gate_up);
   with_type(gate_up, [&](auto* type) {
     using T = std::remove_pointer_t<decltype(type)>;
-    silu_mul<T>(data<T>(out), data<const T>(gate_up), rows, inter, threads());
+    silu_mul<T>(data<T>(out), data<const T>(gate_up), out.size(0), out.size(1), threads());
+  });
+  return out;
+}
+
+Tensor gelu_tanh_mul_op(const Tensor& gate_up) {
+  Tensor out = gated_output(gate_up);
+  with_type(gate_up, [&](auto* type) {
+    using T = std::remove_pointer_t<decltype(type)>;
+    gelu_tanh_mul<T>(data<T>(out), data<const T>(gate_up), out.size(0), out.size(1), threads());
   });
   return out;
 }
@@ -581,9 +596,16 @@ struct DecodeLayers : torch::CustomClassHolder {
   int64_t max_rows_ = -1;  // rows the layers serve: -1 for any number
 
   // A layer: its norms ([hidden] in the activations' dtype, every layer's the same) and sizes;
-  // its four projections follow (add_projection).
+  // its four projections follow (add_projection). What a layer may add to Llama's: q/k norms
+  // ([head_dim] each, per head before the rotary: Qwen3, Gemma 3), norms of the attention's and
+  // the MLP's outputs ([hidden]; Gemma 3), the tanh GeLU gate ("gelu_tanh"), an attention scale
+  // of its own (none: head_dim ** -0.5), and which of the call's rotary tables it takes.
   void add_layer(const Tensor& input_norm, const Tensor& post_norm, int64_t num_heads,
-                 int64_t num_kv_heads, int64_t head_dim, double eps, int64_t window) {
+                 int64_t num_kv_heads, int64_t head_dim, double eps, int64_t window,
+                 const std::optional<Tensor>& q_norm, const std::optional<Tensor>& k_norm,
+                 const std::optional<Tensor>& post_attention_norm,
+                 const std::optional<Tensor>& post_feedforward_norm,
+                 const std::string& activation, std::optional<double> scale, int64_t rotary) {
     TORCH_CHECK(complete(), "the last layer added lacks projections (add_projection)");
     check_activation_dtype(input_norm, "input_norm");
     TORCH_CHECK(input_norm.dim() == 1, "input_norm must be 1-D, got shape ", input_norm.sizes());
@@ -593,27 +615,52 @@ struct DecodeLayers : torch::CustomClassHolder {
                 num_kv_heads);
     check_multiple(hidden, kLanes, "input_norm's size (hidden)");
     check_multiple(head_dim, 2 * kLanes, "head_dim");
-    if (layers.empty())
-      dtype = input_norm.scalar_type();
-    else
+    const ScalarType type = layers.empty() ? input_norm.scalar_type() : dtype;
+    if (!layers.empty())
       TORCH_CHECK(input_norm.scalar_type() == dtype && hidden == layers[0].hidden &&
                       num_heads == layers[0].num_heads && num_kv_heads == layers[0].num_kv_heads &&
                       head_dim == layers[0].head_dim,
                   "every layer must have the first one's dtype and sizes");
-    check_tensor(input_norm, "input_norm", dtype, {hidden});
-    check_tensor(post_norm, "post_norm", dtype, {hidden});
-    tensors.push_back(input_norm);
-    tensors.push_back(post_norm);
+    check_tensor(input_norm, "input_norm", type, {hidden});
+    check_tensor(post_norm, "post_norm", type, {hidden});
+    TORCH_CHECK(q_norm.has_value() == k_norm.has_value(), "q_norm and k_norm come together");
+    for (const auto& [norm, name, size] :
+         {std::tuple{&q_norm, "q_norm", head_dim}, std::tuple{&k_norm, "k_norm", head_dim},
+          std::tuple{&post_attention_norm, "post_attention_norm", hidden},
+          std::tuple{&post_feedforward_norm, "post_feedforward_norm", hidden}})
+      if (*norm) check_tensor(**norm, name, type, {size});
+    TORCH_CHECK(activation == "silu" || activation == "gelu_tanh",
+                "activation must be \"silu\" or \"gelu_tanh\", got \"", activation, "\"");
+    TORCH_CHECK(!scale || (std::isfinite(*scale) && *scale > 0),
+                "scale must be positive and finite (or None: head_dim ** -0.5), got ", *scale);
+    TORCH_CHECK(window >= 0, "window must be 0 (none) or positive, got ", window);
+    TORCH_CHECK(rotary >= 0, "rotary must be >= 0 (an index into the call's cos and sin), got ",
+                rotary);
     LayerWeights w{};
-    w.input_norm = input_norm.data_ptr();
-    w.post_norm = post_norm.data_ptr();
+    auto hold = [&](const std::optional<Tensor>& t) -> const void* {
+      if (!t) return nullptr;
+      tensors.push_back(*t);
+      return t->data_ptr();
+    };
+    w.input_norm = hold(input_norm);
+    w.post_norm = hold(post_norm);
+    w.q_norm = hold(q_norm);
+    w.k_norm = hold(k_norm);
+    w.post_attention_norm = hold(post_attention_norm);
+    w.post_feedforward_norm = hold(post_feedforward_norm);
     w.hidden = hidden;
     w.num_heads = num_heads;
     w.num_kv_heads = num_kv_heads;
     w.head_dim = head_dim;
     w.eps = static_cast<float>(eps);
-    TORCH_CHECK(window >= 0, "window must be 0 (none) or positive, got ", window);
+    // As the Python path's scale reaches paged_attention (a double rounded to float); without
+    // one, as Python's head_dim ** -0.5 (the same libm pow).
+    w.scale = static_cast<float>(scale ? *scale
+                                       : std::pow(static_cast<double>(head_dim), -0.5));
+    w.activation = activation == "gelu_tanh" ? Activation::kGeluTanh : Activation::kSilu;
     w.window = window;
+    w.rotary = rotary;
+    dtype = type;
     layers.push_back(w);
     projections_ = 0;
   }
@@ -781,29 +828,44 @@ struct DecodeLayers : torch::CustomClassHolder {
   int64_t projections_ = 4;  // the last layer's projections added so far
 };
 
+// One step of every layer: x, residual [rows, hidden]; cos[i], sin[i]: rotary table i, [rows,
+// head_dim] or [rows, 1, head_dim] (a layer takes the table add_layer gave it); one K and V
+// cache per layer; per KV-cache group g, slot_mapping[g], block_tables[g] and context_lens[g],
+// layer l's group being layer_groups[l] (empty: every layer's group 0, the only one).
 void decode_layers_op(const c10::intrusive_ptr<DecodeLayers>& weights, const Tensor& x,
-                   const Tensor& residual, const Tensor& cos, const Tensor& sin,
-                   const std::vector<Tensor>& k_caches, const std::vector<Tensor>& v_caches,
-                   const Tensor& slot_mapping, const Tensor& block_tables,
-                   const Tensor& context_lens, bool deterministic,
-                   const std::optional<Tensor>& lora_slots,
-                   const std::vector<int64_t>& lora_widths) {
+                      const Tensor& residual, const std::vector<Tensor>& cos,
+                      const std::vector<Tensor>& sin, const std::vector<Tensor>& k_caches,
+                      const std::vector<Tensor>& v_caches, const std::vector<Tensor>& slot_mapping,
+                      const std::vector<Tensor>& block_tables,
+                      const std::vector<Tensor>& context_lens,
+                      const std::vector<int64_t>& layer_groups, bool deterministic,
+                      const std::optional<Tensor>& lora_slots,
+                      const std::vector<int64_t>& lora_widths) {
   const auto& layers = weights->layers;
   TORCH_CHECK(!layers.empty(), "weights holds no layers");
   TORCH_CHECK(weights->complete(), "the last layer of weights lacks projections");
   const LayerWeights& first = layers[0];
+  const int64_t num_layers = weights->num_layers();
   TORCH_CHECK(x.dim() == 2, "x must be 2-D [tokens, hidden], got shape ", x.sizes());
   const int64_t rows = x.size(0);
   check_tensor(x, "x", weights->dtype, {rows, first.hidden});
   TORCH_CHECK(weights->max_rows_ < 0 || rows <= weights->max_rows_, "x has ", rows,
               " rows, more than the weights serve (", weights->max_rows_, ")");
   check_tensor(residual, "residual", weights->dtype, {rows, first.hidden});
-  check_angles(cos, "cos", x, rows, first.head_dim);
-  check_angles(sin, "sin", x, rows, first.head_dim);
-  TORCH_CHECK(static_cast<int64_t>(k_caches.size()) == weights->num_layers() &&
+  TORCH_CHECK(!cos.empty() && sin.size() == cos.size(),
+              "cos and sin need one table per rotary (at least one), got ", cos.size(), " and ",
+              sin.size());
+  for (size_t i = 0; i < cos.size(); ++i) {
+    check_angles(cos[i], ("cos[" + std::to_string(i) + "]").c_str(), x, rows, first.head_dim);
+    check_angles(sin[i], ("sin[" + std::to_string(i) + "]").c_str(), x, rows, first.head_dim);
+  }
+  for (int64_t l = 0; l < num_layers; ++l)
+    TORCH_CHECK(layers[l].rotary < static_cast<int64_t>(cos.size()), "layer ", l,
+                " takes rotary table ", layers[l].rotary, ", but cos and sin hold ", cos.size());
+  TORCH_CHECK(static_cast<int64_t>(k_caches.size()) == num_layers &&
                   v_caches.size() == k_caches.size(),
-              "k_caches and v_caches need one cache per layer (", weights->num_layers(),
-              "), got ", k_caches.size(), " and ", v_caches.size());
+              "k_caches and v_caches need one cache per layer (", num_layers, "), got ",
+              k_caches.size(), " and ", v_caches.size());
   const CacheShape c = check_caches(k_caches[0], v_caches[0], "k_caches[0]", "v_caches[0]");
   TORCH_CHECK(c.num_kv_heads == first.num_kv_heads && c.head_dim == first.head_dim,
               "k_caches[0] must have ", first.num_kv_heads, " KV heads of ", first.head_dim,
@@ -814,16 +876,39 @@ void decode_layers_op(const c10::intrusive_ptr<DecodeLayers>& weights, const Ten
     check_tensor(k_caches[i], k_name.c_str(), weights->dtype, k_caches[0].sizes());
     check_tensor(v_caches[i], v_name.c_str(), weights->dtype, k_caches[0].sizes());
   }
-  // Blocks before a window are never read: check those that the widest window reads.
-  int64_t widest = 0;
-  for (const LayerWeights& w : layers) {
-    if (w.window == 0) {
-      widest = 0;
-      break;
-    }
-    widest = std::max(widest, w.window);
+  const size_t groups = slot_mapping.size();
+  TORCH_CHECK(groups >= 1 && block_tables.size() == groups && context_lens.size() == groups,
+              "slot_mapping, block_tables and context_lens need one tensor per KV-cache group "
+              "(at least one), got ", slot_mapping.size(), ", ", block_tables.size(), " and ",
+              context_lens.size());
+  TORCH_CHECK(layer_groups.empty() ? groups == 1
+                                   : static_cast<int64_t>(layer_groups.size()) == num_layers,
+              "layer_groups must give each layer's KV-cache group (", num_layers,
+              " layers; empty: one group), got ", layer_groups.size(), " for ", groups,
+              " groups");
+  std::vector<int64_t> group_of(num_layers, 0);
+  for (int64_t l = 0; l < static_cast<int64_t>(layer_groups.size()); ++l) {
+    TORCH_CHECK(layer_groups[l] >= 0 && layer_groups[l] < static_cast<int64_t>(groups),
+                "layer_groups[", l, "] = ", layer_groups[l], " is not a group (", groups,
+                " groups)");
+    group_of[l] = layer_groups[l];
   }
-  check_indices(c, rows, block_tables, context_lens, std::nullopt, slot_mapping, widest);
+  for (size_t g = 0; g < groups; ++g) {
+    // Blocks before a window are never read: check those that the group's widest window reads.
+    int64_t widest = -1;
+    for (int64_t l = 0; l < num_layers; ++l) {
+      if (group_of[l] != static_cast<int64_t>(g)) continue;
+      const int64_t window = layers[l].window;
+      widest = window == 0 || widest == 0 ? 0 : std::max(widest, window);
+    }
+    try {
+      check_indices(c, rows, block_tables[g], context_lens[g], std::nullopt, slot_mapping[g],
+                    std::max<int64_t>(widest, 0));
+    } catch (const c10::Error& e) {
+      if (groups == 1) throw;
+      TORCH_CHECK(false, "KV-cache group ", g, ": ", e.msg());
+    }
+  }
   LoraStep lora;
   if (lora_slots) {
     TORCH_CHECK(weights->has_lora(), "lora_slots given, but weights holds no LoRA stacks "
@@ -835,29 +920,32 @@ void decode_layers_op(const c10::intrusive_ptr<DecodeLayers>& weights, const Ten
       TORCH_CHECK(lora.slots[t] >= 0 && lora.slots[t] < lora.num_slots, "lora_slots[", t,
                   "] = ", lora.slots[t], " is not a slot of the stacks (", lora.num_slots,
                   " slots)");
-    TORCH_CHECK(static_cast<int64_t>(lora_widths.size()) == 4 * weights->num_layers(),
-                "lora_widths needs 4 widths per layer (", 4 * weights->num_layers(), "), got ",
+    TORCH_CHECK(static_cast<int64_t>(lora_widths.size()) == 4 * num_layers,
+                "lora_widths needs 4 widths per layer (", 4 * num_layers, "), got ",
                 lora_widths.size());
     for (size_t i = 0; i < lora_widths.size(); ++i)
       TORCH_CHECK(lora_widths[i] >= 0 && lora_widths[i] <= layers[i / 4].lora[i % 4].rank,
                   "lora_widths[", i, "] must be in 0..", layers[i / 4].lora[i % 4].rank,
                   " (its stacks' rank), got ", lora_widths[i]);
   }
-  // As Python's head_dim ** -0.5 (the same libm pow), rounded to float.
-  const float scale = static_cast<float>(std::pow(static_cast<double>(first.head_dim), -0.5));
   with_type(x, [&](auto* type) {
     using T = std::remove_pointer_t<decltype(type)>;
     Activations<T> activations(first, rows);
     // Layer i's output overwrites x, layer i + 1's input: each layer reads its input only in
     // its first norm and writes its output only at its end.
-    for (size_t i = 0; i < layers.size(); ++i)
-      decode_layer<T>(&layers[i], data<T>(x), data<const T>(x), data<T>(residual), rows,
-                      data<const T>(cos), data<const T>(sin), data<T>(k_caches[i]),
-                      data<T>(v_caches[i]), c.block_size, data<const int64_t>(slot_mapping),
-                      data<const int32_t>(block_tables), data<const int32_t>(context_lens),
-                      block_tables.size(1), scale, activations, threads(), deterministic,
+    for (int64_t i = 0; i < num_layers; ++i) {
+      const LayerWeights& w = layers[i];
+      const int64_t g = group_of[i];
+      const LayerStep<T> step{data<const T>(cos[w.rotary]), data<const T>(sin[w.rotary]),
+                              data<const int64_t>(slot_mapping[g]),
+                              data<const int32_t>(block_tables[g]),
+                              data<const int32_t>(context_lens[g]), block_tables[g].size(1)};
+      decode_layer<T>(&w, data<T>(x), data<const T>(x), data<T>(residual), rows, step,
+                      data<T>(k_caches[i]), data<T>(v_caches[i]), c.block_size, activations,
+                      threads(), deterministic,
                       lora.slots ? LoraStep{lora.slots, lora_widths.data() + 4 * i, lora.num_slots}
                                  : lora);
+    }
   });
 }
 
@@ -867,7 +955,15 @@ TORCH_LIBRARY(CONVEYOR_OPS_NAMESPACE, m) {
   using CONVEYOR_OPS_NAMESPACE::DecodeLayers;
   m.class_<DecodeLayers>("DecodeLayers")
       .def(torch::init<>())
-      .def("add_layer", &DecodeLayers::add_layer)
+      .def("add_layer", &DecodeLayers::add_layer, "",
+           {torch::arg("input_norm"), torch::arg("post_norm"), torch::arg("num_heads"),
+            torch::arg("num_kv_heads"), torch::arg("head_dim"), torch::arg("eps"),
+            torch::arg("window") = 0, torch::arg("q_norm") = c10::IValue(),
+            torch::arg("k_norm") = c10::IValue(),
+            torch::arg("post_attention_norm") = c10::IValue(),
+            torch::arg("post_feedforward_norm") = c10::IValue(),
+            torch::arg("activation") = "silu", torch::arg("scale") = c10::IValue(),
+            torch::arg("rotary") = 0})
       .def("add_projection", &DecodeLayers::add_projection)
       .def("add_quant_projection", &DecodeLayers::add_quant_projection)
       .def("add_int8_projection", &DecodeLayers::add_int8_projection)
@@ -889,6 +985,7 @@ TORCH_LIBRARY(CONVEYOR_OPS_NAMESPACE, m) {
   m.def("rms_norm(Tensor x, Tensor weight, float eps, Tensor(a!)? residual, Tensor(b!) out) -> ()",
         &rms_norm_op);
   m.def("silu_mul(Tensor gate_up) -> Tensor", &silu_mul_op);
+  m.def("gelu_tanh_mul(Tensor gate_up) -> Tensor", &gelu_tanh_mul_op);
   m.def("rotary(Tensor x, Tensor cos, Tensor sin, Tensor(a!) out) -> ()", &rotary_op);
   m.def("argmax(Tensor x) -> Tensor", &argmax_op);
   m.def("lora_apply(Tensor(a!) y, Tensor x, Tensor a, Tensor b, Tensor slots, int width) -> ()",
@@ -899,8 +996,9 @@ TORCH_LIBRARY(CONVEYOR_OPS_NAMESPACE, m) {
         &paged_attention_op);
   m.def("decode_layers(__torch__.torch.classes." CONVEYOR_NAME(CONVEYOR_OPS_NAMESPACE)
         ".DecodeLayers weights, Tensor(a!) x, Tensor(b!) residual, "
-        "Tensor cos, Tensor sin, Tensor(c!)[] k_caches, Tensor(d!)[] v_caches, "
-        "Tensor slot_mapping, Tensor block_tables, Tensor context_lens, "
-        "bool deterministic=False, Tensor? lora_slots=None, int[] lora_widths=[]) -> ()",
+        "Tensor[] cos, Tensor[] sin, Tensor(c!)[] k_caches, Tensor(d!)[] v_caches, "
+        "Tensor[] slot_mapping, Tensor[] block_tables, Tensor[] context_lens, "
+        "int[] layer_groups=[], bool deterministic=False, Tensor? lora_slots=None, "
+        "int[] lora_widths=[]) -> ()",
         &CONVEYOR_OPS_NAMESPACE::decode_layers_op);
 }
