@@ -1,11 +1,28 @@
 """The KV connector's scheduler side without torch: content keys, the tiered offload index
-(LRU per tier, moves down, drops, exact lookups, lost entries) and KV events."""
+(LRU per tier, moves down, drops, exact lookups, lost entries), KV events, and the scheduler
+loading prefixes from the tiers through a fake runner half over the fake executor's simulated
+cache (which checks every K/V read): tokens equal a run without tiers, hits come from the tiers,
+aborts and corrupt entries mid-load, invariants after every step."""
 
 from __future__ import annotations
 
+import itertools
+import random
 from hashlib import blake2b
 
+import pytest
+from core_fakes import (
+    EOS,
+    FakeConnectorRunner,
+    FakeExecutor,
+    check_invariants,
+    connector_step,
+    reference_outputs,
+)
+
+from conveyor.core.config import CacheConfig, SchedulerConfig
 from conveyor.core.kv_connector.events import (
+    AllBlocksCleared,
     BlockRemoved,
     BlockStored,
     KVEventLog,
@@ -21,6 +38,8 @@ from conveyor.core.kv_connector.interface import (
 from conveyor.core.kv_connector.keys import BlockRecord, block_key, extend_block_keys, root_key
 from conveyor.core.kv_connector.offload import TieredOffloadScheduler
 from conveyor.core.sampling_params import SamplingParams
+from conveyor.core.scheduler import Scheduler
+from conveyor.core.sequence import SequenceStatus
 
 NS = b"test-namespace"
 ROOT = root_key(NS, 0)
@@ -123,3 +142,153 @@ def test_the_event_log_coalesces_runs_queues_and_calls_subscribers():
     log.flush(4.0)
     assert len(seen) == 1 and log.dropped == 1
     assert [b.ts for b in log] == [2.0, 4.0] and log.drain() == []
+
+
+# ---------------------------------------------------------------------- the scheduler
+
+
+def offload_scheduler(policy: str, num_gpu_blocks: int, cpu: int, disk: int,
+                      **kw) -> tuple[Scheduler, TieredOffloadScheduler, KVEventLog]:
+    log = KVEventLog(BS)
+    conn = TieredOffloadScheduler(cpu, disk, BS, ROOT, log)
+    cfg = {"max_num_seqs": 4, "max_num_batched_tokens": 64, "max_model_len": 64,
+           "policy": policy, **kw}
+    ticks = itertools.count(1)
+    sched = Scheduler(SchedulerConfig(**cfg), CacheConfig(BS, num_gpu_blocks),
+                      eos_token_ids=(EOS,), clock=lambda: float(next(ticks)),
+                      kv_connector=conn, kv_events=log, kv_key_namespace=NS)
+    return sched, conn, log
+
+
+def run(sched, ex, runner, requests, abort=None, max_steps=5000):
+    """Add ``requests`` ((id, prompt)), step to the end (checking invariants); ``abort(step)``
+    may name a request to abort before that step. Finished groups by id."""
+    for rid, prompt in requests:
+        sched.add_request(rid, prompt, SP)
+    done = {}
+    for n in range(max_steps):
+        if not sched.has_unfinished_requests():
+            return done
+        rid = abort(n) if abort else None
+        if rid is not None and sched.abort(rid) is not None:
+            done[rid] = None
+        _, finished = connector_step(sched, ex, runner)
+        for g in finished:
+            assert g.request_id not in done
+            done[g.request_id] = g
+        check_invariants(sched)
+    raise AssertionError("no completion")
+
+
+def prompts(n: int, length: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(1, 23) for _ in range(length)] for _ in range(n)]
+
+
+@pytest.mark.parametrize("policy", ["prefill_first", "chunked"])
+@pytest.mark.parametrize("max_num_seqs", [1, 4])
+def test_a_working_set_larger_than_the_pool_loads_from_the_tiers(policy, max_num_seqs):
+    sched, conn, _ = offload_scheduler(policy, num_gpu_blocks=10, cpu=4, disk=12,
+                                       max_num_seqs=max_num_seqs)
+    ex = FakeExecutor(sched)
+    runner = FakeConnectorRunner(ex, load_delay=2)
+    ps = prompts(5, 14, seed=1)  # 3 full blocks + 2 tokens each: 15 full blocks in all
+    for rnd in range(2):
+        done = run(sched, ex, runner, [(f"{rnd}-{i}", p) for i, p in enumerate(ps)])
+        for i, p in enumerate(ps):
+            assert done[f"{rnd}-{i}"].seqs[0].output_token_ids == reference_outputs(p, SP, 64)[0]
+    s = conn.stats
+    assert s.loaded_blocks and s.loaded_blocks * BS == s.hits_cpu + s.hits_disk
+    if max_num_seqs == 1:  # no other request evicts a loaded block before it is admitted
+        assert s.loaded_blocks == 15  # round 2 finds every prompt block in a tier
+        assert sched.stats.prefix_cache_hits >= s.hits_cpu + s.hits_disk  # pool hits too
+    assert sched.block_manager.gpu.num_free == 10
+
+
+def test_a_corrupt_entry_is_a_miss_and_is_computed_again():
+    sched, conn, _ = offload_scheduler("chunked", num_gpu_blocks=8, cpu=16, disk=0)
+    ex = FakeExecutor(sched)
+    runner = FakeConnectorRunner(ex)
+    ps = prompts(3, 14, seed=2)
+    run(sched, ex, runner, [(f"a{i}", p) for i, p in enumerate(ps)])
+    for key in list(runner.tiers["cpu"]):
+        runner.corrupt(key)
+    done = run(sched, ex, runner, [(f"b{i}", p) for i, p in enumerate(ps)])
+    for i, p in enumerate(ps):
+        assert done[f"b{i}"].seqs[0].output_token_ids == reference_outputs(p, SP, 64)[0]
+    assert conn.stats.lost_blocks > 0
+
+
+def test_aborting_a_loading_request_frees_its_blocks_once_the_load_is_done():
+    sched, conn, _ = offload_scheduler("prefill_first", num_gpu_blocks=8, cpu=16, disk=0)
+    ex = FakeExecutor(sched)
+    runner = FakeConnectorRunner(ex, load_delay=3)
+    ps = prompts(5, 14, seed=3)
+    run(sched, ex, runner, [(f"a{i}", p) for i, p in enumerate(ps)])
+    sched.add_request("b", ps[0], SP)
+    connector_step(sched, ex, runner)
+    (seq,) = sched.loading.values()
+    assert seq.status is SequenceStatus.WAITING_FOR_KV
+    assert sched.abort("b") is not None
+    assert seq.block_tables and sched.has_unfinished_requests()  # held: the load may write
+    check_invariants(sched)
+    while sched.has_unfinished_requests():
+        connector_step(sched, ex, runner)
+        check_invariants(sched)
+    assert sched.block_manager.gpu.num_free == 8 and not seq.block_tables
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_random_workloads_keep_tokens_and_invariants(seed):
+    rng = random.Random(seed)
+    policy = rng.choice(["prefill_first", "chunked"])
+    sched, conn, _ = offload_scheduler(policy, num_gpu_blocks=rng.randint(8, 14),
+                                       cpu=rng.randint(0, 6), disk=rng.randint(1, 10),
+                                       max_num_seqs=rng.randint(1, 4))
+    ex = FakeExecutor(sched)
+    runner = FakeConnectorRunner(ex, load_delay=rng.randint(1, 3))
+    shared = prompts(4, 9, seed)
+    requests = []
+    for i in range(24):
+        p = rng.choice(shared) + [rng.randrange(1, 23) for _ in range(rng.randint(1, 10))]
+        requests.append((f"r{i}", p))
+    aborts = {rng.randrange(60): f"r{rng.randrange(24)}" for _ in range(3)}
+
+    def abort(step):
+        if step % 17 == 5 and runner.tiers["cpu"]:
+            runner.corrupt(rng.choice(list(runner.tiers["cpu"])))
+        return aborts.get(step)
+
+    done = {}
+    for k in range(0, 24, 6):
+        done.update(run(sched, ex, runner, requests[k:k + 6], abort))
+    for rid, p in requests:
+        if done[rid] is not None and not any(s.status is SequenceStatus.FINISHED_ABORTED
+                                             for s in done[rid].seqs):
+            assert done[rid].seqs[0].output_token_ids == reference_outputs(p, SP, 64)[0], rid
+    assert sched.block_manager.gpu.num_free == sched.block_manager.gpu.num_blocks
+
+
+def test_events_of_a_simple_scenario():
+    sched, conn, log = offload_scheduler("prefill_first", num_gpu_blocks=4, cpu=4, disk=0,
+                                         max_num_seqs=1)
+    ex = FakeExecutor(sched)
+    runner = FakeConnectorRunner(ex)
+    a, b = prompts(1, 9, seed=4)[0], prompts(1, 13, seed=5)[0]  # 2 and 3 full blocks + 1
+    run(sched, ex, runner, [("a", a)])
+    ka = extend_block_keys([], a, BS, 2, ROOT)
+    (batch,) = log.drain()  # the admission's step: its two full blocks, one run
+    assert batch.events == [BlockStored(ka, None, a[:8], BS, 0, "pool")]
+    run(sched, ex, runner, [("b", b)])  # b takes the whole pool: a's blocks go to the tier
+    events = [e for batch in log.drain() for e in batch.events]
+    kb = extend_block_keys([], b, BS, 3, ROOT)
+    assert BlockRemoved(ka[::-1], "pool") in events  # a's tail was freed, so evicted, first
+    assert BlockStored([ka[1]], ka[0], a[4:8], BS, 0, "cpu") in events
+    assert BlockStored([ka[0]], None, a[:4], BS, 0, "cpu") in events
+    assert BlockStored(kb, None, b[:12], BS, 0, "pool") in events
+    assert sched.clear_prefix_cache()
+    sched.schedule()  # carries the tier's clear
+    log.flush(9.0)
+    (batch,) = log.drain()
+    assert batch.events == [AllBlocksCleared("pool"), AllBlocksCleared("cpu")]
+    assert conn.stats.blocks_cpu == 0
