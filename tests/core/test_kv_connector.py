@@ -148,23 +148,24 @@ def test_the_event_log_coalesces_runs_queues_and_calls_subscribers():
 
 
 def offload_scheduler(policy: str, num_gpu_blocks: int, cpu: int, disk: int,
+                      num_cpu_blocks: int = 0,
                       **kw) -> tuple[Scheduler, TieredOffloadScheduler, KVEventLog]:
     log = KVEventLog(BS)
     conn = TieredOffloadScheduler(cpu, disk, BS, ROOT, log)
     cfg = {"max_num_seqs": 4, "max_num_batched_tokens": 64, "max_model_len": 64,
            "policy": policy, **kw}
     ticks = itertools.count(1)
-    sched = Scheduler(SchedulerConfig(**cfg), CacheConfig(BS, num_gpu_blocks),
+    sched = Scheduler(SchedulerConfig(**cfg), CacheConfig(BS, num_gpu_blocks, num_cpu_blocks),
                       eos_token_ids=(EOS,), clock=lambda: float(next(ticks)),
                       kv_connector=conn, kv_events=log, kv_key_namespace=NS)
     return sched, conn, log
 
 
 def run(sched, ex, runner, requests, abort=None, max_steps=5000):
-    """Add ``requests`` ((id, prompt)), step to the end (checking invariants); ``abort(step)``
-    may name a request to abort before that step. Finished groups by id."""
-    for rid, prompt in requests:
-        sched.add_request(rid, prompt, SP)
+    """Add ``requests`` ((id, prompt[, priority])), step to the end (checking invariants);
+    ``abort(step)`` may name a request to abort before that step. Finished groups by id."""
+    for rid, prompt, *priority in requests:
+        sched.add_request(rid, prompt, SP, priority=priority[0] if priority else 0)
     done = {}
     for n in range(max_steps):
         if not sched.has_unfinished_requests():
@@ -238,12 +239,16 @@ def test_aborting_a_loading_request_frees_its_blocks_once_the_load_is_done():
     assert sched.block_manager.gpu.num_free == 8 and not seq.block_tables
 
 
-@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("seed", range(8))
 def test_random_workloads_keep_tokens_and_invariants(seed):
     rng = random.Random(seed)
     policy = rng.choice(["prefill_first", "chunked"])
+    swap = rng.random() < 0.5
     sched, conn, _ = offload_scheduler(policy, num_gpu_blocks=rng.randint(8, 14),
                                        cpu=rng.randint(0, 6), disk=rng.randint(1, 10),
+                                       num_cpu_blocks=8 if swap else 0,
+                                       preemption_mode="swap" if swap else "recompute",
+                                       queue=rng.choice(["fcfs", "priority"]),
                                        max_num_seqs=rng.randint(1, 4))
     ex = FakeExecutor(sched)
     runner = FakeConnectorRunner(ex, load_delay=rng.randint(1, 3))
@@ -251,7 +256,7 @@ def test_random_workloads_keep_tokens_and_invariants(seed):
     requests = []
     for i in range(24):
         p = rng.choice(shared) + [rng.randrange(1, 23) for _ in range(rng.randint(1, 10))]
-        requests.append((f"r{i}", p))
+        requests.append((f"r{i}", p, rng.randrange(3)))
     aborts = {rng.randrange(60): f"r{rng.randrange(24)}" for _ in range(3)}
 
     def abort(step):
@@ -262,7 +267,7 @@ def test_random_workloads_keep_tokens_and_invariants(seed):
     done = {}
     for k in range(0, 24, 6):
         done.update(run(sched, ex, runner, requests[k:k + 6], abort))
-    for rid, p in requests:
+    for rid, p, _ in requests:
         if done[rid] is not None and not any(s.status is SequenceStatus.FINISHED_ABORTED
                                              for s in done[rid].seqs):
             assert done[rid].seqs[0].output_token_ids == reference_outputs(p, SP, 64)[0], rid
