@@ -8,6 +8,16 @@ import itertools
 from conveyor.core.block_manager import NULL_BLOCK
 from conveyor.core.config import CacheConfig, SchedulerConfig
 from conveyor.core.kv_cache_spec import FullAttentionSpec, KVCacheGroup, SlidingWindowSpec
+from conveyor.core.kv_connector.interface import (
+    ClearTier,
+    DropBlock,
+    KVConnectorMetadata,
+    KVConnectorOutput,
+    LoadBlocks,
+    LostEntry,
+    MoveBlock,
+    SaveBlock,
+)
 from conveyor.core.sampling_params import SamplingParams
 from conveyor.core.scheduler import Scheduler
 from conveyor.core.scheduler_output import SchedulerOutput
@@ -112,6 +122,78 @@ class FakeExecutor:
         return sampled
 
 
+class FakeConnectorRunner:
+    """The KV connector's runner half over a FakeExecutor's simulated cache: tiers are dicts of
+    block contents by key. Ops run in order, saves reading their blocks first; a load is
+    reported finished ``load_delay`` steps later (its blocks are written at once: nothing reads
+    them before). ``corrupt(key)``: the next read of that entry fails verification."""
+
+    def __init__(self, executor: FakeExecutor, load_delay: int = 1) -> None:
+        self.ex = executor
+        self.tiers: dict[str, dict[bytes, list]] = {"cpu": {}, "disk": {}}
+        self.load_delay = load_delay
+        self._loads: list[list] = []  # [steps left, seq_id, intact blocks]
+        self._lost: list = []
+        self.bad: set[bytes] = set()
+
+    def corrupt(self, key: bytes) -> None:
+        self.bad.add(key)
+
+    def run(self, meta: KVConnectorMetadata | None) -> None:
+        if meta is None:
+            return
+        gpu = self.ex.gpu
+        saved = {id(op): list(gpu[op.block]) for op in meta.ops if isinstance(op, SaveBlock)}
+        for op in meta.ops:
+            if isinstance(op, SaveBlock):
+                self.tiers[op.tier][op.record.key] = saved[id(op)]
+            elif isinstance(op, MoveBlock):
+                if op.key in self.tiers[op.source]:
+                    self.tiers[op.dest][op.key] = self.tiers[op.source].pop(op.key)
+                else:  # removed by a failed load the scheduler has not heard of yet
+                    self._lost.append(LostEntry(op.key, op.dest, op.serial, "missing"))
+            elif isinstance(op, DropBlock):
+                self.tiers[op.tier].pop(op.key, None)
+            elif isinstance(op, ClearTier):
+                self.tiers[op.tier].clear()
+            elif isinstance(op, LoadBlocks):
+                intact = 0
+                for item in op.items:
+                    key = item.record.key
+                    if key in self.bad or key not in self.tiers[item.tier]:
+                        self.bad.discard(key)
+                        self.tiers[item.tier].pop(key, None)
+                        self._lost.append(LostEntry(key, item.tier, item.serial, "corrupt"))
+                        break
+                    gpu[item.block] = list(self.tiers[item.tier][key])
+                    intact += 1
+                self._loads.append([self.load_delay, op.seq_id, intact])
+
+    def finished(self) -> KVConnectorOutput | None:
+        out = KVConnectorOutput(lost=self._lost)
+        self._lost = []
+        for load in self._loads:
+            load[0] -= 1
+            if load[0] <= 0:
+                out.finished_loads[load[1]] = load[2]
+        self._loads = [load for load in self._loads if load[0] > 0]
+        return out if out else None
+
+
+def connector_step(sched: Scheduler, executor: FakeExecutor, runner: FakeConnectorRunner
+                   ) -> tuple[SchedulerOutput, list[SequenceGroup]]:
+    """One schedule / connector ops / execute / update / connector report / KV events."""
+    out = sched.schedule()
+    runner.run(out.kv_connector_metadata)
+    finished = sched.update(out, executor.execute(out))
+    report = runner.finished()
+    if report is not None:
+        sched.update_kv_connector(report)
+    if sched.kv_events is not None:
+        sched.kv_events.flush(0.0)
+    return out, finished
+
+
 def verify_greedy(token_ids: list[int], drafts: list[int], sample_index: int) -> list[int]:
     """The fake model's exact greedy verification: the proposed tokens it agrees with, then its
     own next token."""
@@ -206,9 +288,11 @@ def check_invariants(sched: Scheduler) -> None:
     gpu.check_consistency()
     windows = [spec.sliding_window for spec in sched.cache_config.specs]
     live = [s for g in sched.unfinished_groups() for s in g.seqs if not s.status.is_finished]
+    # aborted while their prefix loads: they hold their blocks until the load is reported
+    aborted_loading = [s for s in sched.loading.values() if s.status.is_finished]
     owners = [0] * gpu.num_blocks
     cpu_used = 0
-    for s in live:
+    for s in live + aborted_loading:
         # no lookahead slot outlives its step: a sequence holds blocks for its tokens only
         assert not s.spec_token_ids, s
         if s.block_tables:
@@ -230,6 +314,8 @@ def check_invariants(sched: Scheduler) -> None:
             assert not s.block_tables and not s.cpu_block_tables, s
         elif s.status is SequenceStatus.SWAPPED:
             assert not s.block_tables and s.cpu_block_tables, s
+        elif s.status is SequenceStatus.WAITING_FOR_KV or s in aborted_loading:
+            assert sched.loading.get(s.seq_id) is s and s.block_tables, s
         else:
             assert s.status is SequenceStatus.RUNNING and not s.cpu_block_tables, s
     assert owners == gpu.ref_counts, "ref counts differ from owners"

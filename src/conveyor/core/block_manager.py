@@ -26,12 +26,16 @@ group 0's chain, all of ``0..h-1`` in the other full-attention groups, and in a 
 group only the blocks the next query reads (indices ``first_window_block(h * block_size) ..
 h - 1``, the others ``NULL_BLOCK``), shrinking h until every group agrees. A layout without a
 full-attention group has nothing to anchor that chain on: prefix caching is off for it.
+
+Keyed (``key_namespace``: a KV connector or KV events are on), group 0's blocks also carry
+content keys (``core/kv_connector/keys.py``, ``seq.block_keys``), filed with the pool.
 """
 
 from __future__ import annotations
 
 from conveyor.core.block_pool import BlockPool, CpuBlockPool, root_identity
 from conveyor.core.config import CacheConfig
+from conveyor.core.kv_connector.keys import extend_block_keys, root_key
 from conveyor.core.prefix_hash import extend_block_hashes, root_hash
 from conveyor.core.sequence import Sequence
 
@@ -39,7 +43,7 @@ NULL_BLOCK = -1  # a sliding-window group's table entry whose block was given ba
 
 
 class BlockManager:
-    def __init__(self, cache_config: CacheConfig) -> None:
+    def __init__(self, cache_config: CacheConfig, key_namespace: bytes | None = None) -> None:
         self.block_size = cache_config.block_size
         self.gpu = BlockPool(cache_config.num_gpu_blocks)
         self.cpu = CpuBlockPool(cache_config.num_cpu_blocks)
@@ -53,6 +57,21 @@ class BlockManager:
                                       and self.num_full_groups > 0)
         self.blocks_to_copy: list[tuple[int, int]] = []
         self._cpu_freed_after_step: list[int] = []
+        self.key_namespace = key_namespace
+        self._roots: dict[int, bytes] = {}
+
+    def root_key(self, lora_id: int) -> bytes:
+        """The parent key of a first block computed under ``lora_id`` (keyed only)."""
+        root = self._roots.get(lora_id)
+        if root is None:
+            assert self.key_namespace is not None
+            root = self._roots[lora_id] = root_key(self.key_namespace, lora_id)
+        return root
+
+    def block_keys(self, seq: Sequence, num_blocks: int) -> list[bytes]:
+        """``seq``'s first ``num_blocks`` content keys (keyed only)."""
+        return extend_block_keys(seq.block_keys, seq.token_ids, self.block_size, num_blocks,
+                                 self.root_key(seq.group.lora_id))
 
     def end_step(self) -> None:
         """The step's SchedulerOutput is built: CPU blocks swapped in by it become free."""
@@ -159,10 +178,9 @@ class BlockManager:
         last token (which is always computed, so the step has logits to sample from). No hits
         for a request that wants prompt logprobs, or pools over every position (mean, cls):
         each prompt position must be computed for them."""
-        group = seq.group
-        if (not self.enable_prefix_caching or group.sampling_params.prompt_logprobs is not None
-                or (group.pooling_params is not None and group.pooling_params.needs_every_position)):
+        if not self.may_hit(seq):
             return self.no_hits()
+        group = seq.group
         bs = self.block_size
         tids = seq.token_ids
         max_blocks = (len(tids) - 1) // bs
@@ -182,6 +200,13 @@ class BlockManager:
         if self.num_groups == 1:
             return [hits]
         return self._hits_in_every_group(seq, hits, hashes)
+
+    def may_hit(self, seq: Sequence) -> bool:
+        """May ``seq`` skip computing a cached prefix (``find_cached_prefix``)?"""
+        group = seq.group
+        return (self.enable_prefix_caching and group.sampling_params.prompt_logprobs is None
+                and (group.pooling_params is None
+                     or not group.pooling_params.needs_every_position))
 
     def _hits_in_every_group(self, seq: Sequence, anchor: list[int],
                              hashes: list[int]) -> list[list[int]]:
@@ -245,6 +270,19 @@ class BlockManager:
         seq.num_registered_blocks = num_hits
         self.register_full_blocks(seq, num_tokens)
 
+    def admit_for_load(self, seq: Sequence, hits: list[list[int]], num_blocks: int) -> None:
+        """Give ``seq`` the ``hits`` plus new blocks up to ``num_blocks`` blocks (one group),
+        the new ones to be filled by a KV connector's load: they are registered only once
+        loaded (``free`` then files those counted in ``num_computed_tokens``)."""
+        gpu = self.gpu
+        for b in hits[0]:
+            gpu.share(b)
+        table = list(hits[0])
+        table.extend(gpu.allocate() for _ in range(num_blocks - len(table)))
+        seq.block_tables = [table]
+        seq.num_computed_tokens = len(hits[0]) * self.block_size
+        seq.num_registered_blocks = len(hits[0])
+
     def grow(self, seq: Sequence, num_tokens: int) -> None:
         """Room for ``num_tokens`` tokens (a further prefill chunk)."""
         self.reserve_slots(seq, num_tokens)
@@ -268,13 +306,16 @@ class BlockManager:
         tids = seq.token_ids
         lora_id = seq.group.lora_id
         hashes = extend_block_hashes(seq.block_hashes, tids, bs, end, root_hash(lora_id))
+        keys = self.block_keys(seq, end) if self.key_namespace is not None else None
         parent = gpu.identity(table[start - 1]) if start else root_identity(lora_id)
         for j in range(start, end):
             if parent is None:  # the parent lost its identity (overwritten): stop the chain
                 return
             block = table[j]
             tokens = tids[j * bs:(j + 1) * bs]
-            gpu.register(block, hashes[j], parent, tokens)
+            key = None if keys is None else (
+                keys[j], keys[j - 1] if j else self.root_key(lora_id), lora_id)
+            gpu.register(block, hashes[j], parent, tokens, key)
             parent = gpu.identity(block)
             if parent is not None:
                 for g in others:
@@ -374,6 +415,7 @@ class BlockManager:
                     gpu.share(b)
         child.block_tables = [list(table) for table in parent.block_tables]
         child.block_hashes = list(parent.block_hashes)
+        child.block_keys = list(parent.block_keys)
         child.num_registered_blocks = parent.num_registered_blocks
 
     def _free_tables(self, seq: Sequence, num_computed_blocks: int) -> None:

@@ -18,15 +18,27 @@ The stored parent is a *key* (``ParentKey``): a parent's identity for the blocks
 chain (KV-cache group 0), or, for the blocks of the other KV-cache groups, the identity of the
 group-0 block of the same index plus the group number (``BlockManager.register_full_blocks``):
 that identity names the exact prefix up to the block's end, so the same check verifies them.
+
+With a KV connector or KV events (``core/kv_connector``), a group-0 block is also filed with its
+content key (``KeyInfo``: key, parent key, LoRA id), and the pool tells its ``observer`` what it
+stores, removes and evicts: an evicted block's contents are still intact when ``evicted`` is
+called (the caller that gets the block writes it only in the step being built).
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
+from typing import TYPE_CHECKING
+
+from conveyor.core.kv_connector.keys import BlockRecord
+
+if TYPE_CHECKING:
+    from conveyor.core.kv_connector.pool_observer import PoolObserver
 
 Identity = tuple[int, int]  # (block id, generation)
 ROOT_IDENTITY: Identity = (-1, 0)  # the parent of every first block (on the base model)
 ParentKey = tuple[int, ...]  # an Identity, or (block id, generation, group) (module docstring)
+KeyInfo = tuple[bytes, bytes, int]  # content key, parent's content key, LoRA id
 
 
 def root_identity(lora_id: int) -> Identity:
@@ -36,7 +48,7 @@ def root_identity(lora_id: int) -> Identity:
 
 class BlockPool:
     __slots__ = ("num_blocks", "ref_counts", "_free", "_evictable", "_block_by_hash", "_hash",
-                 "_tokens", "_parent", "_generation", "_alias")
+                 "_tokens", "_parent", "_generation", "_alias", "_key", "observer")
 
     def __init__(self, num_blocks: int) -> None:
         self.num_blocks = num_blocks
@@ -49,6 +61,8 @@ class BlockPool:
         self._parent: list[ParentKey | None] = [None] * num_blocks
         self._generation = [0] * num_blocks
         self._alias: list[Identity | None] = [None] * num_blocks
+        self._key: list[KeyInfo | None] = [None] * num_blocks
+        self.observer: PoolObserver | None = None
 
     # ------------------------------------------------------------------ counts
 
@@ -69,6 +83,9 @@ class BlockPool:
             block = self._free.pop()
         else:
             block, _ = self._evictable.popitem(last=False)  # least recently freed
+            info = self._key[block]
+            if info is not None and self.observer is not None:
+                self.observer.evicted(block, self._record(block, info), info[2])
             self._forget(block)
         self._generation[block] += 1
         self._alias[block] = None
@@ -109,8 +126,9 @@ class BlockPool:
         return block
 
     def register(self, block: int, block_hash: int, parent: ParentKey,
-                 token_ids: list[int]) -> None:
-        """File a full, computed (or being computed this step) block under ``block_hash``."""
+                 token_ids: list[int], key: KeyInfo | None = None) -> None:
+        """File a full, computed (or being computed this step) block under ``block_hash``
+        (``key``: its content key, when keyed)."""
         other = self._block_by_hash.get(block_hash)
         if other is not None:
             if other == block:
@@ -123,6 +141,28 @@ class BlockPool:
         self._hash[block] = block_hash
         self._tokens[block] = token_ids
         self._parent[block] = parent
+        if key is not None:
+            self._key[block] = key
+            if self.observer is not None:
+                self.observer.stored(self._record(block, key), key[2])
+
+    def _record(self, block: int, info: KeyInfo) -> BlockRecord:
+        return BlockRecord(info[0], info[1], tuple(self._tokens[block]))  # type: ignore[arg-type]
+
+    def clear_cached(self) -> bool:
+        """Forget every cached block, when no block is in use (False, nothing done, else)."""
+        if any(self.ref_counts):
+            return False
+        for block in list(self._evictable):
+            self._hash[block] = self._tokens[block] = self._parent[block] = None
+            self._key[block] = None
+            self._generation[block] += 1
+        self._block_by_hash.clear()
+        self._evictable.clear()
+        self._free = list(range(self.num_blocks - 1, -1, -1))
+        if self.observer is not None:
+            self.observer.cleared()
+        return True
 
     def _unregister(self, block: int) -> None:
         self._forget(block)
@@ -139,6 +179,11 @@ class BlockPool:
             self._hash[block] = None
             self._tokens[block] = None
             self._parent[block] = None
+            info = self._key[block]
+            if info is not None:
+                self._key[block] = None
+                if self.observer is not None:
+                    self.observer.removed(info[0])
 
     # ------------------------------------------------------------------ checks (tests)
 

@@ -8,7 +8,9 @@ step shared by decodes and prefill chunks, in this order:
 3. partially prefilled sequences continue, each chunk capped by ``long_prefill_token_threshold``
    (a chunk shrinks to the free blocks; a stuck one preempts later mid-prefill sequences);
 4. new requests from the head of ``waiting`` (none while any is swapped out), at most
-   ``max_num_partial_prefills`` sequences being left part-way through their prompt.
+   ``max_num_partial_prefills`` sequences being left part-way through their prompt; with a KV
+   connector, one whose prefix it can load starts loading instead (``core/kv_loading.py``),
+   and holds its seat while it loads.
 
 Entries come out in that order, so decodes lead the SchedulerOutput (``num_decodes``).
 A sequence with a prefill chunk this step, or swapped in this step, is never a victim (see
@@ -174,15 +176,18 @@ def _admit_new(sched: SchedulerInterface, step: _Step) -> None:
         if seq is None:
             break
         hits = bm.find_cached_prefix(seq)
+        group = seq.group
+        seats = group.sampling_params.n if len(group.seqs) == 1 else 1
+        num_running = len(sched.running) + len(sched.prefilling) + len(sched.loading)
+        if (sched.kv_connector is not None and num_running + seats <= max_seqs
+                and sched.start_load(seq, hits)):
+            continue
         cached = len(hits[0]) * bs
         num_tokens = len(seq.token_ids)
         chunk = _chunk_size(sched, num_tokens - cached, step.budget)
         if windows:  # a chunk whose blocks exceed the whole cache would wait forever
             chunk = min(chunk, bm.chunk_limit(cached))
         partial = cached + chunk < num_tokens
-        group = seq.group
-        seats = group.sampling_params.n if len(group.seqs) == 1 else 1
-        num_running = len(sched.running) + len(sched.prefilling)
         blocked_by = None
         if partial and len(step.partial) >= cfg.max_num_partial_prefills:
             blocked_by = step.partial

@@ -7,6 +7,8 @@ A step is all-prefill or all-decode:
   can be allocated; stop at the first request that does not fit (no skipping, except past
   requests whose LoRA adapter may not start yet: ``core/lora_admission.py``). Under the
   priority queue, a head that lacks blocks may preempt strictly lower-priority running ones.
+  With a KV connector, a head whose prefix it can load starts loading instead (taking one of
+  the step's seats) and the next one is considered (``core/kv_loading.py``).
   Nothing is admitted while sequences are swapped out (they resume first).
 * decode: take ``running`` in order; a sequence that cannot get a slot preempts the *last*
   running sequence (fcfs) or the lowest-priority one (priority) and retries, or preempts itself
@@ -43,13 +45,17 @@ def _prefill_step(sched: SchedulerInterface) -> SchedulerOutput | None:
     total = 0
     now = sched.clock()
     loras = sched.lora_admission()
-    while len(seqs) < max_seqs:
+    loads = 0  # sequences that started loading their prefix this step: they take seats too
+    while len(seqs) + loads < max_seqs:
         if sched.swapped:  # a victim of this step's priority preemption: it resumes first
             break
         seq = sched.next_waiting(loras)
         if seq is None:
             break
         hits = bm.find_cached_prefix(seq)
+        if sched.kv_connector is not None and sched.start_load(seq, hits):
+            loads += 1
+            continue
         num_tokens = len(seq.token_ids)
         uncached = num_tokens - len(hits[0]) * block_size
         if total + uncached > budget:

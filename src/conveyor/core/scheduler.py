@@ -12,7 +12,9 @@ Queues:
 * ``prefilling``: chunked only — admitted sequences whose prompt is not fully computed yet;
 * ``swapped``: sequences whose KV blocks sit in the CPU pool;
 * ``waiting_for_grammar``: requests added with ``wait_for_grammar`` (status
-  WAITING_FOR_GRAMMAR) until ``grammar_ready()`` queues them; the policies never see them.
+  WAITING_FOR_GRAMMAR) until ``grammar_ready()`` queues them; the policies never see them;
+* ``loading``: with a KV connector, sequences (status WAITING_FOR_KV) whose prefix it is loading,
+  back to ``waiting`` when it reports the load finished (``core/kv_loading.py``).
 
 The decode fast path: a sequence whose next token still fits its last block needs no
 block-manager call. ``update()`` compares ``len(token_ids)`` with one precomputed number per
@@ -38,6 +40,10 @@ from conveyor.core.config import (
     SchedulerConfig,
     SchedulingPolicy,
 )
+from conveyor.core.kv_connector.events import KVEventLog
+from conveyor.core.kv_connector.interface import KVConnectorOutput, KVConnectorScheduler
+from conveyor.core.kv_connector.pool_observer import PoolObserver
+from conveyor.core.kv_loading import finish_loads, start_load
 from conveyor.core.lookahead import release_lookahead
 from conveyor.core.lora_admission import LoRAAdmission
 from conveyor.core.pooling_params import PoolingParams
@@ -58,6 +64,7 @@ FINISHED_LENGTH_CAPPED = SequenceStatus.FINISHED_LENGTH_CAPPED
 FINISHED_ABORTED = SequenceStatus.FINISHED_ABORTED
 FINISHED_IGNORED = SequenceStatus.FINISHED_IGNORED
 WAITING_FOR_GRAMMAR = SequenceStatus.WAITING_FOR_GRAMMAR
+WAITING_FOR_KV = SequenceStatus.WAITING_FOR_KV
 
 
 _running_stamp = attrgetter("running_stamp")
@@ -69,9 +76,16 @@ class Scheduler:
     def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig,
                  eos_token_ids: tuple[int, ...] | list[int] = (),
                  clock: Callable[[], float] = time.monotonic,
-                 speculative: SpeculativeConfig | None = None) -> None:
+                 speculative: SpeculativeConfig | None = None,
+                 kv_connector: KVConnectorScheduler | None = None,
+                 kv_events: KVEventLog | None = None,
+                 kv_key_namespace: bytes | None = None) -> None:
         """``speculative``: decodes take lookahead slots for the tokens the executor proposed
-        after the last step (``update_draft_token_ids``, core/lookahead.py)."""
+        after the last step (``update_draft_token_ids``, core/lookahead.py).
+        ``kv_connector``: its scheduler half (``core/kv_connector``), which loads prefixes from
+        outside the pool and is told what the pool evicts; ``kv_events``: where the pool's
+        stored and removed blocks are recorded. Either keys blocks by content in
+        ``kv_key_namespace`` (the model and KV layout's identity)."""
         if scheduler_config.preemption_mode is PreemptionMode.SWAP \
                 and cache_config.num_cpu_blocks == 0:
             raise ValueError("preemption_mode='swap' needs a CPU swap pool: set "
@@ -79,7 +93,20 @@ class Scheduler:
                              "preemption_mode='recompute'")
         self.config = scheduler_config
         self.cache_config = cache_config
-        self.block_manager = BlockManager(cache_config)
+        keyed = kv_connector is not None or kv_events is not None
+        if keyed and kv_key_namespace is None:
+            raise ValueError("a KV connector or KV events need a kv_key_namespace")
+        self.block_manager = BlockManager(cache_config, kv_key_namespace if keyed else None)
+        bm = self.block_manager
+        if kv_connector is not None and (bm.num_groups != 1 or not bm.enable_prefix_caching):
+            raise ValueError("a KV connector needs prefix caching on and one KV-cache group "
+                             f"(this cache has {bm.num_groups}, prefix caching "
+                             f"{'on' if bm.enable_prefix_caching else 'off'})")
+        if keyed:
+            bm.gpu.observer = PoolObserver(kv_events, kv_connector, bm.root_key)
+        self.kv_connector = kv_connector
+        self.kv_events = kv_events
+        self.loading: dict[int, Sequence] = {}
         self.block_size = cache_config.block_size
         self.eos_token_ids = frozenset(eos_token_ids)
         self.clock = clock
@@ -223,7 +250,8 @@ class Scheduler:
         seq.stop_ids = frozenset(stop)
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self._groups) or bool(self._finished)
+        """Also while an aborted request's load is in flight (its blocks are still held)."""
+        return bool(self._groups) or bool(self._finished) or bool(self.loading)
 
     # ------------------------------------------------------------------ schedule
 
@@ -235,7 +263,7 @@ class Scheduler:
         self.preempted_this_step = False
         out = self._policy(self)
         if (not out.seqs and (self.running or self.prefilling or self.waiting or self.swapped)
-                and not self._waits_for_loras()):
+                and not self.loading and not self._waits_for_loras()):
             # Every policy admits a request that fits the empty cache (anything larger was
             # ignored at add_request), so this is a scheduler bug: say so rather than spin.
             raise RuntimeError(f"scheduler made no progress with work queued: {self.stats}")
@@ -250,6 +278,8 @@ class Scheduler:
             out.blocks_to_swap_in = self.step_swap_in
             self.step_swap_in = []
             bm.end_step()
+        if self.kv_connector is not None:
+            out.kv_connector_metadata = self.kv_connector.build_metadata()
         return out
 
     def _waits_for_loras(self) -> bool:
@@ -298,6 +328,7 @@ class Scheduler:
         """Waiting -> computed: blocks for ``num_tokens`` (with ``hits``, per group, reused)."""
         self.block_manager.admit(seq, hits, num_tokens)
         seq.status = RUNNING
+        seq.kv_load_tried = False
         self.set_next_check_len(seq)
         cached = seq.num_computed_tokens
         if self.block_manager.enable_prefix_caching:
@@ -307,6 +338,26 @@ class Scheduler:
         if metrics.first_scheduled_time is None:
             metrics.first_scheduled_time = now
             metrics.num_cached_tokens = cached
+
+    def start_load(self, seq: Sequence, hits: list[list[int]]) -> bool:
+        """Waiting -> loading, when the KV connector holds ``seq``'s blocks past ``hits``
+        (``core/kv_loading.py``); False: admit it as usual."""
+        return start_load(self, seq, hits)
+
+    def update_kv_connector(self, output: KVConnectorOutput) -> None:
+        """The runner half's report after a step: finished loads, lost stored blocks."""
+        finish_loads(self, output)
+        if self.kv_connector is not None:
+            self.kv_connector.update(output)
+
+    def clear_prefix_cache(self) -> bool:
+        """Forget every cached block, the pool's and the KV connector's, when no request holds
+        blocks; False (nothing forgotten) otherwise."""
+        if not self.block_manager.gpu.clear_cached():
+            return False
+        if self.kv_connector is not None:
+            self.kv_connector.clear()
+        return True
 
     def preempt(self, seq: Sequence) -> None:
         """Take ``seq``'s blocks away: swap them to the CPU pool, else recompute later.
@@ -576,6 +627,9 @@ class Scheduler:
             self.swapped.remove(seq)
         elif old is WAITING_FOR_GRAMMAR:
             del self.waiting_for_grammar[seq.group.request_id]
+        elif old is WAITING_FOR_KV:
+            self._detached_since_schedule = True
+            return  # its blocks go once its load is reported finished (kv_loading)
         self.block_manager.free(seq)
         self._detached_since_schedule = True
 
@@ -627,7 +681,8 @@ class Scheduler:
         free = gpu.num_free
         return SchedulerStats(
             num_running=num_running + len(self.prefilling),
-            num_waiting=len(self.waiting) + len(self.waiting_for_grammar),
+            num_waiting=len(self.waiting) + len(self.waiting_for_grammar)
+            + sum(1 for s in self.loading.values() if s.status is WAITING_FOR_KV),
             num_swapped=len(self.swapped),
             num_free_blocks=free,
             num_total_blocks=total,

@@ -15,6 +15,7 @@ from conveyor.core.scheduler_output import SchedulerOutput
 if TYPE_CHECKING:
     from conveyor.core.block_manager import BlockManager
     from conveyor.core.config import SchedulerConfig
+    from conveyor.core.kv_connector.interface import KVConnectorScheduler
     from conveyor.core.lora_admission import LoRAAdmission
     from conveyor.core.request_queue import RequestQueue
     from conveyor.core.sequence import Sequence
@@ -34,11 +35,15 @@ class SchedulerInterface(Protocol):
     seqs_needing_block: list[Sequence]  # running sequences whose next slot needs a new block
     preempted_this_step: bool
     speculative: SpeculativeConfig | None  # None: no lookahead slots (core/lookahead.py)
+    kv_connector: KVConnectorScheduler | None  # None: no KV connector (core/kv_loading.py)
+    loading: dict[int, Sequence]  # seq_id -> sequence whose prefix the connector is loading
 
     def admit(self, seq: Sequence, hits: list[list[int]], num_tokens: int,
               now: float) -> None: ...
 
     def join_running(self, seq: Sequence) -> None: ...
+
+    def start_load(self, seq: Sequence, hits: list[list[int]]) -> bool: ...
 
     def preempt(self, seq: Sequence) -> None: ...
 

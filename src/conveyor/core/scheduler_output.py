@@ -31,6 +31,11 @@ layout (``kv_cache_groups == ()``) there is one full-attention group: ``seq.bloc
 serves every layer, slot = layer index, and no entry is ``NULL_BLOCK``. Block copies and swaps
 move whole blocks (every slot), whichever group owns them.
 
+KV connector (``core/kv_connector/interface.py``): ``kv_connector_metadata`` carries the step's
+ops for the connector's runner half; a ``SaveBlock`` reads its block before any block operation
+or load of the step writes into the pool. The executor runs a step that carries ops even when no
+sequence is scheduled, and returns the runner half's report in ``kv_connector_output``.
+
 Block operations run before the forward, in the order swap out, swap in, copy. A prefix-cache
 hit may name a block that an earlier entry of the *same* step computes (identical prompts
 admitted together share blocks), so an executor writes each layer's new K/V into the cache
@@ -43,6 +48,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from conveyor.core.kv_connector.interface import KVConnectorMetadata, KVConnectorOutput
     from conveyor.core.sequence import Sequence
 
 
@@ -60,6 +66,7 @@ class SchedulerOutput:
     # prefill chunks (which may fork n>1 groups) follow them.
     num_decodes: int = 0
     num_spec_tokens: int = 0  # proposed tokens to verify, over all decodes (core/lookahead.py)
+    kv_connector_metadata: KVConnectorMetadata | None = None  # the KV connector's ops
 
     @property
     def is_empty(self) -> bool:
@@ -110,3 +117,5 @@ class ExecutorOutput:
     # per entry, the tokens proposed after this step to verify in its next (empty: none);
     # None without speculative decoding (Scheduler.update_draft_token_ids)
     draft_token_ids: list[list[int]] | None = None
+    # the KV connector's runner half: loads finished, stored blocks lost (None: no connector)
+    kv_connector_output: KVConnectorOutput | None = None

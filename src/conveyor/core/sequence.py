@@ -26,6 +26,7 @@ class SequenceStatus(enum.IntEnum):
     FINISHED_ABORTED = 5
     FINISHED_IGNORED = 6
     WAITING_FOR_GRAMMAR = 7  # its structured-output grammar is still compiling (not queued yet)
+    WAITING_FOR_KV = 8  # its prefix is being loaded by the KV connector (core/kv_loading.py)
 
     @property
     def is_finished(self) -> bool:
@@ -78,6 +79,8 @@ class Sequence:
         "stop_ids",
         "next_check_len",
         "block_hashes",
+        "block_keys",
+        "kv_load_tried",
         "num_registered_blocks",
         "cpu_block_tables",
         "running_stamp",
@@ -105,6 +108,8 @@ class Sequence:
         # needing a new KV block (capacity of its block tables + 1).
         self.next_check_len = 0
         self.block_hashes: list[int] = []  # chained prefix hash of each full block of token_ids
+        self.block_keys: list[bytes] = []  # content key of each, when keyed (core/kv_connector)
+        self.kv_load_tried = False  # loaded from the KV connector since it was last admitted
         self.num_registered_blocks = 0  # leading block indices known to the prefix cache
         self.cpu_block_tables: list[list[int]] = []  # per group, while SWAPPED
         self.running_stamp = 0  # when it joined `running` (running stays sorted by it)

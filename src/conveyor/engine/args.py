@@ -70,6 +70,11 @@ class EngineArgs:
     max_loras: int = 1  # most distinct adapters running at once
     max_lora_rank: int = 16  # adapters of a higher rank are refused
     max_cpu_loras: int | None = None  # adapters kept read in host memory; None: max_loras
+    # KV offload tiers and KV events (docs/kv_cache.md)
+    kv_offload_cpu_bytes: int = 0  # host memory for blocks the pool evicts; 0: no such tier
+    kv_offload_disk: str | None = None  # directory of the disk tier; None: no such tier
+    kv_offload_disk_bytes: int = 0  # most bytes the disk tier's files take
+    kv_events: bool = False  # publish the blocks stored and removed per tier (LLMEngine.kv_events)
 
     def __post_init__(self) -> None:
         parse_choices(self)  # given as strings (flags, user code), held as enum members
@@ -156,6 +161,15 @@ _HELP = {
     "max_cpu_loras": "with --enable-lora: most adapters kept read in host memory (least "
                      "recently used leave first and are read again when needed, off the "
                      "engine's loop); at least --max-loras (default: --max-loras)",
+    "kv_offload_cpu_bytes": "bytes of host memory that keep KV blocks the cache evicts; a "
+                            "prompt whose prefix is there loads it back instead of computing "
+                            "it (0: no host-memory tier)",
+    "kv_offload_disk": "directory of a disk tier below the host-memory one (blocks it evicts go "
+                       "there; kept across runs: a later engine of the same model reads them)",
+    "kv_offload_disk_bytes": "most bytes the disk tier's files may take (needed with "
+                             "--kv-offload-disk)",
+    "kv_events": "publish the KV blocks the engine stores and removes, per tier (pool, cpu, "
+                 "disk), for a cache-aware router (LLMEngine.kv_events)",
     "pooling": "how embedding requests pool hidden states: last, mean or cls (default: the "
                "model's sentence-transformers pooling config, else last)",
 }

@@ -2,7 +2,9 @@
 
 It owns the Scheduler (what to compute), the ModelExecutor (the model and its KV cache), the
 tokenizer, and the OutputProcessor (detokenization, stop strings, logprobs). One ``step()`` is
-schedule -> execute (skipped when nothing is scheduled) -> update -> outputs.
+schedule -> execute (skipped when nothing is scheduled and the KV connector has nothing to do)
+-> update -> outputs. With KV offload or KV events (``engine/kv_offload.py``) it also wires the
+KV connector's two halves and publishes the step's KV events (``kv_events``) after each step.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from conveyor.core.scheduler import Scheduler
 from conveyor.core.scheduler_output import SchedulerOutput
 from conveyor.core.sequence import Sequence, SequenceGroup, SequenceStatus
 from conveyor.engine.args import EngineArgs
+from conveyor.engine.kv_offload import setup_kv_connector
 from conveyor.engine.output_processor import OutputProcessor
 from conveyor.engine.outputs import RequestOutput
 from conveyor.engine.speculative import build_speculative
@@ -73,6 +76,11 @@ class LLMEngine:
         self.num_gpu_blocks, self.num_cpu_blocks = _num_blocks(args, self.executor,
                                                                self.max_model_len)
         self.executor.initialize_cache(args.block_size, self.num_gpu_blocks, self.num_cpu_blocks)
+        kv = setup_kv_connector(args, self.executor)
+        # the KV events of each step (KVEventLog: drain, iterate or subscribe); None: off
+        self.kv_events = kv.events
+        self.kv_key_namespace = kv.namespace  # what content keys are computed in (keys.py)
+        self._kv_offload = kv.connector
         self._clock = time.monotonic
         speculative = build_speculative(args, self.executor, self.num_gpu_blocks,
                                         self.num_cpu_blocks)
@@ -98,6 +106,9 @@ class LLMEngine:
             eos_token_ids=tuple(self.model_config.eos_token_ids),
             clock=self._clock,
             speculative=speculative,
+            kv_connector=kv.connector,
+            kv_events=kv.events,
+            kv_key_namespace=kv.namespace,
         )
         self._outputs = OutputProcessor(self.tokenizer, self.scheduler.finish_sequence, self._clock)
         self._grammar: StructuredOutputManager | None = None  # built with the first constraint
@@ -338,10 +349,16 @@ class LLMEngine:
         num_samples = [scheduled.num_samples(i) for i in range(len(scheduled.seqs))]
         self._count_prompt_tokens(scheduled)
         drafts = None
-        if scheduled.is_empty:
+        connector_output = None
+        if scheduled.is_empty and scheduled.kv_connector_metadata is None \
+                and not self.scheduler.loading:
             sampled, logprobs = [], None
+        elif scheduled.is_empty:  # the KV connector's ops, or waiting for its loads
+            sampled, logprobs = [], None
+            connector_output = self.executor.execute(scheduled).kv_connector_output
         else:
             result = self.executor.execute(scheduled)
+            connector_output = result.kv_connector_output
             drafts = result.draft_token_ids
             sampled, logprobs = result.sampled_token_ids, result.logprobs
             for i, (first, entries) in (result.prompt_logprobs or {}).items():
@@ -354,6 +371,8 @@ class LLMEngine:
         self._generation_tokens_total += sum(len(tokens) for tokens in sampled)
         parents = list(scheduled.seqs)
         finished = self.scheduler.update(scheduled, sampled)
+        if connector_output is not None:
+            self.scheduler.update_kv_connector(connector_output)
         if drafts is not None:
             self.scheduler.update_draft_token_ids(scheduled, drafts)
         if grammar is not None:
@@ -368,7 +387,24 @@ class LLMEngine:
             for out in outputs:
                 if out.finished:
                     grammar.remove(out.request_id)
+        if self.kv_events is not None:
+            self.kv_events.flush(time.time())
         return outputs
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached KV block, the pool's and the offload tiers' (their files too),
+        when no request holds blocks; False (nothing forgotten) otherwise."""
+        if not self.scheduler.clear_prefix_cache():
+            return False
+        connector = self.scheduler.kv_connector
+        meta = connector.build_metadata() if connector is not None else None
+        if meta is not None:  # the runner half clears its tiers now, not at the next step
+            out = self.executor.execute(SchedulerOutput(kv_connector_metadata=meta))
+            if out.kv_connector_output is not None:
+                self.scheduler.update_kv_connector(out.kv_connector_output)
+        if self.kv_events is not None:
+            self.kv_events.flush(time.time())
+        return True
 
     def _admit_compiled(self, grammar: StructuredOutputManager) -> list[RequestOutput]:
         """Queue the requests whose grammar compiled; finish those whose compile failed (only
@@ -430,6 +466,8 @@ class LLMEngine:
         stats.prompt_tokens_total = self._prompt_tokens_total
         stats.generation_tokens_total = self._generation_tokens_total
         stats.finished_by_reason = dict(self._outputs.finished_by_reason)
+        if self._kv_offload is not None:
+            stats.kv_offload = self._kv_offload.stats
         pool = self.lora_pool
         if pool is not None:
             stats.lora_adapters_in_memory = len(pool.host)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from conveyor.core.kv_connector.offload import KVOffloadStats
 from conveyor.core.stats import SchedulerStats
 
 
@@ -25,3 +26,6 @@ class EngineStats:
     max_loras: int = 0  # adapters that may run at once
     lora_running_adapters: list[str] = field(default_factory=list)  # names, sorted
     lora_waiting_adapters: list[str] = field(default_factory=list)  # with none running, sorted
+    # KV offload tiers (docs/kv_cache.md): hits per tier and what they hold; None without them.
+    # ``scheduler.prefix_cache_hits`` counts every prompt token not computed, loaded ones too.
+    kv_offload: KVOffloadStats | None = None

@@ -3,21 +3,30 @@ loads the model into this process's ``ModelRunner`` and, with ``tensor_parallel_
 starts or meets the other ranks (``conveyor.distributed``): this process is then rank 0 of N,
 holds one shard of the model and its KV heads' cache, ships each step to the other ranks,
 runs its own shard of the same forward, and samples from the logits gathered onto it.
+
+With KV offload (``start_kv_offload``) it also runs the KV connector's runner half
+(``kv_offload_worker.py``): each step's connector ops start before the step's block operations,
+and the step's output carries what the connector finished.
 """
 
 from __future__ import annotations
 
 import copy
+import weakref
 from collections.abc import Mapping
 from typing import Any
 
 import torch
 
 from conveyor.core.kv_cache_spec import KVCacheGroup, layers_per_group
+from conveyor.core.kv_connector.keys import BlockRecord
 from conveyor.core.scheduler_output import ExecutorOutput, SchedulerOutput
 from conveyor.core.spec_decode.config import SpeculativeConfig
 from conveyor.distributed.group import ParallelConfig
 from conveyor.distributed.step import ENABLE_LORA, INIT_CACHE, StepMessage, lora_slot_message
+from conveyor.executor.kv_offload_worker import KVOffloadWorker
+from conveyor.executor.kv_tier_store import TierStore
+from conveyor.executor.model_fingerprint import model_fingerprint
 from conveyor.executor.model_runner import ModelRunner
 from conveyor.executor.proposer import Proposer
 from conveyor.lora.adapter import LoRAAdapter
@@ -31,7 +40,7 @@ from conveyor.model.device import (
 )
 from conveyor.model.kv_cache import KVCache
 from conveyor.model.layers.parallel import TensorParallel, check_tensor_parallel
-from conveyor.model.loader import load_model, read_model_config
+from conveyor.model.loader import load_model, model_path, read_model_config
 
 
 class ModelExecutor:
@@ -39,6 +48,9 @@ class ModelExecutor:
                  seed: int = 0, kv_cache_dtype: str = "auto", weight_compute: str = "float",
                  parallel: ParallelConfig | None = None, max_num_seqs: int = 64,
                  enforce_eager: bool = False, deterministic: bool = True) -> None:
+        self.model_name = model  # as given (None: the embedded default)
+        self.weight_compute = weight_compute
+        self.kv_connector: KVOffloadWorker | None = None  # start_kv_offload
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype, self.device)
         self.kv_cache_dtype = resolve_kv_cache_dtype(kv_cache_dtype, self.dtype)
@@ -97,6 +109,7 @@ class ModelExecutor:
         other = object.__new__(ModelExecutor)
         other.__dict__.update(self.__dict__)
         other.runner = copy.copy(self.runner)
+        other.kv_connector = None
         return other
 
     @property
@@ -104,7 +117,9 @@ class ModelExecutor:
         return self.runner.kv_cache
 
     def shutdown(self) -> None:
-        """Stop the tensor-parallel workers (nothing to do in a single process)."""
+        """Stop the tensor-parallel workers and the KV offload worker (finishing its writes)."""
+        if self.kv_connector is not None:
+            self.kv_connector.shutdown()
         if self.workers is not None:
             self.workers.shutdown()
             self.workers = None
@@ -141,6 +156,31 @@ class ModelExecutor:
                                        self.runner.num_kv_heads, c.head_dim, block_size,
                                        self.kv_cache_dtype)
 
+    def kv_identity(self, block_size: int) -> str:
+        """What the KV contents of a block depend on besides its tokens: the model's weights, the
+        dtypes, the weight computation and the block's layout (``engine/kv_offload.py`` keys
+        stored blocks by it)."""
+        c = self.model_config
+        return "|".join(map(str, (
+            model_fingerprint(model_path(self.model_name)).hex(), dtype_name(self.dtype),
+            dtype_name(self.kv_cache_dtype), self.weight_compute, self.deterministic,
+            layers_per_group(self.kv_cache_groups, c.num_layers), self.runner.num_kv_heads,
+            c.head_dim, block_size, self.kv_cache_bytes_per_block(block_size))))
+
+    def start_kv_offload(self, namespace: bytes, block_size: int,
+                         disk_dir: str | None) -> list[BlockRecord]:
+        """Start the KV connector's runner half over this executor's (initialized) cache, its
+        disk tier in ``disk_dir`` (None: none); returns the blocks that directory holds already,
+        least recently written first."""
+        if self.kv_connector is not None:
+            self.kv_connector.shutdown()
+        store = TierStore(namespace, self.kv_cache_bytes_per_block(block_size), block_size,
+                          disk_dir)
+        found = store.scan()
+        self.kv_connector = worker = KVOffloadWorker(self.runner, store)
+        weakref.finalize(self, worker.shutdown)
+        return found
+
     def initialize_cache(self, block_size: int, num_gpu_blocks: int, num_cpu_blocks: int = 0) -> None:
         if self.workers is not None:
             self.workers.send(StepMessage(kind=INIT_CACHE,
@@ -149,6 +189,9 @@ class ModelExecutor:
 
     @torch.inference_mode()
     def execute(self, scheduler_output: SchedulerOutput) -> ExecutorOutput:
+        connector = self.kv_connector
+        if connector is not None:  # its saves read their blocks before the step writes any
+            connector.start_step(scheduler_output.kv_connector_metadata)
         step = self.runner.prepare(scheduler_output)
         if self.workers is not None:
             self.workers.send(step.message)
@@ -160,4 +203,6 @@ class ModelExecutor:
             raise self.workers.failure(e) from e
         out = self.runner.sample(scheduler_output, step, result)
         out.draft_token_ids = self.runner.propose(scheduler_output, step, out.sampled_token_ids)
+        if connector is not None:
+            out.kv_connector_output = connector.finished(wait=scheduler_output.is_empty)
         return out

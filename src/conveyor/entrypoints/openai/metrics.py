@@ -47,6 +47,12 @@ class _EngineStatsCollector(Collector):
             c.add_metric([self._model], value)
             return c
 
+        def tiered(kind: type, name: str, doc: str, cpu: float, disk: float) -> Metric:
+            m = kind(PREFIX + name, doc, labels=["model_name", "tier"])
+            m.add_metric([self._model, "cpu"], cpu)
+            m.add_metric([self._model, "disk"], disk)
+            return m
+
         yield gauge("num_requests_running", "Requests in the running batch.", q.num_running)
         yield gauge("num_requests_waiting", "Requests waiting to be scheduled.", q.num_waiting)
         yield gauge("num_requests_swapped", "Requests swapped out to CPU memory.", q.num_swapped)
@@ -78,6 +84,15 @@ class _EngineStatsCollector(Collector):
         yield counter("lora_adapter_reads",
                       "LoRA adapters read again from their files (host memory was full).",
                       s.lora_adapter_reads)
+        kv = s.kv_offload
+        if kv is not None:  # KV offload tiers (docs/kv_cache.md)
+            yield tiered(CounterMetricFamily, "kv_offload_hits",
+                         "Prompt tokens loaded from a KV offload tier instead of computed.",
+                         kv.hits_cpu, kv.hits_disk)
+            yield tiered(GaugeMetricFamily, "kv_offload_blocks",
+                         "KV blocks a KV offload tier holds.", kv.blocks_cpu, kv.blocks_disk)
+            yield counter("kv_offload_lost_blocks", "Stored KV blocks found corrupt, truncated "
+                          "or missing when read back (computed again).", kv.lost_blocks)
         if s.max_loras:  # vLLM's lora_requests_info: the labels carry the adapters' names
             info = GaugeMetricFamily(PREFIX + "lora_requests_info",
                                      "LoRA adapters with running and with only waiting "

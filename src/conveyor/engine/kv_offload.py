@@ -1,0 +1,125 @@
+"""The engine's KV connector and KV events, set up from EngineArgs.
+
+``setup_kv_connector`` checks the options (``KVOffloadConfig``) and the engine they would run in,
+refusing with a clear error what is not supported: tensor parallelism, a device other than the
+CPU, hybrid KV caches (several KV-cache groups), a draft model (its own KV cache would not
+follow the loads), prefix caching off. It derives the *key namespace* (the model's weights,
+dtypes and block layout: ``ModelExecutor.kv_identity``), in which content keys name blocks, so a
+disk tier shared by engines of other models or layouts never mixes their blocks; sizes the tiers
+in blocks (a block's bytes plus its stored header); prepares the disk tier's directory
+(``<--kv-offload-disk>/<namespace>``); and starts both halves: the scheduler's
+(``TieredOffloadScheduler``, handed the blocks the directory holds already) and the executor's.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from hashlib import blake2b
+from typing import Any
+
+from conveyor.core.kv_connector.config import KVOffloadConfig
+from conveyor.core.kv_connector.events import DISK, KVEventLog
+from conveyor.core.kv_connector.keys import KEY_BYTES, root_key
+from conveyor.core.kv_connector.offload import TieredOffloadScheduler
+from conveyor.engine.args import EngineArgs
+from conveyor.executor.kv_block_file import header_size
+
+logger = logging.getLogger("conveyor.engine")
+
+
+@dataclass
+class KVConnectorSetup:
+    connector: TieredOffloadScheduler | None = None
+    events: KVEventLog | None = None
+    namespace: bytes | None = None  # None: blocks are not keyed (neither of the above)
+
+
+def offload_config(args: EngineArgs) -> KVOffloadConfig:
+    return KVOffloadConfig(args.kv_offload_cpu_bytes, args.kv_offload_disk,
+                           args.kv_offload_disk_bytes)
+
+
+def setup_kv_connector(args: EngineArgs, executor: Any) -> KVConnectorSetup:
+    """Both halves of the offloading connector and the KV event log the args ask for (after
+    ``executor.initialize_cache``)."""
+    config = offload_config(args)
+    if not isinstance(args.kv_events, bool):
+        raise ValueError(f"kv_events must be a bool, got {args.kv_events!r}")
+    if not config.enabled and not args.kv_events:
+        return KVConnectorSetup()
+    if config.enabled:
+        _check_supported(args, executor)
+    if not hasattr(executor, "kv_identity"):
+        raise ValueError(f"KV offload and KV events need an executor that names its KV "
+                         f"contents (kv_identity); {type(executor).__name__} does not")
+    block_size = args.block_size
+    namespace = blake2b(executor.kv_identity(block_size).encode(),
+                        digest_size=KEY_BYTES).digest()
+    events = KVEventLog(block_size) if args.kv_events else None
+    if not config.enabled:
+        return KVConnectorSetup(None, events, namespace)
+    stored = executor.kv_cache_bytes_per_block(block_size) + header_size(block_size)
+    cpu_blocks = _tier_blocks("--kv-offload-cpu-bytes", config.cpu_bytes, stored, block_size)
+    disk_blocks = _tier_blocks("--kv-offload-disk-bytes", config.disk_bytes, stored, block_size)
+    disk_dir = _disk_dir(config.disk_path, namespace) if config.disk_path else None
+    connector = TieredOffloadScheduler(cpu_blocks, disk_blocks, block_size,
+                                       root_key(namespace, 0), events)
+    found = executor.start_kv_offload(namespace, block_size, disk_dir)
+    if found:
+        connector.adopt(DISK, found)
+    logger.info("KV offload: %d blocks of %d bytes in host memory, %d on disk%s (%d found there)",
+                cpu_blocks, stored, disk_blocks, f" in {disk_dir}" if disk_dir else "",
+                len(found))
+    return KVConnectorSetup(connector, events, namespace)
+
+
+def _check_supported(args: EngineArgs, executor: Any) -> None:
+    if not args.enable_prefix_caching:
+        raise ValueError("KV offload (--kv-offload-*) extends the prefix cache: it needs "
+                         "--enable-prefix-caching")
+    if args.tensor_parallel_size > 1:
+        raise ValueError("KV offload (--kv-offload-*) does not support tensor parallelism yet "
+                         "(--tensor-parallel-size > 1): each rank's share of a block would have "
+                         "to move with it")
+    device = str(getattr(executor, "device", "cpu"))
+    if not device.startswith("cpu"):
+        raise ValueError(f"KV offload (--kv-offload-*) runs on the CPU device only for now; "
+                         f"this engine runs on {device!r}")
+    groups = getattr(executor, "kv_cache_groups", ())
+    if len(groups) > 1:
+        raise ValueError(f"KV offload (--kv-offload-*) does not support hybrid KV caches yet: "
+                         f"this model's layers form {len(groups)} KV-cache groups "
+                         "(sliding-window and global attention)")
+    if args.speculative_method == "draft_model":
+        raise ValueError("KV offload (--kv-offload-*) does not support --speculative-method "
+                         "draft_model: the draft model's KV cache would not follow the loads")
+    if not hasattr(executor, "start_kv_offload"):
+        raise ValueError(f"KV offload needs an executor with a KV connector runner half; "
+                         f"{type(executor).__name__} has none")
+
+
+def _tier_blocks(flag: str, num_bytes: int, stored: int, block_size: int) -> int:
+    blocks = num_bytes // stored
+    if num_bytes and not blocks:
+        raise ValueError(f"{flag} {num_bytes} holds no KV block: a stored block of "
+                         f"{block_size} tokens takes {stored} bytes; give at least {stored} "
+                         "(or 0 for no such tier)")
+    return blocks
+
+
+def _disk_dir(path: str, namespace: bytes) -> str:
+    """The namespace's directory under ``path``, created if needed; ValueError when it cannot
+    be used."""
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise ValueError(f"--kv-offload-disk {path}: not a directory")
+    directory = os.path.join(path, namespace.hex())
+    try:
+        os.makedirs(directory, exist_ok=True)
+    except OSError as e:
+        raise ValueError(f"--kv-offload-disk {path}: cannot create {directory}: "
+                         f"{e.strerror or e}") from None
+    if not os.access(directory, os.R_OK | os.W_OK | os.X_OK):
+        raise ValueError(f"--kv-offload-disk {path}: {directory} is not readable and writable")
+    return directory
