@@ -1,21 +1,31 @@
-"""An isolated virtual environment for a peer whose requirements clash with Conveyor's.
+"""An isolated virtual environment for a peer, and running the peer's driver script in it.
 
 A peer such as vLLM pins its own torch and transformers, so it lives in its own environment
 under ``.venv-peers/`` (``CONVEYOR_PEER_ENVS`` moves it), built on first use with ``python -m
 venv`` and pip, the packages installed in the order given (torch first: pip then finds the
-wheel already there), then any it must not keep removed. A stamp file marks a finished, import-checked build; a build that fails
-leaves no stamp, and its reason is what the bench prints in the peer's row.
+wheel already there), then any it must not keep removed. A stamp file marks a finished,
+import-checked build; a build that fails leaves no stamp, and its reason is what the bench
+prints in the peer's row.
+
+The peer never runs inside Conveyor's process: the bench writes a request JSON, runs the peer's
+driver (a standalone script shipped beside the bench, importing only the standard library, the
+peer and ``peer_driver.py``) with the environment's Python, and reads back its result JSON
+(``PeerEnv.run_driver``).
 """
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
+import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 STAMP = ".conveyor-ready"
+DRIVER_TIMEOUT_S = 3600.0
 
 
 def peer_envs_dir() -> Path:
@@ -29,6 +39,9 @@ class PeerEnv:
     check_import: str  # a module that must import once built
     uninstalls: list[str] = field(default_factory=list)  # packages removed after installing
     root: Path = field(default_factory=peer_envs_dir)
+    label: str = ""  # how rows and errors name the peer ("vLLM"); default: name
+    # lines of a failed driver's output that wrap the root cause rather than say it
+    wrapper_errors: tuple[str, ...] = ()
 
     @property
     def path(self) -> Path:
@@ -70,9 +83,59 @@ class PeerEnv:
                     return f"{cmd[0]}: {e}"
                 log.write(proc.stderr)
                 if proc.returncode != 0:
-                    return f"`{shown}` failed: {last_error_line(proc.stderr)}"
+                    return (f"`{shown}` failed: {last_error_line(proc.stderr)} "
+                            f"(log {self.log_path})")
         (self.path / STAMP).write_text("\n".join(" ".join(a) for a in self.installs) + "\n")
         return None
+
+    def skip_reason(self) -> str | None:
+        """None when the environment is ready (built now if need be), else the row's text."""
+        reason = self.ensure()
+        return None if reason is None else f"skipped ({self.label or self.name} environment: " \
+                                           f"{reason})"
+
+    def process_env(self) -> dict[str, str]:
+        """The environment a driver runs in: this one's Python, no trace of Conveyor's venv."""
+        env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+        env["VIRTUAL_ENV"] = str(self.path)
+        return env
+
+    def run_driver(self, driver: Path, request: dict[str, Any], env: dict[str, str] | None = None,
+                   timeout: float = DRIVER_TIMEOUT_S) -> dict[str, Any]:
+        """``python DRIVER REQUEST.json RESULT.json`` with this environment's Python (in
+        ``env``, default ``process_env()``); the result JSON, or a RuntimeError with the root
+        cause from the driver's output, which goes to this process's stderr (a bench worker's
+        log keeps it)."""
+        with tempfile.TemporaryDirectory(prefix=f"conveyor-{self.name}-") as tmp:
+            request_path, result_path, log_path = (Path(tmp) / f for f in (
+                "request.json", "result.json", "driver.log"))
+            request_path.write_text(json.dumps(request))
+            with open(log_path, "w") as log:
+                proc = subprocess.run([str(self.python), str(driver), str(request_path),
+                                       str(result_path)], env=env or self.process_env(),
+                                      stdout=log, stderr=subprocess.STDOUT, timeout=timeout,
+                                      check=False)
+            output = log_path.read_text(errors="replace")
+            sys.stderr.write(output[-20000:])
+            if proc.returncode != 0 or not result_path.exists():
+                raise RuntimeError(f"{self.label or self.name} driver exit {proc.returncode}: "
+                                   f"{self.driver_error(output)}")
+            return json.loads(result_path.read_text())
+
+    def driver_error(self, output: str) -> str:
+        """The root cause in a failed driver's output: the first exception line of the last
+        traceback that is not one of the peer's ``wrapper_errors``."""
+        lines = [line.strip() for line in output.splitlines()]
+        causes = [line for line in lines if _is_exception_line(line)
+                  and not any(w in line for w in self.wrapper_errors)]
+        return causes[-1][:300] if causes else last_error_line(output)
+
+
+def _is_exception_line(line: str) -> bool:
+    head = line.split(":", 1)[0]
+    name = head.rsplit(".", 1)[-1]
+    return (":" in line and " " not in head and name[:1].isupper()
+            and name.endswith(("Error", "Exception", "Interrupt")))
 
 
 def last_error_line(stderr: str) -> str:
