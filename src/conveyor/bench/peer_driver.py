@@ -1,5 +1,5 @@
-"""What every peer driver shares (``vllm_driver.py``): reading the request, the warm-up and timed
-repeats, one repeat's figures, writing the result.
+"""What every peer driver shares (``vllm_driver.py``, ``llamacpp_driver.py``): reading the request,
+the warm-up and timed repeats, one repeat's figures, writing the result.
 
 A driver runs as ``python DRIVER.py REQUEST.json RESULT.json`` with the Python of the peer's own
 environment (``peer_env.PeerEnv.run_driver``), where Conveyor is not installed: this file, like

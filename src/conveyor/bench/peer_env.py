@@ -1,11 +1,12 @@
 """An isolated virtual environment for a peer, and running the peer's driver script in it.
 
-A peer such as vLLM pins its own torch and transformers, so it lives in its own environment
-under ``.venv-peers/`` (``CONVEYOR_PEER_ENVS`` moves it), built on first use with ``python -m
-venv`` and pip, the packages installed in the order given (torch first: pip then finds the
-wheel already there), then any it must not keep removed. A stamp file marks a finished,
-import-checked build; a build that fails leaves no stamp, and its reason is what the bench
-prints in the peer's row.
+A peer such as vLLM pins its own torch and transformers, and llama.cpp (llama-cpp-python)
+compiles itself when installed, so each lives in its own environment under ``.venv-peers/``
+(``CONVEYOR_PEER_ENVS`` moves it), built on first use with ``python -m venv`` and pip, the
+packages installed in the order given (torch first: pip then finds the wheel already there),
+with the environment variables the build needs, then any it must not keep removed. A stamp file
+marks a finished, import-checked build; a build that fails leaves no stamp, and its reason is
+what the bench prints in the peer's row.
 
 The peer never runs inside Conveyor's process: the bench writes a request JSON, runs the peer's
 driver (a standalone script shipped beside the bench, importing only the standard library, the
@@ -17,6 +18,8 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -40,6 +43,11 @@ class PeerEnv:
     uninstalls: list[str] = field(default_factory=list)  # packages removed after installing
     root: Path = field(default_factory=peer_envs_dir)
     label: str = ""  # how rows and errors name the peer ("vLLM"); default: name
+    # environment variables of the build steps (a build's CMAKE_ARGS); one already set in this
+    # process's environment wins
+    build_env: dict[str, str] = field(default_factory=dict)
+    # (command, what it is and where to get it): commands the build runs, checked up front
+    build_tools: list[tuple[str, str]] = field(default_factory=list)
     # lines of a failed driver's output that wrap the root cause rather than say it
     wrapper_errors: tuple[str, ...] = ()
 
@@ -58,10 +66,20 @@ class PeerEnv:
     def ready(self) -> bool:
         return (self.path / STAMP).exists() and self.python.exists()
 
+    def missing_tool(self) -> str | None:
+        """Why the build cannot start here (a compiler it needs is not on PATH), else None."""
+        for command, what in self.build_tools:
+            if shutil.which(command) is None:
+                return f"building it needs {what}: `{command}` is not on PATH"
+        return None
+
     def ensure(self) -> str | None:
         """Build the environment unless it is ready; None when ready, else why it is not."""
         if self.ready():
             return None
+        missing = self.missing_tool()
+        if missing:
+            return missing
         self.root.mkdir(parents=True, exist_ok=True)
         steps = [[sys.executable, "-m", "venv", str(self.path)]] if not self.python.exists() else []
         steps += [[str(self.python), "-m", "pip", "install", *args] for args in self.installs]
@@ -70,15 +88,18 @@ class PeerEnv:
         steps.append([str(self.python), "-c", f"import {self.check_import}"])
         print(f"[bench] building the {self.name} peer's environment in {self.path} "
               f"(once; several minutes; log {self.log_path}) ...", file=sys.stderr, flush=True)
+        env = {**self.build_env, **os.environ}  # a variable the caller set wins
+        shown_env = " ".join(f"{k}={shlex.quote(env[k])}" for k in self.build_env)
         with open(self.log_path, "a") as log:
             for cmd in steps:
                 shown = " ".join(["python", *cmd[1:]] if cmd[0] == str(self.python) else cmd)
-                print(f"[bench]   {shown}", file=sys.stderr, flush=True)
-                log.write(f"$ {' '.join(cmd)}\n")
+                prefix = f"{shown_env} " if shown_env and "pip" in cmd[1:3] else ""
+                print(f"[bench]   {prefix}{shown}", file=sys.stderr, flush=True)
+                log.write(f"$ {prefix}{' '.join(cmd)}\n")
                 log.flush()
                 try:
                     proc = subprocess.run(cmd, stdout=log, stderr=subprocess.PIPE, text=True,
-                                          check=False)
+                                          env=env, check=False)
                 except OSError as e:
                     return f"{cmd[0]}: {e}"
                 log.write(proc.stderr)

@@ -3,7 +3,7 @@
 Each peer lives in its own module (``peers_transformers``, ``peers_llamacpp``, ``peers_vllm``)
 exposing ``run(job) -> SystemResult``; this file names them, says whether each can run here, and
 holds the helpers they share. A peer that cannot run is reported as skipped with the reason.
-vLLM runs from an environment of its own (``peer_env``) through a driver script:
+vLLM and llama.cpp run from environments of their own (``peer_env``) through a driver script:
 ``driver_workloads`` is what such a request carries, ``driver_measurements`` reads the repeats
 back.
 """
@@ -39,19 +39,21 @@ class PeerJob:
     prefix_caching: bool = True  # Conveyor's setting, which vLLM follows
 
 
-# name -> (module holding run(), Python package it needs here, what it is); vLLM needs none here:
-# it runs from an environment of its own, built on first use
+# name -> (module holding run(), Python package it needs here, what it is); vLLM and llama.cpp
+# need none here: they run from environments of their own, built on first use
 PEERS: dict[str, tuple[str, str, str]] = {
     "transformers": ("conveyor.bench.peers_transformers", "transformers",
                      "HF transformers generate(), static batches, left padding"),
     "transformers-cb": ("conveyor.bench.peers_transformers", "transformers",
                         "HF transformers continuous batching, generate_batch()"),
-    "llamacpp": ("conveyor.bench.peers_llamacpp", "llama_cpp",
-                 "llama.cpp through llama-cpp-python, n parallel sequences"),
+    "llamacpp": ("conveyor.bench.peers_llamacpp", "",
+                 "llama.cpp through llama-cpp-python, n parallel sequences, from its own "
+                 "environment"),
     "vllm": ("conveyor.bench.peers_vllm", "",
              "vLLM's CPU build, offline LLM.generate(), from its own environment"),
-    "llamacpp-lookup": ("conveyor.bench.peers_llamacpp_lookup", "llama_cpp",
-                        "llama.cpp prompt-lookup decoding (LlamaPromptLookupDecoding), one stream"),
+    "llamacpp-lookup": ("conveyor.bench.peers_llamacpp", "",
+                        "llama.cpp prompt-lookup decoding (LlamaPromptLookupDecoding), one "
+                        "stream, from llama.cpp's environment"),
 }
 
 
