@@ -1,5 +1,5 @@
 """The llama.cpp peers' plumbing, without llama.cpp: the environment, the driver protocol, the skip
-path.
+path, and the accuracy row.
 
 The driver (``llamacpp_driver.py``, the file the bench ships) runs in a subprocess whose "peer
 environment" is this interpreter behind a wrapper that puts a small fake ``llama_cpp`` package on
@@ -10,11 +10,14 @@ skip where it is not built (``CONVEYOR_PEER_ENVS``).
 """
 
 import json
+import math
 from pathlib import Path
 
+import numpy as np
 import pytest
+import torch
 
-from conveyor.bench import peers_llamacpp, throughput
+from conveyor.bench import accuracy, llamacpp_driver, peers_llamacpp, throughput
 from conveyor.bench.peers import WARMUP_SEED_OFFSET, PeerJob
 from conveyor.bench.workloads import make_workload, warmup_workload
 
@@ -330,6 +333,132 @@ def test_llama_cpps_version_goes_into_the_provenance():
     assert throughput.ran_peer_versions(rows) == {"llama-cpp-python": "0.3.36"}
 
 
+# ----------------------------------------------------------------------------- accuracy
+
+def test_window_figures_match_torch():
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(10, 300, generator=gen) * 3
+    reference = torch.log_softmax(torch.randn(10, 300, generator=gen, dtype=torch.float64) * 3, -1)
+    nxt = torch.randint(0, 300, (10,), generator=gen)
+    q = torch.log_softmax(logits.double(), -1)
+    kl, agree, nll = llamacpp_driver.window_figures(logits.numpy(), reference.numpy(),
+                                                    nxt.tolist(), rows=3)
+    assert kl == pytest.approx(float((reference.exp() * (reference - q)).sum()), rel=1e-9)
+    assert agree == int((reference.argmax(-1) == q.argmax(-1)).sum())
+    assert nll == pytest.approx(-float(q.gather(1, nxt[:, None]).sum()), rel=1e-9)
+
+
+def _fake_logits(tokens: list[int]) -> torch.Tensor:
+    """The fake's logits (FAKE_C_API's fake_logits)."""
+    t = torch.tensor(tokens)[:, None]
+    return ((t + torch.arange(VOCAB)[None, :]) % 13) * 0.25
+
+
+def test_llama_cpp_compares_with_float_over_the_same_windows(fake_llama_env, tmp_path):
+    log = fake_llama_env
+    text = accuracy.DEFAULT_TEXT.read_text()
+    keep = accuracy.ReferenceFiles(tmp_path)
+    result = accuracy.measure(None, torch.float32, text, "int8", window=20, max_tokens=45,
+                              keep=keep)
+    windows = [w["token_ids"] for w in keep.windows]
+    assert [len(w) for w in windows] == [20, 20, 5]
+    row, info = accuracy.llama_cpp_accuracy("model.gguf", keep, result.float_perplexity)
+
+    # every window one prefill from position 0, without its last token, every row's logits
+    decodes = _seen(log, "decode")
+    assert [d["tokens"] for d in decodes] == [w[:-1] for w in windows]
+    assert all(d["pos"] == list(range(len(d["tokens"]))) for d in decodes)
+    assert all(d["logits"] == list(range(len(d["tokens"]))) for d in decodes)
+    (context,) = _seen(log, "context")
+    assert (context["n_ctx"], context["n_batch"], context["n_ubatch"]) == (19, 19, 19)
+
+    kl, agree, nll = 0.0, 0, 0.0
+    for w in keep.windows:
+        p = torch.from_numpy(np.load(w["reference"])).double()
+        ids = w["token_ids"]
+        q = torch.log_softmax(_fake_logits(ids[:-1]).double(), -1)
+        kl += float((p.exp() * (p - q)).sum())
+        agree += int((p.argmax(-1) == q.argmax(-1)).sum())
+        nll -= float(q.gather(1, torch.tensor(ids[1:])[:, None]).sum())
+    assert row.method == "llama.cpp" and row.tokens == result.tokens == 42
+    assert row.kl_mean == pytest.approx(kl / 42, rel=1e-6)
+    assert row.top1_agreement == agree / 42
+    assert row.perplexity == pytest.approx(math.exp(nll / 42), rel=1e-6)
+    assert row.float_perplexity == result.float_perplexity
+    assert info["llama_cpp_python_version"] == "0.0-fake"
+
+
+def test_reference_files_hold_floats_log_probs(tmp_path):
+    keep = accuracy.ReferenceFiles(tmp_path)
+    log_probs = torch.log_softmax(torch.randn(4, 10, dtype=torch.float64), -1)
+    keep.add([5, 6, 7, 8, 9], log_probs)
+    (w,) = keep.windows
+    saved = np.load(w["reference"], mmap_mode="r")
+    assert w["token_ids"] == [5, 6, 7, 8, 9] and saved.dtype == np.float32
+    assert np.allclose(saved, log_probs.numpy(), rtol=1e-6)
+
+
+def _measure_without_a_model(monkeypatch) -> None:
+    """``accuracy.measure`` stubbed: two windows of made-up float log-probabilities (the CLI's
+    plumbing, not the model's figures)."""
+    def measure(path, dtype, text, method, window, max_tokens, keep=None):
+        gen = torch.Generator().manual_seed(0)
+        ids = list(range(300, 300 + 2 * window))
+        for w in accuracy.windows(ids, window):
+            if keep is not None:
+                keep.add(w, torch.log_softmax(torch.randn(len(w) - 1, VOCAB, generator=gen,
+                                                          dtype=torch.float64), -1))
+        return accuracy.Accuracy(method, 2 * (window - 1), 30.0, 29.0, 0.01, 0.9)
+
+    monkeypatch.setattr(accuracy, "measure", measure)
+
+
+def test_accuracy_cli_prints_and_writes_the_llama_cpp_row(fake_llama_env, monkeypatch, tmp_path,
+                                                          capsys):
+    from conveyor.entrypoints.cli import main
+
+    _measure_without_a_model(monkeypatch)
+    path = tmp_path / "accuracy.json"
+    assert main(["bench", "accuracy", "--window", "20", "--compare", "llamacpp",
+                 "--json", str(path)]) == 0
+    (row,) = [line for line in capsys.readouterr().out.splitlines()
+              if line.startswith("llama.cpp")]
+    assert row.split()[1] == "38"
+    assert len(_seen(fake_llama_env, "decode")) == 2
+    saved = json.loads(path.read_text())
+    assert [r["method"] for r in saved["results"]] == ["int8", "llama.cpp"]
+    assert saved["results"][1]["tokens"] == 38 and saved["results"][1]["float_perplexity"] == 29.0
+    assert saved["provenance"]["peers"] == {"llama-cpp-python": "0.0-fake"}
+
+
+def test_accuracy_cli_says_why_llama_cpp_is_skipped(monkeypatch, tmp_path, capsys):
+    from conveyor.entrypoints.cli import main
+
+    _measure_without_a_model(monkeypatch)
+    monkeypatch.setattr(peers_llamacpp, "skip_reason",
+                        lambda: "skipped (llama.cpp environment: no compiler)")
+    path = tmp_path / "accuracy.json"
+    assert main(["bench", "accuracy", "--window", "20", "--compare", "llamacpp",
+                 "--json", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "llama.cpp       skipped (llama.cpp environment: no compiler)" in out
+    saved = json.loads(path.read_text())
+    assert saved["results"][1] == {"method": "llama.cpp",
+                                   "skipped": "skipped (llama.cpp environment: no compiler)"}
+    with pytest.raises(SystemExit, match="unknown peer 'vllm'"):
+        main(["bench", "accuracy", "--compare", "vllm"])
+
+
+def test_accuracy_cli_says_why_llama_cpp_failed(fake_llama_env, monkeypatch, capsys):
+    from conveyor.entrypoints.cli import main
+
+    _measure_without_a_model(monkeypatch)
+    monkeypatch.setenv("FAKE_LLAMA_FAIL", "no such tensor")
+    assert main(["bench", "accuracy", "--window", "20", "--compare", "llamacpp"]) == 0
+    assert ("llama.cpp       failed (llama.cpp driver exit 1: ValueError: no such tensor)"
+            in capsys.readouterr().out)
+
+
 # ----------------------------------------------------------------------------- the real one
 
 real_env = pytest.mark.skipif(not peers_llamacpp.ENV.ready(),
@@ -348,3 +477,17 @@ def test_real_llama_cpp_generates_every_token():
     assert result.repeats[0].output_tokens == 3 * 128
     assert result.extra["llama_cpp_python_version"] == peers_llamacpp.LLAMA_CPP_PACKAGE.split(
         "==")[1]
+
+
+@real_env
+@pytest.mark.slow
+def test_real_llama_cpp_is_close_to_float(tmp_path):
+    from conveyor.model.loader import default_model_path
+
+    keep = accuracy.ReferenceFiles(tmp_path)
+    result = accuracy.measure(None, torch.float32, accuracy.DEFAULT_TEXT.read_text(), "int8",
+                              window=64, max_tokens=128, keep=keep)
+    row, _ = accuracy.llama_cpp_accuracy(default_model_path(), keep, result.float_perplexity)
+    assert row.tokens == 126
+    assert 0 < row.kl_mean < 0.05 and row.top1_agreement > 0.85
+    assert abs(math.log(row.perplexity / row.float_perplexity)) < 0.1

@@ -2,8 +2,9 @@
 
 ``python llamacpp_driver.py REQUEST.json RESULT.json`` with the Python of the isolated
 environment that holds llama-cpp-python (``peers_llamacpp`` builds it): this file imports only
-the standard library, ``llama_cpp`` and ``peer_driver.py`` beside it, never Conveyor. The request
-names the GGUF file, the threads and a ``mode``:
+the standard library, ``llama_cpp`` (and numpy, its dependency, for the accuracy figures) and
+``peer_driver.py`` beside it, never Conveyor. The request names the GGUF file, the threads and a
+``mode``:
 
 - ``parallel``: the warm-up's and every timed repeat's exact token-id requests, greedy, each
   generating exactly its ``max_tokens`` (no end-of-sequence stop). llama-cpp-python's
@@ -16,6 +17,12 @@ names the GGUF file, the threads and a ``mode``:
 - ``lookup``: one stream through ``Llama`` with ``LlamaPromptLookupDecoding`` as its draft
   model: each step the last tokens are looked up in the prompt and output, and the
   ``num_pred_tokens`` tokens that followed are verified in one ``llama_decode``.
+- ``accuracy``: windows of token ids, each with the float reference's next-token
+  log-probabilities as a float32 ``.npy`` file of ``[len(window) - 1, vocab]`` (memory-mapped
+  here, read some rows at a time); each window is one prefill from position 0 with every
+  position's logits, compared with the reference row by row: the summed KL(reference ||
+  llama.cpp), the positions whose argmax agrees, llama.cpp's negative log-likelihood of the
+  window's next tokens.
 
 Every result carries llama-cpp-python's version, the version libllama reports, llama.cpp's
 system info (the CPU features it was built for), the load time and the driver process's peak
@@ -41,6 +48,7 @@ else:  # run as a script by llama.cpp's environment: this file's folder is first
 
 N_BATCH = 2048  # tokens per llama_decode call (split into N_UBATCH internally)
 N_UBATCH = 512
+ACCURACY_ROWS = 64  # reference rows compared at a time: bounded memory at a 262k vocabulary
 
 _LOG_CALLBACK = None  # llama.cpp keeps a pointer to it: it must outlive every context
 
@@ -264,9 +272,64 @@ def run_lookup(lc, job: dict) -> dict:
     return {"load_s": load_s, "settings": settings, "repeats": repeats}
 
 
+# ----------------------------------------------------------------------------- accuracy
+
+def window_figures(logits, reference, next_ids: list[int],
+                   rows: int = ACCURACY_ROWS) -> tuple[float, int, float]:
+    """One window against the reference: (summed KL(reference || llama.cpp), positions whose
+    argmax agrees, llama.cpp's summed negative log-likelihood of ``next_ids``). ``logits``:
+    llama.cpp's ``[n, vocab]``; ``reference``: log-probabilities ``[n, vocab]``; ``rows`` at a
+    time, in float64."""
+    import numpy as np
+
+    kl, agree, nll = 0.0, 0, 0.0
+    for start in range(0, len(next_ids), rows):
+        end = min(start + rows, len(next_ids))
+        q = np.asarray(logits[start:end], dtype=np.float64)
+        q = q - q.max(axis=1, keepdims=True)
+        q -= np.log(np.exp(q).sum(axis=1, keepdims=True))
+        p = np.asarray(reference[start:end], dtype=np.float64)
+        kl += float((np.exp(p) * (p - q)).sum())
+        agree += int((p.argmax(axis=1) == q.argmax(axis=1)).sum())
+        nll -= float(q[np.arange(end - start), next_ids[start:end]].sum())
+    return kl, agree, nll
+
+
+def run_accuracy(lc, job: dict) -> dict:
+    import numpy as np
+
+    windows = job["windows"]
+    longest = max(len(w["token_ids"]) for w in windows) - 1
+    t0 = time.perf_counter()
+    model = Model(lc, job["model"], longest, 1, job["threads"], n_batch=longest)
+    load_s = time.perf_counter() - t0
+    n, kl, agree, nll = 0, 0.0, 0, 0.0
+    try:
+        for w in windows:
+            ids = w["token_ids"]
+            reference = np.load(w["reference"], mmap_mode="r")
+            if reference.shape != (len(ids) - 1, model.n_vocab):
+                raise ValueError(f"{w['reference']}: reference of shape {reference.shape}, "
+                                 f"expected {(len(ids) - 1, model.n_vocab)} (this window's "
+                                 f"positions by llama.cpp's vocabulary)")
+            lc.llama_memory_clear(model.memory, True)
+            model.batch.n_tokens = 0
+            for pos, token in enumerate(ids[:-1]):  # the last token predicts nothing here
+                model.add(token, pos, 0, True)
+            model.decode()
+            logits = np.ctypeslib.as_array(lc.llama_get_logits(model.ctx),
+                                           shape=(len(ids) - 1, model.n_vocab))
+            k, a, l_ = window_figures(logits, reference, ids[1:])
+            kl, agree, nll, n = kl + k, agree + a, nll + l_, n + len(ids) - 1
+    finally:
+        model.close()
+    return {"load_s": load_s, "tokens": n, "kl_sum": kl, "agree": agree, "nll_sum": nll,
+            "settings": {"n_ctx": longest, "threads": job["threads"]}}
+
+
 # ----------------------------------------------------------------------------- main
 
-MODES = {"parallel": run_parallel, "lookup": run_lookup}
+MODES = {"parallel": run_parallel, "lookup": run_lookup, "accuracy": run_accuracy}
 
 
 def run(job: dict) -> dict:

@@ -14,12 +14,16 @@ time, its peak RSS).
 - ``llamacpp-lookup``: llama.cpp's own prompt-lookup decoding on single-stream workloads (S1,
   C1), the counterpart of Conveyor's ``--speculative-method ngram``: ``job.setting`` tokens
   proposed a step.
+
+``accuracy`` runs llama.cpp over the windows of ``conveyor bench accuracy``.
 """
 
 from __future__ import annotations
 
 import functools
+import os
 from pathlib import Path
+from typing import Any
 
 from conveyor.bench.peer_env import PeerEnv
 from conveyor.bench.peers import PeerJob, driver_measurements, driver_workloads
@@ -87,3 +91,14 @@ def run(job: PeerJob) -> SystemResult:
                                           "system_info", "settings")}
     return SystemResult(job.system, f"{config}, llama-cpp-python {version}", repeats,
                         load_s=result["load_s"], peak_rss_mb=result["peak_rss_mb"], extra=extra)
+
+
+def accuracy(model_path: str, windows: list[dict[str, Any]],
+             threads: int | None = None) -> dict[str, Any]:
+    """llama.cpp over ``windows`` (each ``{"token_ids", "reference"}``: the float reference's
+    log-probabilities of its next tokens, a float32 ``.npy`` file): the driver's result,
+    with ``tokens``, ``kl_sum``, ``agree`` and ``nll_sum`` over every position. The caller
+    checks ``skip_reason()`` first."""
+    request = {"mode": "accuracy", "model": str(Path(model_path).resolve()),
+               "threads": threads or len(os.sched_getaffinity(0)), "windows": windows}
+    return ENV.run_driver(DRIVER, request)
