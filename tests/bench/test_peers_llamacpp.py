@@ -290,6 +290,13 @@ def test_single_stream_times_each_token(fake_llama_env):
     assert "1 parallel sequences" in result.config
 
 
+def test_a_single_stream_workload_of_several_requests_runs_them_all(fake_llama_env):
+    result = peers_llamacpp.run(PeerJob("llamacpp", "model.gguf", "S1", 0, 3, 1, "float32"))
+    (m,) = result.repeats
+    assert m.output_tokens == 3 * 256 and m.ttft_s is None  # a batch through one slot
+    assert [n for _, n in _requests_decoded(fake_llama_env)] == [4, 4, 256, 256, 256]
+
+
 def test_prompt_lookup_runs_one_stream_with_its_proposals(fake_llama_env):
     log = fake_llama_env
     result = peers_llamacpp.run(PeerJob("llamacpp-lookup", "model.gguf", "C1", 2, None, 2,

@@ -113,15 +113,16 @@ def requests_json(workload: Workload) -> list[dict[str, Any]]:
 def driver_workloads(job: PeerJob, vocab_size: int, num_requests: int | None = None
                      ) -> tuple[list[Workload], dict[str, Any]]:
     """Each repeat's workload (repeat ``k``: seed ``seed + k``, as every system builds it) and
-    the part of a driver's request that carries them: whether the workload is a single stream,
-    the warm-up's and every repeat's exact token-id requests. ``num_requests`` overrides the
-    job's (a one-stream peer)."""
+    the part of a driver's request that carries them: whether the workload is a single stream
+    (one request: a single-stream workload stretched by ``--num-requests`` runs as a batch, as
+    Conveyor's does), the warm-up's and every repeat's exact token-id requests.
+    ``num_requests`` overrides the job's (a one-stream peer)."""
     n = num_requests or job.num_requests
     workloads = [make_workload(job.workload, vocab_size, job.seed + k, n)
                  for k in range(job.repeats)]
     warmup = warmup_workload(make_workload(job.workload, vocab_size,
                                            job.seed + WARMUP_SEED_OFFSET, n))
-    return workloads, {"single_stream": is_single_stream(job.workload),
+    return workloads, {"single_stream": is_single_stream(job.workload) and (n or 1) == 1,
                        "warmup": requests_json(warmup),
                        "repeats": [requests_json(w) for w in workloads]}
 
