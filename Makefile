@@ -37,6 +37,8 @@ test-gpu: $(STAMP)
 	$(VENV)/bin/pytest tests/gpu tests/model/triton tests/executor/test_cuda_runner.py \
 		tests/bench/test_gpu_bench_cli.py $(PYTEST_ARGS)
 
+# llama.cpp runs from an environment of its own, .venv-peers/llamacpp: the first run builds it
+# (pip compiles llama.cpp for this CPU, several minutes; it needs a C and a C++ compiler).
 bench: $(STAMP)
 	$(VENV)/bin/conveyor bench scheduler
 	$(VENV)/bin/conveyor bench throughput --workload W1 --compare transformers,llamacpp

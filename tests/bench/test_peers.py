@@ -12,8 +12,8 @@ from conveyor.bench.peers import PEERS, skip_reason
 def test_uninstalled_peer_is_skipped(monkeypatch):
     real = importlib.util.find_spec
     monkeypatch.setattr(peers.importlib.util, "find_spec",
-                        lambda name, *a: None if name == "llama_cpp" else real(name, *a))
-    assert skip_reason("llamacpp") == "skipped (not installed)"
+                        lambda name, *a: None if name == "transformers" else real(name, *a))
+    assert skip_reason("transformers") == "skipped (not installed)"
 
 
 def test_unknown_peer_is_a_clear_error():

@@ -9,7 +9,6 @@ given, so the test checks the exact requests and settings that crossed the proce
 import argparse
 import json
 import os
-import stat
 import sys
 import textwrap
 from pathlib import Path
@@ -17,8 +16,7 @@ from pathlib import Path
 import pytest
 
 from conveyor.bench import peers_vllm, serving, throughput
-from conveyor.bench.peer_env import PeerEnv
-from conveyor.bench.peers import WARMUP_SEED_OFFSET, PeerJob, skip_reason
+from conveyor.bench.peers import WARMUP_SEED_OFFSET, PeerJob
 from conveyor.bench.workloads import make_workload
 
 FAKE_VLLM = '''
@@ -102,28 +100,16 @@ class LLM:
 
 
 @pytest.fixture
-def fake_vllm_env(tmp_path, monkeypatch):
+def fake_vllm_env(tmp_path, monkeypatch, fake_peer_env):
     """A ready peer environment whose Python is this one with the fake vllm on its path."""
-    site = tmp_path / "fake-site" / "vllm"
-    site.mkdir(parents=True)
-    (site / "__init__.py").write_text(FAKE_VLLM)
-    env = PeerEnv("vllm", [["unused"]], "vllm", root=tmp_path / "envs")
-    env.python.parent.mkdir(parents=True)
-    # the bench strips PYTHONPATH from vLLM's environment; the wrapper sets the fake's
-    env.python.write_text(f"#!/bin/sh\nPYTHONPATH={site.parent} exec {sys.executable} \"$@\"\n")
-    env.python.chmod(env.python.stat().st_mode | stat.S_IEXEC)
-    (env.path / ".conveyor-ready").write_text("")
+    fake_peer_env(peers_vllm, {"vllm/__init__.py": FAKE_VLLM})
     model_dir = tmp_path / "model-bf16"
     model_dir.mkdir()
     (model_dir / "config.json").write_text(json.dumps({"vocab_size": 49152}))
     log = tmp_path / "fake-vllm.jsonl"
     monkeypatch.setenv("FAKE_VLLM_LOG", str(log))
-    monkeypatch.setenv("PYTHONPATH", "/conveyor/should/not/leak")
-    monkeypatch.setattr(peers_vllm, "ENV", env)
     monkeypatch.setattr(peers_vllm, "converted_model", lambda path: model_dir)
-    peers_vllm.skip_reason.cache_clear()
-    yield log, model_dir
-    peers_vllm.skip_reason.cache_clear()
+    return log, model_dir
 
 
 def _seen(log: Path) -> list[dict]:
@@ -187,51 +173,6 @@ def test_root_cause_skips_vllms_generic_wrapper_error():
         """)
     assert peers_vllm.driver_error(output) == \
         "torch.OutOfMemoryError: could not allocate the KV cache"
-
-
-def _failing_env(tmp_path) -> PeerEnv:
-    """An environment whose Python exists but whose pip install cannot succeed."""
-    env = PeerEnv("vllm", [["--no-index", "conveyor-no-such-package==0.0"]], "vllm",
-                  root=tmp_path / "envs")
-    env.python.parent.mkdir(parents=True)
-    os.symlink(sys.executable, env.python)
-    return env
-
-
-def test_failed_environment_build_is_the_rows_reason(tmp_path, monkeypatch):
-    env = _failing_env(tmp_path)
-    monkeypatch.setattr(peers_vllm, "ENV", env)
-    peers_vllm.skip_reason.cache_clear()
-    try:
-        reason = skip_reason("vllm")
-        assert reason.startswith("skipped (vLLM environment: `python -m pip install "
-                                 "--no-index conveyor-no-such-package==0.0` failed: ERROR: ")
-        assert not env.ready()
-        assert "conveyor-no-such-package" in env.log_path.read_text()
-        # the worker side returns the same skipped row rather than failing
-        row = peers_vllm.run(PeerJob("vllm", "m.gguf", "W1", 0, 2, 1, "bfloat16", 64))
-        assert row.skipped == reason and not row.repeats
-    finally:
-        peers_vllm.skip_reason.cache_clear()
-
-
-def test_skipped_vllm_keeps_the_other_rows(monkeypatch):
-    monkeypatch.setattr(peers_vllm, "skip_reason",
-                        lambda: "skipped (vLLM environment: no network)")
-    ran = []
-
-    def fake_worker(job, system, config):
-        ran.append(system)
-        return throughput.SystemResult(system, config, skipped="failed (test)")
-
-    monkeypatch.setattr(throughput, "run_worker", fake_worker)
-    parser = argparse.ArgumentParser()
-    throughput.add_parser(parser.add_subparsers())
-    args = parser.parse_args(["throughput", "--workload", "W1", "--compare",
-                              "transformers,vllm", "--no-roofline", "--repeats", "1"])
-    rows = {r["system"]: r for r in throughput.run_all(args)["results"]}
-    assert rows["vllm"]["skipped"] == "skipped (vLLM environment: no network)"
-    assert ran == ["conveyor", "transformers"]
 
 
 def test_vllm_job_follows_conveyors_batch_and_prefix_caching():

@@ -1,179 +1,104 @@
-"""Peer: llama.cpp (through llama-cpp-python's C bindings) on the same GGUF file.
+"""Peers: llama.cpp (through llama-cpp-python's C bindings) on the same GGUF file, from an
+environment of its own.
 
-llama-cpp-python's high-level ``Llama`` runs one sequence at a time, so this drives the C API
-directly the way llama.cpp's own parallel example does: ``job.setting`` sequence slots share one
-unified KV cache; each ``llama_decode`` batch holds one decode token per running slot plus prompt
-chunks of newly admitted requests (up to ``N_BATCH`` tokens); a finished request's slot is freed
-and refilled from the queue at once; greedy sampling by llama.cpp's own sampler.
+llama-cpp-python is a source distribution: installing it compiles llama.cpp (several minutes on
+2 cores, a C/C++ compiler needed; CMake comes from the registry where the machine has none), for
+this machine's CPU (``GGML_NATIVE``). So it is never imported here: it lives in an isolated
+environment (``peer_env``), built on first use, and the bench writes the exact token-id requests
+and the settings to a JSON file, runs ``llamacpp_driver.py`` with that environment's Python, and
+reads back its JSON (timings, llama-cpp-python's version, the settings it ran with, its load
+time, its peak RSS).
+
+- ``llamacpp``: ``job.setting`` parallel sequence slots over one unified KV cache (one slot on
+  a single-stream workload), greedy, ``ignore_eos`` (every request runs to its ``max_tokens``).
+- ``llamacpp-lookup``: llama.cpp's own prompt-lookup decoding on single-stream workloads (S1,
+  C1), the counterpart of Conveyor's ``--speculative-method ngram``: ``job.setting`` tokens
+  proposed a step.
+
+``accuracy`` runs llama.cpp over the windows of ``conveyor bench accuracy``.
 """
 
 from __future__ import annotations
 
-import time
-from dataclasses import dataclass
+import functools
+import os
+from pathlib import Path
+from typing import Any
 
-from conveyor.bench.peers import WARMUP_SEED_OFFSET, PeerJob, peak_rss_mb, timed_repeats
-from conveyor.bench.report import Measurement, SystemResult
-from conveyor.bench.workloads import (
-    BenchRequest,
-    Workload,
-    is_single_stream,
-    make_workload,
-    warmup_workload,
-)
+from conveyor.bench.peer_env import PeerEnv
+from conveyor.bench.peers import PeerJob, driver_measurements, driver_workloads
+from conveyor.bench.report import SystemResult
+from conveyor.bench.workloads import is_single_stream
 
-N_BATCH = 2048  # tokens per llama_decode call (split into N_UBATCH internally)
-N_UBATCH = 512
-
-
-class LlamaCppRunner:
-    """One model + context with ``n_parallel`` sequence slots."""
-
-    def __init__(self, model_path: str, n_parallel: int, n_ctx: int, threads: int) -> None:
-        import llama_cpp as lc
-
-        self.lc = lc
-        self.n_parallel = n_parallel
-        lc.llama_backend_init()
-        _silence_llama_log(lc)
-        mparams = lc.llama_model_default_params()
-        # The AMX "extra buffer" matmul segfaults on this VM (cpuid reports AMX, the kernel
-        # crashes in ggml_backend_amx_mul_mat); llama.cpp then runs its AVX-512 kernels.
-        mparams.use_extra_bufts = False
-        self.model = lc.llama_model_load_from_file(model_path.encode(), mparams)
-        if not self.model:
-            raise RuntimeError(f"llama.cpp could not load {model_path}")
-        cparams = lc.llama_context_default_params()
-        cparams.n_ctx = n_ctx
-        cparams.n_batch = N_BATCH
-        cparams.n_ubatch = N_UBATCH
-        cparams.n_seq_max = n_parallel
-        cparams.n_threads = threads
-        cparams.n_threads_batch = threads
-        cparams.kv_unified = True  # one KV pool shared by all slots, like Conveyor's block pool
-        self.ctx = lc.llama_init_from_model(self.model, cparams)
-        if not self.ctx:
-            raise RuntimeError("llama.cpp could not create a context")
-        self.memory = lc.llama_get_memory(self.ctx)
-        self.batch = lc.llama_batch_init(N_BATCH, 0, 1)
-        chain = lc.llama_sampler_chain_init(lc.llama_sampler_chain_default_params())
-        lc.llama_sampler_chain_add(chain, lc.llama_sampler_init_greedy())
-        self.sampler = chain
-        self.vocab_size = lc.llama_vocab_n_tokens(lc.llama_model_get_vocab(self.model))
-
-    def close(self) -> None:
-        lc = self.lc
-        lc.llama_sampler_free(self.sampler)
-        lc.llama_batch_free(self.batch)
-        lc.llama_free(self.ctx)
-        lc.llama_model_free(self.model)
-
-    def _add(self, token: int, pos: int, seq: int, logits: bool) -> None:
-        b = self.batch
-        i = b.n_tokens
-        b.token[i] = token
-        b.pos[i] = pos
-        b.n_seq_id[i] = 1
-        b.seq_id[i][0] = seq
-        b.logits[i] = logits
-        b.n_tokens = i + 1
-
-    def generate(self, workload: Workload, on_token=None) -> int:
-        """Run every request to its ``max_tokens``; returns the tokens generated."""
-        lc = self.lc
-        lc.llama_memory_clear(self.memory, True)
-        queue = list(reversed(workload.requests))
-        slots: dict[int, _Slot] = {}
-        generated = 0
-        while queue or slots:
-            for s in range(self.n_parallel):
-                if s not in slots and queue:
-                    req = queue.pop()
-                    slots[s] = _Slot(req, list(req.prompt_token_ids))
-            self.batch.n_tokens = 0
-            sample_at: list[tuple[int, int]] = []  # (slot, batch index)
-            for s, slot in slots.items():  # one decode token per running sequence first
-                if slot.computed == len(slot.tokens) - 1 and slot.prefilled:
-                    self._add(slot.tokens[-1], slot.computed, s, True)
-                    slot.pending = 1
-                    sample_at.append((s, self.batch.n_tokens - 1))
-            for s, slot in slots.items():  # then prompt chunks, as many as fit
-                room = N_BATCH - self.batch.n_tokens
-                if slot.prefilled or room == 0:
-                    continue
-                chunk = slot.tokens[slot.computed:slot.computed + room]
-                end = slot.computed + len(chunk)
-                for j, tok in enumerate(chunk):
-                    self._add(tok, slot.computed + j, s, slot.computed + j == len(slot.tokens) - 1)
-                slot.pending = len(chunk)
-                if end == len(slot.tokens):
-                    sample_at.append((s, self.batch.n_tokens - 1))
-            if lc.llama_decode(self.ctx, self.batch) != 0:
-                raise RuntimeError("llama_decode failed (KV cache too small?)")
-            for slot in slots.values():
-                slot.computed += slot.pending
-                slot.pending = 0
-            for s, index in sample_at:
-                slot = slots[s]
-                slot.tokens.append(lc.llama_sampler_sample(self.sampler, self.ctx, index))
-                generated += 1
-                if on_token is not None:
-                    on_token()
-                if len(slot.tokens) - len(slot.req.prompt_token_ids) >= slot.req.max_tokens:
-                    lc.llama_memory_seq_rm(self.memory, s, -1, -1)
-                    del slots[s]
-        return generated
+LLAMA_CPP_PACKAGE = "llama-cpp-python==0.3.36"
+# An sdist: pip builds it (--no-cache-dir: never a wheel cached from another build's
+# CMAKE_ARGS). GGML_NATIVE compiles for this machine's CPU (llama.cpp's default, unless
+# SOURCE_DATE_EPOCH is set); a CMAKE_ARGS in the bench's environment replaces it.
+ENV = PeerEnv("llamacpp", [["--no-cache-dir", LLAMA_CPP_PACKAGE]], "llama_cpp",
+              label="llama.cpp", build_env={"CMAKE_ARGS": "-DGGML_NATIVE=ON"},
+              build_tools=[("cc", "a C compiler (Debian: apt-get install gcc)"),
+                           ("c++", "a C++ compiler (Debian: apt-get install g++)")])
+DRIVER = Path(__file__).with_name("llamacpp_driver.py")
+DEFAULT_PARALLEL = 16
+DEFAULT_PRED_TOKENS = 4
+CTX_MARGIN = 16  # KV cells per slot beyond the longest request
 
 
-@dataclass
-class _Slot:
-    req: BenchRequest
-    tokens: list[int]  # prompt + generated so far
-    computed: int = 0  # tokens already in the KV cache
-    pending: int = 0  # tokens in the batch being decoded
-
-    @property
-    def prefilled(self) -> bool:
-        return self.computed >= len(self.req.prompt_token_ids)
+@functools.cache
+def skip_reason() -> str | None:
+    """None when llama.cpp's environment is ready (built now if need be), else the row's text."""
+    return ENV.skip_reason()
 
 
-_LOG_CALLBACK = None  # llama.cpp keeps a pointer to it: it must outlive every context
+def model_reason(model_path: str) -> str | None:
+    """llama.cpp reads GGUF files: None for one, else the row's text."""
+    return ("skipped (llama.cpp reads GGUF files; the model is an HF directory)"
+            if Path(model_path).is_dir() else None)
 
 
-def _silence_llama_log(lc) -> None:
-    global _LOG_CALLBACK
-    if _LOG_CALLBACK is None:
-        _LOG_CALLBACK = lc.llama_log_callback(lambda level, text, user_data: None)
-    lc.llama_log_set(_LOG_CALLBACK, None)
+def vocab_size(model_path: str) -> int:
+    from conveyor.model.loader import read_model_config
 
-
-def run_single_stream(runner: LlamaCppRunner, workload: Workload) -> Measurement:
-    req = workload.requests[0]
-    times: list[float] = []
-    t0 = time.perf_counter()
-    n = runner.generate(Workload(workload.name, "", workload.seed, [req]),
-                        on_token=lambda: times.append(time.perf_counter()))
-    wall = time.perf_counter() - t0
-    decode = (n - 1) / (times[-1] - times[0]) if n > 1 else float("nan")
-    return Measurement(wall, len(req.prompt_token_ids), n, times[0] - t0, decode)
+    return read_model_config(model_path).vocab_size
 
 
 def run(job: PeerJob) -> SystemResult:
-    single = is_single_stream(job.workload)
-    n_parallel = 1 if single else (job.setting or 16)
-    probe = make_workload(job.workload, 32000, job.seed, job.num_requests)
-    n_ctx = n_parallel * (probe.max_seq_len + 16)
-    t0 = time.perf_counter()
-    runner = LlamaCppRunner(job.model_path, n_parallel, n_ctx, job.threads)
-    load_s = time.perf_counter() - t0
-    try:
-        def build(k: int) -> Workload:
-            return make_workload(job.workload, runner.vocab_size, job.seed + k, job.num_requests)
+    lookup = job.system == "llamacpp-lookup"
+    n_parallel = 1 if lookup or is_single_stream(job.workload) else (
+        job.setting or DEFAULT_PARALLEL)
+    pred_tokens = job.setting or DEFAULT_PRED_TOKENS
+    config = f"GGUF as shipped, {job.threads} threads, " + (
+        f"prompt lookup, {pred_tokens} tokens proposed" if lookup
+        else f"{n_parallel} parallel sequences")
+    reason = model_reason(job.model_path) or skip_reason()
+    if reason:
+        return SystemResult(job.system, config, skipped=reason)
+    vocab = vocab_size(job.model_path)
+    workloads, requests = driver_workloads(job, vocab, 1 if lookup else None)
+    longest = max(len(r["prompt_token_ids"]) + r["max_tokens"]
+                  for rs in (requests["warmup"], *requests["repeats"]) for r in rs)
+    request = {"mode": "lookup" if lookup else "parallel",
+               "model": str(Path(job.model_path).resolve()), "threads": job.threads,
+               "vocab_size": vocab, "n_parallel": n_parallel,
+               # a lookup step verifies its proposals past the end too
+               "n_ctx": n_parallel * (longest + CTX_MARGIN + (pred_tokens if lookup else 0)),
+               "num_pred_tokens": pred_tokens,
+               **requests}
+    result = ENV.run_driver(DRIVER, request)
+    repeats = driver_measurements(result, workloads, "llama.cpp")
+    version = result["llama_cpp_python_version"]
+    extra = {key: result[key] for key in ("llama_cpp_python_version", "llama_cpp_version",
+                                          "system_info", "settings")}
+    return SystemResult(job.system, f"{config}, llama-cpp-python {version}", repeats,
+                        load_s=result["load_s"], peak_rss_mb=result["peak_rss_mb"], extra=extra)
 
-        runner.generate(warmup_workload(build(WARMUP_SEED_OFFSET)))
-        run_once = (lambda w: run_single_stream(runner, w)) if single else runner.generate
-        repeats = timed_repeats(build, job.repeats, run_once)
-    finally:
-        runner.close()
-    config = f"GGUF as shipped, {job.threads} threads, {n_parallel} parallel sequences"
-    return SystemResult(job.system, config, repeats, load_s=load_s, peak_rss_mb=peak_rss_mb())
+
+def accuracy(model_path: str, windows: list[dict[str, Any]],
+             threads: int | None = None) -> dict[str, Any]:
+    """llama.cpp over ``windows`` (each ``{"token_ids", "reference"}``: the float reference's
+    log-probabilities of its next tokens, a float32 ``.npy`` file): the driver's result,
+    with ``tokens``, ``kl_sum``, ``agree`` and ``nll_sum`` over every position. The caller
+    checks ``skip_reason()`` first."""
+    request = {"mode": "accuracy", "model": str(Path(model_path).resolve()),
+               "threads": threads or len(os.sched_getaffinity(0)), "windows": windows}
+    return ENV.run_driver(DRIVER, request)

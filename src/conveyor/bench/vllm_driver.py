@@ -1,21 +1,30 @@
 """Runs a benchmark's requests through vLLM's offline API; executed by vLLM's own environment.
 
 ``python vllm_driver.py REQUEST.json RESULT.json`` with the Python of the isolated environment
-that holds vLLM (``peers_vllm`` builds it): this file imports only the standard library and
-vLLM, never Conveyor. The request names the model directory, dtype, ``max_num_seqs``, prefix
-caching, and the exact token-id requests of the warm-up and of every timed repeat; the result
-holds each repeat's wall time and token counts (single stream: time to first token and decode
-rate, from a timestamp per engine step), vLLM's version, the settings it ran with, its load
-time and the peak RSS of its processes together.
+that holds vLLM (``peers_vllm`` builds it): this file imports only the standard library, vLLM
+and ``peer_driver.py`` beside it, never Conveyor. The request names the model directory, dtype,
+``max_num_seqs``, prefix caching, and the exact token-id requests of the warm-up and of every
+timed repeat; the result holds each repeat's wall time and token counts (single stream: time to
+first token and decode rate, from a timestamp per engine step), vLLM's version, the settings it
+ran with, its load time and the peak RSS of its processes together.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 import threading
 import time
+
+if __package__:  # imported inside Conveyor (the tests)
+    from conveyor.bench.peer_driver import (
+        driver_main,
+        measurement,
+        timed_repeats,
+        timed_single_stream,
+    )
+else:  # run as a script by vLLM's environment: this file's folder is first on sys.path
+    from peer_driver import driver_main, measurement, timed_repeats, timed_single_stream
 
 ENV_VARS_RECORDED = ("VLLM_CPU_KVCACHE_SPACE", "VLLM_CPU_OMP_THREADS_BIND",
                      "VLLM_CPU_NUM_OF_RESERVED_CPU", "VLLM_ENABLE_V1_MULTIPROCESSING",
@@ -70,20 +79,6 @@ def tree_rss_kib(root: int) -> int:
     return sum(rss.get(pid, 0) for pid in tree)
 
 
-def measurement(wall_s: float, requests: list[dict], outputs: list[list[int]],
-                token_times: list[float] | None = None, start: float = 0.0) -> dict:
-    """One repeat's figures; ``token_times`` (single stream) are each new token's timestamp."""
-    m = {"wall_s": wall_s,
-         "prompt_tokens": sum(len(r["prompt_token_ids"]) for r in requests),
-         "output_tokens": sum(len(o) for o in outputs)}
-    if token_times:
-        n = len(token_times)
-        m["ttft_s"] = token_times[0] - start
-        span = token_times[-1] - token_times[0]
-        m["decode_tokens_per_s"] = (n - 1) / span if n > 1 and span > 0 else None
-    return m
-
-
 def _prompts(requests: list[dict]):
     from vllm import SamplingParams, TokensPrompt
 
@@ -104,36 +99,24 @@ def run_batch(llm, requests: list[dict]) -> dict:
 
 
 def run_single_stream(llm, request: dict) -> dict:
-    """One request stepped through the engine; a timestamp whenever its token count grows."""
+    """One request stepped through the engine; a timestamp for each token a step adds."""
     prompts, params = _prompts([request])
     engine = llm.llm_engine
-    times: list[float] = []
-    tokens: list[int] = []
-    t0 = time.perf_counter()
-    engine.add_request("s1", prompts[0], params[0])
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            ids = list(out.outputs[0].token_ids)
-            now = time.perf_counter()
-            times += [now] * (len(ids) - len(tokens))
-            tokens = ids
-    wall = time.perf_counter() - t0
-    return measurement(wall, [request], [tokens], times, t0)
+
+    def generate(on_token) -> None:
+        count = 0
+        engine.add_request("s1", prompts[0], params[0])
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                n = len(out.outputs[0].token_ids)
+                for _ in range(n - count):
+                    on_token()
+                count = n
+
+    return timed_single_stream(generate, request)
 
 
-def timed_repeats(llm, job: dict) -> list[dict]:
-    """The warm-up, untimed, then every repeat's requests."""
-    def run_once(requests: list[dict]) -> dict:
-        if job["single_stream"]:
-            return run_single_stream(llm, requests[0])
-        return run_batch(llm, requests)
-
-    run_once(job["warmup"])
-    return [run_once(requests) for requests in job["repeats"]]
-
-
-def main(request_path: str, result_path: str) -> int:
-    job = json.loads(open(request_path).read())
+def run(job: dict) -> dict:
     import vllm
     from vllm import LLM
 
@@ -148,15 +131,11 @@ def main(request_path: str, result_path: str) -> int:
                  "max_model_len": config.model_config.max_model_len,
                  "block_size": config.cache_config.block_size,
                  "env": {k: os.environ[k] for k in ENV_VARS_RECORDED if k in os.environ}}
-    repeats = timed_repeats(llm, job)
-    result = {"vllm_version": vllm.__version__, "load_s": load_s, "settings": settings,
-              "repeats": repeats, "peak_rss_mb": rss.stop()}
-    with open(result_path, "w") as f:
-        json.dump(result, f, indent=2)
-    return 0
+    repeats = timed_repeats(job, lambda requests: run_batch(llm, requests),
+                            lambda request: run_single_stream(llm, request))
+    return {"vllm_version": vllm.__version__, "load_s": load_s, "settings": settings,
+            "repeats": repeats, "peak_rss_mb": rss.stop()}
 
 
 if __name__ == "__main__":
-    if len(sys.argv) != 3:
-        sys.exit("usage: python vllm_driver.py REQUEST.json RESULT.json")
-    sys.exit(main(sys.argv[1], sys.argv[2]))
+    sys.exit(driver_main(sys.argv, run))
