@@ -21,6 +21,15 @@ def file_blocks(bits: int, n: int, k: int, gen: torch.Generator) -> Int4Blocks |
     return Int4Blocks(torch.randint(0, 16, (n, k), generator=gen, dtype=torch.uint8), scale, low)
 
 
+def near_q4_0_blocks(n: int, k: int, gen: torch.Generator) -> Int4Blocks:
+    """[n, k] 4-bit blocks whose minima sit near -8 times their scales (a Q4_0-like layer with
+    small offsets), fp16 values widened to float32."""
+    scale = (torch.rand(n, k // GROUP, generator=gen) * 0.02 + 0.005).half().float()
+    low = -8 * scale + 0.01 * torch.randn(n, k // GROUP, generator=gen)
+    return Int4Blocks(torch.randint(0, 16, (n, k), dtype=torch.uint8, generator=gen), scale,
+                      low.half().float())
+
+
 def load_blocks(linear: Linear, blocks: Int4Blocks | Int8Blocks) -> None:
     """All of ``linear``'s rows: ``blocks`` and their float32 dequantization, shard by shard."""
     dense = blocks.dequantize()

@@ -28,9 +28,8 @@ from conveyor.model.kernels.panel_gemm import block_panel_gemm_available, panel_
 from conveyor.model.layers.formats import linear_format
 from conveyor.model.layers.gguf_blocks import Q5_0, Q5_1, Q6_K, Q8_0
 from conveyor.model.layers.linear import DenseMethod, PanelMethod
-from conveyor.model.layers.quantized import GROUP, Int4Blocks
 from conveyor.model.llama import DecoderLayer, LlamaForCausalLM
-from gguf_blocks import load_blocks, raw_blocks
+from gguf_blocks import load_blocks, near_q4_0_blocks, raw_blocks
 
 pytestmark = pytest.mark.skipif(
     not (decode_layer_available() and attention_kernel_available(torch.device("cpu"), torch.float32)),
@@ -71,11 +70,7 @@ def quantize(layer: DecoderLayer, seed: int, dtype: torch.dtype, large: str | No
                 blocks = raw_blocks(kind, stop - start, linear.in_features, g)
                 linear.load("weight", name, blocks.dequantize(), blocks)
             continue
-        n, k = linear.out_features, linear.in_features
-        scale = (torch.rand(n, k // GROUP, generator=g) * 0.02 + 0.005).half().float()
-        low = -8 * scale + 0.01 * torch.randn(n, k // GROUP, generator=g)
-        load_blocks(linear, Int4Blocks(torch.randint(0, 16, (n, k), dtype=torch.uint8,
-                                                     generator=g), scale, low.half().float()))
+        load_blocks(linear, near_q4_0_blocks(linear.out_features, linear.in_features, g))
     layer.to(dtype)
     dense = large in (None, "int8")
     kernels = KernelPlan(linear=DenseMethod if dense else PanelMethod, block_weights=True,
