@@ -13,7 +13,7 @@ import torch
 from conveyor.model.backends.sdpa import TorchBackend
 from conveyor.model.device import KernelPlan, select_kernels
 from conveyor.model.kernels.build import kernel_ops
-from conveyor.model.kernels.int8_blocks import int8_block_gemm
+from conveyor.model.kernels.int8_blocks import int8_block_gemm, int8_panel_lanes
 from conveyor.model.layers.block_method import Int8BlockMethod
 from conveyor.model.layers.formats import linear_format
 from conveyor.model.layers.gguf_blocks import (
@@ -25,6 +25,7 @@ from conveyor.model.layers.gguf_blocks import (
     Q6_K,
     Q8_0,
     GGUFBlocks,
+    GGUFPart,
     _decode,
 )
 from conveyor.model.layers.linear import Linear, PanelMethod
@@ -63,7 +64,9 @@ def reference(x: torch.Tensor, blocks: GGUFBlocks) -> torch.Tensor:
 
 
 def run(x: torch.Tensor, blocks: GGUFBlocks) -> torch.Tensor:
-    return int8_block_gemm(x, [p.kind for p in blocks.parts], [p.data for p in blocks.parts],
+    lanes = int8_panel_lanes()
+    return int8_block_gemm(x, [p.kind for p in blocks.parts],
+                           [p.lane_panels(lanes) for p in blocks.parts],
                            [p.data.shape[0] for p in blocks.parts])
 
 
@@ -135,22 +138,39 @@ def test_linear_under_integer_compute(bits, dtype) -> None:
     assert torch.equal(linear.dense_weight(), blocks.dequantize().to(dtype))
     assert linear.weight_bytes(1) == method.nbytes() == sum(p.numel() for p in method.data)
     x = torch.randn(5, 64, generator=g).to(dtype)
-    expected = run(x, method.blocks) + linear.bias
+    expected = run(x, GGUFBlocks.of(blocks)) + linear.bias
     assert torch.equal(linear(x), expected)
     assert linear.method.decode_projection().integer
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("lanes", [8, 16])
+def test_lane_panels_permute_the_file_bytes(kind, lanes) -> None:
+    """The kernel's layout holds the file's bytes, no more (but the last panel's padding), and
+    gives them back; each panel block's first 16-bit unit is its outputs' first scale bytes."""
+    g = torch.Generator().manual_seed(kind + lanes)
+    part = raw_blocks(kind, 21, 2 * LAYOUTS[kind].block, g).parts[0]
+    packed = part.lane_panels(lanes)
+    rows = -(-21 // lanes) * lanes
+    assert packed.shape == (rows, part.data.shape[1]) and packed.dtype == torch.uint8
+    back = GGUFPart.from_lane_panels(kind, packed, 21, lanes)
+    assert torch.equal(back.data, part.data)
+    start = LAYOUTS[kind].header[0]
+    first = packed.view(-1)[:2 * lanes].view(lanes, 2)
+    assert torch.equal(first, part.data[:lanes, start:start + 2])
 
 
 def test_refused_arguments() -> None:
     g = torch.Generator().manual_seed(0)
     blocks = raw_blocks(Q4_K, 8, 256, g)
-    data = blocks.parts[0].data
+    data = blocks.parts[0].lane_panels(int8_panel_lanes())
     x = torch.randn(2, 256)
     with pytest.raises(RuntimeError, match="format must be a GGUF type id"):
         int8_block_gemm(x, [1], [data], [8])
     with pytest.raises(RuntimeError, match="one entry per part"):
         int8_block_gemm(x, [Q4_K, Q4_K], [data], [8])
     with pytest.raises(RuntimeError, match="data must have shape"):
-        int8_block_gemm(x, [Q4_K], [data], [7])
+        int8_block_gemm(x, [Q4_K], [data], [8 + int8_panel_lanes()])
     with pytest.raises(RuntimeError, match="input size .* must be a multiple of 256"):
         int8_block_gemm(torch.randn(2, 288), [Q4_K], [data], [8])
     with pytest.raises(RuntimeError, match="must be a multiple of 32"):

@@ -58,23 +58,35 @@ constexpr int kRows = 4;  // rows sharing a tile's decoded codes
 constexpr int64_t kRowChunk = 64;  // rows a pass over the weight serves (their codes stay cached)
 
 struct Geometry {
-  int64_t block, block_bytes, header_at, offset;
+  int64_t block, block_bytes, header_at, header_bytes, offset;
   int subs;  // sub-blocks (own s, m) per block of 32 activations: 1, or 2 (Q6_K)
   bool minimum, signed_codes;
+  // The block's code bytes: the rest of it, before or after the scale bytes.
+  int64_t code_at() const { return header_at ? 0 : header_bytes; }
 };
 
 bool geometry(int64_t format, Geometry& g) {
   switch (format) {
-    case kQ4_0: g = {32, 18, 0, 8, 1, false, false}; return true;
-    case kQ4_1: g = {32, 20, 0, 0, 1, true, false}; return true;
-    case kQ5_0: g = {32, 22, 0, 16, 1, false, false}; return true;
-    case kQ5_1: g = {32, 24, 0, 0, 1, true, false}; return true;
-    case kQ8_0: g = {32, 34, 0, 0, 1, false, true}; return true;
-    case kQ4_K: g = {256, 144, 0, 0, 1, true, false}; return true;
-    case kQ5_K: g = {256, 176, 0, 0, 1, true, false}; return true;
-    case kQ6_K: g = {256, 210, 192, 32, 2, false, false}; return true;
+    case kQ4_0: g = {32, 18, 0, 2, 8, 1, false, false}; return true;
+    case kQ4_1: g = {32, 20, 0, 4, 0, 1, true, false}; return true;
+    case kQ5_0: g = {32, 22, 0, 2, 16, 1, false, false}; return true;
+    case kQ5_1: g = {32, 24, 0, 4, 0, 1, true, false}; return true;
+    case kQ8_0: g = {32, 34, 0, 2, 0, 1, false, true}; return true;
+    case kQ4_K: g = {256, 144, 0, 16, 0, 1, true, false}; return true;
+    case kQ5_K: g = {256, 176, 0, 16, 0, 1, true, false}; return true;
+    case kQ6_K: g = {256, 210, 192, 18, 32, 2, false, false}; return true;
     default: return false;
   }
+}
+
+// The panel layout (int8_blocks.h): output `lane`'s file block, rebuilt from its panel block.
+void unpack_lane(const uint8_t* chunk, const Geometry& g, int lanes, int lane, uint8_t* out) {
+  for (int64_t i = 0; i < g.header_bytes; ++i)
+    out[g.header_at + i] = chunk[(i / 2) * lanes * 2 + lane * 2 + i % 2];
+  const uint8_t* codes = chunk + g.header_bytes * lanes;
+  const int64_t code_bytes = g.block_bytes - g.header_bytes, at = g.code_at();
+  for (int64_t i = 0; i < code_bytes; ++i)
+    out[at + i] = codes[(i / 4) * lanes * 4 + lane * 4 + i % 4];
 }
 
 inline uint32_t le32(const uint8_t* p) {
@@ -137,30 +149,33 @@ inline void dots(const uint8_t (*u)[32], const int8_t* q, int32_t* lo, int32_t* 
   }
 }
 
-// y[0:R, 0:cols] for one tile of outputs [j0, j0 + cols) of part w.
+// y[0:R, 0:cols] for panel p (outputs [p kOut, p kOut + cols)) of part w.
 template <int64_t F, int R, typename T>
 void tile(T* y, int64_t ldy, const Int8Rows& a, int64_t r0, const Int8BlockPart& w,
-          const Geometry& g, int64_t j0, int64_t cols, int64_t k) {
+          const Geometry& g, int64_t p, int64_t cols, int64_t k) {
   const int64_t act_blocks = k / kActBlock, per_block = g.block / kActBlock;
-  const int64_t row_bytes = k / g.block * g.block_bytes;
+  const int64_t file_blocks = k / g.block, j0 = p * kOut;
   constexpr int kSubs = 16;  // per block, at most (Q6_K: 256 / 16)
-  const uint8_t* rows[kOut];
-  for (int o = 0; o < kOut; ++o) rows[o] = w.data + (j0 + std::min<int64_t>(o, cols - 1)) * row_bytes;
+  constexpr int kMaxBlockBytes = 210;
+  uint8_t blocks[kOut][kMaxBlockBytes];
   alignas(32) uint8_t u[kOut][32];
   float s[kSubs][kOut], m[kSubs][kOut];
   float acc[R][kOut] = {};
   for (int64_t bb = 0; bb < act_blocks; ++bb) {
     const int64_t blk = bb / per_block, t = bb % per_block;
-    if (t == 0)
+    if (t == 0) {
+      const uint8_t* chunk = w.data + (p * file_blocks + blk) * kOut * g.block_bytes;
       for (int o = 0; o < kOut; ++o) {
+        unpack_lane(chunk, g, kOut, o, blocks[o]);
         float so[kSubs], mo[kSubs];
-        quant_scales(F, rows[o] + blk * g.block_bytes + g.header_at, so, mo);
+        quant_scales(F, blocks[o] + g.header_at, so, mo);
         for (int64_t i = 0; i < per_block * g.subs; ++i) {
           s[i][o] = so[i];
           m[i][o] = mo[i];
         }
       }
-    for (int o = 0; o < kOut; ++o) decode<F>(rows[o] + blk * g.block_bytes, t, u[o]);
+    }
+    for (int o = 0; o < kOut; ++o) decode<F>(blocks[o], t, u[o]);
     for (int r = 0; r < R; ++r) {
       const int64_t at = (r0 + r) * act_blocks + bb;
       alignas(32) int32_t lo[kOut], hi[kOut];
@@ -201,13 +216,6 @@ using VI = __m512i;
 using VF = __m512;
 constexpr int kLanesI = 16;
 constexpr bool kQ8Unsigned = true;
-inline VI load_lanes(const uint8_t* const* p, int64_t off, int j) {  // outputs j, j + 4, ...
-  VI v = _mm512_castsi128_si512(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p[j] + off)));
-  v = _mm512_inserti32x4(v, _mm_loadu_si128(reinterpret_cast<const __m128i*>(p[j + 4] + off)), 1);
-  v = _mm512_inserti32x4(v, _mm_loadu_si128(reinterpret_cast<const __m128i*>(p[j + 8] + off)), 2);
-  return _mm512_inserti32x4(v, _mm_loadu_si128(reinterpret_cast<const __m128i*>(p[j + 12] + off)),
-                            3);
-}
 inline VI unpacklo32(VI a, VI b) { return _mm512_unpacklo_epi32(a, b); }
 inline VI unpackhi32(VI a, VI b) { return _mm512_unpackhi_epi32(a, b); }
 inline VI unpacklo64(VI a, VI b) { return _mm512_unpacklo_epi64(a, b); }
@@ -232,10 +240,18 @@ inline VI lane_bases() {  // dword k of each 16-byte lane: bytes 4k
 inline VI fifth_bit(VI c, VI h, VI bits) {
   return _mm512_mask_add_epi8(c, _mm512_test_epi8_mask(h, bits), c, _mm512_set1_epi8(16));
 }
-inline VI load_i(const void* p) { return _mm512_load_si512(p); }
-inline VF halves(const uint16_t* h) {
-  return _mm512_cvtph_ps(_mm256_load_si256(reinterpret_cast<const __m256i*>(h)));
+inline VI load_i(const void* p) { return _mm512_loadu_si512(p); }
+inline VF halves(const uint8_t* h) {  // kLanesI fp16
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(h)));
 }
+inline VI words(const uint8_t* h) {  // kLanesI uint16, zero-extended
+  return _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(h)));
+}
+inline VI srli32(VI a, int n) { return _mm512_srli_epi32(a, n); }
+inline VI slli32(VI a, int n) { return _mm512_slli_epi32(a, n); }
+inline VI srai32(VI a, int n) { return _mm512_srai_epi32(a, n); }
+inline VF negate(VF a) { return _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(a),
+                                                                     _mm512_set1_epi32(INT32_MIN))); }
 inline VF load_f(const float* p) { return _mm512_load_ps(p); }
 inline void store_f(float* p, VF v) { _mm512_store_ps(p, v); }
 inline VF zero_f() { return _mm512_setzero_ps(); }
@@ -252,11 +268,6 @@ using VI = __m256i;
 using VF = __m256;
 constexpr int kLanesI = 8;
 constexpr bool kQ8Unsigned = false;
-inline VI load_lanes(const uint8_t* const* p, int64_t off, int j) {  // outputs j, j + 4
-  return _mm256_inserti128_si256(
-      _mm256_castsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p[j] + off))),
-      _mm_loadu_si128(reinterpret_cast<const __m128i*>(p[j + 4] + off)), 1);
-}
 inline VI unpacklo32(VI a, VI b) { return _mm256_unpacklo_epi32(a, b); }
 inline VI unpackhi32(VI a, VI b) { return _mm256_unpackhi_epi32(a, b); }
 inline VI unpacklo64(VI a, VI b) { return _mm256_unpacklo_epi64(a, b); }
@@ -280,10 +291,18 @@ inline VI fifth_bit(VI c, VI h, VI bits) {
   const VI set = _mm256_cmpeq_epi8(_mm256_and_si256(h, bits), bits);
   return _mm256_or_si256(c, _mm256_and_si256(set, _mm256_set1_epi8(16)));
 }
-inline VI load_i(const void* p) { return _mm256_load_si256(reinterpret_cast<const __m256i*>(p)); }
-inline VF halves(const uint16_t* h) {
-  return _mm256_cvtph_ps(_mm_load_si128(reinterpret_cast<const __m128i*>(h)));
+inline VI load_i(const void* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+inline VF halves(const uint8_t* h) {  // kLanesI fp16
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(h)));
 }
+inline VI words(const uint8_t* h) {  // kLanesI uint16, zero-extended
+  return _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(h)));
+}
+inline VI srli32(VI a, int n) { return _mm256_srli_epi32(a, n); }
+inline VI slli32(VI a, int n) { return _mm256_slli_epi32(a, n); }
+inline VI srai32(VI a, int n) { return _mm256_srai_epi32(a, n); }
+inline VF negate(VF a) { return _mm256_castsi256_ps(_mm256_xor_si256(_mm256_castps_si256(a),
+                                                                     _mm256_set1_epi32(INT32_MIN))); }
 inline VF load_f(const float* p) { return _mm256_load_ps(p); }
 inline void store_f(float* p, VF v) { _mm256_store_ps(p, v); }
 inline VF zero_f() { return _mm256_setzero_ps(); }
@@ -311,26 +330,8 @@ inline VI dot(VI acc, VI codes, int32_t a) {
 }
 #endif
 
-// Lane o of g[j] (j = 0..3) = the 4 bytes at p[o] + off + 4j.
-inline void transpose4(const uint8_t* const* p, int64_t off, VI* g) {
-  VI z[4];
-  for (int j = 0; j < 4; ++j) z[j] = load_lanes(p, off, j);
-  const VI t0 = unpacklo32(z[0], z[1]), t1 = unpackhi32(z[0], z[1]);
-  const VI t2 = unpacklo32(z[2], z[3]), t3 = unpackhi32(z[2], z[3]);
-  g[0] = unpacklo64(t0, t2);
-  g[1] = unpackhi64(t0, t2);
-  g[2] = unpacklo64(t1, t3);
-  g[3] = unpackhi64(t1, t3);
-}
-
 inline VI low_nibbles(VI v) { return vand(v, bytes(0xF)); }
 inline VI high_nibbles(VI v) { return vand(srli16(v, 4), bytes(0xF)); }
-
-inline uint16_t le16(const uint8_t* p) {
-  uint16_t v;
-  std::memcpy(&v, p, sizeof v);
-  return v;
-}
 
 // A panel's decoded codes and scales, per activation block bb: codes[8 bb .. 8 bb + 7], s0, s1,
 // m [bb].
@@ -347,40 +348,40 @@ struct PanelBuffer {
   const VI* code(int64_t i) const { return &codes[i].v; }
 };
 
-// Decodes file block blk of the panel's outputs (`rows`) into activation blocks
+// A panel block (int8_blocks.h's layout): its scale bytes as kLanesI-lane vectors of 16-bit
+// units, then its code bytes as vectors of 4-byte groups (lane o: output o's bytes 4j .. 4j + 3).
+struct PanelBlock {
+  const uint8_t* header;
+  const uint8_t* codes;
+  VF half(int unit) const { return halves(header + unit * 2 * kLanesI); }
+  VI unit(int u) const { return words(header + u * 2 * kLanesI); }
+  VI byte(int i) const { return vand(srli32(unit(i / 2), 8 * (i % 2)), dwords(0xFF)); }
+  VI group(int j) const { return load_i(codes + j * 4 * kLanesI); }
+};
+
+// Decodes file block blk of a panel (`chunk`, its panel block) into activation blocks
 // blk * per_block .. of `buf`.
 template <int64_t F>
-void decode_panel_block(const uint8_t* const* rows, int64_t blk, int64_t block_bytes,
-                        PanelBuffer& buf) {
-  const uint8_t* b[kLanesI];
-  for (int o = 0; o < kLanesI; ++o) b[o] = rows[o] + blk * block_bytes;
+void decode_panel_block(const uint8_t* chunk, const Geometry& geo, int64_t blk, PanelBuffer& buf) {
+  const PanelBlock b{chunk, chunk + geo.header_bytes * kLanesI};
   if constexpr (F == kQ4_0 || F == kQ4_1 || F == kQ5_0 || F == kQ5_1 || F == kQ8_0) {
     VI* c = buf.code(8 * blk);
-    alignas(64) uint16_t d[kLanesI], m[kLanesI];
-    for (int o = 0; o < kLanesI; ++o) d[o] = le16(b[o]);
-    buf.s0[blk].v = halves(d);
-    if constexpr (F == kQ4_1 || F == kQ5_1) {
-      for (int o = 0; o < kLanesI; ++o) m[o] = le16(b[o] + 2);
-      buf.m[blk].v = halves(m);
-    }
+    buf.s0[blk].v = b.half(0);
+    if constexpr (F == kQ4_1 || F == kQ5_1) buf.m[blk].v = b.half(1);
     if constexpr (F == kQ8_0) {
-      transpose4(b, 2, c);
-      transpose4(b, 18, c + 4);
-      if constexpr (kQ8Unsigned)
-        for (int g = 0; g < 8; ++g) c[g] = vxor(c[g], bytes(0x80));
+      for (int g = 0; g < 8; ++g) {
+        c[g] = b.group(g);
+        if constexpr (kQ8Unsigned) c[g] = vxor(c[g], bytes(0x80));
+      }
     } else {
-      constexpr int64_t qh_at = F == kQ5_0 ? 2 : 4;
-      constexpr int64_t qs_at = F == kQ4_0 ? 2 : F == kQ4_1 ? 4 : qh_at + 4;
-      VI p[4];
-      transpose4(b, qs_at, p);
+      constexpr int qs = F == kQ5_0 || F == kQ5_1 ? 1 : 0;  // Q5: qh first
       for (int g = 0; g < 4; ++g) {
-        c[g] = low_nibbles(p[g]);
-        c[g + 4] = high_nibbles(p[g]);
+        const VI p = b.group(qs + g);
+        c[g] = low_nibbles(p);
+        c[g + 4] = high_nibbles(p);
       }
       if constexpr (F == kQ5_0 || F == kQ5_1) {
-        alignas(64) uint32_t h[kLanesI];  // bit i: code i's fifth bit
-        for (int o = 0; o < kLanesI; ++o) h[o] = le32(b[o] + qh_at);
-        const VI qh = load_i(h);
+        const VI qh = b.group(0);  // bit i: code i's fifth bit
         for (int g = 0; g < 8; ++g) {
           // byte g / 2 of each lane into its 4 bytes; byte j tested against bit 4 (g % 2) + j
           const VI spread = shuffle8(qh, add32(dwords((g / 2) * 0x01010101), lane_bases()));
@@ -392,19 +393,15 @@ void decode_panel_block(const uint8_t* const* rows, int64_t blk, int64_t block_b
       }
     }
   } else if constexpr (F == kQ4_K || F == kQ5_K) {
-    constexpr int64_t qs_at = F == kQ4_K ? 16 : 48;
+    constexpr int qs = F == kQ4_K ? 0 : 8;  // Q5_K: 32 bytes of fifth bits first
     VI* c = buf.code(64 * blk);
     VI qh[8];
-    if constexpr (F == kQ5_K) {
-      transpose4(b, 16, qh);
-      transpose4(b, 32, qh + 4);
-    }
+    if constexpr (F == kQ5_K)
+      for (int g = 0; g < 8; ++g) qh[g] = b.group(g);
     for (int pair = 0; pair < 4; ++pair) {  // activation blocks 2 pair (low), 2 pair + 1 (high)
-      VI p[8];
-      transpose4(b, qs_at + 32 * pair, p);
-      transpose4(b, qs_at + 32 * pair + 16, p + 4);
       for (int g = 0; g < 8; ++g) {
-        VI lo = low_nibbles(p[g]), hi = high_nibbles(p[g]);
+        const VI p = b.group(qs + 8 * pair + g);
+        VI lo = low_nibbles(p), hi = high_nibbles(p);
         if constexpr (F == kQ5_K) {
           lo = fifth_bit(lo, qh[g], bytes(1 << (2 * pair)));
           hi = fifth_bit(hi, qh[g], bytes(1 << (2 * pair + 1)));
@@ -413,27 +410,26 @@ void decode_panel_block(const uint8_t* const* rows, int64_t blk, int64_t block_b
         c[16 * pair + 8 + g] = hi;
       }
     }
-    alignas(64) float s[8][kLanesI], m[8][kLanesI];
-    for (int o = 0; o < kLanesI; ++o) {
-      float so[16], mo[16];
-      quant_scales(F, b[o], so, mo);
-      for (int t = 0; t < 8; ++t) {
-        s[t][o] = so[t];
-        m[t][o] = mo[t];
-      }
-    }
+    // quant_scales' values, lane by lane: d, dmin, then 8 6-bit scales and minima in 12 bytes
+    const VF d = b.half(0), dmin = b.half(1);
+    VI q[12];
+    for (int i = 0; i < 12; ++i) q[i] = b.byte(4 + i);
+    const VI six = dwords(63), four = dwords(0xF);
     for (int t = 0; t < 8; ++t) {
-      buf.s0[8 * blk + t].v = load_f(s[t]);
-      buf.m[8 * blk + t].v = load_f(m[t]);
+      const VI sc = t < 4 ? vand(q[t], six)
+                          : vor(vand(q[t + 4], four), slli32(srli32(q[t - 4], 6), 4));
+      const VI mn = t < 4 ? vand(q[t + 4], six)
+                          : vor(srli32(q[t + 4], 4), slli32(srli32(q[t], 6), 4));
+      buf.s0[8 * blk + t].v = mul(d, to_float(sc));
+      buf.m[8 * blk + t].v = negate(mul(dmin, to_float(mn)));
     }
   } else {  // Q6_K: activation block 4 h + c: low nibbles of ql[64 h + 32 (c % 2) ..] (high
             // for c >= 2), bits 2c, 2c + 1 of qh[128 + 32 h ..]
     VI* c = buf.code(64 * blk);
     for (int h = 0; h < 2; ++h) {
       VI ql[16], qh[8];
-      for (int j = 0; j < 4; ++j) transpose4(b, h * 64 + 16 * j, ql + 4 * j);
-      transpose4(b, 128 + h * 32, qh);
-      transpose4(b, 128 + h * 32 + 16, qh + 4);
+      for (int j = 0; j < 16; ++j) ql[j] = b.group(16 * h + j);
+      for (int j = 0; j < 8; ++j) qh[j] = b.group(32 + 8 * h + j);
       for (int cc = 0; cc < 4; ++cc) {
         const VI* l = ql + 8 * (cc % 2);
         const int shift = 2 * cc;  // bits shift, shift + 1 to bits 4, 5 (of the same byte)
@@ -444,15 +440,12 @@ void decode_panel_block(const uint8_t* const* rows, int64_t blk, int64_t block_b
         }
       }
     }
-    alignas(64) float s[16][kLanesI];
-    for (int o = 0; o < kLanesI; ++o) {
-      float so[16], mo[16];
-      quant_scales(F, b[o] + 192, so, mo);
-      for (int j = 0; j < 16; ++j) s[j][o] = so[j];
-    }
+    // quant_scales' values: 16 int8 scales times d
+    const VF d = b.half(8);
     for (int t = 0; t < 8; ++t) {
-      buf.s0[8 * blk + t].v = load_f(s[2 * t]);
-      buf.s1[8 * blk + t].v = load_f(s[2 * t + 1]);
+      const VI u = b.unit(t);  // scales 2t (low byte) and 2t + 1
+      buf.s0[8 * blk + t].v = mul(d, to_float(srai32(slli32(u, 24), 24)));
+      buf.s1[8 * blk + t].v = mul(d, to_float(srai32(slli32(u, 16), 24)));
     }
   }
 }
@@ -518,8 +511,7 @@ void gemm(T* y, int64_t ldy, const Int8Rows& a, const Int8BlockPart& w, int64_t 
   Geometry g;
   geometry(F, g);
   const int64_t panels = (w.n_out + kLanesI - 1) / kLanesI;
-  const int64_t row_bytes = k / g.block * g.block_bytes, file_blocks = k / g.block;
-  const int64_t act_blocks = k / kActBlock;
+  const int64_t file_blocks = k / g.block, act_blocks = k / kActBlock;
 #pragma omp parallel num_threads(num_threads)
   {
     PanelBuffer buf;
@@ -530,11 +522,9 @@ void gemm(T* y, int64_t ldy, const Int8Rows& a, const Int8BlockPart& w, int64_t 
 #pragma omp for schedule(static)
     for (int64_t p = 0; p < panels; ++p) {
       const int64_t j0 = p * kLanesI, cols = std::min<int64_t>(kLanesI, w.n_out - j0);
-      const uint8_t* rows[kLanesI];
-      for (int o = 0; o < kLanesI; ++o)
-        rows[o] = w.data + (j0 + std::min<int64_t>(o, cols - 1)) * row_bytes;
+      const uint8_t* panel = w.data + p * file_blocks * kLanesI * g.block_bytes;
       for (int64_t blk = 0; blk < file_blocks; ++blk)
-        decode_panel_block<F>(rows, blk, g.block_bytes, buf);
+        decode_panel_block<F>(panel + blk * kLanesI * g.block_bytes, g, blk, buf);
       int64_t r = 0;
       for (; r + kRows <= m; r += kRows) panel_rows<F, kRows>(y, ldy, a, r, buf, g, j0, cols, k);
       with_constant<kRows - 1>(m - r, [&](auto rows_left) {
@@ -556,9 +546,9 @@ void gemm(T* y, int64_t ldy, const Int8Rows& a, const Int8BlockPart& w, int64_t 
     for (int64_t p = 0; p < tiles; ++p) {
       const int64_t j0 = p * kOut, cols = std::min<int64_t>(kOut, w.n_out - j0);
       int64_t r = c0;
-      for (; r + kRows <= c1; r += kRows) tile<F, kRows>(y, ldy, a, r, w, g, j0, cols, k);
+      for (; r + kRows <= c1; r += kRows) tile<F, kRows>(y, ldy, a, r, w, g, p, cols, k);
       with_constant<kRows - 1>(c1 - r, [&](auto rows) {
-        tile<F, decltype(rows)::value>(y, ldy, a, r, w, g, j0, cols, k);
+        tile<F, decltype(rows)::value>(y, ldy, a, r, w, g, p, cols, k);
       });
     }
   }
@@ -576,6 +566,14 @@ inline float widen(uint16_t bits) {
 }  // namespace
 
 namespace conveyor {
+
+int int8_panel_lanes() {
+#ifdef CONVEYOR_INT8_PANELS
+  return kLanesI;
+#else
+  return kOut;
+#endif
+}
 
 int64_t int8_block_bytes(int64_t format, int64_t& block) {
   Geometry g;

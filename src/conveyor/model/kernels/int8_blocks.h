@@ -11,13 +11,20 @@ namespace conveyor {
 
 constexpr int kActBlock = 32;  // activations per 8-bit scale
 
-// Rows of a weight in one GGUF type (quant_panels.h's QuantFormat ids), as the file stores them:
-// n_out rows of k / block blocks of the type's bytes each.
+// Rows of a weight in one GGUF type (quant_panels.h's QuantFormat ids): the file's bytes by
+// panels of int8_panel_lanes() outputs (the last panel padded with zero bytes), a permutation of
+// them that adds none. Per panel, per block along K, its outputs' blocks side by side: the scale
+// bytes as 16-bit units [units][lanes][2], then the code bytes (the rest of the block, before or
+// after them) as 4-byte groups [groups][lanes][4], so that one vector load gives a group of every
+// output of the panel (kernels/int8_blocks.py's pack_panels).
 struct Int8BlockPart {
   int64_t format;
   const uint8_t* data;
   int64_t n_out;
 };
+
+// Outputs per panel of this build's layout.
+int int8_panel_lanes();
 
 // Bytes of one block of `format` and its weights along K (`block`); 0 for a type the kernel
 // does not read.

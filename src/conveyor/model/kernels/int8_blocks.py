@@ -5,7 +5,8 @@ row and block of 32, multiplied by the weight's codes on the CPU's integer dot p
 
 ``int8_block_gemm_available()`` builds the kernels on first use (see ``build.py``);
 ``CONVEYOR_KERNELS=off`` turns them off. The weight's form is ``layers/gguf_blocks.py``'s
-``GGUFBlocks``: parts of consecutive outputs, each one GGUF type's rows as the file stores them.
+``GGUFBlocks``: parts of consecutive outputs, each one GGUF type's rows, the file's bytes laid
+out by panels of ``int8_panel_lanes()`` outputs (``GGUFPart.lane_panels``).
 """
 
 from __future__ import annotations
@@ -23,11 +24,19 @@ def int8_block_gemm_available() -> bool:
     return kernel_ops() is not None
 
 
+def int8_panel_lanes() -> int:
+    """Outputs per panel of the built kernel's weight layout."""
+    ops = kernel_ops()
+    if ops is None:
+        raise RuntimeError("the int8 block GEMM kernel is not available")
+    return ops.int8_panel_lanes()
+
+
 def int8_block_gemm(x: torch.Tensor, formats: Sequence[int], blocks: Sequence[torch.Tensor],
                     sizes: Sequence[int]) -> torch.Tensor:
     """x [M, K] (float32 or bf16) @ W^T -> [M, sum(sizes)] in x's dtype, W's parts in output
-    order: part i ``sizes[i]`` rows of GGUF type ``formats[i]``, ``blocks[i]`` [rows, K / block *
-    block bytes] uint8 (the file's bytes)."""
+    order: part i ``sizes[i]`` rows of GGUF type ``formats[i]``, ``blocks[i]`` uint8, the file's
+    bytes by panels (``GGUFPart.lane_panels(int8_panel_lanes())``)."""
     ops = kernel_ops()
     if ops is None:
         raise RuntimeError("the int8 block GEMM kernel is not available")

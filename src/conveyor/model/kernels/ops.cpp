@@ -135,6 +135,7 @@ std::vector<std::string> features_op() {
 }
 
 int64_t panel_width_op() { return kPanel; }
+int64_t int8_panel_lanes_op() { return int8_panel_lanes(); }
 
 // ---- panel_gemm.cpp ----
 
@@ -278,7 +279,8 @@ Tensor quant_panel_gemm_op(const Tensor& x_in, int64_t format, const Tensor& cod
 // ---- int8_blocks.cpp ----
 
 // A weight's parts (Int8BlockMethod, layers/block_method.py) for x [m, k]: per part a GGUF type
-// id, the file's bytes [rows, k / block * block bytes] and its rows; `prefix` names the weight.
+// id, the file's bytes by panels (int8_blocks.h: [rows rounded up to whole panels, k / block *
+// block bytes]) and its rows; `prefix` names the weight.
 std::vector<Int8BlockPart> int8_block_parts(const std::vector<int64_t>& formats,
                                             const std::vector<Tensor>& blocks,
                                             const std::vector<int64_t>& sizes, int64_t k,
@@ -296,7 +298,8 @@ std::vector<Int8BlockPart> int8_block_parts(const std::vector<int64_t>& formats,
                 "Q4_K, Q5_K or Q6_K (2, 3, 6, 7, 8, 12, 13, 14), got ", formats[i]);
     TORCH_CHECK(sizes[i] > 0, p + "size must be positive, got ", sizes[i]);
     check_multiple(k, block, (p + "input size (its blocks')").c_str());
-    check_tensor(blocks[i], (p + "data").c_str(), at::kByte, {sizes[i], k / block * bytes});
+    const int64_t lanes = int8_panel_lanes(), panels = (sizes[i] + lanes - 1) / lanes;
+    check_tensor(blocks[i], (p + "data").c_str(), at::kByte, {panels * lanes, k / block * bytes});
     parts.push_back(Int8BlockPart{formats[i], data<const uint8_t>(blocks[i]), sizes[i]});
   }
   return parts;
@@ -973,6 +976,7 @@ TORCH_LIBRARY(CONVEYOR_OPS_NAMESPACE, m) {
       .def("num_layers", &DecodeLayers::num_layers);
   m.def("features() -> str[]", &features_op);
   m.def("panel_width() -> int", &panel_width_op);
+  m.def("int8_panel_lanes() -> int", &int8_panel_lanes_op);
   m.def("panel_gemm(Tensor x, Tensor packed, int n) -> Tensor", &panel_gemm_op);
   m.def("block_panel_gemm(Tensor x, Tensor codes, Tensor scale, Tensor? minimum) -> Tensor",
         &block_panel_gemm_op);

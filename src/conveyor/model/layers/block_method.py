@@ -17,8 +17,8 @@ from __future__ import annotations
 import torch
 
 from conveyor.model.kernels.decode_layer import DecodeProjection
-from conveyor.model.kernels.int8_blocks import int8_block_gemm
-from conveyor.model.layers.gguf_blocks import FileBlocks, GGUFBlocks, QuantPanels
+from conveyor.model.kernels.int8_blocks import int8_block_gemm, int8_panel_lanes
+from conveyor.model.layers.gguf_blocks import FileBlocks, GGUFBlocks, GGUFPart, QuantPanels
 from conveyor.model.layers.linear import LinearMethod, PanelMethod
 from conveyor.model.layers.quantized import (
     BlockPanels,
@@ -29,15 +29,15 @@ from conveyor.model.layers.quantized import (
 
 
 class Int8BlockMethod(LinearMethod):
-    """A weight's GGUF blocks in the file's bytes (``GGUFBlocks``, one part per run of rows of
-    one type), every call on ``int8_block_gemm``; ``dtype``: the activations' (float32 or bf16,
-    what ``dense_weight`` gives)."""
+    """A weight's GGUF blocks (``GGUFBlocks``, one part per run of rows of one type), each part's
+    bytes by panels (``GGUFPart.lane_panels``), every call on ``int8_block_gemm``; ``dtype``:
+    the activations' (float32 or bf16, what ``dense_weight`` gives)."""
 
     def __init__(self, blocks: GGUFBlocks, dtype: torch.dtype) -> None:
-        self.blocks, self.dtype = blocks, dtype
+        self.dtype, self.lanes = dtype, int8_panel_lanes()
         self.out_features = blocks.out_features
         self.formats = [p.kind for p in blocks.parts]
-        self.data = [p.data for p in blocks.parts]
+        self.data = [p.lane_panels(self.lanes) for p in blocks.parts]
         self.sizes = [p.data.shape[0] for p in blocks.parts]
 
     @staticmethod
@@ -53,10 +53,12 @@ class Int8BlockMethod(LinearMethod):
         return y if bias is None else y.add_(bias)
 
     def dense_weight(self) -> torch.Tensor:
-        return self.blocks.dequantize().to(self.dtype)
+        parts = [GGUFPart.from_lane_panels(kind, data, rows, self.lanes)
+                 for kind, data, rows in zip(self.formats, self.data, self.sizes, strict=True)]
+        return GGUFBlocks(parts).dequantize().to(self.dtype)
 
     def nbytes(self) -> int:
-        return self.blocks.nbytes()
+        return sum(d.numel() for d in self.data)
 
     def decode_projection(self) -> DecodeProjection:
         return DecodeProjection(self, False, integer=True)

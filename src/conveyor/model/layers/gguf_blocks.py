@@ -60,6 +60,13 @@ LAYOUTS = {
 }
 
 
+def _split_header(blocks: torch.Tensor, layout: Layout) -> tuple[torch.Tensor, torch.Tensor]:
+    """[..., block bytes] -> a block's scale bytes and the rest (its codes)."""
+    start, stop = layout.header
+    codes = blocks[..., :start] if start else blocks[..., stop:]
+    return blocks[..., start:stop], codes
+
+
 def _half(b: torch.Tensor) -> torch.Tensor:
     """[..., 2] little-endian fp16 bytes -> [...] float32."""
     return b.contiguous().view(torch.float16)[..., 0].float()
@@ -131,6 +138,38 @@ class GGUFPart:
 
     def blocks(self) -> torch.Tensor:
         return self.data.view(self.data.shape[0], -1, self.layout.block_bytes)
+
+    def lane_panels(self, lanes: int) -> torch.Tensor:
+        """The bytes by panels of ``lanes`` outputs for ``kernels/int8_blocks.cpp`` (its header
+        describes the layout): [rows rounded up to whole panels, the same bytes per row], each
+        panel's blocks in turn, per block the scale bytes as [units of 2][lanes][2], then the
+        code bytes as [groups of 4][lanes][4]. A permutation of the file's bytes (the last panel
+        padded with zeros); ``from_lane_panels`` inverts it."""
+        layout, rows = self.layout, self.data.shape[0]
+        blocks = F.pad(self.blocks(), (0, 0, 0, 0, 0, -rows % lanes))
+        panels, nb = blocks.shape[0] // lanes, blocks.shape[1]
+        blocks = blocks.view(panels, lanes, nb, layout.block_bytes).transpose(1, 2)
+        header, codes = _split_header(blocks, layout)
+        header = header.reshape(panels, nb, lanes, -1, 2).transpose(2, 3)
+        codes = codes.reshape(panels, nb, lanes, -1, 4).transpose(2, 3)
+        out = torch.cat([header.reshape(panels, nb, -1), codes.reshape(panels, nb, -1)], dim=-1)
+        return out.reshape(panels * lanes, -1).contiguous()
+
+    @staticmethod
+    def from_lane_panels(kind: int, packed: torch.Tensor, rows: int, lanes: int) -> GGUFPart:
+        layout = LAYOUTS[kind]
+        panels = packed.shape[0] // lanes
+        out = packed.view(panels, -1, lanes * layout.block_bytes)
+        nb = out.shape[1]
+        start, stop = layout.header
+        split = (stop - start) * lanes
+        header = out[..., :split].reshape(panels, nb, -1, lanes, 2).transpose(2, 3)
+        codes = out[..., split:].reshape(panels, nb, -1, lanes, 4).transpose(2, 3)
+        header = header.reshape(panels, nb, lanes, -1)
+        codes = codes.reshape(panels, nb, lanes, -1)
+        parts = [codes, header] if start else [header, codes]
+        blocks = torch.cat(parts, dim=-1).transpose(1, 2).reshape(panels * lanes, -1)
+        return GGUFPart(kind, blocks[:rows].contiguous())
 
     def dequantize(self) -> torch.Tensor:
         """[rows, K] float32, gguf's dequantization bit for bit."""
