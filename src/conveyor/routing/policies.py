@@ -1,4 +1,5 @@
-"""round_robin, least_loaded and prefix_affinity over replicas named by any hashable key.
+"""round_robin, least_loaded and prefix_affinity over replicas named by any hashable key;
+``make_router`` also builds kv_aware (``kv_aware.py``), which reads the replicas' KV events.
 
 ``route(replicas, prompt_token_ids, loads, adapter)`` picks one of ``replicas``; ``loads[r]`` is
 how many requests replica ``r`` holds (queued + running); ``adapter`` names the LoRA adapter the
@@ -159,7 +160,7 @@ class PrefixAffinity(Router):
             del self._homes[adapter]
 
 
-ROUTERS = ("prefix_affinity", "round_robin", "least_loaded")
+ROUTERS = ("prefix_affinity", "round_robin", "least_loaded", "kv_aware")
 
 
 def make_router(name: str, block_size: int = 16, **kwargs: object) -> Router:
@@ -169,4 +170,8 @@ def make_router(name: str, block_size: int = 16, **kwargs: object) -> Router:
         return LeastLoaded()
     if name == "prefix_affinity":
         return PrefixAffinity(block_size=block_size, **kwargs)
+    if name == "kv_aware":
+        from conveyor.routing.kv_aware import KVAware
+
+        return KVAware(block_size=block_size, **kwargs)
     raise ValueError(f"unknown router {name!r}; choose from {', '.join(ROUTERS)}")
