@@ -7,7 +7,8 @@ streams from ``/v1/completions`` over loopback; the client timestamps every chun
 TTFT, TPOT, ITL and end-to-end latency, throughput, goodput under ``--slo``, and the
 preemptions the server's ``/metrics`` counted. ``--spawn`` starts ``conveyor serve`` itself.
 ``--endpoint embeddings`` sends the prompts as text to ``/v1/embeddings`` instead
-(``bench/embeddings.py``).
+(``bench/embeddings.py``). ``--workload chat_multiturn`` runs multi-turn conversations instead,
+``--max-concurrency`` of them at a time (``bench/chat_workload.py``, ``bench/chat_run.py``).
 """
 
 from __future__ import annotations
@@ -380,7 +381,33 @@ def serving_process(cmd: list[str], port: int, name: str, ready_timeout: float =
             log.close()
 
 
+CHAT_WORKLOAD = "chat_multiturn"
+CHAT_CONCURRENCY = 6  # conversations at a time when --max-concurrency is not given
+
+
+async def run_chat_workload(base_url: str, args: argparse.Namespace) -> list[dict[str, Any]]:
+    from conveyor.bench.chat_run import run_chat
+    from conveyor.bench.chat_workload import make_chat_workload, parse_chat_spec
+
+    workload = make_chat_workload(args.vocab_size, args.seed, parse_chat_spec(args.chat_spec),
+                                  num_conversations=args.num_conversations)
+    print(f"[bench] {workload.describe(args.block_size, args.num_gpu_blocks)}", file=sys.stderr,
+          flush=True)
+    client = ServeClient(base_url, timeout=args.request_timeout)
+    try:
+        summary = await run_chat(client, workload, args.max_concurrency or CHAT_CONCURRENCY,
+                                 parse_slo(args.slo), args.duration)
+    finally:
+        await client.close()
+    summary.update(label=args.label, workload=workload.name,
+                   working_set_blocks=workload.working_set_blocks(args.block_size))
+    print(format_serving_table([summary]).splitlines()[-1], flush=True)
+    return [summary]
+
+
 async def run_sweep(base_url: str, args: argparse.Namespace) -> list[dict[str, Any]]:
+    if args.workload == CHAT_WORKLOAD:
+        return await run_chat_workload(base_url, args)
     workload = make_workload(args.workload, args.vocab_size, args.seed, args.num_prompts)
     if args.output_len is not None:
         workload = dataclasses.replace(workload, requests=[
@@ -406,16 +433,38 @@ async def run_sweep(base_url: str, args: argparse.Namespace) -> list[dict[str, A
 
 def spawn_variants(args: argparse.Namespace) -> list[tuple[str, list[str]]]:
     """(label, extra `conveyor serve` flags) per server to spawn: one, or one per --router of a
-    --data-parallel-size fleet, measured one after the other in this run."""
+    --data-parallel-size fleet, each once per --kv-offload-variants size, measured one after the
+    other in this run."""
+    offloads = parse_offload_variants(args.kv_offload_variants)
     if args.data_parallel_size <= 1 and not args.router:
-        return [(args.label, [])]
-    fleet = ["--data-parallel-size", str(args.data_parallel_size),
-             "--threads-per-replica", str(args.threads_per_replica)]
-    if args.ray_num_cpus is not None:
-        fleet += ["--ray-num-cpus", str(args.ray_num_cpus)]
-    routers = [r.strip() for r in (args.router or "prefix_affinity").split(",") if r.strip()]
-    return [(f"{args.label} dp{args.data_parallel_size} {r}", fleet + ["--router", r])
-            for r in routers]
+        servers = [(args.label, [])]
+    else:
+        fleet = ["--data-parallel-size", str(args.data_parallel_size),
+                 "--threads-per-replica", str(args.threads_per_replica)]
+        if args.ray_num_cpus is not None:
+            fleet += ["--ray-num-cpus", str(args.ray_num_cpus)]
+        routers = [r.strip() for r in (args.router or "prefix_affinity").split(",") if r.strip()]
+        servers = [(f"{args.label} dp{args.data_parallel_size} {r}", fleet + ["--router", r])
+                   for r in routers]
+    if not offloads:
+        return servers
+    return [(f"{label} offload={'off' if n == 0 else n}",
+             flags + ["--kv-offload-cpu-bytes", str(n)])
+            for label, flags in servers for n in offloads]
+
+
+def parse_offload_variants(text: str | None) -> list[int]:
+    """``"0,268435456"`` -> [0, 268435456] (bytes of host memory for KV offload; 0: off)."""
+    if not text:
+        return []
+    try:
+        sizes = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise ValueError(f"--kv-offload-variants: comma-separated byte counts, got {text!r}"
+                         ) from None
+    if not sizes or any(n < 0 for n in sizes):
+        raise ValueError(f"--kv-offload-variants: byte counts >= 0, got {text!r}")
+    return sizes
 
 
 def _with_label(args: argparse.Namespace, label: str) -> argparse.Namespace:
@@ -498,6 +547,9 @@ def main(args: argparse.Namespace) -> int:
         if bool(args.spawn) == bool(args.base_url):
             raise SystemExit("bench serve: give exactly one of --base-url URL or --spawn")
         peers = compare_peers(args)
+        if args.workload == CHAT_WORKLOAD and (peers or args.endpoint != "completions"):
+            raise SystemExit("bench serve: --workload chat_multiturn runs completions against "
+                             "conveyor only (no --compare, no --endpoint embeddings)")
         if args.spawn:
             runs = []
             for label, flags in spawn_variants(args):
@@ -540,9 +592,17 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--base-url", help="a running server, e.g. http://127.0.0.1:8000 (loopback)")
     p.add_argument("--spawn", action="store_true",
                    help="start `conveyor serve` (with the engine flags below) on a free port")
-    p.add_argument("--workload", default="W1", choices=sorted(SPECS),
-                   help="named workload (built with the engine flag --seed)")
+    p.add_argument("--workload", default="W1", choices=[*sorted(SPECS), CHAT_WORKLOAD],
+                   help="named workload (built with the engine flag --seed); chat_multiturn: "
+                   "multi-turn conversations, --max-concurrency at a time (default "
+                   f"{CHAT_CONCURRENCY})")
     p.add_argument("--num-prompts", type=int, default=64, help="requests per rate")
+    p.add_argument("--num-conversations", type=int, default=None,
+                   help="chat_multiturn: conversations (default: the workload's 32)")
+    p.add_argument("--chat-spec", default=None,
+                   help="chat_multiturn: change the workload's shape, e.g. "
+                   "turns=2-3,system_len=64,user_len=16-32,reply_len=8 (keys: "
+                   "num_conversations, turns, system_len, user_len, reply_len)")
     p.add_argument("--output-len", type=int, default=None,
                    help="override the workload's output tokens per request")
     p.add_argument("--vocab-size", type=int, default=32000,
@@ -584,6 +644,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                    help="routers, comma-separated: one fleet each, one after the other "
                    "(default: prefix_affinity)")
     d.add_argument("--threads-per-replica", type=int, default=1)
+    d.add_argument("--kv-offload-variants", default=None,
+                   help="with --spawn: one server per value of --kv-offload-cpu-bytes, "
+                   "comma-separated (0: offload off), e.g. 0,268435456")
     d.add_argument("--ray-num-cpus", type=int, default=None,
                    help="CPUs of the spawned fleet's local Ray instance (default: every core)")
     add_cli_args(p)
