@@ -12,7 +12,7 @@ import time
 from typing import Any
 
 from conveyor.bench.chat_workload import ChatWorkload
-from conveyor.bench.serving import (
+from conveyor.bench.serve_client import (
     RequestResult,
     ServeClient,
     metrics_prefix,

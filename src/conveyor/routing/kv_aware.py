@@ -27,8 +27,8 @@ from collections.abc import Hashable, Iterable, Mapping, Sequence
 
 from conveyor.core.kv_connector.events import KVEvent
 from conveyor.core.kv_connector.keys import extend_block_keys, root_key
+from conveyor.routing.base import Router, RoutingDecision
 from conveyor.routing.kv_index import TIERS, KVIndex, PrefixMatch
-from conveyor.routing.policies import Router, RoutingDecision
 
 DEFAULT_TIER_WEIGHTS = {"pool": 1.0, "cpu": 0.75, "disk": 0.5}
 

@@ -11,27 +11,10 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Hashable, Mapping, Sequence
-from dataclasses import dataclass
 
 from conveyor.core.prefix_hash import ROOT_HASH, extend_block_hashes
-
-
-@dataclass(frozen=True)
-class RoutingDecision:
-    replica: Hashable
-    matched_blocks: int = 0  # prompt blocks the chosen replica is believed to hold
-    affinity_hit: bool = False  # chosen because it holds the prefix or adapter, not for its load
-
-
-class Router:
-    name = ""
-
-    def route(self, replicas: Sequence[Hashable], prompt_token_ids: Sequence[int],
-              loads: Mapping[Hashable, int], adapter: Hashable | None = None) -> RoutingDecision:
-        raise NotImplementedError
-
-    def remove(self, replica: Hashable) -> None:
-        """Forget a replica that left (died, scaled down)."""
+from conveyor.routing.base import Router, RoutingDecision
+from conveyor.routing.kv_aware import KVAware
 
 
 def _least_loaded(replicas: Sequence[Hashable], loads: Mapping[Hashable, int]) -> Hashable:
@@ -171,7 +154,5 @@ def make_router(name: str, block_size: int = 16, **kwargs: object) -> Router:
     if name == "prefix_affinity":
         return PrefixAffinity(block_size=block_size, **kwargs)
     if name == "kv_aware":
-        from conveyor.routing.kv_aware import KVAware
-
         return KVAware(block_size=block_size, **kwargs)
     raise ValueError(f"unknown router {name!r}; choose from {', '.join(ROUTERS)}")
