@@ -22,6 +22,7 @@ from conveyor.engine.args import EngineArgs, add_cli_args, from_cli_args
 from conveyor.engine.kv_offload import setup_kv_connector
 from conveyor.engine.llm_engine import LLMEngine
 from conveyor.executor.kv_block_file import header_size
+from conveyor.routing import KVIndex
 from engine_runs import run_to_end
 
 BLOCK = 16
@@ -159,6 +160,35 @@ def test_kv_events_of_a_simple_scenario(llm, prompts):
         assert engine.get_stats().kv_offload.blocks_cpu == 0
     finally:
         engine.shutdown()
+
+
+def test_a_snapshot_rebuilds_what_the_event_stream_built(llm, prompts, fillers):
+    """An index fed every batch and one rebuilt from ``kv_events_snapshot`` agree, pool and
+    host-memory tier alike; the snapshot empties the log's queue."""
+    engine = make_engine(llm, kv_events=True, kv_offload_cpu_bytes=16 * 2**20)
+    try:
+        streamed = KVIndex()
+        engine.kv_events.subscribe(lambda batch: streamed.apply("r", batch.events))
+        generate(engine, prompts + fillers[:1], "s")
+        batch = engine.kv_events_snapshot()
+        assert engine.kv_events.drain() == []
+        rebuilt = KVIndex()
+        rebuilt.apply("r", batch.events)
+        for tier in ("pool", "cpu"):
+            assert rebuilt.num_blocks("r", tier) == streamed.num_blocks("r", tier) > 0
+        root = root_key(engine.kv_key_namespace, 0)
+        for p in prompts + fillers:
+            keys = extend_block_keys([], p, BLOCK, len(p) // BLOCK, root)
+            assert rebuilt.match(keys, ["r"]) == streamed.match(keys, ["r"])
+            assert all(rebuilt.holders(k) == streamed.holders(k) for k in keys)
+    finally:
+        engine.shutdown()
+    plain = make_engine(llm)
+    try:
+        with pytest.raises(ValueError, match="KV events are off"):
+            plain.kv_events_snapshot()
+    finally:
+        plain.shutdown()
 
 
 @pytest.mark.parametrize(("kwargs", "message"), [

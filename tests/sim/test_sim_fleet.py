@@ -47,6 +47,17 @@ def test_prefix_affinity_beats_round_robin_on_shared_prefixes() -> None:
     assert rates["prefix_affinity"] > 0.8 and rates["round_robin"] < 0.7, rates
 
 
+def test_kv_aware_reads_the_simulated_replicas_kv_events() -> None:
+    """The same small caches: kv_aware finds each group's prefix where the replicas' KV events
+    say it is, as well as prefix_affinity remembers where it sent it."""
+    workload = generate(600, 30.0, input_len="fixed:600", output_len="fixed:20", seed=2)
+    fleet = simulate_fleet(_config(num_gpu_blocks=400), workload, 4, "kv_aware", rate=30.0,
+                           shared_prefix=(12, 512))
+    s = fleet.summary(SLO())
+    assert s["served"] == 600 and s["prefix_hit_rate"] > 0.8, s["prefix_hit_rate"]
+    assert sum(r["affinity_hits"] for r in s["per_replica"]) > 400
+
+
 def test_simulate_cli_fleet(tmp_path, capsys) -> None:
     rc = main(["--model", "qwen3-0.6b", "--gpu", "l4", "--rate", "20", "--requests", "200",
                "--replicas", "3", "--router", "prefix_affinity,round_robin",

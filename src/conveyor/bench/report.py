@@ -267,7 +267,9 @@ def format_serving_table(runs: list[dict[str, Any]]) -> str:
             cells.append(" / ".join(_fmt(p[k], 1000.0) for k in ("mean", "p50", "p90", "p99")))
         if hit_rates:
             hit = run.get("prefix_hit_rate")
-            cells.append("-" if hit is None else f"{hit:.1%}")
+            tier = run.get("offload_hit_rate")
+            cells.append("-" if hit is None else f"{hit:.1%}" + (
+                "" if tier is None else f" ({tier:.1%} from offload)"))
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 

@@ -7,7 +7,8 @@ streams from ``/v1/completions`` over loopback; the client timestamps every chun
 TTFT, TPOT, ITL and end-to-end latency, throughput, goodput under ``--slo``, and the
 preemptions the server's ``/metrics`` counted. ``--spawn`` starts ``conveyor serve`` itself.
 ``--endpoint embeddings`` sends the prompts as text to ``/v1/embeddings`` instead
-(``bench/embeddings.py``).
+(``bench/embeddings.py``). ``--workload chat_multiturn`` runs multi-turn conversations instead,
+``--max-concurrency`` of them at a time (``bench/chat_workload.py``, ``bench/chat_run.py``).
 """
 
 from __future__ import annotations
@@ -25,7 +26,6 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 from typing import Any
 
 from conveyor.bench.embeddings import (
@@ -37,31 +37,17 @@ from conveyor.bench.embeddings import (
 from conveyor.bench.provenance import peer_versions
 from conveyor.bench.report import (
     format_serving_table,
-    percentiles,
     plot_serving,
     write_result,
 )
+from conveyor.bench.serve_client import (
+    RequestResult,
+    ServeClient,
+    preemptions_from_metrics,
+    prefix_cache_from_metrics,
+    summarize,
+)
 from conveyor.bench.workloads import SPECS, make_workload
-
-LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1", "[::1]")
-
-
-@dataclass
-class RequestResult:
-    ok: bool
-    prompt_tokens: int
-    output_tokens: int = 0
-    send_time: float = 0.0
-    ttft: float = math.nan
-    e2e: float = math.nan
-    itl: list[float] = field(default_factory=list)
-    error: str = ""
-
-    @property
-    def tpot(self) -> float:
-        if self.output_tokens < 2:
-            return math.nan
-        return (self.e2e - self.ttft) / (self.output_tokens - 1)
 
 
 def arrival_offsets(n: int, rate: float, burstiness: float, seed: int) -> list[float]:
@@ -100,171 +86,6 @@ def parse_rates(text: str) -> list[float]:
     if not rates or any(r <= 0 for r in rates):
         raise ValueError(f"--request-rate: positive numbers or inf, got {text!r}")
     return rates
-
-
-def metrics_prefix(text: str) -> str:
-    """``conveyor:``, or ``vllm:`` on a page of vLLM's server (``bench serve --compare vllm``)."""
-    names = {line.split(":", 1)[0] for line in text.splitlines() if not line.startswith("#")}
-    return "vllm:" if "vllm" in names and "conveyor" not in names else "conveyor:"
-
-
-def preemptions_from_metrics(text: str) -> float | None:
-    """Sum of the server's counters about preemption in a Prometheus text page."""
-    total, seen = 0.0, False
-    prefix = metrics_prefix(text)
-    for line in text.splitlines():
-        if not line.startswith(prefix):
-            continue
-        name, _, value = line.rpartition(" ")
-        metric = name.split("{", 1)[0]
-        if "preempt" in metric and metric.endswith("_total"):  # counters, not histograms
-            total += float(value)
-            seen = True
-    return total if seen else None
-
-
-def prefix_cache_from_metrics(text: str) -> tuple[float, float] | None:
-    """(hits, queries) of the prefix cache, summed over every replica of a Prometheus page."""
-    hits = queries = 0.0
-    seen = False
-    prefix = metrics_prefix(text)
-    for line in text.splitlines():
-        if not line.startswith(prefix):
-            continue
-        name, _, value = line.rpartition(" ")
-        metric = name.split("{", 1)[0].removeprefix(prefix)
-        if metric == "prefix_cache_hits_total":
-            hits += float(value)
-            seen = True
-        elif metric == "prefix_cache_queries_total":
-            queries += float(value)
-    return (hits, queries) if seen else None
-
-
-def summarize(results: list[RequestResult], duration: float, slo: dict[str, float]) -> dict:
-    done = [r for r in results if r.ok]
-    out_tokens = sum(r.output_tokens for r in done)
-    good = [r for r in done if r.ttft <= slo.get("ttft", math.inf)
-            and (r.output_tokens < 2 or r.tpot <= slo.get("tpot", math.inf))
-            and r.e2e <= slo.get("e2e", math.inf)]
-    duration = max(duration, 1e-9)
-    return {
-        "sent": len(results),
-        "completed": len(done),
-        "failed": len(results) - len(done),
-        "errors": sorted({r.error for r in results if not r.ok})[:5],
-        "duration_s": duration,
-        "request_throughput": len(done) / duration,
-        "output_throughput": out_tokens / duration,
-        "total_token_throughput": (out_tokens + sum(r.prompt_tokens for r in done)) / duration,
-        "goodput": len(good) / duration,
-        "slo": slo,
-        "ttft": percentiles([r.ttft for r in done]),
-        "tpot": percentiles([r.tpot for r in done if not math.isnan(r.tpot)]),
-        "itl": percentiles([x for r in done for x in r.itl]),
-        "e2e": percentiles([r.e2e for r in done]),
-    }
-
-
-class ServeClient:
-    """Streams completions from one server; one instance per benchmark run."""
-
-    def __init__(self, base_url: str, timeout: float = 600.0) -> None:
-        import httpx
-
-        host = httpx.URL(base_url).host
-        if host not in LOOPBACK_HOSTS:
-            raise ValueError(f"--base-url must be a loopback address, got {base_url!r}")
-        self.base_url = base_url.rstrip("/")
-        self.client = httpx.AsyncClient(base_url=self.base_url, timeout=timeout)
-        self.model: str | None = None
-
-    async def close(self) -> None:
-        await self.client.aclose()
-
-    async def model_name(self) -> str:
-        if self.model is None:
-            r = await self.client.get("/v1/models")
-            r.raise_for_status()
-            self.model = r.json()["data"][0]["id"]
-        return self.model
-
-    async def metrics_text(self) -> str | None:
-        try:
-            r = await self.client.get("/metrics")
-        except Exception:
-            return None
-        return r.text if r.status_code == 200 else None
-
-    async def metrics_preemptions(self) -> float | None:
-        text = await self.metrics_text()
-        return None if text is None else preemptions_from_metrics(text)
-
-    async def send(self, request: Any) -> RequestResult:
-        """A text is an embedding request; a workload request a streamed completion."""
-        if isinstance(request, str):
-            return await self.embed(request)
-        return await self.complete(request.prompt_token_ids, request.max_tokens)
-
-    async def embed(self, text: str) -> RequestResult:
-        body = {"model": await self.model_name(), "input": text, "encoding_format": "base64"}
-        result = RequestResult(ok=False, prompt_tokens=0)
-        start = result.send_time = time.perf_counter()
-        try:
-            resp = await self.client.post("/v1/embeddings", json=body)
-        except Exception as e:  # a failed request is counted, never fatal to the run
-            result.error = f"{type(e).__name__}: {e}"[:200]
-            return result
-        if resp.status_code != 200:
-            result.error = f"HTTP {resp.status_code}: {resp.text[:200]}"
-            return result
-        result.e2e = result.ttft = time.perf_counter() - start
-        result.prompt_tokens = resp.json()["usage"]["prompt_tokens"]
-        result.ok = True
-        return result
-
-    async def complete(self, prompt: list[int], max_tokens: int) -> RequestResult:
-        body = {"model": await self.model_name(), "prompt": prompt, "max_tokens": max_tokens,
-                "temperature": 0.0, "ignore_eos": True, "stream": True,
-                "stream_options": {"include_usage": True}}
-        result = RequestResult(ok=False, prompt_tokens=len(prompt))
-        start = result.send_time = time.perf_counter()
-        last = None
-        chunks = 0
-        usage_tokens = None
-        try:
-            async with self.client.stream("POST", "/v1/completions", json=body) as resp:
-                if resp.status_code != 200:
-                    await resp.aread()
-                    result.error = f"HTTP {resp.status_code}: {resp.text[:200]}"
-                    return result
-                async for line in resp.aiter_lines():
-                    if not line.startswith("data:"):
-                        continue
-                    data = line[5:].strip()
-                    if data == "[DONE]":
-                        break
-                    chunk = json.loads(data)
-                    if chunk.get("usage"):
-                        usage_tokens = chunk["usage"].get("completion_tokens")
-                    if not chunk.get("choices"):
-                        continue
-                    now = time.perf_counter()
-                    chunks += 1
-                    if last is None:
-                        result.ttft = now - start
-                    else:
-                        result.itl.append(now - last)
-                    last = now
-        except Exception as e:  # a failed request is counted, never fatal to the run
-            result.error = f"{type(e).__name__}: {e}"[:200]
-            return result
-        result.e2e = time.perf_counter() - start
-        result.output_tokens = usage_tokens if usage_tokens is not None else chunks
-        result.ok = last is not None
-        if not result.ok:
-            result.error = "no tokens streamed"
-        return result
 
 
 async def run_rate(client: ServeClient, requests: list, rate: float, burstiness: float,
@@ -380,7 +201,33 @@ def serving_process(cmd: list[str], port: int, name: str, ready_timeout: float =
             log.close()
 
 
+CHAT_WORKLOAD = "chat_multiturn"
+CHAT_CONCURRENCY = 6  # conversations at a time when --max-concurrency is not given
+
+
+async def run_chat_workload(base_url: str, args: argparse.Namespace) -> list[dict[str, Any]]:
+    from conveyor.bench.chat_run import run_chat
+    from conveyor.bench.chat_workload import make_chat_workload, parse_chat_spec
+
+    workload = make_chat_workload(args.vocab_size, args.seed, parse_chat_spec(args.chat_spec),
+                                  num_conversations=args.num_conversations)
+    print(f"[bench] {workload.describe(args.block_size, args.num_gpu_blocks)}", file=sys.stderr,
+          flush=True)
+    client = ServeClient(base_url, timeout=args.request_timeout)
+    try:
+        summary = await run_chat(client, workload, args.max_concurrency or CHAT_CONCURRENCY,
+                                 parse_slo(args.slo), args.duration)
+    finally:
+        await client.close()
+    summary.update(label=args.label, workload=workload.name,
+                   working_set_blocks=workload.working_set_blocks(args.block_size))
+    print(format_serving_table([summary]).splitlines()[-1], flush=True)
+    return [summary]
+
+
 async def run_sweep(base_url: str, args: argparse.Namespace) -> list[dict[str, Any]]:
+    if args.workload == CHAT_WORKLOAD:
+        return await run_chat_workload(base_url, args)
     workload = make_workload(args.workload, args.vocab_size, args.seed, args.num_prompts)
     if args.output_len is not None:
         workload = dataclasses.replace(workload, requests=[
@@ -406,16 +253,38 @@ async def run_sweep(base_url: str, args: argparse.Namespace) -> list[dict[str, A
 
 def spawn_variants(args: argparse.Namespace) -> list[tuple[str, list[str]]]:
     """(label, extra `conveyor serve` flags) per server to spawn: one, or one per --router of a
-    --data-parallel-size fleet, measured one after the other in this run."""
+    --data-parallel-size fleet, each once per --kv-offload-variants size, measured one after the
+    other in this run."""
+    offloads = parse_offload_variants(args.kv_offload_variants)
     if args.data_parallel_size <= 1 and not args.router:
-        return [(args.label, [])]
-    fleet = ["--data-parallel-size", str(args.data_parallel_size),
-             "--threads-per-replica", str(args.threads_per_replica)]
-    if args.ray_num_cpus is not None:
-        fleet += ["--ray-num-cpus", str(args.ray_num_cpus)]
-    routers = [r.strip() for r in (args.router or "prefix_affinity").split(",") if r.strip()]
-    return [(f"{args.label} dp{args.data_parallel_size} {r}", fleet + ["--router", r])
-            for r in routers]
+        servers = [(args.label, [])]
+    else:
+        fleet = ["--data-parallel-size", str(args.data_parallel_size),
+                 "--threads-per-replica", str(args.threads_per_replica)]
+        if args.ray_num_cpus is not None:
+            fleet += ["--ray-num-cpus", str(args.ray_num_cpus)]
+        routers = [r.strip() for r in (args.router or "prefix_affinity").split(",") if r.strip()]
+        servers = [(f"{args.label} dp{args.data_parallel_size} {r}", fleet + ["--router", r])
+                   for r in routers]
+    if not offloads:
+        return servers
+    return [(f"{label} offload={'off' if n == 0 else n}",
+             flags + ["--kv-offload-cpu-bytes", str(n)])
+            for label, flags in servers for n in offloads]
+
+
+def parse_offload_variants(text: str | None) -> list[int]:
+    """``"0,268435456"`` -> [0, 268435456] (bytes of host memory for KV offload; 0: off)."""
+    if not text:
+        return []
+    try:
+        sizes = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise ValueError(f"--kv-offload-variants: comma-separated byte counts, got {text!r}"
+                         ) from None
+    if not sizes or any(n < 0 for n in sizes):
+        raise ValueError(f"--kv-offload-variants: byte counts >= 0, got {text!r}")
+    return sizes
 
 
 def _with_label(args: argparse.Namespace, label: str) -> argparse.Namespace:
@@ -498,6 +367,9 @@ def main(args: argparse.Namespace) -> int:
         if bool(args.spawn) == bool(args.base_url):
             raise SystemExit("bench serve: give exactly one of --base-url URL or --spawn")
         peers = compare_peers(args)
+        if args.workload == CHAT_WORKLOAD and (peers or args.endpoint != "completions"):
+            raise SystemExit("bench serve: --workload chat_multiturn runs completions against "
+                             "conveyor only (no --compare, no --endpoint embeddings)")
         if args.spawn:
             runs = []
             for label, flags in spawn_variants(args):
@@ -540,9 +412,17 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--base-url", help="a running server, e.g. http://127.0.0.1:8000 (loopback)")
     p.add_argument("--spawn", action="store_true",
                    help="start `conveyor serve` (with the engine flags below) on a free port")
-    p.add_argument("--workload", default="W1", choices=sorted(SPECS),
-                   help="named workload (built with the engine flag --seed)")
+    p.add_argument("--workload", default="W1", choices=[*sorted(SPECS), CHAT_WORKLOAD],
+                   help="named workload (built with the engine flag --seed); chat_multiturn: "
+                   "multi-turn conversations, --max-concurrency at a time (default "
+                   f"{CHAT_CONCURRENCY})")
     p.add_argument("--num-prompts", type=int, default=64, help="requests per rate")
+    p.add_argument("--num-conversations", type=int, default=None,
+                   help="chat_multiturn: conversations (default: the workload's 32)")
+    p.add_argument("--chat-spec", default=None,
+                   help="chat_multiturn: change the workload's shape, e.g. "
+                   "turns=2-3,system_len=64,user_len=16-32,reply_len=8 (keys: "
+                   "num_conversations, turns, system_len, user_len, reply_len)")
     p.add_argument("--output-len", type=int, default=None,
                    help="override the workload's output tokens per request")
     p.add_argument("--vocab-size", type=int, default=32000,
@@ -584,6 +464,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                    help="routers, comma-separated: one fleet each, one after the other "
                    "(default: prefix_affinity)")
     d.add_argument("--threads-per-replica", type=int, default=1)
+    d.add_argument("--kv-offload-variants", default=None,
+                   help="with --spawn: one server per value of --kv-offload-cpu-bytes, "
+                   "comma-separated (0: offload off), e.g. 0,268435456")
     d.add_argument("--ray-num-cpus", type=int, default=None,
                    help="CPUs of the spawned fleet's local Ray instance (default: every core)")
     add_cli_args(p)

@@ -146,6 +146,11 @@ class BlockPool:
             if self.observer is not None:
                 self.observer.stored(self._record(block, key), key[2])
 
+    def keyed_records(self) -> list[tuple[BlockRecord, int]]:
+        """(record, LoRA id) of every block registered with a content key, in block order."""
+        return [(self._record(b, info), info[2]) for b, info in enumerate(self._key)
+                if info is not None]
+
     def _record(self, block: int, info: KeyInfo) -> BlockRecord:
         return BlockRecord(info[0], info[1], tuple(self._tokens[block]))  # type: ignore[arg-type]
 

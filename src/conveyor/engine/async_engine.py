@@ -196,13 +196,13 @@ class AsyncEngine:
         installs it between steps, so the running batch never waits for the disk. ValueError
         for a bad adapter."""
         adapter = await asyncio.to_thread(self.engine.read_lora, lora_request)
-        await self._in_engine_thread(self.engine.add_lora, lora_request, adapter)
+        await self.run_in_engine_thread(self.engine.add_lora, lora_request, adapter)
 
     async def remove_lora(self, lora_int_id: int) -> bool:
         """Stop serving an adapter (its running requests finish under it); False if unknown."""
-        return await self._in_engine_thread(self.engine.remove_lora, lora_int_id)
+        return await self.run_in_engine_thread(self.engine.remove_lora, lora_int_id)
 
-    async def _in_engine_thread(self, fn: Callable[..., Any], *args: Any) -> Any:
+    async def run_in_engine_thread(self, fn: Callable[..., Any], *args: Any) -> Any:
         """``fn(*args)`` on the engine thread between two steps; its result or exception."""
         if self._loop is None:
             raise RuntimeError("AsyncEngine.start() was not called")

@@ -15,6 +15,8 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from conveyor.core.config import CacheConfig, PreemptionMode, SchedulerConfig
+from conveyor.core.kv_connector.events import KVEventBatch
+from conveyor.core.kv_connector.snapshot import snapshot_events
 from conveyor.core.pooling_params import PoolingParams
 from conveyor.core.sampling_params import SamplingParams
 from conveyor.core.scheduler import Scheduler
@@ -330,6 +332,20 @@ class LLMEngine:
         if self._retiring_loras:
             self._retire_loras()
         return self._outputs.finish_aborted(group)
+
+    def kv_events_snapshot(self) -> KVEventBatch:
+        """Every KV block the pool and the offload tiers hold now, as one batch of KV events
+        (``core/kv_connector/snapshot.py``), for a reader that missed batches; the log's queued
+        batches, which it supersedes, are dropped. Call it between steps (the engine's thread).
+        ValueError when KV events are off."""
+        if self.kv_events is None:
+            raise ValueError("KV events are off: start the engine with kv_events (--kv-events)")
+        self.kv_events.drain()
+        bm = self.scheduler.block_manager
+        tiers = self._kv_offload.held() if self._kv_offload is not None else ()
+        return KVEventBatch(time.time(), snapshot_events(self.kv_events.block_size,
+                                                         bm.gpu.keyed_records(), bm.root_key,
+                                                         tiers))
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests() or len(self._outputs) > 0

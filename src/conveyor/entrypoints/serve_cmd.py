@@ -78,8 +78,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                    help="join this Ray cluster (e.g. auto, or HEAD_IP:6379) instead of starting "
                    "a local one")
     d.add_argument("--router", default="prefix_affinity",
-                   choices=["prefix_affinity", "round_robin", "least_loaded"],
-                   help="how requests are spread over replicas (default: prefix_affinity)")
+                   choices=["prefix_affinity", "round_robin", "least_loaded", "kv_aware"],
+                   help="how requests are spread over replicas (default: prefix_affinity); "
+                   "kv_aware routes by the replicas' KV events (turns --kv-events on)")
     d.add_argument("--threads-per-replica", type=int, default=1,
                    help="torch threads (and Ray CPUs) per replica (default: 1)")
     d.add_argument("--ray-num-cpus", type=int, default=None,

@@ -1,4 +1,5 @@
-"""round_robin, least_loaded and prefix_affinity over replicas named by any hashable key.
+"""round_robin, least_loaded and prefix_affinity over replicas named by any hashable key;
+``make_router`` also builds kv_aware (``kv_aware.py``), which reads the replicas' KV events.
 
 ``route(replicas, prompt_token_ids, loads, adapter)`` picks one of ``replicas``; ``loads[r]`` is
 how many requests replica ``r`` holds (queued + running); ``adapter`` names the LoRA adapter the
@@ -10,27 +11,10 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Hashable, Mapping, Sequence
-from dataclasses import dataclass
 
 from conveyor.core.prefix_hash import ROOT_HASH, extend_block_hashes
-
-
-@dataclass(frozen=True)
-class RoutingDecision:
-    replica: Hashable
-    matched_blocks: int = 0  # prompt blocks the chosen replica is believed to hold
-    affinity_hit: bool = False  # chosen because it holds the prefix or adapter, not for its load
-
-
-class Router:
-    name = ""
-
-    def route(self, replicas: Sequence[Hashable], prompt_token_ids: Sequence[int],
-              loads: Mapping[Hashable, int], adapter: Hashable | None = None) -> RoutingDecision:
-        raise NotImplementedError
-
-    def remove(self, replica: Hashable) -> None:
-        """Forget a replica that left (died, scaled down)."""
+from conveyor.routing.base import Router, RoutingDecision
+from conveyor.routing.kv_aware import KVAware
 
 
 def _least_loaded(replicas: Sequence[Hashable], loads: Mapping[Hashable, int]) -> Hashable:
@@ -159,7 +143,7 @@ class PrefixAffinity(Router):
             del self._homes[adapter]
 
 
-ROUTERS = ("prefix_affinity", "round_robin", "least_loaded")
+ROUTERS = ("prefix_affinity", "round_robin", "least_loaded", "kv_aware")
 
 
 def make_router(name: str, block_size: int = 16, **kwargs: object) -> Router:
@@ -169,4 +153,6 @@ def make_router(name: str, block_size: int = 16, **kwargs: object) -> Router:
         return LeastLoaded()
     if name == "prefix_affinity":
         return PrefixAffinity(block_size=block_size, **kwargs)
+    if name == "kv_aware":
+        return KVAware(block_size=block_size, **kwargs)
     raise ValueError(f"unknown router {name!r}; choose from {', '.join(ROUTERS)}")

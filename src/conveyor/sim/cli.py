@@ -81,7 +81,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     f.add_argument("--replicas", type=int, default=1,
                    help="replicas of the engine, each its own scheduler and GPU(s) (default: 1)")
     f.add_argument("--router", type=_csv(str), default=["prefix_affinity"],
-                   help="routers, comma-separated: prefix_affinity,round_robin,least_loaded")
+                   help="routers, comma-separated: prefix_affinity,round_robin,least_loaded,"
+                   "kv_aware")
     f.add_argument("--shared-prefix", default=None, metavar="G:L",
                    help="prompts start with one of G shared L-token prefixes (default: all "
                         "prompts distinct)")

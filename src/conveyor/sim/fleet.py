@@ -9,7 +9,9 @@ arrival it is given.
 
 Prompts are distinct (token ids are the request's index) unless ``shared_prefix=(G, L)``: then
 each prompt starts with one of G shared L-token prefixes (chosen with the workload's seed), the
-case where prefix-aware routing pays off.
+case where prefix-aware routing pays off. Under ``kv_aware`` each replica's scheduler publishes
+its KV events and the router's index reads them after every step of that replica, as the Ray
+ingress pulls them from live replicas.
 """
 
 from __future__ import annotations
@@ -21,9 +23,16 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from conveyor.core.sampling_params import SamplingParams
-from conveyor.routing import make_router
+from conveyor.routing import KVAware, make_router
 from conveyor.sim.metrics import RunResult
-from conveyor.sim.runner import KvUsage, RequestLog, SimConfig, build, run_result
+from conveyor.sim.runner import (
+    SIM_KEY_NAMESPACE,
+    KvUsage,
+    RequestLog,
+    SimConfig,
+    build,
+    run_result,
+)
 from conveyor.sim.workload import Workload
 
 PREFIX_TOKEN_BASE = 1 << 30  # prefix token ids, apart from the per-request ids (0..n-1)
@@ -97,13 +106,17 @@ def simulate_fleet(config: SimConfig, workload: Workload, num_replicas: int, rou
         raise ValueError(f"replicas must be >= 1, got {num_replicas}")
     wall0 = time.perf_counter()
     policy = make_router(router, block_size=config.block_size)
-    engines = [build(config) for _ in range(num_replicas)]
+    kv_aware = isinstance(policy, KVAware)  # fed every replica's KV events after each step
+    engines = [build(config, kv_events=kv_aware) for _ in range(num_replicas)]
     schedulers = [e[0] for e in engines]
     executors = [e[1] for e in engines]
     clocks = [e[2] for e in engines]
     loads_list = [ReplicaLoad(r) for r in range(num_replicas)]
     in_flight = dict.fromkeys(range(num_replicas), 0)
     replica_ids = list(range(num_replicas))
+    if kv_aware:
+        for r in replica_ids:
+            policy.set_namespace(r, SIM_KEY_NAMESPACE)
     prompt_of = prompt_builder(workload, shared_prefix, seed)
 
     arrivals = workload.arrival_s.tolist()
@@ -148,6 +161,9 @@ def simulate_fleet(config: SimConfig, workload: Workload, num_replicas: int, rou
         out = scheduler.schedule()
         sampled = executor.execute(out).sampled_token_ids if out.seqs else []
         done = scheduler.update(out, sampled)
+        if kv_aware:
+            scheduler.kv_events.flush(clocks[r].now)
+            policy.apply(r, [e for b in scheduler.kv_events.drain() for e in b.events])
         if done:
             record(r, done)
         if out.seqs:

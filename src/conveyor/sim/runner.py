@@ -13,10 +13,12 @@ import dataclasses
 import math
 import time
 from dataclasses import dataclass
+from hashlib import blake2b
 
 import numpy as np
 
 from conveyor.core.config import PreemptionMode, QueueOrder, SchedulingPolicy, parse_choices
+from conveyor.core.kv_connector.keys import KEY_BYTES
 from conveyor.core.sampling_params import SamplingParams
 from conveyor.sim.clock import VirtualClock
 from conveyor.sim.cost_model import CostModel
@@ -92,9 +94,16 @@ class SimConfig:
         return out
 
 
-def build(config: SimConfig):
-    """(scheduler, executor, clock, cost model) wired together for one run."""
+# the content-key namespace of every simulated replica (they all run the same model)
+SIM_KEY_NAMESPACE = blake2b(b"conveyor-sim", digest_size=KEY_BYTES).digest()
+
+
+def build(config: SimConfig, kv_events: bool = False):
+    """(scheduler, executor, clock, cost model) wired together for one run; ``kv_events``: the
+    scheduler publishes its KV events (``scheduler.kv_events``, flushed by the caller after each
+    step) with content keys in ``SIM_KEY_NAMESPACE``."""
     from conveyor.core.config import CacheConfig, SchedulerConfig
+    from conveyor.core.kv_connector.events import KVEventLog
     from conveyor.core.scheduler import Scheduler
 
     cost = CostModel(config.model, config.hardware, config.tp, config.block_size)
@@ -119,6 +128,8 @@ def build(config: SimConfig):
                     kv_cache_groups=cost.kv_cache_groups),
         eos_token_ids=(),
         clock=clock,
+        kv_events=KVEventLog(config.block_size) if kv_events else None,
+        kv_key_namespace=SIM_KEY_NAMESPACE if kv_events else None,
     )
     return scheduler, SimulatedExecutor(cost, clock), clock, cost
 

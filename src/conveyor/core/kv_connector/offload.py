@@ -145,6 +145,10 @@ class TieredOffloadScheduler:
             self._moved += 1
             self._announce(lower.name, victim.record)
 
+    def held(self) -> list[tuple[str, list[BlockRecord]]]:
+        """(tier name, records of the blocks it holds, least recently used first) per tier."""
+        return [(tier.name, [entry.record for entry in tier]) for tier in self.tiers]
+
     def clear(self) -> None:
         for tier in self.tiers:
             tier.clear()

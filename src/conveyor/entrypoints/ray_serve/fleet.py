@@ -59,6 +59,7 @@ class FleetEngine:
         self._installed: dict[str, set[int]] = {}  # replica -> adapters installed there
         self._lora_lock = asyncio.Lock()  # one adapter change (or replica sync) at a time
         self._sync_task: asyncio.Task[None] | None = None
+        self._kv_task: asyncio.Task[None] | None = None  # start_kv_events
         self._loop: asyncio.AbstractEventLoop | None = None
 
     def num_queued_requests(self) -> int:
@@ -116,8 +117,9 @@ class FleetEngine:
         return len(responses)
 
     def stop(self) -> None:
-        if self._sync_task is not None and self._loop is not None:
-            self._loop.call_soon_threadsafe(self._sync_task.cancel)
+        for task in (self._sync_task, self._kv_task):
+            if task is not None and self._loop is not None:
+                self._loop.call_soon_threadsafe(task.cancel)
         self.abort_all()
 
     async def call_replica(self, method: str, replica: str, *args: Any,
@@ -201,6 +203,14 @@ class FleetEngine:
                     else:
                         logger.info("replica %s: loaded LoRA adapter %r", r, lora.lora_name)
                     installed.add(lora_int_id)  # tried: a refusal is not retried every period
+
+    def start_kv_events(self) -> None:
+        """Feed the kv_aware router the replicas' KV events (run on the server's event loop)."""
+        from conveyor.entrypoints.ray_serve.kv_events import KVEventPuller
+
+        puller = KVEventPuller(self, lambda: self.router_stats.kv_router)
+        self._loop = asyncio.get_running_loop()
+        self._kv_task = self._loop.create_task(puller.run())
 
     def start_lora_sync(self) -> None:
         """Keep the fleet's adapters on replicas that join (run on the server's event loop)."""
@@ -303,6 +313,8 @@ class FleetState(ServerState):
             return
         if self.engine_args.enable_lora:
             engine.start_lora_sync()
+        if router_stats.policy == "kv_aware":
+            engine.start_kv_events()
         logger.info("%d replica(s) of %s ready (router %s); serving",
                     len(router_stats.replicas), name, router_stats.policy)
 

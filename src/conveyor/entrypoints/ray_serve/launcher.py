@@ -39,6 +39,8 @@ def deploy(engine_args: EngineArgs, fleet: FleetConfig,
 
     if not ray.is_initialized():  # run_fleet connected already; this is for other callers
         connect_ray(fleet)
+    if fleet.router == "kv_aware":  # the router indexes what the replicas' KV events say
+        engine_args = engine_args.replace(kv_events=True)
     serve.start(proxy_location=ProxyLocation.Disabled)  # HTTP is served by this process
     threads = fleet.threads_per_replica
     env = {"OMP_NUM_THREADS": str(threads), "TQDM_DISABLE": "1"}

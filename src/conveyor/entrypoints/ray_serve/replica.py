@@ -1,7 +1,7 @@
 """One data-parallel replica: an LLMEngine driven by an AsyncEngine inside a Ray Serve replica.
 
 The ingress calls ``generate`` (streamed: one RequestOutput delta per item) through the
-ConveyorRequestRouter; ``info``, ``metrics_text``, ``health``, ``add_lora`` and ``remove_lora``
+ConveyorRequestRouter; ``info``, ``metrics_text``, ``health``, ``kv_events``, ``add_lora`` and ``remove_lora``
 name the replica they want. Cancelling a ``generate`` call (the client left) closes the stream,
 which aborts the engine request.
 """
@@ -39,6 +39,7 @@ class ConveyorReplica:
         self.metrics = ServerMetrics(self.model_name)
         self._async_engine: Any = None
         self._loras: dict[int, str] = {}  # adapters the ingress installed: int id -> name
+        self._kv_feed: Any = None  # KVEventFeed, built at the first kv_events call
 
     def _started(self) -> Any:
         """The AsyncEngine, started on the replica's event loop at the first call."""
@@ -77,6 +78,16 @@ class ConveyorReplica:
         return {"model_name": self.model_name, "max_model_len": engine.max_model_len,
                 "model_config": engine.model_config, "tokenizer": engine.tokenizer,
                 "num_total_blocks": engine.stats.scheduler.num_total_blocks, "pid": os.getpid()}
+
+    async def kv_events(self, after: int | None = None, replica: str | None = None,
+                        ) -> dict[str, Any]:
+        """The engine's KV events since reply ``after``, or a snapshot (``kv_events.py``)."""
+        engine = self._started()
+        if self._kv_feed is None:
+            from conveyor.entrypoints.ray_serve.kv_events import KVEventFeed
+
+            self._kv_feed = KVEventFeed(self.engine)
+        return await self._kv_feed.read(after, engine)
 
     async def metrics_text(self, replica: str | None = None) -> str:
         self._started()

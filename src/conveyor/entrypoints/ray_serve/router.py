@@ -5,6 +5,7 @@ are routed by the policy over the replicas' in-flight counts (routed minus compl
 and the LoRA adapter they name (its ``lora_int_id``: an adapter loaded again under the same name
 starts afresh); calls that name a ``replica`` (metrics, health, info, adapter loads) go to that
 replica only, busy or idle.
+Under ``kv_aware`` the ingress feeds the policy the replicas' KV events (``kv_events.py``).
 Counters for /metrics live in a RouterStats that the ingress reads: stats.py, because Ray Serve
 ships this module to the router pickled by value, with module globals of its own.
 """
@@ -34,6 +35,8 @@ class ConveyorRequestRouter(RequestRouter):
         self._policy = make_router(policy, block_size=block_size, **policy_kwargs)
         self._stats = stats_for(self._deployment_id.name)
         self._stats.policy = policy
+        if policy == "kv_aware":
+            self._stats.kv_router = self._policy
         # request id -> (replica chosen by prefix or adapter affinity, the adapter's name)
         self._decisions: dict[str, tuple[str | None, str | None]] = {}
         self._routed_to: dict[str, str] = {}  # internal request id -> replica of a generate

@@ -5,6 +5,7 @@ from __future__ import annotations
 import threading
 from collections import Counter
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass
@@ -18,6 +19,7 @@ class RouterStats:
     affinity_hits: Counter = field(default_factory=Counter)  # replica -> of those, by affinity
     lora_requests: Counter = field(default_factory=Counter)  # (replica, adapter name) -> calls
     in_flight: Counter = field(default_factory=Counter)  # replica -> routed, not completed
+    kv_router: Any = None  # the kv_aware policy, which the ingress feeds the replicas' KV events
 
     def snapshot(self) -> dict:
         with self.lock:
