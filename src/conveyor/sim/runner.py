@@ -92,8 +92,13 @@ class SimConfig:
         return out
 
 
-def build(config: SimConfig):
-    """(scheduler, executor, clock, cost model) wired together for one run."""
+SIM_KV_NAMESPACE = b"conveyor-sim"  # content keys of the simulator's KV blocks (a connector's)
+
+
+def build(config: SimConfig, kv_connector=None, clock: VirtualClock | None = None):
+    """(scheduler, executor, clock, cost model) wired together for one run; ``kv_connector``:
+    the scheduler half of a KV connector (``core/kv_connector``) the scheduler loads through;
+    ``clock``: the engine's clock (default: a new one at 0)."""
     from conveyor.core.config import CacheConfig, SchedulerConfig
     from conveyor.core.scheduler import Scheduler
 
@@ -101,7 +106,7 @@ def build(config: SimConfig):
     num_gpu_blocks = config.num_gpu_blocks or cost.num_gpu_blocks()
     num_cpu_blocks = cost.num_cpu_blocks(config.swap_space_gb) \
         if config.preemption_mode is PreemptionMode.SWAP else 0
-    clock = VirtualClock()
+    clock = clock or VirtualClock()
     scheduler = Scheduler(
         SchedulerConfig(
             max_num_seqs=config.max_num_seqs,
@@ -119,6 +124,8 @@ def build(config: SimConfig):
                     kv_cache_groups=cost.kv_cache_groups),
         eos_token_ids=(),
         clock=clock,
+        kv_connector=kv_connector,
+        kv_key_namespace=SIM_KV_NAMESPACE if kv_connector is not None else None,
     )
     return scheduler, SimulatedExecutor(cost, clock), clock, cost
 
