@@ -4,7 +4,8 @@ A ``LinkSpec`` is a bandwidth per GPU (one direction) and a fixed latency per tr
 presets (``parse_link``):
 
 * ``nvlink``: the hardware spec's ``interconnect_bandwidth_gbs`` / ``interconnect_latency_us``
-  (prefill and decode GPUs in one NVLink domain, as DistServe places them);
+  (prefill and decode GPUs in one NVLink domain, as DistServe places them; on a spec without
+  NVLink, such as ``l4``, that field is its PCIe figure);
 * ``pcie``: the spec's ``host_link_bandwidth_gbs`` (GPU to GPU over the PCIe switch), 10 µs;
 * ``rdma``: 50 GB/s (one 400 Gb/s NIC per GPU: ConnectX-7 / InfiniBand NDR, as on DGX H100),
   10 µs, for instances on different machines;
@@ -42,7 +43,7 @@ class LinkSpec:
         return self.latency_us * 1e-6 + nbytes / (self.bandwidth_gbs * GB)
 
     def __str__(self) -> str:
-        return f"{self.name} ({self.bandwidth_gbs:g} GB/s, {self.latency_us:g} us)"
+        return f"{self.name}: {self.bandwidth_gbs:g} GB/s, {self.latency_us:g} us"
 
 
 def parse_link(text: str, hardware: HardwareSpec) -> LinkSpec:
@@ -53,10 +54,10 @@ def parse_link(text: str, hardware: HardwareSpec) -> LinkSpec:
             raise ValueError(f"hardware {hardware.name} has no GPU interconnect "
                              f"(interconnect_bandwidth_gbs is 0); use --kv-link pcie, rdma or "
                              f"a bandwidth in GB/s")
-        return LinkSpec("nvlink", hardware.interconnect_bandwidth_gbs,
+        return LinkSpec(f"nvlink ({hardware.name} interconnect)", hardware.interconnect_bandwidth_gbs,
                         hardware.interconnect_latency_us)
     if name == "pcie":
-        return LinkSpec("pcie", hardware.host_link_bandwidth_gbs)
+        return LinkSpec(f"pcie ({hardware.name} host link)", hardware.host_link_bandwidth_gbs)
     if name == "rdma":
         return LinkSpec("rdma", RDMA_GBS)
     try:

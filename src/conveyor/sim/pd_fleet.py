@@ -91,12 +91,16 @@ class PDResult:
         return (len(self.prefill) + len(self.decode)) * self.result.tp
 
     def summary(self, slo) -> dict:
-        out = self.result.summary(slo)
+        return {**self.result.summary(slo), **self.pd_summary()}
+
+    def pd_summary(self) -> dict:
+        """What disaggregation adds to a run's summary: instances, KV transfers, how long
+        handed-off requests waited for a decode instance to start their load."""
         span = self.result.makespan_s
         loaded = ~np.isnan(self.load_done_s)
         wait = self.load_start_s[loaded] - self.handoff_s[loaded]
         transfer = self.load_done_s[loaded] - self.load_start_s[loaded]
-        out.update(
+        return dict(
             router=self.router, pd=f"{len(self.prefill)}:{len(self.decode)}",
             num_replicas=len(self.prefill) + len(self.decode), num_gpus=self.num_gpus,
             kv_link=str(self.link),
@@ -109,7 +113,6 @@ class PDResult:
             decode_admit_wait_p99_ms=float(np.percentile(wait, 99)) * 1e3 if len(wait)
             else math.nan,
             decode_recomputed=self.decode_recomputed)
-        return out
 
 
 def simulate_pd(config: SimConfig, workload: Workload, num_prefill: int, num_decode: int,
