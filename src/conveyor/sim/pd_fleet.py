@@ -4,10 +4,11 @@ own virtual clock and cost model, behind the routing code the colocated fleet ru
 
 A request is routed to a prefill instance, which runs it with ``max_tokens=1``: its prefill
 produces the first token (TTFT: arrival, prefill-side queueing and prefill). The request is then
-routed (same policy, its own router) to a decode instance and added there with the prompt plus
-that token and ``max_tokens`` = the rest of its output; the decode instance loads the prompt's
-KV blocks over its inbound link through its KV connector (``sim/remote_prefill.py``), waiting
-until its pool can hold them, and decodes to the end. TPOT = (finish − first token) /
+routed (same policy, its own router) to a decode instance, waits there until its pool can hold
+the request (``sim/decode_inbound.py``), and joins its scheduler with the prompt plus that token
+and ``max_tokens`` = the rest of its output; the decode instance loads the prompt's KV blocks
+over its inbound link through its KV connector (``sim/remote_prefill.py``) and decodes to the
+end. TPOT = (finish − first token) /
 (output − 1) spans the transfer and the decode side's queueing and steps.
 
 Discrete events, as in the colocated fleet: the instance furthest behind in time steps next,
@@ -29,6 +30,7 @@ from conveyor.core.sampling_params import SamplingParams
 from conveyor.routing import make_router
 from conveyor.sim.clock import VirtualClock
 from conveyor.sim.cost_model import CostModel
+from conveyor.sim.decode_inbound import Inbound
 from conveyor.sim.fleet import ReplicaLoad, prompt_builder
 from conveyor.sim.kv_link import KVLink, LinkSpec
 from conveyor.sim.metrics import RunResult
@@ -64,6 +66,7 @@ class Instance:
     kv: KvUsage = field(default_factory=KvUsage)
     busy: bool = False
     wake_s: float = math.nan  # sleeping until its first transfer ends (NaN: awake)
+    inbound: Inbound = field(default_factory=Inbound)  # decode instances: handoffs waiting
 
     @property
     def next_s(self) -> float:
@@ -160,7 +163,6 @@ def simulate_pd(config: SimConfig, workload: Workload, num_prefill: int, num_dec
     load_start, load_done = np.full(n, np.nan), np.full(n, np.nan)
     load_blocks = np.zeros(n, dtype=np.int64)
     handoffs: list[tuple[float, int]] = []  # heap of (time, request index)
-    offered: dict[tuple[int, int], int] = {}  # (decode instance, seq id) -> request index
     recomputed = 0
 
     def wake(inst: Instance, t: float) -> None:
@@ -182,11 +184,18 @@ def simulate_pd(config: SimConfig, workload: Workload, num_prefill: int, num_dec
         inst.load.affinity_hits += decision.affinity_hit
 
     def hand_off(t: float, k: int) -> None:
-        prompt = prompt_of(k)
-        decision = decode_router.route(decode_ids, prompt, decode_loads)
+        decision = decode_router.route(decode_ids, prompt_of(k), decode_loads)
         d = decision.replica
         inst = decode[d]
         wake(inst, t)
+        inst.inbound.push(t, k, int(workload.prompt_tokens[k]) + 1)
+        decode_loads[d] += 1
+        inst.load.requests += 1
+        inst.load.affinity_hits += decision.affinity_hit
+
+    def join(d: int, inst: Instance, t: float, k: int) -> None:
+        """The handoff joins the decode scheduler, its prompt blocks offered to the connector."""
+        prompt = prompt_of(k)
         group = inst.scheduler.add_request(
             str(k), prompt + [HANDOFF_TOKEN],
             SamplingParams(max_tokens=outputs[k] - 1, ignore_eos=True, temperature=0.0),
@@ -196,10 +205,6 @@ def simulate_pd(config: SimConfig, workload: Workload, num_prefill: int, num_dec
             bm = inst.scheduler.block_manager
             keys = bm.block_keys(seq, len(prompt) // bs)  # every full block of the prompt
             inst.connector.offer(seq.seq_id, list(keys))
-            offered[d, seq.seq_id] = k
-        decode_loads[d] += 1
-        inst.load.requests += 1
-        inst.load.affinity_hits += decision.affinity_hit
 
     def finish(k: int, group, now: float, generated: int) -> None:
         m = group.metrics
@@ -230,7 +235,6 @@ def simulate_pd(config: SimConfig, workload: Workload, num_prefill: int, num_dec
             decode_loads[d] -= 1
             seq = g.seqs[0]
             inst.connector.withdraw(seq.seq_id)
-            offered.pop((d, seq.seq_id), None)
             loaded = inst.connector.loads.pop(seq.seq_id, None)
             if loaded is not None:
                 load_start[k], load_done[k] = loaded.start_s, loaded.done_s
@@ -267,6 +271,8 @@ def simulate_pd(config: SimConfig, workload: Workload, num_prefill: int, num_dec
             report = connector.finished(inst.clock.now)
             if report is not None:
                 scheduler.update_kv_connector(report)
+            for t, k in inst.inbound.admit(scheduler):
+                join(r - num_prefill, inst, t, k)
         out = scheduler.schedule()
         sampled = executor.execute(out).sampled_token_ids if out.seqs else []
         done = scheduler.update(out, sampled)
@@ -282,7 +288,7 @@ def simulate_pd(config: SimConfig, workload: Workload, num_prefill: int, num_dec
                 raise RuntimeError(f"instance {inst.name} made no progress at "
                                    f"t={inst.clock.now:.3f}s")
             inst.wake_s = max(connector.next_done_s, inst.clock.now)
-        inst.busy = scheduler.has_unfinished_requests()
+        inst.busy = scheduler.has_unfinished_requests() or len(inst.inbound) > 0
         if not inst.busy:
             inst.wake_s = math.nan
 
