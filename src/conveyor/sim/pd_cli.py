@@ -121,9 +121,9 @@ def run_pd(args: argparse.Namespace, configs: list[SimConfig], slo: SLO) -> int:
         from conveyor.sim.report import write_json
 
         table = slo_scale_table(points, slo, scales, args.attainment)
-        header["slo_scales"] = scales
-        header["max_rate_per_gpu"] = {name: [v for v, _ in row] for name, row in table.items()}
-        write_json(args.json, header, [p.summary(slo) for p in points])
+        rates_at = {name: [v for v, _ in row] for name, row in table.items()}
+        write_json(args.json, {**header, "slo_scales": scales, "max_rate_per_gpu": rates_at},
+                   [p.summary(slo) for p in points])
         print(f"json: {args.json}")
     if args.report:
         pd_report.write_markdown(args.report, header, points, slo, scales, args.attainment,

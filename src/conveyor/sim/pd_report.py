@@ -18,7 +18,8 @@ def run_rows(points: list[Point], slo: SLO) -> tuple[list[str], list[list[str]]]
     header = ["system", "GPUs", "rate/GPU", "TTFT p50/p90 ms", "TPOT p50/p90 ms",
               "SLO met", "goodput/GPU", "KV transfer p50 ms", "decode wait p50 ms"]
     body = []
-    for p in sorted(points, key=lambda p: (p.system.name, p.rate_per_gpu)):
+    order = {name: i for i, name in enumerate(dict.fromkeys(p.system.name for p in points))}
+    for p in sorted(points, key=lambda p: (order[p.system.name], p.rate_per_gpu)):
         s = p.summary(slo)
         body.append([
             p.system.name, str(p.system.num_gpus), f"{p.rate_per_gpu:g}",
