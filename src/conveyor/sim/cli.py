@@ -13,6 +13,7 @@ import shlex
 import sys
 
 from conveyor.core.config import PreemptionMode, QueueOrder, SchedulingPolicy
+from conveyor.sim.pd_cli import add_arguments as add_pd_arguments
 
 
 def _csv(kind):
@@ -78,14 +79,16 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     e.add_argument("--long-prefill-token-threshold", type=int, default=0)
     e.add_argument("--max-num-partial-prefills", type=int, default=1)
     f = p.add_argument_group("fleet (data-parallel replicas behind a router)")
-    f.add_argument("--replicas", type=int, default=1,
-                   help="replicas of the engine, each its own scheduler and GPU(s) (default: 1)")
+    f.add_argument("--replicas", type=int, default=None,
+                   help="replicas of the engine, each its own scheduler and GPU(s) (default: 1; "
+                        "with --pd: P+D, the colocated system compared; 0: none)")
     f.add_argument("--router", type=_csv(str), default=["prefix_affinity"],
                    help="routers, comma-separated: prefix_affinity,round_robin,least_loaded,"
                    "kv_aware")
     f.add_argument("--shared-prefix", default=None, metavar="G:L",
                    help="prompts start with one of G shared L-token prefixes (default: all "
                         "prompts distinct)")
+    add_pd_arguments(p)
     o = p.add_argument_group("output")
     o.add_argument("--slo", default="ttft=1s,tpot=50ms", help="goodput SLO (default: ttft=1s,tpot=50ms)")
     o.add_argument("--json", help="write every run's summary to this JSON file")
@@ -133,6 +136,10 @@ def _run(args: argparse.Namespace) -> int:
     ]
     cost = CostModel(model, hardware, args.tp, args.block_size)  # fails early on a bad fit
     num_gpu_blocks = args.num_gpu_blocks or cost.num_gpu_blocks()
+    if args.pd:
+        from conveyor.sim.pd_cli import run_pd
+
+        return run_pd(args, configs, slo)
     if args.trace:
         trace = load_trace(args.trace)
         span = float(trace.arrival_s[-1] - trace.arrival_s[0])
@@ -144,6 +151,10 @@ def _run(args: argparse.Namespace) -> int:
         if args.save_trace:
             workloads[0][1].save_jsonl(args.save_trace)
 
+    if args.rate_per_gpu:
+        raise ValueError("--rate-per-gpu compares systems of different sizes: use it with --pd")
+    if args.replicas is None:
+        args.replicas = 1
     if args.replicas > 1 or args.shared_prefix:
         return _run_fleet(args, configs, workloads, slo, num_gpu_blocks)
     print(f"{model.name} on {args.tp} x {hardware.name}: {num_gpu_blocks:,} KV blocks x "

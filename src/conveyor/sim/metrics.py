@@ -41,6 +41,10 @@ class SLO:
             values[key] = seconds
         return cls(values["ttft"], values["tpot"])
 
+    def scaled(self, factor: float) -> SLO:
+        """Both targets times ``factor`` (DistServe's "SLO scale")."""
+        return SLO(self.ttft_s * factor, self.tpot_s * factor)
+
     def __str__(self) -> str:
         return f"ttft<={self.ttft_s * 1e3:g}ms,tpot<={self.tpot_s * 1e3:g}ms"
 
@@ -89,11 +93,18 @@ class RunResult:
             return 0.0
         return float(np.nanmax(self.finished_s) - self.arrival_s.min())
 
+    def meets(self, slo: SLO) -> np.ndarray:
+        """Per request: served, and within both of ``slo``'s targets."""
+        tpot = self.tpot_s
+        with np.errstate(invalid="ignore"):
+            return (~np.isnan(self.first_token_s) & (self.ttft_s <= slo.ttft_s)
+                    & (np.isnan(tpot) | (tpot <= slo.tpot_s)))
+
     def summary(self, slo: SLO) -> dict:
         ttft, tpot, e2e = self.ttft_s, self.tpot_s, self.e2e_s
         served = ~np.isnan(self.first_token_s)
         span = self.makespan_s or math.nan
-        good = served & (ttft <= slo.ttft_s) & (np.isnan(tpot) | (tpot <= slo.tpot_s))
+        good = self.meets(slo)
         out = {
             "label": self.label, "rate": self.rate, "model": self.model,
             "hardware": self.hardware, "tp": self.tp,

@@ -98,10 +98,13 @@ class SimConfig:
 SIM_KEY_NAMESPACE = blake2b(b"conveyor-sim", digest_size=KEY_BYTES).digest()
 
 
-def build(config: SimConfig, kv_events: bool = False):
+def build(config: SimConfig, kv_events: bool = False, kv_connector=None,
+          clock: VirtualClock | None = None):
     """(scheduler, executor, clock, cost model) wired together for one run; ``kv_events``: the
     scheduler publishes its KV events (``scheduler.kv_events``, flushed by the caller after each
-    step) with content keys in ``SIM_KEY_NAMESPACE``."""
+    step) with content keys in ``SIM_KEY_NAMESPACE``; ``kv_connector``: the scheduler half of a
+    KV connector (``core/kv_connector``) the scheduler loads through; ``clock``: the engine's
+    clock (default: a new one at 0)."""
     from conveyor.core.config import CacheConfig, SchedulerConfig
     from conveyor.core.kv_connector.events import KVEventLog
     from conveyor.core.scheduler import Scheduler
@@ -110,7 +113,7 @@ def build(config: SimConfig, kv_events: bool = False):
     num_gpu_blocks = config.num_gpu_blocks or cost.num_gpu_blocks()
     num_cpu_blocks = cost.num_cpu_blocks(config.swap_space_gb) \
         if config.preemption_mode is PreemptionMode.SWAP else 0
-    clock = VirtualClock()
+    clock = clock or VirtualClock()
     scheduler = Scheduler(
         SchedulerConfig(
             max_num_seqs=config.max_num_seqs,
@@ -129,7 +132,8 @@ def build(config: SimConfig, kv_events: bool = False):
         eos_token_ids=(),
         clock=clock,
         kv_events=KVEventLog(config.block_size) if kv_events else None,
-        kv_key_namespace=SIM_KEY_NAMESPACE if kv_events else None,
+        kv_connector=kv_connector,
+        kv_key_namespace=SIM_KEY_NAMESPACE if kv_events or kv_connector is not None else None,
     )
     return scheduler, SimulatedExecutor(cost, clock), clock, cost
 
