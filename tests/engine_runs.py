@@ -1,5 +1,5 @@
-"""A helper shared by tests (``tests/`` is on pytest's python path): run requests on an
-LLMEngine to the end."""
+"""Helpers shared by tests (``tests/`` is on pytest's python path): run requests on an
+LLMEngine to the end; a finished request's samples as token ids and logprobs."""
 
 from __future__ import annotations
 
@@ -22,3 +22,11 @@ def run_to_end(engine: LLMEngine,
             if out.finished:
                 done[out.request_id] = out
     return [done[f"{prefix}{i}"] for i in range(len(requests))]
+
+
+def samples(out: RequestOutput) -> list[tuple[list[int], list[float]]]:
+    """A finished request's samples as (token ids, chosen-token logprobs); the request must have
+    asked for logprobs."""
+    return [(list(c.token_ids), [lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs,
+                                                                strict=True)])
+            for c in out.outputs]

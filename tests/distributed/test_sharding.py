@@ -16,6 +16,19 @@ def _config(heads: int = 8, kv_heads: int = 2, vocab: int = 100) -> ModelConfig:
                        vocab_size=vocab, max_position_embeddings=64)
 
 
+def test_whole_sums_split_the_hidden_features() -> None:
+    """Integer compute's row-parallel projections hold a slice of the hidden outputs each, so
+    the hidden size must divide too."""
+    cfg = _config()
+    assert [shard_plan(cfg, r, 4, whole_sums=True).hidden for r in range(4)] == [16] * 4
+    assert shard_plan(cfg, 0, 4).hidden == 0
+    cfg = _config(heads=6, kv_heads=6)
+    check_tensor_parallel(cfg, 6)
+    with pytest.raises(ValueError, match="tensor_parallel_size 6 does not divide the model's "
+                                         "hidden size 64"):
+        check_tensor_parallel(cfg, 6, whole_sums=True)
+
+
 def test_kv_heads_split_or_replicated() -> None:
     cfg = _config(heads=8, kv_heads=2)
     assert [(p.num_heads, p.num_kv_heads, p.kv_head_start)

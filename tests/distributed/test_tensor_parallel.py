@@ -20,7 +20,9 @@ from conveyor.engine.args import EngineArgs
 from conveyor.engine.llm import LLM
 from conveyor.engine.llm_engine import LLMEngine
 from conveyor.executor.model_executor import ModelExecutor
-from engine_runs import run_to_end
+from conveyor.model.layers.parallel import WholeSumLinear
+from conveyor.model.loader import GEMMA3_ALIAS
+from engine_runs import run_to_end, samples
 
 VOCAB = 96  # the tiny models' (conftest.py)
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
@@ -86,13 +88,49 @@ def test_smollm2_tp3_equals_tp1() -> None:
         tp.shutdown()
 
 
-def test_integer_compute_under_tensor_parallelism_is_refused() -> None:
-    """Integer compute does not reproduce one process's logits across ranks: refused, before
-    any worker starts."""
-    with pytest.raises(ValueError, match="weight_compute int8 is not supported"):
-        ModelExecutor(dtype="float32", device="cpu", weight_compute="int8",
-                      parallel=EngineArgs(tensor_parallel_size=3,
-                                          threads_per_rank=1).parallel_config())
+INT8_TEXTS = ["The quick brown fox jumps over the lazy dog. The quick brown fox",
+              "Write a haiku about the sea.",
+              "List the planets of the solar system in order from the sun: Mercury, Venus,",
+              "def fibonacci(n):\n    if n < 2:\n        return n\n    return"]
+
+
+def _alone_and_batched(executor: ModelExecutor, dtype: str, prompts: list[list[int]]
+                       ) -> tuple[list, list]:
+    """Each prompt's greedy tokens and logprobs run alone, and all of them batched (chunked at
+    16 tokens: prefill chunks beside decodes)."""
+    params = SamplingParams(temperature=0, max_tokens=8, logprobs=0, ignore_eos=True)
+    args = EngineArgs(dtype=dtype, max_model_len=128, num_gpu_blocks=64, max_num_seqs=8,
+                      enable_prefix_caching=False)
+    alone = [samples(run_to_end(LLMEngine(args, executor=executor), [(p, params)])[0])
+             for p in prompts]
+    batched = run_to_end(LLMEngine(args.replace(policy="chunked", max_num_batched_tokens=16),
+                                   executor=executor), [(p, params) for p in prompts])
+    return alone, [samples(out) for out in batched]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("model", "size", "dtype"), [
+    (None, 3, "float32"), (None, 3, "bfloat16"), (GEMMA3_ALIAS, 2, "float32")],
+    ids=["smollm2-tp3-float32", "smollm2-tp3-bf16", "gemma3-tp2-float32"])
+def test_integer_compute_tp_is_one_process_bit_for_bit(model, size, dtype) -> None:
+    """Integer compute (weight_compute int8) under tensor parallelism gives one process's
+    greedy tokens and logprob bits, alone and batched: its row-parallel projections take whole
+    sums (``WholeSumLinear``), where partial sums all-reduced would round differently and move
+    the next layer's 8-bit activations (SmolLM2: 9 heads, 3 ranks; Gemma 3: 4 heads and Q4_K /
+    Q6_K blocks, 2 ranks)."""
+    one = ModelExecutor(model, dtype=dtype, device="cpu", weight_compute="int8")
+    prompts = [one.tokenizer.encode(t) for t in INT8_TEXTS]
+    alone, batched = _alone_and_batched(one, dtype, prompts)
+    assert batched == alone
+    del one
+    tp = ModelExecutor(model, dtype=dtype, device="cpu", weight_compute="int8",
+                       parallel=EngineArgs(tensor_parallel_size=size,
+                                           threads_per_rank=1).parallel_config())
+    try:
+        assert isinstance(tp.model.layers[0].down_proj, WholeSumLinear)
+        assert _alone_and_batched(tp, dtype, prompts) == (alone, alone)
+    finally:
+        tp.shutdown()
 
 
 @pytest.mark.slow

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from conveyor.core.sampling_params import SamplingParams
 from conveyor.engine.args import EngineArgs
 from conveyor.engine.llm_engine import LLMEngine
-from engine_runs import run_to_end
+from engine_runs import run_to_end, samples
 from long_runs import sized
 from torch_threads import torch_threads
 
@@ -62,13 +62,6 @@ def run(executor, args: EngineArgs, requests: list[tuple[list[int], SamplingPara
     if preemptions is not None:
         preemptions.append(engine.get_stats().scheduler.num_preemptions)
     return [samples(out) for out in outs]
-
-
-def samples(out) -> list[tuple[list[int], list[float]]]:
-    """A finished request's samples as (token ids, chosen-token logprobs)."""
-    return [(list(c.token_ids), [lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs,
-                                                                strict=True)])
-            for c in out.outputs]
 
 
 _alone: dict[tuple, list[tuple[list[int], list[float]]]] = {}
@@ -133,9 +126,9 @@ def test_every_request_equals_itself_alone(executors, prompts, scenario) -> None
     warm = None if s["warm_up"] is None else prompts[s["warm_up"]]
     with torch_threads(s["threads"]):
         got = run(executor, args, requests, warm)
-    for (prompt, params), samples in zip(requests, got, strict=True):
+    for (prompt, params), outs in zip(requests, got, strict=True):
         expected = alone(executor, s["dtype"], prompt, params.max_tokens)
-        for tokens, logprobs in samples:
+        for tokens, logprobs in outs:
             assert tokens == expected[0]
             # bit equality of float32 logprobs (Python floats from them: exact)
             assert logprobs == expected[1]
@@ -154,8 +147,8 @@ def test_batch_of_one_and_of_many_agree(executors, prompts, dtype) -> None:
     args = EngineArgs(dtype=dtype_of(dtype), max_model_len=MAX_MODEL_LEN, num_gpu_blocks=96,
                       max_num_seqs=8, policy="chunked", max_num_batched_tokens=16)
     got = run(executor, args, [(p, params) for p in prompts])
-    for prompt, samples in zip(prompts, got, strict=True):
-        assert samples[0] == alone(executor, dtype, prompt, 6)
+    for prompt, outs in zip(prompts, got, strict=True):
+        assert outs[0] == alone(executor, dtype, prompt, 6)
     planets = executor.tokenizer.decode(got[3][0][0])
     assert "Earth" in planets
 
@@ -173,8 +166,8 @@ def test_preempted_requests_equal_themselves_alone(executors, prompts, mode, key
     preemptions: list[int] = []
     got = run(executor, args, [(p, params) for p in chosen], preemptions=preemptions)
     assert preemptions[0] > 0
-    for prompt, samples in zip(chosen, got, strict=True):
-        assert samples[0] == alone(executor, key, prompt, 10)
+    for prompt, outs in zip(chosen, got, strict=True):
+        assert outs[0] == alone(executor, key, prompt, 10)
 
 
 LONG_PROMPT_TOKENS = 3000

@@ -55,14 +55,20 @@ def _shape(w, cfg: ModelConfig) -> tuple[int, ...]:
     return (rows,) if w.spec.param == "bias" else (rows, columns)
 
 
+@pytest.mark.parametrize("whole_sums", [False, True], ids=["partial-sums", "whole-sums"])
 @pytest.mark.parametrize("size", [2, 4])
-def test_rank_slices_tile_every_tensor(size) -> None:
-    plans = [shard_plan(CFG, r, size) for r in range(size)]
+def test_rank_slices_tile_every_tensor(size, whole_sums) -> None:
+    """Under whole sums the row-parallel projections' weights and biases are split by their
+    output rows, every rank holding a slice."""
+    plans = [shard_plan(CFG, r, size, whole_sums) for r in range(size)]
+    row_parallel = (Split.QUERY_COLUMNS, Split.INTER_COLUMNS, Split.FIRST_RANK)
     for w in checkpoint_weights(1):
         shape = _shape(w, CFG)
         held = [r for r, p in enumerate(plans) if rank_holds(w.spec, p)]
         slices = [rank_slice(w.spec, plans[r], CFG.head_dim) for r in held]
-        if w.spec.split is Split.FIRST_RANK:
+        if whole_sums and w.spec.split in row_parallel:
+            assert len(held) == size and {s.axis for s in slices} == {0}, w.name
+        if w.spec.split is Split.FIRST_RANK and not whole_sums:
             assert held == [0] and slices == [None]
         elif w.spec.split is Split.REPLICATED:
             assert len(held) == size and slices == [None] * size

@@ -90,18 +90,15 @@ class ModelExecutor:
         from conveyor.executor.tp_worker import worker_process
 
         size = self.parallel.tensor_parallel_size
-        if weight_compute == "int8":
-            # Ranks computing their split of the blocks as integers do not yet reproduce one
-            # process's logits, so the combination is refused rather than run inexactly.
-            raise ValueError("weight_compute int8 is not supported with tensor_parallel_size > 1")
-        check_tensor_parallel(read_model_config(model), size)
+        tp = TensorParallel.of(0, size, weight_compute)
+        check_tensor_parallel(read_model_config(model), size, tp.whole_sums)
         self._threads_before = torch.get_num_threads()
         torch.set_num_threads(threads_per_rank(self.parallel))
         self.workers = TensorParallelWorkers(self.parallel, {
             "model": model, "device": self.device.type, "dtype": dtype_name(self.dtype),
             "kv_cache_dtype": dtype_name(self.kv_cache_dtype),
             "deterministic": deterministic, "weight_compute": weight_compute}, worker_process)
-        self.tp = TensorParallel(0, size)
+        self.tp = tp
 
     def __copy__(self) -> ModelExecutor:
         """A second executor over the same loaded model, with a KV cache of its own once

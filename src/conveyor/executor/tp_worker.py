@@ -62,7 +62,8 @@ def run_worker(spec: WorkerSpec) -> int:
             loaded = load_model(settings["model"], dtype, device, kv_cache_dtype=kv_dtype,
                                 deterministic=settings["deterministic"],
                                 weight_compute=settings["weight_compute"],
-                                tp=TensorParallel(spec.rank, spec.world_size),
+                                tp=TensorParallel.of(spec.rank, spec.world_size,
+                                                     settings["weight_compute"]),
                                 with_tokenizer=False)
             runner = ModelRunner(loaded, device, trim_after_long_steps=trim)
         except Exception as e:  # noqa: BLE001 - reported to rank 0, which raises it

@@ -21,8 +21,8 @@ from conveyor.model.layers.linear import Linear
 from conveyor.model.layers.lora import LoRAContext, LoRALayer
 from conveyor.model.layers.norm import RMSNorm
 from conveyor.model.layers.parallel import (
-    RowParallelLinear,
     TensorParallel,
+    row_parallel_linear,
     shard_plan,
     vocab_parallel_rows,
 )
@@ -66,16 +66,14 @@ class DecoderLayer(nn.Module):
         self.input_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, backend)
         self.qkv_proj = Linear(cfg.hidden_size, q_size + 2 * kv_size, bias=cfg.attention_bias,
                                shards={"q_proj": q_size, "k_proj": kv_size, "v_proj": kv_size})
-        self.o_proj = (Linear(q_size, cfg.hidden_size) if tp is None
-                       else RowParallelLinear(q_size, cfg.hidden_size, tp))
+        self.o_proj = row_parallel_linear(q_size, cfg.hidden_size, tp)
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, backend) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, backend) if cfg.qk_norm else None
         self.post_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, backend)
         inter = cfg.intermediate_size
         self.gate_up_proj = Linear(cfg.hidden_size, 2 * inter,
                                    shards={"gate_proj": inter, "up_proj": inter})
-        self.down_proj = (Linear(cfg.intermediate_size, cfg.hidden_size) if tp is None
-                          else RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, tp))
+        self.down_proj = row_parallel_linear(cfg.intermediate_size, cfg.hidden_size, tp)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor, cos: torch.Tensor,
                 sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -144,7 +142,8 @@ class LlamaForCausalLM(nn.Module):
         self.config = cfg
         self.backend = backend
         self.tp = tp if tp is not None and tp.size > 1 else None
-        self.plan = shard_plan(cfg, tp.rank, tp.size) if self.tp is not None else None
+        self.plan = (shard_plan(cfg, tp.rank, tp.size, tp.whole_sums) if self.tp is not None
+                     else None)
         local = self.plan.local_config(cfg) if self.plan is not None else cfg
         vocab = (self.plan.vocab_end - self.plan.vocab_start if self.plan is not None
                  else cfg.vocab_size)
@@ -247,17 +246,18 @@ class LlamaForCausalLM(nn.Module):
         for layer in self.layers:
             q, kv = layer.q_size, layer.kv_size
             inter = layer.gate_up_proj.out_features // 2
-            hidden = layer.o_proj.out_features
+            hidden = self.config.hidden_size
+            o, down = layer.o_proj, layer.down_proj  # (under whole sums: a slice of hidden)
             layer.qkv_proj.lora = LoRALayer(self.lora, {
                 "q_proj": (0, q), "k_proj": (q, q + kv), "v_proj": (q + kv, q + 2 * kv)},
                 hidden, max_rank, device)
-            layer.o_proj.lora = LoRALayer(self.lora, {"o_proj": (0, hidden)}, q, max_rank,
-                                          device)
+            layer.o_proj.lora = LoRALayer(self.lora, {"o_proj": (0, o.out_features)},
+                                          o.in_features, max_rank, device)
             layer.gate_up_proj.lora = LoRALayer(self.lora, {
                 "gate_proj": (0, inter), "up_proj": (inter, 2 * inter)}, hidden, max_rank,
                 device)
-            layer.down_proj.lora = LoRALayer(self.lora, {"down_proj": (0, hidden)}, inter,
-                                             max_rank, device)
+            layer.down_proj.lora = LoRALayer(self.lora, {"down_proj": (0, down.out_features)},
+                                             down.in_features, max_rank, device)
         if self.fused_decode is not None:
             self.fused_decode.set_lora([layer.decode_lora() for layer in self.layers])
         return self.lora

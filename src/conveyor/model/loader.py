@@ -191,7 +191,8 @@ def load_model(model: str | None, dtype: torch.dtype, device: torch.device,
     config = checkpoint.config
     kernels = select_kernels(device, dtype, config.head_dim, kv_cache_dtype, weight_compute,
                              deterministic)
-    plan = shard_plan(config, tp.rank, tp.size) if tp is not None and tp.size > 1 else None
+    plan = (shard_plan(config, tp.rank, tp.size, tp.whole_sums) if tp is not None and tp.size > 1
+            else None)
     tokenizer = load_tokenizer(path) if with_tokenizer else None
     if tokenizer is not None:
         for stop in (tokenizer.eos_token_id, end_of_turn_id(tokenizer)):

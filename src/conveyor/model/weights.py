@@ -24,7 +24,10 @@ from conveyor.model.layers.parallel import ShardPlan
 class Split(Enum):
     """Which part of a tensor a tensor-parallel rank holds: the rows or the columns of its
     query heads, KV heads, intermediate columns or vocabulary range, all of it, or (a
-    row-parallel projection's bias, added once after the all-reduce) all of it on rank 0 only."""
+    row-parallel projection's bias, added once after the all-reduce) all of it on rank 0 only.
+    Under whole sums (``ShardPlan.whole_sums``) the row-parallel projections' weights
+    (``QUERY_COLUMNS``, ``INTER_COLUMNS``) and biases (``FIRST_RANK``) are split by their
+    output rows instead: each rank holds its slice of the hidden features, of the whole input."""
     REPLICATED = "replicated"
     FIRST_RANK = "first rank"
     VOCAB_ROWS = "vocab rows"
@@ -189,15 +192,25 @@ class WeightSlice:
     stop: int
 
 
+# Row-parallel projections' tensors: split by output rows under whole sums
+_ROW_PARALLEL = (Split.QUERY_COLUMNS, Split.INTER_COLUMNS, Split.FIRST_RANK)
+
+
 def rank_holds(spec: WeightSpec, plan: ShardPlan | None) -> bool:
-    """Whether ``plan``'s rank loads the tensor at all (a row-parallel bias: rank 0 only)."""
-    return plan is None or spec.split is not Split.FIRST_RANK or plan.rank == 0
+    """Whether ``plan``'s rank loads the tensor at all (a row-parallel bias: rank 0 only, but
+    under whole sums every rank its rows)."""
+    return (plan is None or spec.split is not Split.FIRST_RANK or plan.rank == 0
+            or plan.whole_sums)
 
 
 def rank_slice(spec: WeightSpec, plan: ShardPlan | None, head_dim: int) -> WeightSlice | None:
     """The slice of the tensor that ``plan``'s rank holds; None for the whole tensor
     (replicated, or no plan)."""
-    if plan is None or plan.size == 1 or spec.split in (Split.REPLICATED, Split.FIRST_RANK):
+    if plan is None or plan.size == 1:
+        return None
+    if plan.whole_sums and spec.split in _ROW_PARALLEL:
+        return WeightSlice(0, plan.rank * plan.hidden, (plan.rank + 1) * plan.hidden)
+    if spec.split in (Split.REPLICATED, Split.FIRST_RANK):
         return None
     q_start = plan.rank * plan.num_heads * head_dim
     query = (q_start, q_start + plan.num_heads * head_dim)
