@@ -63,14 +63,14 @@ def test_bad_input_in_a_batch_adds_nothing(llm, engine):
 
 
 def test_chat_applies_the_template(llm, engine, tokenizer):
-    question = [{"role": "user", "content": "What is the capital of France?"}]
+    question = [{"role": "user", "content": "Name three primary colors."}]
     outs = llm.chat([question, [{"role": "user", "content": "Say hi."}]],
                     SamplingParams(temperature=0.0, max_tokens=10), use_tqdm=False)
     out = outs[0]
     expected = tokenizer.apply_chat_template(question, tokenize=False, add_generation_prompt=True)
     assert out.prompt == expected and out.prompt.endswith("<|im_start|>assistant\n")
     assert out.prompt_token_ids == tokenizer.encode(expected, add_special_tokens=False)
-    assert "Paris" in out.outputs[0].text
+    assert "primary colors" in out.outputs[0].text  # an answer to the user's message
     assert len(outs) == 2 and outs[1].prompt.count("<|im_start|>user\nSay hi.") == 1
     with pytest.raises(ValueError, match="messages"):
         llm.chat([{"role": "user"}], SamplingParams())

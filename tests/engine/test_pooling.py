@@ -34,6 +34,8 @@ def test_embeddings_equal_transformers_hidden_states_pooled(llm) -> None:
     ref = AutoModel.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),
                                     dtype=torch.float32)
     tok = llm.get_tokenizer()
+    # integer compute's 8-bit activations move a pooled vector by about 3e-4 in cosine
+    least = 0.999 if llm.llm_engine.executor.weight_compute == "int8" else 0.9999
     for text in TEXTS:
         ids = tok.encode(text)
         with torch.no_grad():
@@ -41,7 +43,7 @@ def test_embeddings_equal_transformers_hidden_states_pooled(llm) -> None:
         for method, expected in (("last", hidden[-1]), ("mean", hidden.mean(0)),
                                  ("cls", hidden[0])):
             raw = llm.embed(text, PoolingParams(method=method, normalize=False), use_tqdm=False)[0]
-            assert _cos(raw, expected) >= 0.9999, (text, method)
+            assert _cos(raw, expected) >= least, (text, method)
             unit = llm.embed(text, PoolingParams(method=method), use_tqdm=False)[0]
             assert torch.tensor(unit).norm().item() == pytest.approx(1.0, abs=1e-5)
             assert torch.allclose(torch.tensor(unit), F.normalize(torch.tensor(raw), dim=0),

@@ -29,7 +29,8 @@ NUM_TOKENS = 48
 def executor():
     from conveyor.executor.model_executor import ModelExecutor
 
-    return ModelExecutor(dtype="float32", device="cpu")
+    # float compute: the checks here are against transformers' float32 forward
+    return ModelExecutor(dtype="float32", device="cpu", weight_compute="float")
 
 
 @pytest.fixture(scope="session")

@@ -72,7 +72,8 @@ def test_preemption(executor, prompt_ids, reference_tokens, mode: str) -> None:
 def bf16_cache_executor():
     from conveyor.executor.model_executor import ModelExecutor
 
-    return ModelExecutor(dtype="float32", device="cpu", kv_cache_dtype="bfloat16")
+    return ModelExecutor(dtype="float32", device="cpu", kv_cache_dtype="bfloat16",
+                         weight_compute="float")
 
 
 def test_bf16_kv_cache_under_float32(bf16_cache_executor, executor, prompt_ids,

@@ -71,7 +71,8 @@ def reference(path: str, tokenizer) -> dict:
 def executor(backend: str) -> ModelExecutor:
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("CONVEYOR_BACKEND", backend)
-        return ModelExecutor(GEMMA3_ALIAS, dtype="float32", device="cpu")
+        # float compute: the checks here are against transformers' float32 forward
+        return ModelExecutor(GEMMA3_ALIAS, dtype="float32", device="cpu", weight_compute="float")
 
 
 @pytest.fixture(scope="module")
@@ -88,7 +89,8 @@ def torch_executor(path: str) -> ModelExecutor:
 
 
 def engine(ex: ModelExecutor, **kwargs) -> LLMEngine:
-    eng = LLMEngine(EngineArgs(model=GEMMA3_ALIAS, dtype="float32", device="cpu", **kwargs),
+    eng = LLMEngine(EngineArgs(model=GEMMA3_ALIAS, dtype="float32", device="cpu",
+                               weight_compute=ex.weight_compute, **kwargs),
                     executor=ex)
     groups = eng.scheduler.cache_config.kv_cache_groups
     assert len(groups) == 6 and groups == ex.kv_cache_groups  # the hybrid layout, not ()

@@ -106,7 +106,7 @@ def measure(model_path: str | None, dtype: torch.dtype, text: str, method: str =
     from conveyor.model.loader import load_model
 
     cpu = torch.device("cpu")
-    reference = load_model(model_path, dtype, cpu)
+    reference = load_model(model_path, dtype, cpu, weight_compute="float")
     ids = list(reference.tokenizer.encode(text))[:max_tokens]
     other = load_model(model_path, dtype, cpu, weight_compute=method, with_tokenizer=False)
     return compare(reference.model, other.model, ids, window, method, keep)

@@ -242,6 +242,8 @@ def run_conveyor(job: dict[str, Any]) -> SystemResult:
     dtype = str(llm.llm_engine.executor.dtype).removeprefix("torch.")
     kv_dtype = str(llm.llm_engine.executor.kv_cache_dtype).removeprefix("torch.")
     label = f"{dtype}, {engine_args.policy}, max_num_seqs {engine_args.max_num_seqs}"
+    if llm.llm_engine.executor.weight_compute == "int8":
+        label += ", int8 compute"
     if engine_args.tensor_parallel_size > 1:
         label += f", TP {engine_args.tensor_parallel_size}"
     if kv_dtype != dtype:
@@ -258,6 +260,7 @@ def run_conveyor(job: dict[str, Any]) -> SystemResult:
     extra: dict[str, Any] = {
         "dtype": dtype,
         "kv_cache_dtype": kv_dtype,
+        "weight_compute": llm.llm_engine.executor.weight_compute,
         "engine_args": dataclasses.asdict(engine_args),
         "model_config": {"name": config.name, **config.shape_dict()},
         "memory": _memory_budget(llm),

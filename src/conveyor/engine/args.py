@@ -29,7 +29,7 @@ class EngineArgs:
     model: str | None = None  # None: the embedded SmolLM2-135M-Instruct GGUF
     dtype: str = "auto"  # auto | bfloat16 | float32 | float16
     kv_cache_dtype: str = "auto"  # auto (the model's dtype) | bfloat16 | float32 | float16
-    weight_compute: str = "float"  # float | int8: a GGUF model's quantized matmuls as integers
+    weight_compute: str = "auto"  # auto | float | int8: a GGUF model's quantized matmuls
     device: str = "auto"  # auto | cpu | cuda
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 4096
@@ -95,10 +95,11 @@ _HELP = {
     "dtype": "weights/activations dtype: auto, bfloat16, float32, float16",
     "kv_cache_dtype": "KV cache dtype: auto (the model's) or another; bfloat16 under a float32 "
                       "model halves the cache's bytes (outputs then differ slightly)",
-    "weight_compute": "how a GGUF model's quantized weights are multiplied: float (the "
-                      "activations' dtype) or int8 (activations rounded to 8 bits per block of "
-                      "32, the file's blocks multiplied as integers, as llama.cpp does; "
-                      "accuracy in docs/performance.md)",
+    "weight_compute": "how a GGUF model's quantized weights are multiplied: int8 (activations "
+                      "rounded to 8 bits per block of 32, the file's blocks multiplied as "
+                      "integers, as llama.cpp does; accuracy in docs/performance.md), float "
+                      "(in the activations' dtype), or auto (int8 wherever the CPU kernels "
+                      "run the blocks, else float)",
     "device": "auto, cpu or cuda",
     "max_num_seqs": "most sequences in one batch",
     "max_num_batched_tokens": "most tokens computed in one step",
@@ -177,7 +178,7 @@ _HELP = {
 _CHOICES = {
     "dtype": ["auto", "bfloat16", "float32", "float16"],
     "kv_cache_dtype": ["auto", "bfloat16", "float32", "float16"],
-    "weight_compute": ["float", "int8"],
+    "weight_compute": ["auto", "float", "int8"],
     "device": ["auto", "cpu", "cuda"],
     **{name: choice.values() for name, choice in CHOICE_FIELDS.items()},
     "speculative_method": ["ngram", "draft_model"],

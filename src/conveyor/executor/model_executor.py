@@ -45,11 +45,10 @@ from conveyor.model.loader import load_model, model_path, read_model_config
 
 class ModelExecutor:
     def __init__(self, model: str | None = None, dtype: str = "auto", device: str = "auto",
-                 seed: int = 0, kv_cache_dtype: str = "auto", weight_compute: str = "float",
+                 seed: int = 0, kv_cache_dtype: str = "auto", weight_compute: str = "auto",
                  parallel: ParallelConfig | None = None, max_num_seqs: int = 64,
                  enforce_eager: bool = False, deterministic: bool = True) -> None:
         self.model_name = model  # as given (None: the embedded default)
-        self.weight_compute = weight_compute
         self.kv_connector: KVOffloadWorker | None = None  # start_kv_offload
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype, self.device)
@@ -60,6 +59,10 @@ class ModelExecutor:
         self.workers = None
         self.tp: TensorParallel | None = None
         if self.parallel.tensor_parallel_size > 1:
+            # Integer compute under tensor parallelism takes whole sums (four all-gathers a
+            # layer, the hidden size split too: docs/parallelism.md), so it is asked for there.
+            if weight_compute == "auto":
+                weight_compute = "float"
             self._start_workers(model, weight_compute, deterministic)
         torch.manual_seed(seed)
         try:
@@ -73,6 +76,7 @@ class ModelExecutor:
             self.workers.check_loaded(None)
         self.model_config: ModelConfig = loaded.config
         self.tokenizer = loaded.tokenizer
+        self.weight_compute = loaded.weight_compute  # what "auto" became
         self.deterministic = loaded.kernels.deterministic  # see docs/determinism.md
         self.runner = ModelRunner(loaded, self.device, seed, max_num_seqs,
                                   cuda_graphs=not enforce_eager and self.workers is None,

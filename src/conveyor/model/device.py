@@ -85,7 +85,7 @@ class KernelPlan:
 
 def select_kernels(device: torch.device, dtype: torch.dtype, head_dim: int,
                    cache_dtype: torch.dtype | None = None,
-                   weight_compute: str = "float", deterministic: bool = True) -> KernelPlan:
+                   weight_compute: str = "auto", deterministic: bool = True) -> KernelPlan:
     """The one place a model's kernels are chosen.
 
     * ``linear``: on the CPU, ``PanelMethod`` for float32, and for bf16 where the build targets
@@ -95,10 +95,11 @@ def select_kernels(device: torch.device, dtype: torch.dtype, head_dim: int,
       cannot be built); ``DenseMethod`` elsewhere (oneDNN would emulate bf16).
     * ``block_weights``: wherever the weights are packed for the CPU and the kernels built
       (layers/quantized.py, float32 or bf16 activations).
-    * ``int8_blocks``: integer compute, when asked (``weight_compute="int8"``), on the CPU
-      wherever the block weights are kept: every projection the file stores as blocks then
-      multiplies them as integers against activations rounded to 8 bits
-      (``layers/block_method.py``'s ``Int8BlockMethod``), whatever the model's dtype.
+    * ``int8_blocks``: integer compute, by default (``weight_compute="auto"``) and when asked
+      (``"int8"``), on the CPU wherever the block weights are kept: every projection the file
+      stores as blocks then multiplies them as integers against activations rounded to 8 bits
+      (``layers/block_method.py``'s ``Int8BlockMethod``), whatever the model's dtype. ``"float"``
+      multiplies them in the activations' dtype.
     * ``backend``: on CUDA, ``TritonBackend`` where Triton is installed and head_dim is a power
       of two from 16 to 256; on the CPU, ``CpuBackend`` wherever the kernels build, its
       attention kernel where it takes the queries' and cache's dtypes (float32/bf16; a float32
@@ -130,13 +131,13 @@ def select_kernels(device: torch.device, dtype: torch.dtype, head_dim: int,
     return KernelPlan(
         linear=linear,
         block_weights=block_weights,
-        int8_blocks=weight_compute == "int8",
+        int8_blocks=weight_compute == "int8" or (weight_compute == "auto" and block_weights),
         backend=select_backend(device, dtype, head_dim, cache_dtype, deterministic),
         deterministic=deterministic)
 
 
 BACKENDS = ("torch", "cpu", "triton")
-WEIGHT_COMPUTE = ("float", "int8")  # how quantized weights are multiplied (select_kernels)
+WEIGHT_COMPUTE = ("auto", "float", "int8")  # how quantized weights are multiplied (select_kernels)
 
 
 def select_backend(device: torch.device, dtype: torch.dtype, head_dim: int,

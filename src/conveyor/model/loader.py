@@ -137,6 +137,16 @@ class LoadedModel:
     tokenizer: Any
     kernels: KernelPlan
 
+    @property
+    def weight_compute(self) -> str:
+        """``int8`` where any projection multiplies its blocks as integers, else ``float``."""
+        from conveyor.model.layers.block_method import Int8BlockMethod
+
+        projections = (*(p for layer in self.model.layers for p in layer.projections),
+                       self.model.lm_head)
+        return "int8" if any(isinstance(p.method, Int8BlockMethod) for p in projections) \
+            else "float"
+
 
 @dataclass
 class Checkpoint:
@@ -172,11 +182,12 @@ def open_checkpoint(path: str) -> Checkpoint:
 
 
 def load_model(model: str | None, dtype: torch.dtype, device: torch.device,
-               weight_compute: str = "float",
+               weight_compute: str = "auto",
                kv_cache_dtype: torch.dtype | None = None, deterministic: bool = True,
                tp: TensorParallel | None = None, with_tokenizer: bool = True) -> LoadedModel:
-    """``weight_compute``: ``float``, or ``int8``: a GGUF model's quantized matmuls round their
-    activations to 8 bits and multiply the file's blocks as integers (``KernelPlan.int8_blocks``).
+    """``weight_compute``: ``int8``: a GGUF model's quantized matmuls round their activations to
+    8 bits and multiply the file's blocks as integers (``KernelPlan.int8_blocks``); ``float``: in
+    the activations' dtype; ``auto``: int8 wherever the CPU kernels keep the blocks.
     ``kv_cache_dtype`` (default: ``dtype``) is what the attention kernel's choice depends on.
     ``deterministic``: small batches' matmuls give the large ones' bits and every attention
     query row takes one arithmetic (``KernelPlan.deterministic``, ``pack_blocks``;
