@@ -101,6 +101,8 @@ class _EngineStatsCollector(Collector):
                           kt.offered_blocks)
             yield counter("kv_transfer_lost_blocks", "KV blocks handed over that failed "
                           "verification or were gone (computed instead).", kt.lost_blocks)
+            yield gauge("kv_transfer_held_blocks", "KV blocks handed over held for running "
+                        "requests.", kt.held_blocks)
         if s.max_loras:  # vLLM's lora_requests_info: the labels carry the adapters' names
             info = GaugeMetricFamily(PREFIX + "lora_requests_info",
                                      "LoRA adapters with running and with only waiting "
