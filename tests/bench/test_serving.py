@@ -94,6 +94,21 @@ def test_one_spawned_fleet_per_router():
     assert spawn_variants(single) == [("conveyor", [])]
 
 
+def test_pd_variants_spawn_a_disaggregated_fleet_beside_a_plain_one():
+    parser = argparse.ArgumentParser()
+    add_parser(parser.add_subparsers())
+    args = parser.parse_args(["serve", "--spawn", "--data-parallel-size", "2",
+                              "--pd-variants", "off,1:1", "--ray-num-cpus", "2"])
+    variants = spawn_variants(args)
+    assert [label for label, _ in variants] == ["conveyor dp2 prefix_affinity",
+                                                "conveyor pd1:1 prefix_affinity"]
+    assert variants[1][1] == ["--data-parallel-size", "2", "--pd", "1:1",
+                              "--threads-per-replica", "1", "--ray-num-cpus", "2",
+                              "--router", "prefix_affinity"]
+    with pytest.raises(ValueError, match="bad --pd"):
+        spawn_variants(parser.parse_args(["serve", "--spawn", "--pd-variants", "2"]))
+
+
 def test_summary_goodput_counts_requests_within_every_slo():
     fast = RequestResult(True, 10, output_tokens=5, ttft=0.1, e2e=0.5, itl=[0.1] * 4)
     slow = RequestResult(True, 10, output_tokens=5, ttft=2.0, e2e=2.4, itl=[0.1] * 4)

@@ -253,24 +253,43 @@ async def run_sweep(base_url: str, args: argparse.Namespace) -> list[dict[str, A
 
 def spawn_variants(args: argparse.Namespace) -> list[tuple[str, list[str]]]:
     """(label, extra `conveyor serve` flags) per server to spawn: one, or one per --router of a
-    --data-parallel-size fleet, each once per --kv-offload-variants size, measured one after the
-    other in this run."""
+    --data-parallel-size fleet, each once per --pd-variants shape and per --kv-offload-variants
+    size, measured one after the other in this run."""
     offloads = parse_offload_variants(args.kv_offload_variants)
-    if args.data_parallel_size <= 1 and not args.router:
+    shapes = parse_pd_variants(getattr(args, "pd_variants", None))
+    if args.data_parallel_size <= 1 and not args.router and not shapes:
         servers = [(args.label, [])]
     else:
-        fleet = ["--data-parallel-size", str(args.data_parallel_size),
-                 "--threads-per-replica", str(args.threads_per_replica)]
+        common = ["--threads-per-replica", str(args.threads_per_replica)]
         if args.ray_num_cpus is not None:
-            fleet += ["--ray-num-cpus", str(args.ray_num_cpus)]
+            common += ["--ray-num-cpus", str(args.ray_num_cpus)]
         routers = [r.strip() for r in (args.router or "prefix_affinity").split(",") if r.strip()]
-        servers = [(f"{args.label} dp{args.data_parallel_size} {r}", fleet + ["--router", r])
-                   for r in routers]
+        fleets = []
+        for shape in shapes or [None]:
+            if shape is None:
+                fleets.append((f"dp{args.data_parallel_size}",
+                               ["--data-parallel-size", str(args.data_parallel_size)]))
+            else:
+                p, d = shape
+                fleets.append((f"pd{p}:{d}", ["--data-parallel-size", str(p + d),
+                                              "--pd", f"{p}:{d}"]))
+        servers = [(f"{args.label} {name} {r}", flags + common + ["--router", r])
+                   for name, flags in fleets for r in routers]
     if not offloads:
         return servers
     return [(f"{label} offload={'off' if n == 0 else n}",
              flags + ["--kv-offload-cpu-bytes", str(n)])
             for label, flags in servers for n in offloads]
+
+
+def parse_pd_variants(text: str | None) -> list[tuple[int, int] | None]:
+    """``"off,1:1"`` -> [None, (1, 1)]: a plain --data-parallel-size fleet, then a prefill/decode
+    one."""
+    from conveyor.routing.pd_split import parse_pd
+
+    if not text:
+        return []
+    return [None if t.strip() == "off" else parse_pd(t) for t in text.split(",") if t.strip()]
 
 
 def parse_offload_variants(text: str | None) -> list[int]:
@@ -469,5 +488,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                    "comma-separated (0: offload off), e.g. 0,268435456")
     d.add_argument("--ray-num-cpus", type=int, default=None,
                    help="CPUs of the spawned fleet's local Ray instance (default: every core)")
+    d.add_argument("--pd-variants", default=None, metavar="off,P:D",
+                   help="with --spawn: one fleet per value, comma-separated: off (plain "
+                   "--data-parallel-size replicas) or P:D (conveyor serve --pd P:D), e.g. "
+                   "off,1:1 compares prefill/decode disaggregation with plain replicas")
     add_cli_args(p)
     p.set_defaults(func=main)

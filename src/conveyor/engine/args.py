@@ -75,6 +75,8 @@ class EngineArgs:
     kv_offload_disk: str | None = None  # directory of the disk tier; None: no such tier
     kv_offload_disk_bytes: int = 0  # most bytes the disk tier's files take
     kv_events: bool = False  # publish the blocks stored and removed per tier (LLMEngine.kv_events)
+    # prefill/decode disaggregation: None | producer (hands prompts' blocks over) | consumer
+    kv_transfer: str | None = None
 
     def __post_init__(self) -> None:
         parse_choices(self)  # given as strings (flags, user code), held as enum members
@@ -171,6 +173,9 @@ _HELP = {
                              "--kv-offload-disk)",
     "kv_events": "publish the KV blocks the engine stores and removes, per tier (pool, cpu, "
                  "disk), for a cache-aware router (LLMEngine.kv_events)",
+    "kv_transfer": "prefill/decode disaggregation (docs/kv_cache.md): producer, an engine that "
+                   "hands its prompts' KV blocks over; consumer, one that loads blocks handed to "
+                   "it instead of computing them (`conveyor serve --pd` sets it per replica)",
     "pooling": "how embedding requests pool hidden states: last, mean or cls (default: the "
                "model's sentence-transformers pooling config, else last)",
 }
@@ -183,6 +188,7 @@ _CHOICES = {
     **{name: choice.values() for name, choice in CHOICE_FIELDS.items()},
     "speculative_method": ["ngram", "draft_model"],
     "pooling": ["last", "mean", "cls"],
+    "kv_transfer": ["producer", "consumer"],
 }
 
 

@@ -9,6 +9,11 @@ disk tier shared by engines of other models or layouts never mixes their blocks;
 in blocks (a block's bytes plus its stored header); prepares the disk tier's directory
 (``<--kv-offload-disk>/<namespace>``); and starts both halves: the scheduler's
 (``TieredOffloadScheduler``, handed the blocks the directory holds already) and the executor's.
+
+With ``kv_transfer`` (prefill/decode disaggregation) blocks are keyed in the same namespace: a
+producer only needs the namespace (``engine/kv_transfer.py`` reads its blocks out); a consumer
+gets an ``InboundKVScheduler`` and the executor's runner half over an ``InboundStore``. The
+tiers and the transfer do not combine yet (one connector per engine).
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from typing import Any
 
 from conveyor.core.kv_connector.config import KVOffloadConfig
 from conveyor.core.kv_connector.events import DISK, KVEventLog
+from conveyor.core.kv_connector.inbound import InboundKVScheduler
 from conveyor.core.kv_connector.keys import KEY_BYTES, root_key
 from conveyor.core.kv_connector.offload import TieredOffloadScheduler
 from conveyor.engine.args import EngineArgs
@@ -31,9 +37,10 @@ logger = logging.getLogger("conveyor.engine")
 
 @dataclass
 class KVConnectorSetup:
-    connector: TieredOffloadScheduler | None = None
+    connector: TieredOffloadScheduler | InboundKVScheduler | None = None
     events: KVEventLog | None = None
-    namespace: bytes | None = None  # None: blocks are not keyed (neither of the above)
+    namespace: bytes | None = None  # None: blocks are not keyed (none of these)
+    inbound: Any = None  # a consumer's InboundStore (the bytes handed over)
 
 
 def offload_config(args: EngineArgs) -> KVOffloadConfig:
@@ -47,10 +54,17 @@ def setup_kv_connector(args: EngineArgs, executor: Any) -> KVConnectorSetup:
     config = offload_config(args)
     if not isinstance(args.kv_events, bool):
         raise ValueError(f"kv_events must be a bool, got {args.kv_events!r}")
-    if not config.enabled and not args.kv_events:
+    if args.kv_transfer not in (None, "producer", "consumer"):
+        raise ValueError(f"kv_transfer must be None, 'producer' or 'consumer', got "
+                         f"{args.kv_transfer!r}")
+    if not config.enabled and not args.kv_events and args.kv_transfer is None:
         return KVConnectorSetup()
-    if config.enabled:
-        _check_supported(args, executor)
+    if config.enabled and args.kv_transfer is not None:
+        raise ValueError("KV offload (--kv-offload-*) and prefill/decode disaggregation "
+                         "(--kv-transfer, --pd) do not combine yet: an engine has one KV "
+                         "connector")
+    if config.enabled or args.kv_transfer is not None:
+        _check_supported(args, executor, "--kv-offload-*" if config.enabled else "--pd")
     if not hasattr(executor, "kv_identity"):
         raise ValueError(f"KV offload and KV events need an executor that names its KV "
                          f"contents (kv_identity); {type(executor).__name__} does not")
@@ -58,6 +72,9 @@ def setup_kv_connector(args: EngineArgs, executor: Any) -> KVConnectorSetup:
     namespace = blake2b(executor.kv_identity(block_size).encode(),
                         digest_size=KEY_BYTES).digest()
     events = KVEventLog(block_size) if args.kv_events else None
+    if args.kv_transfer == "consumer":
+        store = executor.start_kv_inbound(namespace, block_size)
+        return KVConnectorSetup(InboundKVScheduler(block_size), events, namespace, store)
     if not config.enabled:
         return KVConnectorSetup(None, events, namespace)
     stored = executor.kv_cache_bytes_per_block(block_size) + header_size(block_size)
@@ -75,28 +92,29 @@ def setup_kv_connector(args: EngineArgs, executor: Any) -> KVConnectorSetup:
     return KVConnectorSetup(connector, events, namespace)
 
 
-def _check_supported(args: EngineArgs, executor: Any) -> None:
+def _check_supported(args: EngineArgs, executor: Any, flag: str) -> None:
+    what = ("KV offload (--kv-offload-*)" if flag == "--kv-offload-*"
+            else "prefill/decode disaggregation (--pd)")
     if not args.enable_prefix_caching:
-        raise ValueError("KV offload (--kv-offload-*) extends the prefix cache: it needs "
-                         "--enable-prefix-caching")
+        raise ValueError(f"{what} extends the prefix cache: it needs --enable-prefix-caching")
     if args.tensor_parallel_size > 1:
-        raise ValueError("KV offload (--kv-offload-*) does not support tensor parallelism yet "
+        raise ValueError(f"{what} does not support tensor parallelism yet "
                          "(--tensor-parallel-size > 1): each rank's share of a block would have "
                          "to move with it")
     device = str(getattr(executor, "device", "cpu"))
     if not device.startswith("cpu"):
-        raise ValueError(f"KV offload (--kv-offload-*) runs on the CPU device only for now; "
+        raise ValueError(f"{what} runs on the CPU device only for now; "
                          f"this engine runs on {device!r}")
     groups = getattr(executor, "kv_cache_groups", ())
     if len(groups) > 1:
-        raise ValueError(f"KV offload (--kv-offload-*) does not support hybrid KV caches yet: "
+        raise ValueError(f"{what} does not support hybrid KV caches yet: "
                          f"this model's layers form {len(groups)} KV-cache groups "
                          "(sliding-window and global attention)")
     if args.speculative_method == "draft_model":
-        raise ValueError("KV offload (--kv-offload-*) does not support --speculative-method "
+        raise ValueError(f"{what} does not support --speculative-method "
                          "draft_model: the draft model's KV cache would not follow the loads")
     if not hasattr(executor, "start_kv_offload"):
-        raise ValueError(f"KV offload needs an executor with a KV connector runner half; "
+        raise ValueError(f"{what} needs an executor with a KV connector runner half; "
                          f"{type(executor).__name__} has none")
 
 

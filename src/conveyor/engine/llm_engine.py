@@ -16,6 +16,8 @@ from typing import TYPE_CHECKING, Any
 
 from conveyor.core.config import CacheConfig, PreemptionMode, SchedulerConfig
 from conveyor.core.kv_connector.events import KVEventBatch
+from conveyor.core.kv_connector.inbound import InboundKVScheduler
+from conveyor.core.kv_connector.offload import TieredOffloadScheduler
 from conveyor.core.kv_connector.snapshot import snapshot_events
 from conveyor.core.pooling_params import PoolingParams
 from conveyor.core.sampling_params import SamplingParams
@@ -24,6 +26,7 @@ from conveyor.core.scheduler_output import SchedulerOutput
 from conveyor.core.sequence import Sequence, SequenceGroup, SequenceStatus
 from conveyor.engine.args import EngineArgs
 from conveyor.engine.kv_offload import setup_kv_connector
+from conveyor.engine.kv_transfer import KVTransfer
 from conveyor.engine.output_processor import OutputProcessor
 from conveyor.engine.outputs import RequestOutput
 from conveyor.engine.speculative import build_speculative
@@ -82,7 +85,8 @@ class LLMEngine:
         # the KV events of each step (KVEventLog: drain, iterate or subscribe); None: off
         self.kv_events = kv.events
         self.kv_key_namespace = kv.namespace  # what content keys are computed in (keys.py)
-        self._kv_offload = kv.connector
+        self._kv_offload = kv.connector if isinstance(kv.connector, TieredOffloadScheduler) \
+            else None
         self._clock = time.monotonic
         speculative = build_speculative(args, self.executor, self.num_gpu_blocks,
                                         self.num_cpu_blocks)
@@ -112,6 +116,8 @@ class LLMEngine:
             kv_events=kv.events,
             kv_key_namespace=kv.namespace,
         )
+        # prefill/decode disaggregation's handoff (engine/kv_transfer.py); None: off
+        self.kv_transfer = KVTransfer(self, kv.inbound) if args.kv_transfer else None
         self._outputs = OutputProcessor(self.tokenizer, self.scheduler.finish_sequence, self._clock)
         self._grammar: StructuredOutputManager | None = None  # built with the first constraint
         self._grammar_lock = threading.Lock()
@@ -484,6 +490,8 @@ class LLMEngine:
         stats.finished_by_reason = dict(self._outputs.finished_by_reason)
         if self._kv_offload is not None:
             stats.kv_offload = self._kv_offload.stats
+        if isinstance(self.scheduler.kv_connector, InboundKVScheduler):
+            stats.kv_transfer = self.scheduler.kv_connector.stats
         pool = self.lora_pool
         if pool is not None:
             stats.lora_adapters_in_memory = len(pool.host)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from conveyor.core.kv_connector.inbound import InboundStats
 from conveyor.core.kv_connector.offload import KVOffloadStats
 from conveyor.core.stats import SchedulerStats
 
@@ -29,3 +30,5 @@ class EngineStats:
     # KV offload tiers (docs/kv_cache.md): hits per tier and what they hold; None without them.
     # ``scheduler.prefix_cache_hits`` counts every prompt token not computed, loaded ones too.
     kv_offload: KVOffloadStats | None = None
+    # KV blocks handed over by prefill engines (a --pd decode replica); None: not one
+    kv_transfer: InboundStats | None = None

@@ -81,6 +81,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                    choices=["prefix_affinity", "round_robin", "least_loaded", "kv_aware"],
                    help="how requests are spread over replicas (default: prefix_affinity); "
                    "kv_aware routes by the replicas' KV events (turns --kv-events on)")
+    d.add_argument("--pd", default=None, metavar="P:D",
+                   help="prefill/decode disaggregation: P prefill and D decode replicas; a "
+                   "request's prompt runs on a prefill replica, its KV blocks move to a decode "
+                   "replica through Ray's object store, and it decodes there "
+                   "(--data-parallel-size defaults to P + D; docs/kv_cache.md)")
     d.add_argument("--threads-per-replica", type=int, default=1,
                    help="torch threads (and Ray CPUs) per replica (default: 1)")
     d.add_argument("--ray-num-cpus", type=int, default=None,
@@ -103,7 +108,8 @@ def _run(args: argparse.Namespace) -> int:
     from conveyor.entrypoints.openai.server import run_server
     from conveyor.model.loader import check_model
 
-    on_ray = args.data_parallel_size > 1 or args.ray_address is not None
+    on_ray = (args.data_parallel_size > 1 or args.ray_address is not None
+              or args.pd is not None)
     try:  # a wrong --model fails here, before the server listens
         check_model(args.model, keep_reader=not on_ray)  # a fleet loads it in its replicas
     except ValueError as e:
@@ -147,9 +153,13 @@ def _run(args: argparse.Namespace) -> int:
         ssl_keyfile=args.ssl_keyfile, ssl_certfile=args.ssl_certfile,
         lora_modules=lora_modules)
     if on_ray:
-        from conveyor.entrypoints.ray_serve.launcher import FleetConfig, run_fleet
+        from conveyor.entrypoints.ray_serve.launcher import pd_fleet_config, run_fleet
 
-        fleet = FleetConfig(args.data_parallel_size, args.router, args.threads_per_replica,
-                            args.ray_address, args.ray_num_cpus)
+        try:
+            fleet = pd_fleet_config(args.data_parallel_size, args.pd, router=args.router,
+                                    threads_per_replica=args.threads_per_replica,
+                                    ray_address=args.ray_address, num_cpus=args.ray_num_cpus)
+        except ValueError as e:
+            raise SystemExit(str(e)) from e
         return run_fleet(from_cli_args(args), fleet, **server_kwargs)
     return run_server(from_cli_args(args), **server_kwargs)

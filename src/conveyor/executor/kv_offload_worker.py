@@ -1,6 +1,6 @@
 """KVOffloadWorker: the runner half of the offloading KV connector (``core/kv_connector``) — it
 moves block contents between the model runner's KV cache and the tiers' storage
-(``kv_tier_store.py``).
+(``kv_tier_store.py``), or loads blocks another engine handed over (``kv_inbound_store.py``).
 
 ``start_step`` runs on the engine's thread before the step's block operations and forward: it
 copies every block the step saves out of the cache (the pool has handed those blocks to new
@@ -36,13 +36,14 @@ from conveyor.core.kv_connector.interface import (
     SaveBlock,
 )
 from conveyor.executor.kv_block_file import CorruptBlock
+from conveyor.executor.kv_inbound_store import InboundStore
 from conveyor.executor.kv_tier_store import TierStore
 
 LOAD_WAIT_S = 0.01  # an otherwise idle step waits this long for a load to finish
 
 
 class KVOffloadWorker:
-    def __init__(self, runner: Any, store: TierStore) -> None:
+    def __init__(self, runner: Any, store: TierStore | InboundStore) -> None:
         """``runner``: the ModelRunner whose ``kv_cache`` the blocks live in."""
         self.store = store
         self._runner = runner

@@ -4,9 +4,10 @@ starts or meets the other ranks (``conveyor.distributed``): this process is then
 holds one shard of the model and its KV heads' cache, ships each step to the other ranks,
 runs its own shard of the same forward, and samples from the logits gathered onto it.
 
-With KV offload (``start_kv_offload``) it also runs the KV connector's runner half
-(``kv_offload_worker.py``): each step's connector ops start before the step's block operations,
-and the step's output carries what the connector finished.
+With KV offload (``start_kv_offload``) or blocks handed over by a prefill engine
+(``start_kv_inbound``) it also runs the KV connector's runner half (``kv_offload_worker.py``):
+each step's connector ops start before the step's block operations, and the step's output
+carries what the connector finished. ``read_kv_blocks`` copies blocks out for a handoff.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from conveyor.core.scheduler_output import ExecutorOutput, SchedulerOutput
 from conveyor.core.spec_decode.config import SpeculativeConfig
 from conveyor.distributed.group import ParallelConfig
 from conveyor.distributed.step import ENABLE_LORA, INIT_CACHE, StepMessage, lora_slot_message
+from conveyor.executor.kv_inbound_store import InboundStore
 from conveyor.executor.kv_offload_worker import KVOffloadWorker
 from conveyor.executor.kv_tier_store import TierStore
 from conveyor.executor.model_fingerprint import model_fingerprint
@@ -181,6 +183,23 @@ class ModelExecutor:
         self.kv_connector = worker = KVOffloadWorker(self.runner, store)
         weakref.finalize(self, worker.shutdown)
         return found
+
+    def start_kv_inbound(self, namespace: bytes, block_size: int) -> InboundStore:
+        """Start the KV connector's runner half over this executor's (initialized) cache for
+        blocks another engine computed; returns the store they are put in."""
+        if self.kv_connector is not None:
+            self.kv_connector.shutdown()
+        store = InboundStore(namespace, self.kv_cache_bytes_per_block(block_size))
+        self.kv_connector = worker = KVOffloadWorker(self.runner, store)
+        weakref.finalize(self, worker.shutdown)
+        return store
+
+    def read_kv_blocks(self, blocks: list[int]) -> list[Any]:
+        """Copies of pool blocks' bytes (every layer's K and V, as one block is laid out), as
+        NumPy uint8 arrays; call it between steps (the engine's thread)."""
+        cache = self.runner.kv_cache.cache
+        return [cache[:, :, b].contiguous().view(torch.uint8).reshape(-1).cpu().numpy()
+                for b in blocks]
 
     def initialize_cache(self, block_size: int, num_gpu_blocks: int, num_cpu_blocks: int = 0) -> None:
         if self.workers is not None:

@@ -28,6 +28,7 @@ import numpy as np
 
 from conveyor.core.sampling_params import SamplingParams
 from conveyor.routing import make_router
+from conveyor.routing.pd_split import parse_pd  # noqa: F401 - the simulator's CLI imports it here
 from conveyor.sim.clock import VirtualClock
 from conveyor.sim.cost_model import CostModel
 from conveyor.sim.decode_inbound import Inbound
@@ -39,18 +40,6 @@ from conveyor.sim.runner import KvUsage, RequestLog, SimConfig, build, run_resul
 from conveyor.sim.workload import Workload
 
 HANDOFF_TOKEN = 0  # the first token, as the SimulatedExecutor samples it
-
-
-def parse_pd(text: str) -> tuple[int, int]:
-    """``P:D`` -> (P, D), both >= 1."""
-    p, sep, d = text.strip().partition(":")
-    try:
-        num_p, num_d = int(p), int(d)
-    except ValueError:
-        num_p = num_d = 0
-    if not sep or num_p < 1 or num_d < 1:
-        raise ValueError(f"bad --pd {text!r}: use PREFILL:DECODE instance counts, e.g. 1:1")
-    return num_p, num_d
 
 
 @dataclass

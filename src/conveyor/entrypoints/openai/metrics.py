@@ -93,6 +93,16 @@ class _EngineStatsCollector(Collector):
                          "KV blocks a KV offload tier holds.", kv.blocks_cpu, kv.blocks_disk)
             yield counter("kv_offload_lost_blocks", "Stored KV blocks found corrupt, truncated "
                           "or missing when read back (computed again).", kv.lost_blocks)
+        kt = s.kv_transfer
+        if kt is not None:  # a decode replica of prefill/decode disaggregation
+            yield counter("kv_transfer_loaded_blocks", "KV blocks handed over by a prefill "
+                          "replica and loaded instead of computed.", kt.loaded_blocks)
+            yield counter("kv_transfer_offered_blocks", "KV blocks handed over with requests.",
+                          kt.offered_blocks)
+            yield counter("kv_transfer_lost_blocks", "KV blocks handed over that failed "
+                          "verification or were gone (computed instead).", kt.lost_blocks)
+            yield gauge("kv_transfer_held_blocks", "KV blocks handed over held for running "
+                        "requests.", kt.held_blocks)
         if s.max_loras:  # vLLM's lora_requests_info: the labels carry the adapters' names
             info = GaugeMetricFamily(PREFIX + "lora_requests_info",
                                      "LoRA adapters with running and with only waiting "

@@ -72,23 +72,38 @@ class FleetEngine:
                        lora_request: LoRARequest | None = None) -> AsyncIterator[Any]:
         """``AsyncEngine.generate`` over the replicas; the router places a ``lora_request``'s
         request with its adapter's affinity."""
+        got_output = False
+        self._waiting_first_output += 1
+        try:
+            async for delta in self.stream(self.handle, request_id, dict(
+                    prompt=prompt, params=sampling_params, priority=priority,
+                    fairness_key=fairness_key, lora_request=lora_request)):
+                if not got_output:
+                    got_output = True
+                    self._waiting_first_output -= 1
+                yield delta
+        finally:
+            if not got_output:
+                self._waiting_first_output -= 1
+
+    async def stream(self, handle: Any, request_id: str, kwargs: dict[str, Any],
+                     retry: bool = True) -> AsyncIterator[Any]:
+        """The items of one ``generate`` call on ``handle``'s replicas, up to the first whose
+        ``finished`` is true. With ``retry``, a call whose replica died before it produced
+        anything is sent again; a replica that dies later ends it with a 503."""
         from ray.exceptions import RayActorError, RayTaskError
 
         got_output = finished = False
-        self._waiting_first_output += 1
         try:
             for attempt in range(1, MAX_ATTEMPTS + 1):
-                response = self.handle.options(stream=True).generate.remote(
-                    request_id=request_id, prompt=prompt, params=sampling_params,
-                    priority=priority, fairness_key=fairness_key, lora_request=lora_request)
+                response = handle.options(stream=True).generate.remote(request_id=request_id,
+                                                                       **kwargs)
                 self._responses[request_id] = response
                 try:
-                    async for delta in response:
-                        if not got_output:
-                            got_output = True
-                            self._waiting_first_output -= 1
-                        finished = delta.finished
-                        yield delta
+                    async for item in response:
+                        got_output = True
+                        finished = item.finished
+                        yield item
                     if not finished:
                         raise APIError(503, "the replica ended the request's stream before it "
                                        "finished", code="replica_failed")
@@ -97,15 +112,13 @@ class FleetEngine:
                     cause = e.cause if isinstance(e.cause, Exception) else e
                     raise cause from None
                 except RayActorError as e:
-                    if got_output or attempt == MAX_ATTEMPTS:
+                    if got_output or not retry or attempt == MAX_ATTEMPTS:
                         raise APIError(503, f"the replica serving this request died ({e}); "
                                        "the request did not complete, retry it",
                                        code="replica_died") from None
                     logger.warning("replica died before request %s started; sending it again "
                                    "(attempt %d)", request_id, attempt + 1)
         finally:
-            if not got_output:
-                self._waiting_first_output -= 1
             response = self._responses.pop(request_id, None)
             if response is not None and not finished:
                 response.cancel()  # the client left (or failed): abort it on its replica
@@ -121,6 +134,10 @@ class FleetEngine:
             if task is not None and self._loop is not None:
                 self._loop.call_soon_threadsafe(task.cancel)
         self.abort_all()
+
+    def router_snapshot(self) -> dict[str, Any]:
+        """The router's counters (``RouterStats.snapshot``), for /metrics and /health."""
+        return self.router_stats.snapshot()
 
     async def call_replica(self, method: str, replica: str, *args: Any,
                            timeout: float = REPLICA_CALL_TIMEOUT_S) -> Any:
@@ -237,7 +254,7 @@ class FleetMetrics:
         self.model_name = model_name
 
     async def render(self) -> bytes:
-        stats = self.engine.router_stats.snapshot()
+        stats = self.engine.router_snapshot()
         replicas = stats["replicas"]
         texts = await asyncio.gather(*(self.engine.call_replica("metrics_text", r)
                                        for r in replicas), return_exceptions=True)
@@ -287,10 +304,12 @@ class FleetMetrics:
 
 class FleetState(ServerState):
     """ServerState whose engine is a fleet: ``deploy`` (run in a thread at startup) brings the
-    replicas up and returns (deployment handle, router stats); whoever deployed them takes
-    them down after the server stopped."""
+    replicas up and returns (a deployment handle to ask ``info``, a function that builds the
+    FleetEngine from that info); whoever deployed them takes them down after the server
+    stopped."""
 
-    def __init__(self, engine_args: EngineArgs, deploy: Callable[[], tuple[Any, RouterStats]],
+    def __init__(self, engine_args: EngineArgs,
+                 deploy: Callable[[], tuple[Any, Callable[[dict[str, Any]], FleetEngine]]],
                  served_model_name: str | None = None,
                  max_queued_requests: int | None = None) -> None:
         super().__init__(engine_args, served_model_name, max_queued_requests)
@@ -298,14 +317,15 @@ class FleetState(ServerState):
 
     async def load(self) -> None:
         try:
-            handle, router_stats = await asyncio.to_thread(self._deploy)
+            handle, make_engine = await asyncio.to_thread(self._deploy)
             info = await handle.info.remote()
         except Exception as e:
             logger.exception("failed to start the replicas")
             self.load_error = e
             self.on_fatal()
             return
-        engine = FleetEngine(handle, info, router_stats)
+        engine = make_engine(info)
+        router_stats = engine.router_stats
         name = self.served_model_name or self.engine_args.model or info["model_name"]
         self.metrics = FleetMetrics(engine, name)  # type: ignore[assignment]
         self.engine = engine  # type: ignore[assignment]
@@ -316,12 +336,12 @@ class FleetState(ServerState):
         if router_stats.policy == "kv_aware":
             engine.start_kv_events()
         logger.info("%d replica(s) of %s ready (router %s); serving",
-                    len(router_stats.replicas), name, router_stats.policy)
+                    len(engine.router_snapshot()["replicas"]), name, router_stats.policy)
 
     async def health(self) -> dict[str, Any]:
         self.ready_engine()
         engine: FleetEngine = self.engine  # type: ignore[assignment]
-        replicas = engine.router_stats.snapshot()["replicas"]
+        replicas = engine.router_snapshot()["replicas"]
         results = await asyncio.gather(*(engine.call_replica("health", r) for r in replicas),
                                        return_exceptions=True)
         status = {r: {"status": "ok", **res} if not isinstance(res, BaseException)

@@ -1,5 +1,9 @@
 """`conveyor serve --data-parallel-size N`: start (or join) a Ray cluster, deploy N replicas with
-Ray Serve, and serve the OpenAI app over them from this process (see docs/parallelism.md)."""
+Ray Serve, and serve the OpenAI app over them from this process (see docs/parallelism.md).
+
+With ``--pd P:D`` (prefill/decode disaggregation, docs/kv_cache.md) they are two deployments,
+each an application of its own with its own router: P prefill replicas (``kv_transfer``
+producer) and D decode replicas (consumer), served by a PDFleetEngine."""
 
 from __future__ import annotations
 
@@ -13,6 +17,8 @@ logger = logging.getLogger("conveyor.serve")
 
 APP_NAME = "conveyor"
 DEPLOYMENT_NAME = "ConveyorReplica"
+PREFILL_APP, PREFILL_DEPLOYMENT = "conveyor-prefill", "ConveyorPrefill"
+DECODE_APP, DECODE_DEPLOYMENT = "conveyor-decode", "ConveyorDecode"
 MAX_ONGOING_REQUESTS = 1024  # Serve's per-replica cap; the engine's own queue does the waiting
 
 
@@ -23,29 +29,74 @@ class FleetConfig:
     threads_per_replica: int = 1
     ray_address: str | None = None  # None: start a local Ray instance for this server
     num_cpus: int | None = None  # for a local instance (None: Ray's default, every core)
+    pd: tuple[int, int] | None = None  # (prefill, decode) replicas; None: all alike
+
+    def __post_init__(self) -> None:
+        if self.pd is not None and sum(self.pd) != self.data_parallel_size:
+            raise ValueError(f"--pd {self.pd[0]}:{self.pd[1]} is {sum(self.pd)} replicas but "
+                             f"--data-parallel-size is {self.data_parallel_size}")
+
+
+def pd_fleet_config(data_parallel_size: int, pd: str | None, **kwargs: object) -> FleetConfig:
+    """The FleetConfig of ``--data-parallel-size`` and ``--pd P:D`` (ValueError when bad): a
+    ``--data-parallel-size`` left at 1 takes P + D."""
+    if pd is None:
+        return FleetConfig(data_parallel_size, **kwargs)  # type: ignore[arg-type]
+    from conveyor.routing.pd_split import parse_pd
+
+    split = parse_pd(pd)
+    size = sum(split) if data_parallel_size == 1 else data_parallel_size
+    return FleetConfig(size, pd=split, **kwargs)  # type: ignore[arg-type]
 
 
 def deploy(engine_args: EngineArgs, fleet: FleetConfig,
            served_model_name: str | None = None) -> tuple[Any, Any]:
-    """Bring the replicas up (blocks until they have loaded the model); returns the deployment
-    handle and the router's stats. ``disconnect_ray`` takes them down again."""
-    import ray
+    """Bring the replicas up (blocks until they have loaded the model); returns a deployment
+    handle (to ask ``info``) and the function that builds the FleetEngine from that info.
+    ``disconnect_ray`` takes them down again."""
     from ray import serve
-    from ray.serve.config import ProxyLocation, RequestRouterConfig
+    from ray.serve.config import ProxyLocation
 
-    from conveyor.entrypoints.ray_serve.replica import ConveyorReplica
-    from conveyor.entrypoints.ray_serve.router import ConveyorRequestRouter
+    from conveyor.entrypoints.ray_serve.fleet import FleetEngine
     from conveyor.entrypoints.ray_serve.stats import stats_for
 
-    if not ray.is_initialized():  # run_fleet connected already; this is for other callers
+    if not ray_is_connected():  # run_fleet connected already; this is for other callers
         connect_ray(fleet)
     if fleet.router == "kv_aware":  # the router indexes what the replicas' KV events say
         engine_args = engine_args.replace(kv_events=True)
     serve.start(proxy_location=ProxyLocation.Disabled)  # HTTP is served by this process
+    logger.info("deploying %d replica(s)%s (%d thread(s) each, router %s) on Ray %s",
+                fleet.data_parallel_size,
+                f" ({fleet.pd[0]} prefill, {fleet.pd[1]} decode)" if fleet.pd else "",
+                fleet.threads_per_replica, fleet.router, fleet.ray_address or "local")
+    if fleet.pd is None:
+        handle = _run_app(engine_args, fleet, served_model_name, DEPLOYMENT_NAME, APP_NAME,
+                          fleet.data_parallel_size)
+        return handle, lambda info: FleetEngine(handle, info, stats_for(DEPLOYMENT_NAME))
+    from conveyor.entrypoints.ray_serve.pd_fleet import PDFleetEngine
+
+    num_prefill, num_decode = fleet.pd
+    prefill = _run_app(engine_args.replace(kv_transfer="producer"), fleet, served_model_name,
+                       PREFILL_DEPLOYMENT, PREFILL_APP, num_prefill)
+    decode = _run_app(engine_args.replace(kv_transfer="consumer"), fleet, served_model_name,
+                      DECODE_DEPLOYMENT, DECODE_APP, num_decode)
+    return decode, lambda info: PDFleetEngine(prefill, decode, info,
+                                              stats_for(PREFILL_DEPLOYMENT),
+                                              stats_for(DECODE_DEPLOYMENT))
+
+
+def _run_app(engine_args: EngineArgs, fleet: FleetConfig, served_model_name: str | None,
+             deployment_name: str, app_name: str, num_replicas: int) -> Any:
+    from ray import serve
+    from ray.serve.config import RequestRouterConfig
+
+    from conveyor.entrypoints.ray_serve.replica import ConveyorReplica
+    from conveyor.entrypoints.ray_serve.router import ConveyorRequestRouter
+
     threads = fleet.threads_per_replica
     env = {"OMP_NUM_THREADS": str(threads), "TQDM_DISABLE": "1"}
     deployment = serve.deployment(
-        ConveyorReplica, name=DEPLOYMENT_NAME, num_replicas=fleet.data_parallel_size,
+        ConveyorReplica, name=deployment_name, num_replicas=num_replicas,
         max_ongoing_requests=MAX_ONGOING_REQUESTS, health_check_period_s=2.0,
         health_check_timeout_s=30.0, graceful_shutdown_timeout_s=5.0,
         ray_actor_options={"num_cpus": threads, "num_gpus": _gpus_per_replica(engine_args),
@@ -54,12 +105,21 @@ def deploy(engine_args: EngineArgs, fleet: FleetConfig,
             request_router_class=ConveyorRequestRouter,
             request_router_kwargs={"policy": fleet.router, "block_size": engine_args.block_size}),
     )
-    logger.info("deploying %d replica(s) (%d thread(s) each, router %s) on Ray %s",
-                fleet.data_parallel_size, threads, fleet.router,
-                fleet.ray_address or "local")
-    handle = serve.run(deployment.bind(engine_args, threads, served_model_name), name=APP_NAME,
-                       route_prefix=None)
-    return handle, stats_for(DEPLOYMENT_NAME)
+    return serve.run(deployment.bind(engine_args, threads, served_model_name), name=app_name,
+                     route_prefix=None)
+
+
+def check_pd(engine_args: EngineArgs) -> None:
+    """What the replicas would refuse under ``--pd``, refused before Ray starts (the rest:
+    ``engine/kv_offload.py``, at the replicas' start)."""
+    if not engine_args.enable_prefix_caching:
+        raise ValueError("--pd needs prefix caching on (--enable-prefix-caching): a decode "
+                         "replica admits the blocks handed over as prefix-cache hits")
+    if engine_args.kv_offload_cpu_bytes or engine_args.kv_offload_disk:
+        raise ValueError("--pd and KV offload (--kv-offload-*) do not combine yet: an engine "
+                         "has one KV connector")
+    if engine_args.kv_transfer is not None:
+        raise ValueError("--pd sets each replica's --kv-transfer itself; leave it out")
 
 
 def connect_ray(fleet: FleetConfig) -> None:
@@ -88,7 +148,8 @@ def disconnect_ray(fleet: FleetConfig) -> None:
         if fleet.ray_address is None:  # ours: take Serve's controller down with the instance
             serve.shutdown()
         else:
-            serve.delete(APP_NAME)
+            for app in ((PREFILL_APP, DECODE_APP) if fleet.pd else (APP_NAME,)):
+                serve.delete(app)
     except Exception:
         logger.exception("taking the replicas down failed")
     logger.info("stopping Ray")
@@ -152,6 +213,8 @@ def run_fleet(engine_args: EngineArgs, fleet: FleetConfig,
     make_router(fleet.router)  # a bad name fails here, before Ray starts
     if fleet.data_parallel_size < 1 or fleet.threads_per_replica < 1:
         raise ValueError("--data-parallel-size and --threads-per-replica must be >= 1")
+    if fleet.pd is not None:
+        check_pd(engine_args)
     state = FleetState(engine_args, lambda: deploy(engine_args, fleet, served_model_name),
                        served_model_name, max_queued_requests)
     connect_ray(fleet)

@@ -4,6 +4,10 @@ The ingress calls ``generate`` (streamed: one RequestOutput delta per item) thro
 ConveyorRequestRouter; ``info``, ``metrics_text``, ``health``, ``kv_events``, ``add_lora`` and ``remove_lora``
 name the replica they want. Cancelling a ``generate`` call (the client left) closes the stream,
 which aborts the engine request.
+
+Under prefill/decode disaggregation (``pd_fleet.py``) a replica is a producer or a consumer
+(``EngineArgs.kv_transfer``): ``generate(hand_off=True)`` on a producer prefills and hands the
+request over, ``generate(handoff=...)`` on a consumer takes it over (``pd_replica.py``).
 """
 
 from __future__ import annotations
@@ -40,13 +44,20 @@ class ConveyorReplica:
         self._async_engine: Any = None
         self._loras: dict[int, str] = {}  # adapters the ingress installed: int id -> name
         self._kv_feed: Any = None  # KVEventFeed, built at the first kv_events call
+        self._exporter: Any = None  # a producer's HandoffExporter
 
     def _started(self) -> Any:
         """The AsyncEngine, started on the replica's event loop at the first call."""
         if self._async_engine is None:
             from conveyor.engine.async_engine import AsyncEngine
 
-            engine = AsyncEngine(self.engine, observers=[self.metrics.observe])
+            observers = [self.metrics.observe]
+            if self.engine_args.kv_transfer == "producer":
+                from conveyor.engine.kv_transfer import HandoffExporter
+
+                self._exporter = HandoffExporter(self.engine.kv_transfer)
+                observers.append(self._exporter.observe)
+            engine = AsyncEngine(self.engine, observers=observers)
             self.metrics.attach(engine)
             engine.start(asyncio.get_running_loop())
             self._async_engine = engine
@@ -54,7 +65,15 @@ class ConveyorReplica:
 
     async def generate(self, request_id: str, prompt: dict[str, Any], params: SamplingParams,
                        priority: int = 0, fairness_key: str | None = None,
-                       lora_request: LoRARequest | None = None) -> AsyncIterator[Any]:
+                       lora_request: LoRARequest | None = None, hand_off: bool = False,
+                       handoff: Any = None) -> AsyncIterator[Any]:
+        """The request's deltas; ``hand_off`` (a producer): then its KVHandoff; ``handoff`` (a
+        consumer): the KVHandoff it continues from."""
+        if hand_off or handoff is not None:
+            async for item in self._pd_stream(request_id, prompt, params, priority,
+                                              fairness_key, hand_off, handoff):
+                yield item
+            return
         # An adapter the ingress has not installed here yet (this replica just started) is
         # loaded by the engine on its first request.
         async with aclosing(self._started().generate(
@@ -62,6 +81,27 @@ class ConveyorReplica:
                 lora_request=lora_request)) as deltas:
             async for delta in deltas:
                 yield delta
+
+    async def _pd_stream(self, request_id: str, prompt: dict[str, Any], params: SamplingParams,
+                         priority: int, fairness_key: str | None, hand_off: bool,
+                         handoff: Any) -> AsyncIterator[Any]:
+        from conveyor.entrypoints.ray_serve.pd_replica import decode_stream, prefill_stream
+
+        engine = self._started()
+        role = self.engine_args.kv_transfer
+        if hand_off:
+            if role != "producer":
+                raise ValueError("this replica is not a prefill replica (kv_transfer='producer')")
+            stream = prefill_stream(engine, self._exporter, request_id, prompt, params,
+                                    priority, fairness_key)
+        else:
+            if role != "consumer":
+                raise ValueError("this replica is not a decode replica (kv_transfer='consumer')")
+            stream = decode_stream(engine, self.engine.kv_transfer, request_id, handoff, prompt,
+                                   params, priority, fairness_key)
+        async with aclosing(stream) as items:
+            async for item in items:
+                yield item
 
     async def add_lora(self, lora_request: LoRARequest, replica: str | None = None) -> None:
         """Serve an adapter (ValueError for a bad one, as ``AsyncEngine.add_lora``)."""
@@ -97,7 +137,9 @@ class ConveyorReplica:
         s = self._started().stats.scheduler
         return {"pid": os.getpid(), "node": os.uname().nodename, "running": s.num_running,
                 "waiting": s.num_waiting, "kv_usage": round(s.kv_usage, 4),
-                "loras": sorted(self._loras.values())}
+                "loras": sorted(self._loras.values()),
+                "role": {"producer": "prefill", "consumer": "decode"}.get(
+                    self.engine_args.kv_transfer or "", "any")}
 
     def check_health(self) -> None:
         """Ray Serve calls this periodically; an exception marks the replica unhealthy and
