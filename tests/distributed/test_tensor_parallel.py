@@ -77,8 +77,9 @@ def _smollm2_cases(executor: ModelExecutor) -> dict[str, list[list[list[int]]]]:
 @pytest.mark.slow
 def test_smollm2_tp3_equals_tp1() -> None:
     """SmolLM2-135M: 9 query heads and 3 KV heads, one of each KV head per rank."""
-    expected = _smollm2_cases(ModelExecutor(dtype="float32", device="cpu"))
-    tp = ModelExecutor(dtype="float32", device="cpu",
+    expected = _smollm2_cases(ModelExecutor(dtype="float32", device="cpu",
+                                            weight_compute="float"))
+    tp = ModelExecutor(dtype="float32", device="cpu", weight_compute="float",
                        parallel=EngineArgs(tensor_parallel_size=3,
                                            threads_per_rank=1).parallel_config())
     try:

@@ -14,7 +14,7 @@ import torch
 
 import conveyor.model.device as device
 from conveyor.model.kernels.build import kernel_ops
-from conveyor.model.layers.block_method import BlockMethod
+from conveyor.model.layers.block_method import BlockMethod, Int8BlockMethod
 from conveyor.model.layers.gguf_blocks import LAYOUTS, Q4_K, Q6_K, GGUFBlocks, QuantPanels
 from conveyor.model.loader import load_model
 from gguf_blocks import raw_blocks
@@ -89,13 +89,14 @@ def greedy(model, prompt: list[int], steps: int) -> tuple[list[int], torch.Tenso
     return tokens[len(prompt):], logits
 
 
-def load(path: str, dtype: torch.dtype, deterministic: bool, blocks: bool, monkeypatch):
+def load(path: str, dtype: torch.dtype, deterministic: bool, blocks: bool, monkeypatch,
+         weight_compute: str = "float"):
     if not blocks:
         real = device.select_kernels
         monkeypatch.setattr(device, "select_kernels", lambda *a, **k: dataclasses.replace(
             real(*a, **k), block_weights=False))
-    model = load_model(path, dtype, torch.device("cpu"), deterministic=deterministic,
-                       with_tokenizer=False).model
+    model = load_model(path, dtype, torch.device("cpu"), weight_compute,
+                       deterministic=deterministic, with_tokenizer=False).model
     monkeypatch.undo()
     return model
 
@@ -128,6 +129,11 @@ def test_q4_k_m_model_generates_the_float_models_tokens(tmp_path, monkeypatch, a
     got, got_logits = greedy(quant, prompt, 6)
     expected, expected_logits = greedy(dense, prompt, 6)
     assert got == expected
+    # the default, integer compute, runs the same blocks on the integer kernels
+    integer = load(path, torch.float32, deterministic, True, monkeypatch, "auto")
+    assert all(isinstance(p.method, Int8BlockMethod)
+               for layer in integer.layers for p in layer.projections)
+    assert len(greedy(integer, prompt, 6)[0]) == 6
     if deterministic:
         assert torch.equal(got_logits, expected_logits)
     else:
