@@ -100,6 +100,16 @@ class ServerProcess:
         return out
 
 
+def start_fleet(tmp_path_factory: pytest.TempPathFactory, flags: list[str]) -> ServerProcess:
+    """A Ray Serve fleet (``flags``: its fleet flags) on ENGINE_KWARGS, ready when returned."""
+    # Ray's router then asks each replica its queue length before every choice instead of
+    # using a cached one (as after 10 s idle): the slow path where choices could be swapped.
+    s = ServerProcess(flags + engine_flags(), tmp_path_factory.mktemp("fleet") / "log",
+                      env={"RAY_SERVE_QUEUE_LENGTH_CACHE_TIMEOUT_S": "0"})
+    s.wait_ready(timeout=400)
+    return s
+
+
 def _busy_server_process(tmp_path_factory: pytest.TempPathFactory) -> ServerProcess:
     # saturated at 2 running sequences (the chunked policy caps running, not just a step),
     # priority queue, bounded waiting queue

@@ -14,7 +14,7 @@ import time
 import httpx
 import pytest
 
-from conftest import ServerProcess, engine_flags
+from conftest import start_fleet
 
 pytest.importorskip("ray.serve")
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
@@ -26,9 +26,7 @@ CONVERSATIONS, TURNS, FIRST_BLOCKS, TURN_TOKENS = 3, 3, 8, 48
 
 @pytest.fixture(scope="module")
 def fleet(tmp_path_factory):
-    s = ServerProcess(FLEET_FLAGS + engine_flags(), tmp_path_factory.mktemp("fleet") / "log",
-                      env={"RAY_SERVE_QUEUE_LENGTH_CACHE_TIMEOUT_S": "0"})
-    s.wait_ready(timeout=400)
+    s = start_fleet(tmp_path_factory, FLEET_FLAGS)
     try:
         yield s
     finally:

@@ -15,7 +15,7 @@ import httpx
 import openai
 import pytest
 
-from conftest import ServerProcess, engine_flags
+from conftest import ServerProcess, start_fleet
 
 pytest.importorskip("ray.serve")
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
@@ -27,9 +27,7 @@ PROMPT = ("A long time ago, in a small village between the mountains and the sea
 
 @pytest.fixture(scope="module")
 def fleet(tmp_path_factory):
-    s = ServerProcess(FLEET_FLAGS + engine_flags(), tmp_path_factory.mktemp("pd") / "log",
-                      env={"RAY_SERVE_QUEUE_LENGTH_CACHE_TIMEOUT_S": "0"})
-    s.wait_ready(timeout=400)
+    s = start_fleet(tmp_path_factory, FLEET_FLAGS)
     try:
         yield s
     finally:

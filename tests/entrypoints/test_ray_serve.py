@@ -19,7 +19,7 @@ import openai
 import pytest
 from test_server_errors import CASES, _check
 
-from conftest import ENGINE_KWARGS, ServerProcess, engine_flags
+from conftest import ENGINE_KWARGS, ServerProcess, start_fleet
 
 pytest.importorskip("ray.serve")
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
@@ -31,13 +31,7 @@ LORA_PROMPT = "Once upon a time"
 
 
 def _start(tmp_path_factory, router: str, flags: list[str] | None = None) -> ServerProcess:
-    # Ray's router then asks each replica its queue length before every choice instead of
-    # using a cached one (as after 10 s idle): the slow path where choices could be swapped.
-    s = ServerProcess(FLEET_FLAGS + ["--router", router] + engine_flags() + (flags or []),
-                      tmp_path_factory.mktemp("fleet") / "log",
-                      env={"RAY_SERVE_QUEUE_LENGTH_CACHE_TIMEOUT_S": "0"})
-    s.wait_ready(timeout=400)
-    return s
+    return start_fleet(tmp_path_factory, FLEET_FLAGS + ["--router", router] + (flags or []))
 
 
 def _write_adapter(model_config, path: str, seed: int) -> str:

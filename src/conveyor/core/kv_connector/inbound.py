@@ -26,6 +26,7 @@ from conveyor.core.kv_connector.interface import (
     KVConnectorOutput,
     LoadBlocks,
     LoadItem,
+    take_metadata,
 )
 from conveyor.core.kv_connector.keys import BlockRecord
 
@@ -104,11 +105,7 @@ class InboundKVScheduler:
         pass  # offers belong to running requests, not to the prefix cache
 
     def build_metadata(self) -> KVConnectorMetadata | None:
-        if not self._ops:
-            return None
-        meta = KVConnectorMetadata(self._ops)
-        self._ops = []
-        return meta
+        return take_metadata(self._ops)
 
     def update(self, output: KVConnectorOutput) -> None:
         self._loaded += sum(output.finished_loads.values())

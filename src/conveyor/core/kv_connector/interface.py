@@ -93,6 +93,16 @@ class KVConnectorMetadata:
     ops: list[KVConnectorOp] = field(default_factory=list)
 
 
+def take_metadata(pending: list[KVConnectorOp]) -> KVConnectorMetadata | None:
+    """A scheduler half's ``build_metadata``: the ops queued since the last step (None if none),
+    leaving ``pending`` empty."""
+    if not pending:
+        return None
+    meta = KVConnectorMetadata(list(pending))
+    pending.clear()
+    return meta
+
+
 @dataclass(frozen=True, slots=True)
 class LostEntry:
     """A stored copy that could not be read back intact (or written): the runner removed it."""

@@ -32,6 +32,7 @@ from conveyor.core.kv_connector.interface import (
     LoadItem,
     MoveBlock,
     SaveBlock,
+    take_metadata,
 )
 from conveyor.core.kv_connector.keys import BlockRecord
 from conveyor.core.kv_connector.tier_index import TierEntry, TierIndex
@@ -159,11 +160,7 @@ class TieredOffloadScheduler:
     # -- the runner half's side ------------------------------------------------------------
 
     def build_metadata(self) -> KVConnectorMetadata | None:
-        if not self._ops:
-            return None
-        meta = KVConnectorMetadata(self._ops)
-        self._ops = []
-        return meta
+        return take_metadata(self._ops)
 
     def update(self, output: KVConnectorOutput) -> None:
         for seq_id, num_intact in output.finished_loads.items():
