@@ -97,3 +97,10 @@ def test_a_region_is_filled_from_its_file_and_the_rest_is_kept(repo):
     assert new.endswith("._\n\n<!-- /bench-report:summary -->\n\nAfter.\n")
     assert "(2026-11-26, commit 3400eec): AMD EPYC Zen 4, 2 cores; torch 2.13.0" in new
     assert regenerate(new, repo, "doc.md") == (new, [])
+
+
+def test_a_gpu_run_names_the_card_then_its_host(repo):
+    gpu = "benchmarks/results/h100/throughput_S1.json"
+    text = f"<!-- bench-report:throughput {gpu} -->\n<!-- /bench-report:throughput -->\n"
+    new, _ = regenerate(text, repo, "doc.md")
+    assert "commit 50d5fd2): NVIDIA H100 80GB HBM3; host Intel(R) Xeon(R) Processor, 16 cores" in new

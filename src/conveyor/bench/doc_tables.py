@@ -119,6 +119,9 @@ def format_sources(results: list[Result]) -> str:
         cpu = p["cpu"]
         facts = [(cpu["model"] or "unknown CPU") + (f", {cpu['cores']} cores" if cpu["cores"]
                                                     else "")]
+        device = (payload.get("roofline") or {}).get("machine", {}).get("device", "cpu")
+        if device != "cpu":  # a GPU run: the card first, the CPU as its host
+            facts = [device, "host " + facts[0]]
         facts += [f"{name} {version}" for name, version in
                   [("torch", p["torch"]), *p["peers"].items()] if version]
         if p.get("backfilled"):
