@@ -1,5 +1,7 @@
 """Roofline arithmetic: model FLOPs/bytes for a workload and the ideal time on given rates."""
 
+import dataclasses
+
 import pytest
 
 from conveyor.bench.roofline import DTYPE_BYTES, MachineRates, measure_machine, workload_roofline
@@ -88,7 +90,6 @@ def test_small_steps_read_the_engine_quantized_weights():
 def test_bench_roofline_counts_the_weights_the_engine_reads():
     """The real engine reports the weight bytes of each step size; the roofline uses them."""
     import argparse
-    import dataclasses
 
     from conveyor.bench import throughput
     from conveyor.engine.args import EngineArgs
@@ -107,3 +108,69 @@ def test_bench_roofline_counts_the_weights_the_engine_reads():
     assert summary["single_stream_decode_tokens_per_s"] == pytest.approx(
         1 / max(per_step[0] / RATES.mem_bandwidth,
                 (shape.linear_flops_per_token + shape.lm_head_flops) / RATES.gemm_flops))
+
+
+# ------------------------------------------------------------------ integer compute (int8)
+
+INT8_RATES = dataclasses.replace(RATES, int8_ops=4 * RATES.gemm_flops)
+
+
+def test_int8_bounds_the_linear_layers_by_the_int8_rate_and_attention_by_the_float_one():
+    reqs = [BenchRequest([300] * 512, 1) for _ in range(16)]  # prefill only, compute bound
+    w = Workload("t", "", 0, reqs)
+    blocks = [BF16_WEIGHTS / 4] * 64
+    floating = workload_roofline(SMOL, w, INT8_RATES, step_weight_bytes=blocks)
+    integer = workload_roofline(SMOL, w, INT8_RATES, step_weight_bytes=blocks,
+                                weight_compute="int8")
+    attention = 16 * SMOL.attention_flops_per_pair * (512 * 513 // 2)
+    assert floating.prefill_s == pytest.approx(floating.flops / RATES.gemm_flops)
+    assert integer.prefill_s == pytest.approx(
+        (floating.flops - attention) / INT8_RATES.int8_ops + attention / RATES.gemm_flops)
+    assert floating.prefill_s / 4 < integer.prefill_s < floating.prefill_s / 3
+    assert integer.flops == floating.flops
+
+
+def test_int8_steps_read_the_blocks_at_every_batch_size_and_prefill():
+    w = make_workload("S1", SMOL.vocab_size)  # one 128-token prefill step, then decode
+    blocks = [BF16_WEIGHTS / 4] * 4  # fewer entries than the prefill step's tokens
+    floating = workload_roofline(SMOL, w, INT8_RATES, step_weight_bytes=blocks)
+    integer = workload_roofline(SMOL, w, INT8_RATES, step_weight_bytes=blocks,
+                                weight_compute="int8")
+    assert integer.bytes == pytest.approx(floating.bytes - BF16_WEIGHTS * 3 / 4)
+    assert integer.prefill_s < floating.prefill_s
+    assert integer.decode_s == pytest.approx(floating.decode_s)  # bandwidth bound at batch 1
+    assert integer.single_stream_decode_tokens_per_s == pytest.approx(44e9 * 4 / BF16_WEIGHTS)
+
+
+def test_int8_decode_steps_beyond_the_listed_sizes_read_the_blocks():
+    reqs = [BenchRequest([300] * 16, 32) for _ in range(8)]  # batch 8: bandwidth bound
+    w = Workload("t", "", 0, reqs)
+    blocks = [BF16_WEIGHTS / 4] * 4
+    floating = workload_roofline(SMOL, w, INT8_RATES, max_num_seqs=8, step_weight_bytes=blocks)
+    integer = workload_roofline(SMOL, w, INT8_RATES, max_num_seqs=8, step_weight_bytes=blocks,
+                                weight_compute="int8")
+    # one prefill step and 31 decode steps, each reading a quarter of the dtype's bytes
+    assert floating.bytes - integer.bytes == pytest.approx(32 * BF16_WEIGHTS * 3 / 4)
+    assert integer.decode_s < floating.decode_s / 3
+
+
+def test_float_mode_ignores_the_int8_rate():
+    for name in ("S1", "W1"):
+        w = make_workload(name, SMOL.vocab_size)
+        assert workload_roofline(SMOL, w, INT8_RATES, weight_compute="float") == \
+            workload_roofline(SMOL, w, RATES)
+
+
+def test_int8_needs_its_rate_and_the_engine_step_bytes():
+    w = make_workload("S1", SMOL.vocab_size)
+    with pytest.raises(ValueError, match="int8_ops"):
+        workload_roofline(SMOL, w, RATES, step_weight_bytes=[1.0], weight_compute="int8")
+    with pytest.raises(ValueError, match="step_weight_bytes"):
+        workload_roofline(SMOL, w, INT8_RATES, weight_compute="int8")
+
+
+def test_measure_machine_measures_int8_only_when_asked():
+    assert measure_machine("float32", gemm_size=64, bandwidth_mib=4, repeats=1).int8_ops is None
+    rates = measure_machine("float32", gemm_size=128, bandwidth_mib=4, repeats=2, int8=True)
+    assert rates.int8_ops is not None and rates.int8_ops > 0
+

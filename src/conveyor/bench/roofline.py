@@ -7,11 +7,17 @@ one step per output token, each step bound by the larger of its FLOPs at the mea
 rate and its bytes (weights once + the KV cache it reads) at the measured bandwidth. The weight
 bytes of a step are those the engine reads at that batch size when it says so
 (``step_weight_bytes``: its quantized copies serve small batches), else the dtype's.
+
+Under integer compute (``weight_compute="int8"``: a GGUF model's blocks multiplied as integers
+against 8-bit activations) the linear layers' arithmetic runs at the measured int8 GEMM rate
+(``torch._int_mm``) and attention's at the float one, and every step, prefill's too, reads the
+weights as the engine holds them: the blocks, whatever the batch.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 from conveyor.bench.workloads import Workload
@@ -27,6 +33,8 @@ class MachineRates:
     num_threads: int  # CPU threads; on a GPU its streaming multiprocessors
     dtype: str = "bfloat16"  # of the GEMM
     device: str = "cpu"  # where they were measured: "cpu" or the GPU's name
+    # measured int8 x int8 -> int32 GEMM op/s (torch._int_mm) where asked, on the CPU only
+    int8_ops: float | None = None
 
 
 @dataclass(frozen=True)
@@ -51,20 +59,33 @@ def workload_roofline(shape: ModelShape, workload: Workload, rates: MachineRates
                       weight_dtype: str = "bfloat16", max_num_seqs: int = 64,
                       max_num_batched_tokens: int = 4096, prefix_caching: bool = True,
                       step_weight_bytes: list[float] | None = None,
-                      kv_dtype: str | None = None) -> Roofline:
+                      kv_dtype: str | None = None, weight_compute: str = "float") -> Roofline:
     """The ideal engine's time for ``workload`` on a machine with ``rates``.
 
     With ``prefix_caching`` the workload's shared prefix is computed once, not once per request.
     ``step_weight_bytes[i]`` is the weight bytes a step of ``i + 1`` tokens reads, where that
     is fewer than the dtype's (steps with more tokens read the dtype's). ``kv_dtype``: the KV
-    cache's element type, when not ``weight_dtype``.
+    cache's element type, when not ``weight_dtype``. ``weight_compute="int8"`` (it needs
+    ``rates.int8_ops`` and ``step_weight_bytes``): the linear layers' FLOPs at the int8 rate,
+    attention's at the float one, and steps with more tokens than ``step_weight_bytes`` lists
+    read what its last one reads (integer compute reads the same blocks at every batch size).
     """
-    bpp = DTYPE_BYTES[weight_dtype]
-    weights = shape.matmul_params * bpp
+    if weight_compute not in ("float", "int8"):
+        raise ValueError(f"weight_compute is float or int8, not {weight_compute!r}")
+    integer = weight_compute == "int8"
+    if integer and (rates.int8_ops is None or not step_weight_bytes):
+        raise ValueError("weight_compute int8 needs rates.int8_ops and step_weight_bytes")
     small = step_weight_bytes or []
+    weights = small[-1] if integer else shape.matmul_params * DTYPE_BYTES[weight_dtype]
 
     def weights_read(tokens: int) -> float:
         return small[tokens - 1] if tokens <= len(small) else weights
+
+    def compute_s(flops: float, attention: float) -> float:
+        """Seconds for ``flops``, ``attention`` of them attention's (in float in either mode)."""
+        if not integer:
+            return flops / rates.gemm_flops
+        return (flops - attention) / rates.int8_ops + attention / rates.gemm_flops
 
     kv_tok = shape.kv_elements_per_token * DTYPE_BYTES[kv_dtype or weight_dtype]
     flops = bytes_ = 0.0
@@ -73,14 +94,17 @@ def workload_roofline(shape: ModelShape, workload: Workload, rates: MachineRates
     shared = workload.shared_prefix_len if prefix_caching else 0
     computed = prompt_tokens - shared * (len(workload.requests) - 1)
     prefill_flops = computed * shape.linear_flops_per_token
+    prefill_attention = 0.0
     for i, r in enumerate(workload.requests):
         n = len(r.prompt_token_ids)
         skip = shared if i else 0  # causal attention of the uncached positions only
         pairs = n * (n + 1) // 2 - skip * (skip + 1) // 2
         prefill_flops += shape.lm_head_flops + shape.attention_flops_per_pair * pairs
+        prefill_attention += shape.attention_flops_per_pair * pairs
     prefill_steps = -(-computed // max_num_batched_tokens)
     prefill_bytes = prefill_steps * weights + computed * kv_tok
-    prefill_s = max(prefill_flops / rates.gemm_flops, prefill_bytes / rates.mem_bandwidth)
+    prefill_s = max(compute_s(prefill_flops, prefill_attention),
+                    prefill_bytes / rates.mem_bandwidth)
     flops += prefill_flops
     bytes_ += prefill_bytes
 
@@ -93,22 +117,26 @@ def workload_roofline(shape: ModelShape, workload: Workload, rates: MachineRates
             live = [len(r.prompt_token_ids) + step for r in wave if r.max_tokens > step]
             step_flops = sum(shape.linear_flops_per_token + shape.lm_head_flops
                              + shape.attention_flops_per_pair * c for c in live)
+            step_attention = shape.attention_flops_per_pair * sum(live)
             step_bytes = weights_read(len(live)) + sum(c for c in live) * kv_tok
-            decode_s += max(step_flops / rates.gemm_flops, step_bytes / rates.mem_bandwidth)
+            decode_s += max(compute_s(step_flops, step_attention),
+                            step_bytes / rates.mem_bandwidth)
             flops += step_flops
             bytes_ += step_bytes
     total = prefill_s + decode_s
     single = 1.0 / max(weights_read(1) / rates.mem_bandwidth,
-                       (shape.linear_flops_per_token + shape.lm_head_flops) / rates.gemm_flops)
+                       compute_s(shape.linear_flops_per_token + shape.lm_head_flops, 0.0))
     return Roofline(flops, bytes_, prefill_s, decode_s, workload.num_output_tokens / total,
                     (prompt_tokens + workload.num_output_tokens) / total, single)
 
 
 def measure_machine(dtype: str = "bfloat16", gemm_size: int = 2048, bandwidth_mib: int = 256,
-                    repeats: int = 5, device: str = "cpu") -> MachineRates:
+                    repeats: int = 5, device: str = "cpu", int8: bool = False) -> MachineRates:
     """Short torch micro-benchmarks: best-of-``repeats`` GEMM in ``dtype`` (the engine's: a CPU
     without native bf16 runs float32) and streaming reads. On ``device="cuda"`` the GPU's
-    (cuBLAS and HBM), with sizes raised to keep it busy: GEMMs of 8192, reads of 2 GiB."""
+    (cuBLAS and HBM), with sizes raised to keep it busy: GEMMs of 8192, reads of 2 GiB. With
+    ``int8`` on the CPU also int8 GEMMs of the same size (``torch._int_mm``, oneDNN's integer
+    kernels: what integer compute's matmuls can reach)."""
     import torch
 
     on_gpu = device.startswith("cuda")
@@ -141,4 +169,19 @@ def measure_machine(dtype: str = "bfloat16", gemm_size: int = 2048, bandwidth_mi
         props = torch.cuda.get_device_properties(device)
         return MachineRates(gemm, x.numel() * 4 / best, props.multi_processor_count, dtype,
                             props.name)
-    return MachineRates(gemm, x.numel() * 4 / best, torch.get_num_threads(), dtype)
+    int8_ops = _int_mm_rate(gemm_size, timed) if int8 else None
+    return MachineRates(gemm, x.numel() * 4 / best, torch.get_num_threads(), dtype,
+                        int8_ops=int8_ops)
+
+
+def _int_mm_rate(size: int, timed: Callable[[Callable[[], object]], float]) -> float | None:
+    """Op/s of ``torch._int_mm`` on int8 [size, size] CPU matrices (int32 products), by
+    ``timed``; None where this torch lacks it or it refuses them."""
+    import torch
+
+    a = torch.randint(-128, 128, (size, size), dtype=torch.int8)
+    b = torch.randint(-128, 128, (size, size), dtype=torch.int8)
+    try:
+        return 2.0 * size**3 / timed(lambda: torch._int_mm(a, b))
+    except (AttributeError, RuntimeError, NotImplementedError):
+        return None
