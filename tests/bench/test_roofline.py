@@ -1,9 +1,12 @@
 """Roofline arithmetic: model FLOPs/bytes for a workload and the ideal time on given rates."""
 
+import argparse
 import dataclasses
 
 import pytest
 
+from conveyor.bench import throughput
+from conveyor.bench.report import Measurement, SystemResult
 from conveyor.bench.roofline import DTYPE_BYTES, MachineRates, measure_machine, workload_roofline
 from conveyor.bench.workloads import BenchRequest, Workload, make_workload
 from conveyor.model.config import ModelConfig
@@ -89,9 +92,6 @@ def test_small_steps_read_the_engine_quantized_weights():
 @pytest.mark.slow
 def test_bench_roofline_counts_the_weights_the_engine_reads():
     """The real engine reports the weight bytes of each step size; the roofline uses them."""
-    import argparse
-
-    from conveyor.bench import throughput
     from conveyor.engine.args import EngineArgs
 
     ea = EngineArgs(kv_cache_memory=50_000_000, max_num_seqs=4)
@@ -174,3 +174,70 @@ def test_measure_machine_measures_int8_only_when_asked():
     rates = measure_machine("float32", gemm_size=128, bandwidth_mib=4, repeats=2, int8=True)
     assert rates.int8_ops is not None and rates.int8_ops > 0
 
+
+def _run(weight_compute: str, step_weight_bytes: list[float]) -> SystemResult:
+    ea = {"max_num_seqs": 4, "max_num_batched_tokens": 4096, "enable_prefix_caching": True}
+    extra = {"engine_args": ea, "model_config": {"name": "smol", **SMOL.shape_dict()},
+             "dtype": "bfloat16", "kv_cache_dtype": "bfloat16",
+             "weight_compute": weight_compute, "step_weight_bytes": step_weight_bytes}
+    return SystemResult("conveyor", "", [Measurement(1.0, 128, 256, 0.05, 100.0)], extra=extra)
+
+
+def test_roofline_summary_draws_the_integer_roofline_for_an_int8_run():
+    args = argparse.Namespace(workload="S1", seed=0, num_requests=None)
+    blocks = [BF16_WEIGHTS / 4] * 4
+    summary = throughput.roofline_summary(args, _run("int8", blocks), INT8_RATES)
+    assert summary["weight_compute"] == "int8" and summary["machine"]["int8_ops"] == 4 * 830e9
+    assert summary["single_stream_decode_tokens_per_s"] == pytest.approx(44e9 * 4 / BF16_WEIGHTS)
+    # a float run, or an int8 one whose int8 rate was not measured: the float roofline
+    assert throughput.roofline_summary(args, _run("float", blocks),
+                                       INT8_RATES)["weight_compute"] == "float"
+    assert throughput.roofline_summary(args, _run("int8", blocks),
+                                       RATES)["weight_compute"] == "float"
+
+
+@pytest.mark.parametrize("weight_compute", ["int8", "float"])
+def test_run_all_measures_the_int8_rate_after_an_int8_conveyor_run(monkeypatch, weight_compute):
+    from conveyor.bench import roofline
+
+    asked = []
+
+    def measure(dtype: str, device: str, int8: bool) -> MachineRates:
+        asked.append(int8)
+        return INT8_RATES if int8 else RATES
+
+    monkeypatch.setattr(throughput, "run_worker",
+                        lambda job, system, config: _run(weight_compute, [BF16_WEIGHTS / 4] * 4))
+    monkeypatch.setattr(roofline, "measure_machine", measure)
+    parser = argparse.ArgumentParser()
+    throughput.add_parser(parser.add_subparsers())
+    payload = throughput.run_all(parser.parse_args(["throughput", "--workload", "S1",
+                                                    "--repeats", "1"]))
+    assert asked == [weight_compute == "int8"]
+    assert payload["roofline"]["weight_compute"] == weight_compute
+
+
+ROOFLINE = {"metric": "output tok/s", "flops": 6.49e12, "bytes": 65.0e9, "time_s": 39.47,
+            "prefill_s": 12.17, "decode_s": 27.30, "output_tokens_per_s": 208.0,
+            "conveyor_best": 379.0, "fraction_of_roofline": 379 / 208}
+
+
+def test_format_roofline_names_the_int8_rate_under_integer_compute():
+    machine = {"gemm_flops": 155e9, "mem_bandwidth": 30.1e9, "num_threads": 2,
+               "dtype": "bfloat16", "device": "cpu", "int8_ops": 748e9}
+    text = throughput.format_roofline({**ROOFLINE, "machine": machine, "weight_compute": "int8"})
+    assert text.splitlines()[0] == (
+        "roofline: int8 GEMM 748 GOP/s (torch._int_mm) for the linear layers, bfloat16 GEMM "
+        "155 GFLOP/s for attention, memory read 30.1 GB/s (2 threads, measured in the run)")
+    assert "the GGUF blocks under integer compute" in text.splitlines()[1]
+
+
+def test_format_roofline_of_an_older_file_is_the_float_line():
+    machine = {"gemm_flops": 164e9, "mem_bandwidth": 25.4e9, "num_threads": 2,
+               "dtype": "bfloat16", "device": "cpu"}  # no int8_ops, no weight_compute
+    assert throughput.format_roofline({**ROOFLINE, "machine": machine}) == (
+        "roofline: bfloat16 GEMM 164 GFLOP/s, memory read 25.4 GB/s (2 threads, measured in the "
+        "run)\n"
+        "  workload: 6.49 TFLOP, 65.0 GB moved (weights as the engine holds them, quantized "
+        "copies at small batches); ideal time 39.47s (prefill 12.17s + decode 27.30s)\n"
+        "  ideal output tok/s 208; conveyor best 379 = 182% of the roofline")

@@ -44,6 +44,9 @@ from conveyor.bench.workloads import (
 from conveyor.core.stats import SchedulerStats
 
 if TYPE_CHECKING:
+    import torch
+
+    from conveyor.bench.roofline import MachineRates
     from conveyor.engine.args import EngineArgs
 
 # ----------------------------------------------------------------------------- --profile
@@ -421,15 +424,6 @@ def run_all(args: argparse.Namespace) -> dict[str, Any]:
                                                                   engine_args.max_lora_rank)),
                             f"{args.lora} LoRA adapters", ""))
 
-    rates = None
-    if not args.no_roofline:
-        from conveyor.bench.roofline import measure_machine
-
-        dtype = dtype_name(resolve_dtype(engine_args.dtype, device))
-        print(f"[bench] measuring this machine's {dtype} GEMM rate and memory bandwidth "
-              f"({device.type}) ...", file=sys.stderr, flush=True)
-        rates = measure_machine(dtype, device=str(device))
-
     base = {"system": "conveyor", "workload": args.workload, "seed": args.seed,
             "num_requests": args.num_requests, "repeats": args.repeats, "profile": args.profile}
     results = []
@@ -443,6 +437,10 @@ def run_all(args: argparse.Namespace) -> dict[str, Any]:
         result.config += note
         results.append(result)
     conveyor = results[0]
+    rates = None
+    if not args.no_roofline and conveyor.repeats:
+        rates = measure_rates(dtype_name(resolve_dtype(engine_args.dtype, device)), device,
+                              conveyor.extra.get("weight_compute") == "int8")
     dtype = conveyor.extra.get("dtype") or (args.dtype if args.dtype != "auto" else "bfloat16")
     for peer in peer_jobs(args, model_path, dtype):
         reason = skip_reason(peer.system)
@@ -458,22 +456,38 @@ def run_all(args: argparse.Namespace) -> dict[str, Any]:
         "results": [r.to_dict() for r in results],
         "orchestrator_peak_rss_mb": peak_rss_mb(),
     }
-    if rates is not None and conveyor.repeats:
+    if rates is not None:
         payload["roofline"] = roofline_summary(args, conveyor, rates)
     return payload
 
 
-def roofline_summary(args: argparse.Namespace, conveyor: SystemResult, rates) -> dict[str, Any]:
+def measure_rates(dtype: str, device: torch.device, int8: bool) -> MachineRates:
+    """This machine's GEMM rate in ``dtype``, memory bandwidth and, for a run under integer
+    compute (``int8``), int8 GEMM rate, measured once Conveyor has run (its workers are gone)."""
+    from conveyor.bench.roofline import measure_machine
+
+    rates = f"int8 and {dtype} GEMM rates" if int8 else f"{dtype} GEMM rate"
+    print(f"[bench] measuring this machine's {rates} and memory bandwidth ({device.type}) ...",
+          file=sys.stderr, flush=True)
+    return measure_machine(dtype, device=str(device), int8=int8)
+
+
+def roofline_summary(args: argparse.Namespace, conveyor: SystemResult,
+                     rates: MachineRates) -> dict[str, Any]:
+    """The roofline of Conveyor's run: under integer compute where the run used it and the
+    int8 rate was measured (``workload_roofline``'s ``weight_compute``), else the float one."""
     from conveyor.bench.roofline import workload_roofline
     from conveyor.model.shape import ModelShape
 
     ea = conveyor.extra["engine_args"]
     shape = ModelShape.from_dict(conveyor.extra["model_config"])
     workload = make_workload(args.workload, shape.vocab_size, args.seed, args.num_requests)
+    weight_compute = ("int8" if conveyor.extra.get("weight_compute") == "int8"
+                      and rates.int8_ops is not None else "float")
     roof = workload_roofline(shape, workload, rates, conveyor.extra["dtype"], ea["max_num_seqs"],
                              ea["max_num_batched_tokens"], ea["enable_prefix_caching"],
                              conveyor.extra.get("step_weight_bytes"),
-                             conveyor.extra.get("kv_cache_dtype"))
+                             conveyor.extra.get("kv_cache_dtype"), weight_compute)
     single = is_single_stream(args.workload)
     if single:
         achieved = conveyor.best_and_median("decode_tokens_per_s")[0]
@@ -483,21 +497,30 @@ def roofline_summary(args: argparse.Namespace, conveyor: SystemResult, rates) ->
         ideal = roof.output_tokens_per_s
     return {"machine": dataclasses.asdict(rates), "model": dataclasses.asdict(shape),
             **roof.to_dict(), "metric": "decode tok/s" if single else "output tok/s",
-            "conveyor_best": achieved, "fraction_of_roofline": achieved / ideal}
+            "conveyor_best": achieved, "fraction_of_roofline": achieved / ideal,
+            "weight_compute": weight_compute}
 
 
 def format_roofline(r: dict[str, Any]) -> str:
+    """The roofline's lines under the table; under integer compute (``r["weight_compute"]``,
+    absent from older result files: float) they name the int8 rate and the GGUF blocks."""
     m = r["machine"]
+    integer = r.get("weight_compute") == "int8"
     ideal = (r["single_stream_decode_tokens_per_s"] if r["metric"] == "decode tok/s"
              else r["output_tokens_per_s"])
+    gemm = f"{m.get('dtype', 'bfloat16')} GEMM {m['gemm_flops'] / 1e9:,.0f} GFLOP/s"
+    if integer:
+        gemm = (f"int8 GEMM {m['int8_ops'] / 1e9:,.0f} GOP/s (torch._int_mm) for the linear "
+                f"layers, {gemm} for attention")
+    where = (f"{m['device']}, {m['num_threads']} SMs" if m.get("device", "cpu") != "cpu"
+             else f"{m['num_threads']} threads")
+    work, weights = (("T ops", "the GGUF blocks under integer compute, at every batch size")
+                     if integer else ("TFLOP", "quantized copies at small batches"))
     return "\n".join([
-        f"roofline: {m.get('dtype', 'bfloat16')} GEMM {m['gemm_flops'] / 1e9:,.0f} GFLOP/s, "
-        f"memory read "
-        f"{m['mem_bandwidth'] / 1e9:.1f} GB/s ("
-        + (f"{m['device']}, {m['num_threads']} SMs" if m.get("device", "cpu") != "cpu"
-           else f"{m['num_threads']} threads") + ", measured in the run)",
-        f"  workload: {r['flops'] / 1e12:.2f} TFLOP, {r['bytes'] / 1e9:.1f} GB moved (weights as "
-        f"the engine holds them, quantized copies at small batches); ideal time "
+        f"roofline: {gemm}, memory read {m['mem_bandwidth'] / 1e9:.1f} GB/s ({where}, measured "
+        f"in the run)",
+        f"  workload: {r['flops'] / 1e12:.2f} {work}, {r['bytes'] / 1e9:.1f} GB moved (weights "
+        f"as the engine holds them, {weights}); ideal time "
         f"{r['time_s']:.2f}s (prefill {r['prefill_s']:.2f}s + decode {r['decode_s']:.2f}s)",
         f"  ideal {r['metric']} {ideal:,.0f}; conveyor best {r['conveyor_best']:,.0f} = "
         f"{100 * r['fraction_of_roofline']:.0f}% of the roofline",
