@@ -174,3 +174,29 @@ def test_embeddings_against_sentence_transformers(tmp_path, capsys):
     assert "| conveyor | inf | 4/4 |" in table and "| sentence-transformers | - | 4/4 |" in table
     with pytest.raises(SystemExit, match="unknown peer 'vllm' for --endpoint embeddings"):
         cli_main(["bench", "serve", "--spawn", "--endpoint", "embeddings", "--compare", "vllm"])
+
+
+def test_a_server_that_exits_before_ready_says_why():
+    """A replica's error inside Ray's log prefixes, under Ray Serve's wrapper errors, is the
+    message; nothing listens on the port, so only the early exit can end the wait."""
+    import socket
+    import sys
+
+    from conveyor.bench.serving import serving_process
+
+    script = ("import sys\n"
+              "print('\\x1b[36m(ServeController pid=7)\\x1b[0m RuntimeError: Traceback (most "
+              "recent call last):')\n"
+              "print('\\x1b[36m(ServeController pid=7)\\x1b[0m ValueError: max_model_len=6144 "
+              "is more than policy prefill_first can run')\n"
+              "print('RuntimeError: Deploying application conveyor failed')\n"
+              "sys.exit(1)\n")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with pytest.raises(RuntimeError) as e, \
+            serving_process([sys.executable, "-c", script], port, "conveyor serve"):
+        pass
+    assert str(e.value).startswith("conveyor serve exited with 1 before it was ready "
+                                   "(ValueError: max_model_len=6144 is more than policy "
+                                   "prefill_first can run): ")

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shlex
 import shutil
 import subprocess
@@ -146,10 +147,20 @@ class PeerEnv:
     def driver_error(self, output: str) -> str:
         """The root cause in a failed driver's output: the first exception line of the last
         traceback that is not one of the peer's ``wrapper_errors``."""
-        lines = [line.strip() for line in output.splitlines()]
-        causes = [line for line in lines if _is_exception_line(line)
-                  and not any(w in line for w in self.wrapper_errors)]
-        return causes[-1][:300] if causes else last_error_line(output)
+        return root_cause(output, self.wrapper_errors)
+
+
+# Ray prefixes a worker's lines with its colored name, e.g. "\x1b[36m(ServeController pid=7)\x1b[0m "
+_WORKER_PREFIX = re.compile(r"^(?:\x1b\[[0-9;]*m)*\([^()]*pid=\d+[^()]*\)(?:\x1b\[[0-9;]*m)*\s*")
+
+
+def root_cause(output: str, wrapper_errors: tuple[str, ...] = ()) -> str:
+    """The first exception line of the last traceback in a failed program's output (a Ray
+    worker's lines too) that does not contain one of ``wrapper_errors``; else its last line."""
+    lines = [_WORKER_PREFIX.sub("", line.strip()) for line in output.splitlines()]
+    causes = [line for line in lines if _is_exception_line(line)
+              and not any(w in line for w in wrapper_errors)]
+    return causes[-1][:300] if causes else last_error_line(output)
 
 
 def _is_exception_line(line: str) -> bool:

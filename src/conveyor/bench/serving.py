@@ -24,9 +24,10 @@ import random
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
-from typing import Any
+from typing import IO, Any
 
 from conveyor.bench.embeddings import (
     EMBEDDING_PEERS,
@@ -172,15 +173,18 @@ def serving_process(cmd: list[str], port: int, name: str, ready_timeout: float =
     answers; stop it."""
     import httpx
 
-    log = open(log_path, "w") if log_path else subprocess.DEVNULL  # noqa: SIM115
+    # without a log path the output goes to a temporary file, read for the cause if it fails
+    log = (open(log_path, "w") if log_path  # noqa: SIM115
+           else tempfile.TemporaryFile("w+", errors="replace"))
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
     base = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + ready_timeout
         while True:
             if proc.poll() is not None:
+                cause = "" if log_path else f" ({_server_error(log)})"
                 raise RuntimeError(f"{name} exited with {proc.returncode} before it was "
-                                   f"ready: {' '.join(cmd)}")
+                                   f"ready{cause}: {' '.join(cmd)}")
             try:
                 if httpx.get(base + "/v1/models", timeout=2.0).status_code == 200:
                     break
@@ -197,8 +201,20 @@ def serving_process(cmd: list[str], port: int, name: str, ready_timeout: float =
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
-        if log_path:
-            log.close()
+        log.close()
+
+
+# Ray Serve's errors that wrap a replica's own rather than say it
+_SERVE_WRAPPERS = ("Traceback (most recent call last)", "Deploying application")
+
+
+def _server_error(log: IO[str]) -> str:
+    """The root cause in a server's output so far (``log``: the file it writes to)."""
+    from conveyor.bench.peer_env import root_cause
+
+    log.flush()
+    log.seek(0)
+    return root_cause(log.read(), _SERVE_WRAPPERS)
 
 
 CHAT_WORKLOAD = "chat_multiturn"
