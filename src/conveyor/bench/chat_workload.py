@@ -13,7 +13,8 @@ can tell apart: the system prompt (1088 tokens, 68 blocks of 16) is longer than 
 first blocks prefix_affinity hashes (64), so to that router every turn of every conversation
 looks alike; the working set (``working_set_tokens``: the system prompt once plus each
 conversation's own tokens) is several times one engine's KV pool of a few hundred blocks.
-docs/kv_cache.md explains the sizes.
+docs/kv_cache.md measures the routers, offload and disaggregation on it, and how the
+shape decides their margins.
 """
 
 from __future__ import annotations
