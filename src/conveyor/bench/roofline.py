@@ -99,8 +99,9 @@ def workload_roofline(shape: ModelShape, workload: Workload, rates: MachineRates
         n = len(r.prompt_token_ids)
         skip = shared if i else 0  # causal attention of the uncached positions only
         pairs = n * (n + 1) // 2 - skip * (skip + 1) // 2
-        prefill_flops += shape.lm_head_flops + shape.attention_flops_per_pair * pairs
-        prefill_attention += shape.attention_flops_per_pair * pairs
+        attention = shape.attention_flops_per_pair * pairs
+        prefill_flops += shape.lm_head_flops + attention
+        prefill_attention += attention
     prefill_steps = -(-computed // max_num_batched_tokens)
     prefill_bytes = prefill_steps * weights + computed * kv_tok
     prefill_s = max(compute_s(prefill_flops, prefill_attention),

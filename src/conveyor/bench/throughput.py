@@ -466,8 +466,8 @@ def measure_rates(dtype: str, device: torch.device, int8: bool) -> MachineRates:
     compute (``int8``), int8 GEMM rate, measured once Conveyor has run (its workers are gone)."""
     from conveyor.bench.roofline import measure_machine
 
-    rates = f"int8 and {dtype} GEMM rates" if int8 else f"{dtype} GEMM rate"
-    print(f"[bench] measuring this machine's {rates} and memory bandwidth ({device.type}) ...",
+    gemms = f"int8 and {dtype} GEMM rates" if int8 else f"{dtype} GEMM rate"
+    print(f"[bench] measuring this machine's {gemms} and memory bandwidth ({device.type}) ...",
           file=sys.stderr, flush=True)
     return measure_machine(dtype, device=str(device), int8=int8)
 
