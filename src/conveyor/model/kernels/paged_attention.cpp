@@ -11,8 +11,10 @@
 // attention_bf16.h's version of this on vdpbf16ps). The value pass reads from L2, so meanwhile
 // the keys of the thread's next task are prefetched (attention_keys.h's KeyStream). A prefill
 // chunk's consecutive tokens instead go in tiles of query rows (attention_tile.h), where each
-// key and value row read serves many queries. Nothing is gathered into a contiguous copy
-// first, which is what makes this faster than index_select + scaled_dot_product_attention.
+// key and value row read serves many queries; in the deterministic mode, in runs through the
+// decode's own arithmetic (attend with n > 1: each key and value row read once for the run's
+// query rows, each row's sums those of the token alone). Nothing is gathered into a contiguous
+// copy first, which is what makes this faster than index_select + scaled_dot_product_attention.
 //
 // Layouts (element strides; T, the queries' type, and C, the cache's, are float or bf16
 // stored as uint16_t):
@@ -48,55 +50,69 @@ using namespace conveyor;
 constexpr int kMaxChunks = 256 / kLanes;  // head_dim <= 256
 constexpr int kLineChunks = 64 / sizeof(vfloat);  // vectors in a cache line: 2 (AVX2) or 1
 constexpr int kGroupTile = 4;  // query heads whose value accumulators are held in registers
+constexpr int kRunTile = 6;  // a run's rows whose value accumulators are held in registers
 
 struct Scratch {  // per thread, reused across tasks and calls
   std::vector<float> scores, inv_sum;
   std::vector<vfloat> qv, acc, dots;  // dots: kLanes rows' unreduced q.k products per head
 };
 
-// One query token, KV heads [h0, h1): each of them with its `group` query heads. The context is
-// read block by block (attention_keys.h, then the values; the next block is prefetched).
-// CHUNKS = head_dim / kLanes when known at compile time (loops unroll), 0 for any other size.
-// The first `skip` positions of the context are read but weigh nothing (a sliding window's
-// start inside the table's first block, see window_start).
+// n consecutive query tokens of one sequence (token u: query row q + u * q_stride, output row
+// out + u * out_stride, context ctx + u positions), KV heads [h0, h1): each of them with its
+// `group` query heads. A decode is n = 1; a run of a prefill chunk's tokens (n > 1) shares each
+// key and value row read among all of its n x g query rows. Row i of the task is KV head
+// h0 + i / (n g), token i / g % n, query head g = i % g of that KV head. Whatever n, a row's
+// scores, softmax and value sums are the same operations in the same order as the token's alone:
+// a key's score does not depend on which other rows were dotted with it, a row's softmax covers
+// its own context (later keys get weight 0) and its value sums run over positions in order
+// (weight-0 terms add nothing). The context is read block by block (attention_keys.h, then the
+// values; the next block is prefetched). CHUNKS = head_dim / kLanes when known at compile time
+// (loops unroll), 0 for any other size. The first `skip` positions of the context are read but
+// weigh nothing (a sliding window's start inside the table's first block, see window_start;
+// n = 1 only, since later tokens' windows start later).
 template <typename T, typename C, int CHUNKS>
-void attend(T* out, const T* q, const C* k_cache, const C* v_cache, const int32_t* table,
-            int64_t ctx, int64_t skip, int64_t h0, int64_t h1, int64_t group, int64_t head_dim,
-            int64_t block_size, int64_t token_stride, float scale, Scratch& scratch,
-            KeyStream& next_keys) {
+void attend(T* out, int64_t out_stride, const T* q, int64_t q_stride, int64_t n,
+            const C* k_cache, const C* v_cache, const int32_t* table, int64_t ctx, int64_t skip,
+            int64_t h0, int64_t h1, int64_t group, int64_t head_dim, int64_t block_size,
+            int64_t token_stride, float scale, Scratch& scratch, KeyStream& next_keys) {
   const int64_t chunks = CHUNKS ? CHUNKS : head_dim / kLanes;
   const int64_t block_stride = block_size * token_stride;
-  const int64_t num_blocks = (ctx + block_size - 1) / block_size;
-  const int64_t heads = (h1 - h0) * group;  // query heads handled here
-  const int64_t padded = (ctx + kLanes - 1) / kLanes * kLanes;  // a score row's length
-  const int64_t range = (h1 - h0) * head_dim;  // elements of a token row handled here
-  float* scores = at_least(scratch.scores, heads * padded);
-  vfloat* qv = at_least(scratch.qv, heads * chunks);
-  vfloat* acc = at_least(scratch.acc, heads * chunks);
-  std::fill(acc, acc + heads * chunks, vfloat{});
-  vfloat* dots = at_least(scratch.dots, heads * kLanes);
-  float* inv_sum = at_least(scratch.inv_sum, heads);
+  const int64_t last = ctx + n - 1;  // the last token's context: the keys read
+  const int64_t num_blocks = (last + block_size - 1) / block_size;
+  const int64_t per_head = n * group;  // rows of one KV head
+  const int64_t rows = (h1 - h0) * per_head;
+  const int64_t padded = (last + kLanes - 1) / kLanes * kLanes;  // a score row's length
+  const int64_t range = (h1 - h0) * head_dim;  // elements of a key row handled here
+  float* scores = at_least(scratch.scores, rows * padded);
+  vfloat* qv = at_least(scratch.qv, rows * chunks);
+  vfloat* acc = at_least(scratch.acc, rows * chunks);
+  std::fill(acc, acc + rows * chunks, vfloat{});
+  vfloat* dots = at_least(scratch.dots, rows * kLanes);
+  float* inv_sum = at_least(scratch.inv_sum, rows);
 
-  // Block b's rows, from head h0 on; how many of them are in the context.
+  auto token_of = [&](int64_t i) { return i / group % n; };
+  auto head_of = [&](int64_t i) {  // the query head's offset in a token row
+    return ((h0 + i / per_head) * group + i % group) * head_dim;
+  };
+  // Block b's rows, from head h0 on; how many of them the first `len` positions reach.
   auto rows_of = [&](const C* cache, int64_t b) {
     return cache + table[b] * block_stride + h0 * head_dim;
   };
-  auto rows_in = [&](int64_t b) { return std::min(block_size, ctx - b * block_size); };
+  auto rows_in = [&](int64_t b, int64_t len) { return std::min(block_size, len - b * block_size); };
 
-  // qv[i * chunks + c]: query head i, scaled, as vectors.
-  for (int64_t i = 0; i < heads; ++i)
+  // qv[i * chunks + c]: row i's query, scaled, as vectors.
+  for (int64_t i = 0; i < rows; ++i)
     for (int64_t c = 0; c < chunks; ++c)
-      qv[i * chunks + c] = load(q + (h0 * group + i) * head_dim + c * kLanes) * scale;
+      qv[i * chunks + c] = load(q + token_of(i) * q_stride + head_of(i) + c * kLanes) * scale;
 
-  // scores[i][t] = q_i . k_t (i: query head; q is scaled already), each key row converted to
-  // float once for its g query heads.
-  score_keys<3>(scores, padded, k_cache, v_cache, table, ctx, h0, range, heads, head_dim,
+  // scores[i][t] = q_i . k_t (q is scaled already), each key row converted to float once for
+  // every row of its KV head.
+  score_keys<3>(scores, padded, k_cache, v_cache, table, last, h0, range, rows, head_dim,
                 block_size, token_stride, 1.f, dots, [=](const C* row, int64_t r) {
     for (int64_t h = 0; h < h1 - h0; ++h) {
       vfloat kv[kMaxChunks];
       for (int64_t c = 0; c < chunks; ++c) kv[c] = load(row + h * head_dim + c * kLanes);
-      for (int64_t g = 0; g < group; ++g) {
-        const int64_t i = h * group + g;
+      for (int64_t i = h * per_head; i < (h + 1) * per_head; ++i) {
         const vfloat* qi = qv + i * chunks;
         vfloat dot = qi[0] * kv[0];
         for (int64_t c = 1; c < chunks; ++c) dot += qi[c] * kv[c];
@@ -105,25 +121,26 @@ void attend(T* out, const T* q, const C* k_cache, const C* v_cache, const int32_
     }
   });
 
-  for (int64_t i = 0; i < heads; ++i) {
+  for (int64_t i = 0; i < rows; ++i) {
     std::fill(scores + i * padded, scores + i * padded + skip, -INFINITY);
-    inv_sum[i] = softmax_row(scores + i * padded, ctx, padded, scores + i * padded);
+    inv_sum[i] = softmax_row(scores + i * padded, ctx + token_of(i), padded, scores + i * padded);
   }
 
-  // out_i = sum_t p[i][t] v_t / sum_t p[i][t]. Block by block; within a block, one cache line
-  // of a KV head's values (kLineChunks vectors) for up to kGroupTile of its query heads at a
-  // time, so that their accumulators stay in registers over the block's rows. Held for all
-  // heads at once (9 x 64 floats) they would spill: a load and a store each, every row.
-  auto weigh_values = [&](auto tile, const C* rows, const C* next, int64_t t0, int64_t n,
-                          int64_t h, int64_t g0, int64_t c0) {
+  // out_i = sum_t p[i][t] v_t / sum_t p[i][t], each output element summed over the keys in
+  // position order. A decode goes block by block; within a block, one cache line of a KV head's
+  // values (kLineChunks vectors) for up to kGroupTile of its rows at a time, so that their
+  // accumulators stay in registers over the block's rows. Held for all rows at once (9 x 64
+  // floats) they would spill: a load and a store each, every key.
+  auto weigh_block = [&](auto tile, const C* block, const C* next, int64_t b, int64_t i0,
+                         int64_t c0) {
     constexpr int G = decltype(tile)::value;
-    const int64_t i0 = h * group + g0, first = h * head_dim + c0 * kLanes;
+    const int64_t first = i0 / per_head * head_dim + c0 * kLanes;
     vfloat a[G][kLineChunks];
     for (int g = 0; g < G; ++g)
       for (int c = 0; c < kLineChunks; ++c) a[g][c] = acc[(i0 + g) * chunks + c0 + c];
-    const float* p = scores + i0 * padded + t0;
-    for (int64_t j = 0; j < n; ++j) {
-      const C* line = rows + j * token_stride + first;
+    const float* p = scores + i0 * padded + b * block_size;
+    for (int64_t j = 0; j < rows_in(b, ctx); ++j) {
+      const C* line = block + j * token_stride + first;
       if (next) __builtin_prefetch(next + j * token_stride + first);
       for (int c = 0; c < kLineChunks; ++c) {
         const vfloat v = load(line + c * kLanes);
@@ -133,21 +150,54 @@ void attend(T* out, const T* q, const C* k_cache, const C* v_cache, const int32_
     for (int g = 0; g < G; ++g)
       for (int c = 0; c < kLineChunks; ++c) acc[(i0 + g) * chunks + c0 + c] = a[g][c];
   };
-  next_keys.spread_over(num_blocks);
-  for (int64_t b = 0; b < num_blocks; ++b) {
-    const C* rows = rows_of(v_cache, b);
-    const C* next = b + 1 < num_blocks ? rows_of(v_cache, b + 1) : nullptr;
-    const int64_t t0 = b * block_size, n = rows_in(b);
-    next_keys.step();
+  // A run's rows instead go kRunTile at a time over the whole context (up to the tile's longest
+  // row's), NV vectors of the head dimension each, the accumulators in registers throughout:
+  // each value vector loaded serves kRunTile rows. Their later keys weigh 0 for the shorter rows.
+  auto weigh_run = [&](auto tile, auto vectors, int64_t i0, int64_t c0) {
+    constexpr int G = decltype(tile)::value, NV = decltype(vectors)::value;
+    const int64_t len = ctx + token_of(i0 + G - 1);
+    const int64_t first = i0 / per_head * head_dim + c0 * kLanes;
+    vfloat a[G][NV] = {};
+    const float* p = scores + i0 * padded;
+    for (int64_t b = 0; b * block_size < len; ++b) {
+      const C* block = rows_of(v_cache, b) + first;
+      const float* pb = p + b * block_size;
+      for (int64_t j = 0, keys = rows_in(b, len); j < keys; ++j) {
+        vfloat v[NV];
+        for (int c = 0; c < NV; ++c) v[c] = load(block + j * token_stride + c * kLanes);
+        for (int g = 0; g < G; ++g) {
+          const float w = pb[g * padded + j];
+          for (int c = 0; c < NV; ++c) a[g][c] += w * v[c];
+        }
+      }
+    }
+    for (int g = 0; g < G; ++g)
+      for (int c = 0; c < NV; ++c) acc[(i0 + g) * chunks + c0 + c] = a[g][c];
+  };
+  if (n == 1) {
+    next_keys.spread_over(num_blocks);
+    for (int64_t b = 0; b < num_blocks; ++b) {
+      const C* block = rows_of(v_cache, b);
+      const C* next = b + 1 < num_blocks ? rows_of(v_cache, b + 1) : nullptr;
+      next_keys.step();
+      for (int64_t h = 0; h < h1 - h0; ++h)
+        for (int64_t i = h * group; i < (h + 1) * group; i += kGroupTile)
+          for (int64_t c = 0; c < chunks; c += kLineChunks)
+            with_constant<kGroupTile>(std::min<int64_t>((h + 1) * group - i, kGroupTile),
+                                      [&](auto tile) { weigh_block(tile, block, next, b, i, c); });
+    }
+  } else {
     for (int64_t h = 0; h < h1 - h0; ++h)
-      for (int64_t g = 0; g < group; g += kGroupTile)
-        for (int64_t c = 0; c < chunks; c += kLineChunks)
-          with_constant<kGroupTile>(std::min<int64_t>(group - g, kGroupTile), [&](auto tile) {
-            weigh_values(tile, rows, next, t0, n, h, g, c);
-          });
+      for (int64_t i = h * per_head; i < (h + 1) * per_head; i += kRunTile)
+        with_constant<kRunTile>(std::min<int64_t>((h + 1) * per_head - i, kRunTile),
+                                [&](auto tile) {
+          int64_t c = 0;
+          for (; c + 2 <= chunks; c += 2) weigh_run(tile, std::integral_constant<int, 2>{}, i, c);
+          if (c < chunks) weigh_run(tile, std::integral_constant<int, 1>{}, i, c);
+        });
   }
-  for (int64_t i = 0; i < heads; ++i) {
-    T* o = out + (h0 * group + i) * head_dim;
+  for (int64_t i = 0; i < rows; ++i) {
+    T* o = out + token_of(i) * out_stride + head_of(i);
     for (int64_t c = 0; c < chunks; ++c)
       store(acc[i * chunks + c] * inv_sum[i], o + c * kLanes);
   }
@@ -159,7 +209,8 @@ void copy_row(C* dst, const T* src, int64_t n) {  // n: a multiple of kLanes
 }
 
 // What one thread does at a time: tokens [t, t + n) of one sequence against KV head h0 (a tile,
-// attention_tile.h), or token t alone against KV heads [h0, h1) (attend).
+// attention_tile.h), or against KV heads [h0, h1) (attend: a decode, or a run of a prefill
+// chunk's tokens in the deterministic mode).
 struct Task {
   int64_t t, n, h0, h1;
   bool tile;
@@ -170,17 +221,22 @@ struct Task {
 // first (the longest contexts: dynamic scheduling then balances the rest); the other tokens
 // go one by one, all KV heads per task when there are enough tokens to keep the threads busy.
 // Deterministic inference needs one arithmetic for every query row, whether it is a decode or
-// sits anywhere in a prefill chunk (docs/determinism.md): kOneByOne sends every token the
-// decode's way (attend, attend_bf16: a row's scores, softmax and value sums depend only on its
-// own query, context and cache, hsum and transposed_hsum being the same tree); kTiles sends every
-// run to attend_tile (a decode as a tile of its own), for bf16 over an odd block size, where
-// attend_bf16's pairs of value rows would start at odd positions.
-enum class Plan { kMixed, kOneByOne, kTiles };
+// sits anywhere in a prefill chunk (docs/determinism.md): kRuns sends every token the decode's
+// way (attend, attend_bf16: a row's scores, softmax and value sums depend only on its own
+// query, context and cache, hsum and transposed_hsum being the same tree), a run's tokens
+// kRunRows query rows at a time per KV head so that each key read serves them all; kTiles sends
+// every run to attend_tile (a decode as a tile of its own), for bf16 over an odd block size,
+// where attend_bf16's pairs of value rows would start at odd positions.
+enum class Plan { kMixed, kRuns, kTiles };
 constexpr int64_t kMinTileRows = 24;
+constexpr int64_t kRunRows = 48;
+// A run task's score rows (query rows x its last token's context) kept within about 256 KB,
+// which stays in L2 between the key pass that writes them and the value pass that reads them.
+constexpr int64_t kRunScores = 64 * 1024;
 
 std::vector<Task> plan_tasks(const int32_t* token_seqs, const int32_t* context_lens,
                              int64_t num_tokens, int64_t num_kv_heads, int64_t group,
-                             int num_threads, Plan plan) {
+                             int num_threads, Plan plan, bool windowed) {
   const int64_t span = num_tokens >= 4 * num_threads ? num_kv_heads : 1;
   const int64_t per_tile = std::max<int64_t>(1, kTileRows / group);
   std::vector<Task> tasks;
@@ -193,6 +249,13 @@ std::vector<Task> plan_tasks(const int32_t* token_seqs, const int32_t* context_l
       for (int64_t s = t + (end - t - 1) / per_tile * per_tile; s >= t; s -= per_tile)
         for (int64_t h = 0; h < num_kv_heads; ++h)
           tasks.push_back({s, std::min(per_tile, end - s), h, h + 1, true});
+    } else if (plan == Plan::kRuns && end - t > 1 && !windowed) {
+      const int64_t longest = context_lens[end - 1] + kLanes;
+      const int64_t per_run =
+          std::max<int64_t>(1, std::min(kRunRows, kRunScores / longest) / group);
+      for (int64_t s = t + (end - t - 1) / per_run * per_run; s >= t; s -= per_run)
+        for (int64_t h = 0; h < num_kv_heads; ++h)
+          tasks.push_back({s, std::min(per_run, end - s), h, h + 1, false});
     } else {
       for (int64_t u = t; u < end; ++u)
         for (int64_t h0 = 0; h0 < num_kv_heads; h0 += span)
@@ -217,12 +280,12 @@ void paged_attention(T* out, const T* q, C* k_cache, C* v_cache, NewKV<T> new_kv
   const int64_t group = num_heads / num_kv_heads;
   const int64_t token_stride = num_kv_heads * head_dim;
   const bool pairs = std::is_same_v<T, uint16_t> && std::is_same_v<C, uint16_t> &&
-                     (head_dim == 64 || head_dim == 128);  // attend_bf16 serves single tokens
+                     (head_dim == 64 || head_dim == 128);  // attend_bf16 serves decode-way tokens
   const Plan plan = !deterministic                ? Plan::kMixed
                     : pairs && block_size % 2 == 1 ? Plan::kTiles
-                                                   : Plan::kOneByOne;
+                                                   : Plan::kRuns;
   const std::vector<Task> tasks = plan_tasks(token_seqs, context_lens, num_tokens, num_kv_heads,
-                                             group, num_threads, plan);
+                                             group, num_threads, plan, window > 0);
   const int64_t num_tasks = static_cast<int64_t>(tasks.size());
   auto table_of = [&](int64_t t) {  // token t's sequence's block table
     return block_tables + (token_seqs ? token_seqs[t] : t) * max_blocks;
@@ -285,29 +348,33 @@ void paged_attention(T* out, const T* q, C* k_cache, C* v_cache, NewKV<T> new_kv
         auto* ob = reinterpret_cast<uint16_t*>(o);
         const auto* kb = reinterpret_cast<const uint16_t*>(k_cache);
         const auto* vb = reinterpret_cast<const uint16_t*>(v_cache);
+        auto bf16_way = [&](auto chunks) {
+          attend_bf16<decltype(chunks)::value>(
+              ob, num_heads * head_dim, qb, q_stride, task.n, kb, vb, span.table, span.ctx,
+              span.skip, h0, h1, group, block_size, token_stride, scale, bf16_scratch, next_keys);
+        };
         if (head_dim == 64)
-          attend_bf16<2>(ob, qb, kb, vb, span.table, span.ctx, span.skip, h0, h1, group,
-                         block_size, token_stride, scale, bf16_scratch, next_keys);
+          bf16_way(std::integral_constant<int, 2>{});
         else
-          attend_bf16<4>(ob, qb, kb, vb, span.table, span.ctx, span.skip, h0, h1, group,
-                         block_size, token_stride, scale, bf16_scratch, next_keys);
+          bf16_way(std::integral_constant<int, 4>{});
       }
 #endif
-      else if (head_dim == 64)
-        attend<T, C, 64 / kLanes>(o, qt, k_cache, v_cache, span.table, span.ctx, span.skip, h0,
-                                  h1, group, head_dim, block_size, token_stride, scale, scratch,
-                                  next_keys);
-      else if (head_dim == 128)
-        attend<T, C, 128 / kLanes>(o, qt, k_cache, v_cache, span.table, span.ctx, span.skip, h0,
-                                   h1, group, head_dim, block_size, token_stride, scale, scratch,
-                                   next_keys);
-      else if (head_dim == 256)
-        attend<T, C, 256 / kLanes>(o, qt, k_cache, v_cache, span.table, span.ctx, span.skip, h0,
-                                   h1, group, head_dim, block_size, token_stride, scale, scratch,
-                                   next_keys);
-      else
-        attend<T, C, 0>(o, qt, k_cache, v_cache, span.table, span.ctx, span.skip, h0, h1, group,
-                        head_dim, block_size, token_stride, scale, scratch, next_keys);
+      else {
+        auto float_way = [&](auto chunks) {
+          attend<T, C, decltype(chunks)::value>(o, num_heads * head_dim, qt, q_stride, task.n,
+                                                k_cache, v_cache, span.table, span.ctx, span.skip,
+                                                h0, h1, group, head_dim, block_size, token_stride,
+                                                scale, scratch, next_keys);
+        };
+        if (head_dim == 64)
+          float_way(std::integral_constant<int, 64 / kLanes>{});
+        else if (head_dim == 128)
+          float_way(std::integral_constant<int, 128 / kLanes>{});
+        else if (head_dim == 256)
+          float_way(std::integral_constant<int, 256 / kLanes>{});
+        else
+          float_way(std::integral_constant<int, 0>{});
+      }
     };
     // Dynamic scheduling by hand. With tasks enough to go round, a thread claims its next task
     // as it starts one, so that a decode task can fetch the next one's keys (KeyStream) while it
@@ -319,8 +386,8 @@ void paged_attention(T* out, const T* q, C* k_cache, C* v_cache, NewKV<T> new_kv
       if (following < num_tasks && !tasks[following].tile) {
         const Task& f = tasks[following];
         const Span next = span_of(f.t);
-        next_keys = KeyStream(k_cache, next.table, next.ctx, f.h0, f.h1, head_dim, block_size,
-                              token_stride);
+        next_keys = KeyStream(k_cache, next.table, next.ctx + f.n - 1, f.h0, f.h1, head_dim,
+                              block_size, token_stride);
       }
       run(tasks[i], next_keys);
       i = claim_ahead ? following : next_task++;
