@@ -93,10 +93,11 @@ def select_kernels(device: torch.device, dtype: torch.dtype, head_dim: int,
       vdpbf16ps panels, but its sums are not known to be the same whatever the batch);
       ``OneDnnMethod`` for bf16 on other CPUs with native bf16 (and float32 when the kernels
       cannot be built); ``DenseMethod`` elsewhere (oneDNN would emulate bf16).
-    * ``block_weights``: wherever the weights are packed for the CPU and the kernels built
-      (layers/quantized.py, float32 or bf16 activations).
+    * ``block_weights``: under integer compute, and wherever the weights are packed for the CPU,
+      once the kernels are built (layers/quantized.py, float32 or bf16 activations).
     * ``int8_blocks``: integer compute, by default (``weight_compute="auto"``) and when asked
-      (``"int8"``), on the CPU wherever the block weights are kept: every projection the file
+      (``"int8"``), on the CPU wherever the kernels are built (bf16 without AVX512-BF16 too,
+      where the dense weights would be torch's emulated bf16): every projection the file
       stores as blocks then multiplies them as integers against activations rounded to 8 bits
       (``layers/block_method.py``'s ``Int8BlockMethod``), whatever the model's dtype. ``"float"``
       multiplies them in the activations' dtype.
@@ -123,15 +124,15 @@ def select_kernels(device: torch.device, dtype: torch.dtype, head_dim: int,
             linear = PanelMethod
         elif (dtype == torch.float32 or native_bf16) and OneDnnMethod.available():
             linear = OneDnnMethod
-    packed = linear is not DenseMethod
-    block_weights = packed and block_matmul_available()
-    if weight_compute == "int8" and not block_weights:
+    kernels_built = device.type == "cpu" and block_matmul_available()
+    if weight_compute == "int8" and not kernels_built:
         raise ValueError(f"weight_compute int8 needs the CPU kernels (device {device.type}, "
                          f"dtype {dtype})")
+    int8_blocks = weight_compute == "int8" or (weight_compute == "auto" and kernels_built)
     return KernelPlan(
         linear=linear,
-        block_weights=block_weights,
-        int8_blocks=weight_compute == "int8" or (weight_compute == "auto" and block_weights),
+        block_weights=int8_blocks or (linear is not DenseMethod and kernels_built),
+        int8_blocks=int8_blocks,
         backend=select_backend(device, dtype, head_dim, cache_dtype, deterministic),
         deterministic=deterministic)
 
