@@ -3,6 +3,10 @@ and its fallbacks."""
 
 from __future__ import annotations
 
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -292,11 +296,31 @@ def test_build_is_cached_per_machine() -> None:
     assert library.parent == build.cache_dir() / "kernels" and library.name.startswith("conveyor-")
 
 
+def test_processes_starting_together_build_once(monkeypatch, tmp_path) -> None:
+    """Builders of one library wait for each other (test workers, a server's ranks starting
+    together): the first compiles, the others find its library."""
+    monkeypatch.setenv("CONVEYOR_CACHE_DIR", str(tmp_path))
+    compiled: list[int] = []
+
+    def slow_compile(commands: list[list[str]], start: float) -> tuple[int, str]:
+        compiled.append(len(commands))
+        time.sleep(0.3)  # long enough for the other builders to arrive and wait
+        for command in commands:
+            Path(command[command.index("-o") + 1]).write_bytes(b"")
+        return 0, ""
+
+    monkeypatch.setattr(build, "_compile", slow_compile)
+    with ThreadPoolExecutor(3) as pool:
+        results = list(pool.map(lambda _: build.build_ops(), range(3)))
+    assert len({library for library, _ in results}) == 1 and results[0][0].exists()
+    assert sorted(seconds > 0 for _, seconds in results) == [False, False, True]
+    assert len(compiled) == 2  # the sources once, the link once
+
+
 def test_kernel_sources_ship_in_the_package() -> None:
     """Every kernel source and header matches a package-data pattern, so an installed (not
     editable) package can still build its kernels."""
     import fnmatch
-    from pathlib import Path
 
     tomllib = pytest.importorskip("tomllib")  # Python 3.11+
     root = Path(__file__).resolve().parents[2]

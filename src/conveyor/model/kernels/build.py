@@ -19,6 +19,7 @@ target instead of this CPU: an AVX-512 machine then runs the paths of an AVX2-on
 
 from __future__ import annotations
 
+import fcntl
 import functools
 import hashlib
 import logging
@@ -134,9 +135,15 @@ def build_ops(target: str = "native", compiler: str | None = None) -> tuple[Path
     key = hashlib.sha256("\0".join([*sources, *commands, version, torch.__version__,
                                     _cpu_flags()]).encode()).hexdigest()[:16]
     library = cache_dir() / "kernels" / f"{ns}-{key}.so"
-    seconds = 0.0
-    if not library.exists():
-        library.parent.mkdir(parents=True, exist_ok=True)
+    if library.exists():
+        return library, 0.0
+    library.parent.mkdir(parents=True, exist_ok=True)
+    # One builder per library at a time: processes that start together (test workers, a server's
+    # ranks) wait for the first one's build instead of each compiling the same sources.
+    with open(library.with_suffix(".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if library.exists():
+            return library, 0.0
         # A warning, so that it shows without any logging set up: the first start on a machine
         # otherwise sits silent for the build's minute or two.
         logger.warning("building the C++ kernels for %s into %s (once for this machine, "
