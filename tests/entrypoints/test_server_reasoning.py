@@ -36,8 +36,10 @@ SCHEMA = {"type": "object", "properties": {"answer": {"type": "integer"}},
 
 @pytest.fixture(scope="module")
 def qwen3(start_server):
-    # float compute: SmolLM2's greedy copy of the shown turn, which the checks read, is float's
-    return start_server(["--reasoning-parser", "qwen3", "--weight-compute", "float"])
+    # bf16 with float compute on every machine: SmolLM2's greedy copy of the shown turn, which
+    # the checks read, opens with <think> there (float32 and integer compute leave it out)
+    return start_server(["--reasoning-parser", "qwen3", "--dtype", "bfloat16",
+                         "--weight-compute", "float"])
 
 
 @pytest.fixture(scope="module")
