@@ -42,6 +42,7 @@ struct Bf16Scratch {  // per thread, reused across tasks and calls
   std::vector<float> scores, inv_sum;
   std::vector<uint16_t> weights;  // the scores after softmax, rounded to bf16
   std::vector<vfloat> dots;
+  std::vector<const uint16_t*> queries;  // each row's query head
 };
 
 // n consecutive tokens of one sequence, rows ordered and contexts as in attend (a decode is
@@ -66,11 +67,13 @@ void attend_bf16(uint16_t* out, int64_t out_stride, const uint16_t* q, int64_t q
   uint16_t* weights = at_least(scratch.weights, rows * padded);
   vfloat* dots = at_least(scratch.dots, rows * kLanes);
   float* inv_sum = at_least(scratch.inv_sum, rows);
+  const uint16_t** queries = at_least(scratch.queries, rows);
 
   auto token_of = [&](int64_t i) { return i / group % n; };
   auto head_of = [&](int64_t i) {  // the query head's offset in a token row
     return ((h0 + i / per_head) * group + i % group) * head_dim;
   };
+  for (int64_t i = 0; i < rows; ++i) queries[i] = q + token_of(i) * q_stride + head_of(i);
   auto rows_of = [&](const uint16_t* cache, int64_t b) {
     return cache + table[b] * block_stride + h0 * head_dim;
   };
@@ -84,7 +87,7 @@ void attend_bf16(uint16_t* out, int64_t out_stride, const uint16_t* q, int64_t q
       __m512bh kv[CHUNKS];
       for (int c = 0; c < CHUNKS; ++c) kv[c] = BF16::vector(row + h * head_dim + c * kBf16Chunk);
       for (int64_t i = h * per_head; i < (h + 1) * per_head; ++i) {
-        const uint16_t* qi = q + token_of(i) * q_stride + head_of(i);
+        const uint16_t* qi = queries[i];
         __m512 dot = _mm512_setzero_ps();
         for (int c = 0; c < CHUNKS; ++c)
           dot = _mm512_dpbf16_ps(dot, kv[c], BF16::vector(qi + c * kBf16Chunk));
