@@ -175,6 +175,22 @@ def test_measure_machine_measures_int8_only_when_asked():
     assert rates.int8_ops is not None and rates.int8_ops > 0
 
 
+def test_the_int8_rate_is_the_faster_of_torch_and_conveyor_and_names_it(monkeypatch):
+    """oneDNN's integer GEMM (torch._int_mm) falls back to slow code without VNNI, where
+    Conveyor's own kernel is the integer path's rate; the faster one is taken and named."""
+    from conveyor.bench import roofline
+
+    monkeypatch.setattr(roofline, "_int_mm_rate", lambda size, timed: 2e9)
+    ours = roofline._int8_block_gemm_rate(128, lambda kernel: (kernel(), 1e-3)[1])
+    assert ours == 2.0 * 128**3 / 1e-3  # it ran the kernel once through `timed`
+    monkeypatch.setattr(roofline, "_int8_block_gemm_rate", lambda size, timed: 170e9)
+    rates = measure_machine("float32", gemm_size=64, bandwidth_mib=4, repeats=1, int8=True)
+    assert (rates.int8_ops, rates.int8_source) == (170e9, "Conveyor's int8_block_gemm, Q8_0")
+    monkeypatch.setattr(roofline, "_int_mm_rate", lambda size, timed: 900e9)
+    rates = measure_machine("float32", gemm_size=64, bandwidth_mib=4, repeats=1, int8=True)
+    assert (rates.int8_ops, rates.int8_source) == (900e9, "torch._int_mm")
+
+
 def _run(weight_compute: str, step_weight_bytes: list[float]) -> SystemResult:
     ea = {"max_num_seqs": 4, "max_num_batched_tokens": 4096, "enable_prefix_caching": True}
     extra = {"engine_args": ea, "model_config": {"name": "smol", **SMOL.shape_dict()},
@@ -230,6 +246,9 @@ def test_format_roofline_names_the_int8_rate_under_integer_compute():
         "roofline: int8 GEMM 748 GOP/s (torch._int_mm) for the linear layers, bfloat16 GEMM "
         "155 GFLOP/s for attention, memory read 30.1 GB/s (2 threads, measured in the run)")
     assert "the GGUF blocks under integer compute" in text.splitlines()[1]
+    machine["int8_source"] = "Conveyor's int8_block_gemm, Q8_0"
+    text = throughput.format_roofline({**ROOFLINE, "machine": machine, "weight_compute": "int8"})
+    assert text.startswith("roofline: int8 GEMM 748 GOP/s (Conveyor's int8_block_gemm, Q8_0) for")
 
 
 def test_format_roofline_of_an_older_file_is_the_float_line():

@@ -10,7 +10,8 @@ bytes of a step are those the engine reads at that batch size when it says so
 
 Under integer compute (``weight_compute="int8"``: a GGUF model's blocks multiplied as integers
 against 8-bit activations) the linear layers' arithmetic runs at the measured int8 GEMM rate
-(``torch._int_mm``) and attention's at the float one, and every step, prefill's too, reads the
+(the faster of ``torch._int_mm`` and Conveyor's own ``int8_block_gemm``: oneDNN's integer GEMM
+falls back to slow code on a CPU without VNNI) and attention's at the float one, and every step, prefill's too, reads the
 weights as the engine holds them: the blocks, whatever the batch.
 """
 
@@ -33,8 +34,10 @@ class MachineRates:
     num_threads: int  # CPU threads; on a GPU its streaming multiprocessors
     dtype: str = "bfloat16"  # of the GEMM
     device: str = "cpu"  # where they were measured: "cpu" or the GPU's name
-    # measured int8 x int8 -> int32 GEMM op/s (torch._int_mm) where asked, on the CPU only
+    # measured int8 x int8 -> int32 GEMM op/s where asked, on the CPU only: the faster of
+    # torch._int_mm and Conveyor's own integer GEMM, int8_source naming which
     int8_ops: float | None = None
+    int8_source: str = "torch._int_mm"
 
 
 @dataclass(frozen=True)
@@ -136,8 +139,9 @@ def measure_machine(dtype: str = "bfloat16", gemm_size: int = 2048, bandwidth_mi
     """Short torch micro-benchmarks: best-of-``repeats`` GEMM in ``dtype`` (the engine's: a CPU
     without native bf16 runs float32) and streaming reads. On ``device="cuda"`` the GPU's
     (cuBLAS and HBM), with sizes raised to keep it busy: GEMMs of 8192, reads of 2 GiB. With
-    ``int8`` on the CPU also int8 GEMMs of the same size (``torch._int_mm``, oneDNN's integer
-    kernels: what integer compute's matmuls can reach)."""
+    ``int8`` on the CPU also int8 GEMMs of the same size, the faster of ``torch._int_mm``
+    (oneDNN's integer kernels, fast with VNNI) and Conveyor's ``int8_block_gemm`` on Q8_0 blocks
+    (the integer path's own, on plain AVX2 too): what integer compute's matmuls can reach."""
     import torch
 
     on_gpu = device.startswith("cuda")
@@ -170,9 +174,15 @@ def measure_machine(dtype: str = "bfloat16", gemm_size: int = 2048, bandwidth_mi
         props = torch.cuda.get_device_properties(device)
         return MachineRates(gemm, x.numel() * 4 / best, props.multi_processor_count, dtype,
                             props.name)
-    int8_ops = _int_mm_rate(gemm_size, timed) if int8 else None
+    int8_rates = {}
+    if int8:
+        int8_rates = {source: rate for source, rate in [
+            ("torch._int_mm", _int_mm_rate(gemm_size, timed)),
+            ("Conveyor's int8_block_gemm, Q8_0", _int8_block_gemm_rate(gemm_size, timed))]
+            if rate is not None}
+    int8_source = max(int8_rates, key=int8_rates.__getitem__, default="torch._int_mm")
     return MachineRates(gemm, x.numel() * 4 / best, torch.get_num_threads(), dtype,
-                        int8_ops=int8_ops)
+                        int8_ops=int8_rates.get(int8_source), int8_source=int8_source)
 
 
 def _int_mm_rate(size: int, timed: Callable[[Callable[[], object]], float]) -> float | None:
@@ -186,3 +196,28 @@ def _int_mm_rate(size: int, timed: Callable[[Callable[[], object]], float]) -> f
         return 2.0 * size**3 / timed(lambda: torch._int_mm(a, b))
     except (AttributeError, RuntimeError, NotImplementedError):
         return None
+
+
+def _int8_block_gemm_rate(size: int,
+                          timed: Callable[[Callable[[], object]], float]) -> float | None:
+    """Op/s of Conveyor's ``int8_block_gemm`` (float32 rows rounded to 8 bits, Q8_0 weight
+    blocks, int32 sums) on [size, size] matrices, by ``timed``; None without the kernels."""
+    import numpy as np
+    import torch
+    from gguf import GGMLQuantizationType, quants
+
+    from conveyor.model.kernels.int8_blocks import (
+        int8_block_gemm,
+        int8_block_gemm_available,
+        int8_panel_lanes,
+    )
+    from conveyor.model.layers.gguf_blocks import GGUFPart
+
+    if not int8_block_gemm_available():
+        return None
+    kind = int(GGMLQuantizationType.Q8_0)
+    weight = np.random.default_rng(0).standard_normal((size, size), dtype=np.float32)
+    part = GGUFPart(kind, torch.from_numpy(quants.quantize(weight, GGMLQuantizationType.Q8_0)))
+    panels = part.lane_panels(int8_panel_lanes())
+    x = torch.randn(size, size)
+    return 2.0 * size**3 / timed(lambda: int8_block_gemm(x, [kind], [panels], [size]))

@@ -510,7 +510,8 @@ def format_roofline(r: dict[str, Any]) -> str:
              else r["output_tokens_per_s"])
     gemm = f"{m.get('dtype', 'bfloat16')} GEMM {m['gemm_flops'] / 1e9:,.0f} GFLOP/s"
     if integer:
-        gemm = (f"int8 GEMM {m['int8_ops'] / 1e9:,.0f} GOP/s (torch._int_mm) for the linear "
+        gemm = (f"int8 GEMM {m['int8_ops'] / 1e9:,.0f} GOP/s "
+                f"({m.get('int8_source', 'torch._int_mm')}) for the linear "
                 f"layers, {gemm} for attention")
     where = (f"{m['device']}, {m['num_threads']} SMs" if m.get("device", "cpu") != "cpu"
              else f"{m['num_threads']} threads")
