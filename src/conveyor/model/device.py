@@ -79,7 +79,7 @@ class KernelPlan:
     int8_blocks: bool  # integer compute: a GGUF model's quantized matmuls as integers
     backend: Backend  # attention, norm, rotary, activation (model/backends/)
     # same bits however a request is batched (docs/determinism.md): GGUF blocks as BlockPanels
-    # (or serving no rows), every attention query row through the one-token path
+    # (or serving no rows), every attention query row through the decode's arithmetic
     deterministic: bool = False
 
 
@@ -106,7 +106,7 @@ def select_kernels(device: torch.device, dtype: torch.dtype, head_dim: int,
       attention kernel where it takes the queries' and cache's dtypes (float32/bf16; a float32
       model's cache may be bf16) and head_dim (16..256 by 16s); else ``TorchBackend``.
     * ``deterministic``: as asked; the kernels above then run their deterministic variants
-      (``BlockPanels`` for the blocks, the attention's one-token path for every row).
+      (``BlockPanels`` for the blocks, the decode's attention arithmetic for every row).
     """
     from conveyor.model.kernels.block_matmul import block_matmul_available
     from conveyor.model.kernels.panel_gemm import panel_gemm_available

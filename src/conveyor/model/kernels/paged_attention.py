@@ -46,10 +46,11 @@ def kernel_attention(
     dtype, heads packed, rows may be strided) are first written to the cache rows
     ``slot_mapping`` ([T] int64), rounded to the cache's dtype, in the same call.
 
-    ``deterministic``: every query row takes one arithmetic (the one-token path; bf16 over an
-    odd block size, the tiles), so that a token's output does not depend on whether it is a
-    decode or part of a chunk, nor on the chunk's boundaries (docs/determinism.md); otherwise
-    runs of enough rows go in the faster tiles.
+    ``deterministic``: every query row takes one arithmetic (the decode's, a prefill chunk's
+    tokens in runs that share each key read; bf16 over an odd block size, the tiles), so that a
+    token's output does not depend on whether it is a decode or part of a chunk, nor on the
+    chunk's boundaries (docs/determinism.md); otherwise runs of enough rows go in the faster
+    tiles.
 
     ``window``: a token at position p attends to positions (p - window, p] only (a sliding-window
     layer); the blocks of its table that lie wholly before that range are never read, so their
