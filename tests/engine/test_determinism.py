@@ -187,9 +187,14 @@ def long_prompt(executors) -> list[int]:
 @pytest.mark.slow
 def test_long_prompt_whole_chunked_and_after_a_prefix_hit(executors, long_prompt) -> None:
     """A 3,000-token prompt computed in one prefill, in 7 chunks, and after a prefix-cache hit
-    of 85 blocks: the same tokens and logprob bits (bf16; the shorter tests above cover every
-    executor)."""
-    key = "bfloat16"
+    of 85 blocks: the same tokens and logprob bits (the machine's default dtype, float compute:
+    bf16 where the CPU has native bf16, else float32, whose bf16 would be torch's emulation; the
+    shorter tests above cover every executor)."""
+    import torch
+
+    from conveyor.model.device import dtype_name, resolve_dtype
+
+    key = dtype_name(resolve_dtype("auto", torch.device("cpu")))
     executor = executors[key]
     params = SamplingParams(temperature=0, max_tokens=4, logprobs=0, ignore_eos=True)
     base = dict(dtype=dtype_of(key), max_model_len=LONG_PROMPT_TOKENS + 8, block_size=LONG_BLOCK,
