@@ -109,10 +109,10 @@ void attend_bf16(uint16_t* out, int64_t out_stride, const uint16_t* q, int64_t q
   // The values are in L2 (the key pass fetched them), so the next task's keys come in meanwhile.
   const int64_t tiles = (per_head + kBf16GroupTile - 1) / kBf16GroupTile;
   next_keys.spread_over((h1 - h0) * tiles * CHUNKS * num_blocks);
-  auto weigh_values = [&](auto tile, int64_t i0, int c) {
+  auto weigh_values = [&](auto tile, int64_t h, int64_t i0, int c) {
     constexpr int G = decltype(tile)::value;
     const int64_t len = ctx + token_of(i0 + G - 1);  // the tile's longest context
-    const int64_t first = i0 / per_head * head_dim + c * kBf16Chunk;
+    const int64_t first = h * head_dim + c * kBf16Chunk;
     vfloat lo[G] = {}, hi[G] = {};
     for (int64_t b = 0; b < num_blocks; ++b) {
       next_keys.step();
@@ -137,7 +137,7 @@ void attend_bf16(uint16_t* out, int64_t out_stride, const uint16_t* q, int64_t q
     for (int64_t i = h * per_head; i < (h + 1) * per_head; i += kBf16GroupTile)
       for (int c = 0; c < CHUNKS; ++c)
         with_constant<kBf16GroupTile>(std::min<int64_t>((h + 1) * per_head - i, kBf16GroupTile),
-                                      [&](auto tile) { weigh_values(tile, i, c); });
+                                      [&](auto tile) { weigh_values(tile, h, i, c); });
 }
 
 }  // namespace conveyor

@@ -131,15 +131,15 @@ void attend(T* out, int64_t out_stride, const T* q, int64_t q_stride, int64_t n,
   // values (kLineChunks vectors) for up to kGroupTile of its rows at a time, so that their
   // accumulators stay in registers over the block's rows. Held for all rows at once (9 x 64
   // floats) they would spill: a load and a store each, every key.
-  auto weigh_block = [&](auto tile, const C* block, const C* next, int64_t b, int64_t i0,
-                         int64_t c0) {
+  auto weigh_block = [&](auto tile, const C* block, const C* next, int64_t b, int64_t h,
+                         int64_t i0, int64_t c0) {
     constexpr int G = decltype(tile)::value;
-    const int64_t first = i0 / per_head * head_dim + c0 * kLanes;
+    const int64_t first = h * head_dim + c0 * kLanes, keys = rows_in(b, ctx);
     vfloat a[G][kLineChunks];
     for (int g = 0; g < G; ++g)
       for (int c = 0; c < kLineChunks; ++c) a[g][c] = acc[(i0 + g) * chunks + c0 + c];
     const float* p = scores + i0 * padded + b * block_size;
-    for (int64_t j = 0; j < rows_in(b, ctx); ++j) {
+    for (int64_t j = 0; j < keys; ++j) {
       const C* line = block + j * token_stride + first;
       if (next) __builtin_prefetch(next + j * token_stride + first);
       for (int c = 0; c < kLineChunks; ++c) {
@@ -153,10 +153,10 @@ void attend(T* out, int64_t out_stride, const T* q, int64_t q_stride, int64_t n,
   // A run's rows instead go kRunTile at a time over the whole context (up to the tile's longest
   // row's), NV vectors of the head dimension each, the accumulators in registers throughout:
   // each value vector loaded serves kRunTile rows. Their later keys weigh 0 for the shorter rows.
-  auto weigh_run = [&](auto tile, auto vectors, int64_t i0, int64_t c0) {
+  auto weigh_run = [&](auto tile, auto vectors, int64_t h, int64_t i0, int64_t c0) {
     constexpr int G = decltype(tile)::value, NV = decltype(vectors)::value;
     const int64_t len = ctx + token_of(i0 + G - 1);
-    const int64_t first = i0 / per_head * head_dim + c0 * kLanes;
+    const int64_t first = h * head_dim + c0 * kLanes;
     vfloat a[G][NV] = {};
     const float* p = scores + i0 * padded;
     for (int64_t b = 0; b * block_size < len; ++b) {
@@ -184,7 +184,7 @@ void attend(T* out, int64_t out_stride, const T* q, int64_t q_stride, int64_t n,
         for (int64_t i = h * group; i < (h + 1) * group; i += kGroupTile)
           for (int64_t c = 0; c < chunks; c += kLineChunks)
             with_constant<kGroupTile>(std::min<int64_t>((h + 1) * group - i, kGroupTile),
-                                      [&](auto tile) { weigh_block(tile, block, next, b, i, c); });
+                                      [&](auto tile) { weigh_block(tile, block, next, b, h, i, c); });
     }
   } else {
     for (int64_t h = 0; h < h1 - h0; ++h)
@@ -192,8 +192,9 @@ void attend(T* out, int64_t out_stride, const T* q, int64_t q_stride, int64_t n,
         with_constant<kRunTile>(std::min<int64_t>((h + 1) * per_head - i, kRunTile),
                                 [&](auto tile) {
           int64_t c = 0;
-          for (; c + 2 <= chunks; c += 2) weigh_run(tile, std::integral_constant<int, 2>{}, i, c);
-          if (c < chunks) weigh_run(tile, std::integral_constant<int, 1>{}, i, c);
+          for (; c + 2 <= chunks; c += 2)
+            weigh_run(tile, std::integral_constant<int, 2>{}, h, i, c);
+          if (c < chunks) weigh_run(tile, std::integral_constant<int, 1>{}, h, i, c);
         });
   }
   for (int64_t i = 0; i < rows; ++i) {
