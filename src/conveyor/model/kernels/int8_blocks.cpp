@@ -259,6 +259,7 @@ inline VF set_f(float v) { return _mm512_set1_ps(v); }
 inline VF to_float(VI v) { return _mm512_cvtepi32_ps(v); }
 inline VF mul(VF a, VF b) { return _mm512_mul_ps(a, b); }
 inline VF fma(VF a, VF b, VF c) { return _mm512_fmadd_ps(a, b, c); }
+#define CONVEYOR_DPBUSD 1
 template <bool Signed>
 inline VI dot(VI acc, VI codes, int32_t a) {
   return _mm512_dpbusd_epi32(acc, codes, _mm512_set1_epi32(a));
@@ -310,8 +311,10 @@ inline VF set_f(float v) { return _mm256_set1_ps(v); }
 inline VF to_float(VI v) { return _mm256_cvtepi32_ps(v); }
 inline VF mul(VF a, VF b) { return _mm256_mul_ps(a, b); }
 inline VF fma(VF a, VF b, VF c) { return _mm256_fmadd_ps(a, b, c); }
+#if (defined(__AVX512VNNI__) && defined(__AVX512VL__)) || defined(__AVXVNNI__)
+#define CONVEYOR_DPBUSD 1
 // acc + the 4-byte dot products of codes' lanes with a; Signed: codes are int8 (Q8_0), through
-// |w| and a with w's sign. Without VNNI, pairs of products fit int16: |w| <= 63 or 128.
+// |w| and a with w's sign.
 template <bool Signed>
 inline VI dot(VI acc, VI codes, int32_t a) {
   VI x = _mm256_set1_epi32(a), w = codes;
@@ -321,13 +324,26 @@ inline VI dot(VI acc, VI codes, int32_t a) {
   }
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
   return _mm256_dpbusd_epi32(acc, w, x);
-#elif defined(__AVXVNNI__)
-  return _mm256_dpbusd_avx_epi32(acc, w, x);
 #else
-  return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(w, x),
-                                                 _mm256_set1_epi16(1)));
+  return _mm256_dpbusd_avx_epi32(acc, w, x);
 #endif
 }
+#else
+// Without VNNI: the int16 sums of pairs of products of codes' bytes with a's (vpmaddubsw; Signed:
+// as dot), summed further in int16 over a run of code vectors (pair_runs) before vpmaddwd widens
+// them to the 4-byte dot products.
+template <bool Signed>
+inline VI pair_products(VI codes, int32_t a) {
+  VI x = _mm256_set1_epi32(a), w = codes;
+  if constexpr (Signed) {
+    x = _mm256_sign_epi8(x, w);
+    w = _mm256_sign_epi8(w, w);
+  }
+  return _mm256_maddubs_epi16(w, x);
+}
+inline VI add16(VI a, VI b) { return _mm256_add_epi16(a, b); }
+inline VI widen_pairs(VI sums) { return _mm256_madd_epi16(sums, _mm256_set1_epi16(1)); }
+#endif
 #endif
 
 inline VI low_nibbles(VI v) { return vand(v, bytes(0xF)); }
@@ -450,6 +466,27 @@ void decode_panel_block(const uint8_t* chunk, const Geometry& geo, int64_t blk, 
   }
 }
 
+// The 4 activation bytes code vector g (0..7) of a block meets: bytes 4 (g % 4) .. of the
+// block's first half (g < 4) or its second.
+inline int32_t group_of(const int8_t* row, int g) {
+  int32_t q;
+  std::memcpy(&q, row + 4 * (g % 4) + 16 * (g / 4), 4);
+  return q;
+}
+
+#ifndef CONVEYOR_DPBUSD
+// How many code vectors' pair sums (each two products u q, |q| <= 127) add up in int16 without
+// overflow: the type's largest code decides (15: 8 vectors, 31: 4, 63: 2; Q8_0's |w| <= 128: 1).
+// Q6_K's runs stay within a half of the block (it scales the halves apart).
+template <int64_t F>
+constexpr int pair_runs() {
+  if constexpr (F == kQ8_0) return 1;
+  if constexpr (F == kQ6_K) return 2;
+  if constexpr (F == kQ5_0 || F == kQ5_1 || F == kQ5_K) return 4;
+  return 8;
+}
+#endif
+
 // y[r0 .. r0 + R, j0 .. j0 + cols) from a decoded panel.
 template <int64_t F, int R, typename T>
 inline void panel_rows(T* y, int64_t ldy, const Int8Rows& a, int64_t r0, const PanelBuffer& buf,
@@ -463,15 +500,26 @@ inline void panel_rows(T* y, int64_t ldy, const Int8Rows& a, int64_t r0, const P
     const VI* c = buf.code(8 * bb);
     VI lo[R], hi[R];
     for (int r = 0; r < R; ++r) lo[r] = hi[r] = zero_i();
+#ifdef CONVEYOR_DPBUSD
     for (int gg = 0; gg < 4; ++gg)
       for (int r = 0; r < R; ++r) {
-        int32_t q[2];
         const int8_t* row = a.codes.data() + (r0 + r) * k + bb * kActBlock;
-        std::memcpy(&q[0], row + 4 * gg, 4);
-        std::memcpy(&q[1], row + 4 * gg + 16, 4);
-        lo[r] = dot<kSigned>(lo[r], c[gg], q[0]);
-        hi[r] = dot<kSigned>(hi[r], c[gg + 4], q[1]);
+        lo[r] = dot<kSigned>(lo[r], c[gg], group_of(row, gg));
+        hi[r] = dot<kSigned>(hi[r], c[gg + 4], group_of(row, gg + 4));
       }
+#else
+    constexpr int run = pair_runs<F>();
+    for (int r = 0; r < R; ++r) {
+      const int8_t* row = a.codes.data() + (r0 + r) * k + bb * kActBlock;
+      for (int g0 = 0; g0 < 8; g0 += run) {
+        VI sums = pair_products<kSigned>(c[g0], group_of(row, g0));
+        for (int g = g0 + 1; g < g0 + run; ++g)
+          sums = add16(sums, pair_products<kSigned>(c[g], group_of(row, g)));
+        VI& acc32 = g0 < 4 ? lo[r] : hi[r];
+        acc32 = add32(acc32, widen_pairs(sums));
+      }
+    }
+#endif
     for (int r = 0; r < R; ++r) {
       const int64_t at = (r0 + r) * act_blocks + bb;
       const VF d = set_f(a.scale[at]);
@@ -563,6 +611,82 @@ inline float widen(uint16_t bits) {
   return f;
 }
 
+// One block of 32 activations rounded to 8 bits: the codes into q, the sums of each half of 16
+// into half; returns the scale d. The vector paths run the scalar one's operations lane by lane
+// (max is exact in any order; cvtps rounds to nearest even, as nearbyint does), so every build
+// target gives the same bits.
+template <typename T>
+inline float round_block(const T* xb, int8_t* q, int32_t half[2]) {
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+  __m512 v[2];
+  for (int h = 0; h < 2; ++h) {
+    if constexpr (std::is_same_v<T, float>) {
+      v[h] = _mm512_loadu_ps(xb + 16 * h);
+    } else {
+      v[h] = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xb + 16 * h))), 16));
+    }
+  }
+  const __m512 mx = _mm512_max_ps(_mm512_abs_ps(v[0]), _mm512_abs_ps(v[1]));
+  const float amax = std::max(0.f, _mm512_reduce_max_ps(mx));
+  const float d = amax / 127.f, id = d != 0.f ? 1.f / d : 0.f;
+  for (int h = 0; h < 2; ++h) {
+    const __m512i qi = _mm512_cvtps_epi32(_mm512_mul_ps(v[h], _mm512_set1_ps(id)));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 16 * h), _mm512_cvtepi32_epi8(qi));
+    half[h] = _mm512_reduce_add_epi32(qi);
+  }
+  return d;
+#elif defined(__AVX2__)
+  __m256 v[4];
+  for (int i = 0; i < 4; ++i) {
+    if constexpr (std::is_same_v<T, float>) {
+      v[i] = _mm256_loadu_ps(xb + 8 * i);
+    } else {
+      v[i] = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(
+          _mm_loadu_si128(reinterpret_cast<const __m128i*>(xb + 8 * i))), 16));
+    }
+  }
+  const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+  const __m256 mx = _mm256_max_ps(
+      _mm256_max_ps(_mm256_and_ps(v[0], magnitude), _mm256_and_ps(v[1], magnitude)),
+      _mm256_max_ps(_mm256_and_ps(v[2], magnitude), _mm256_and_ps(v[3], magnitude)));
+  __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
+  m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+  m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+  const float amax = std::max(0.f, _mm_cvtss_f32(m4));
+  const float d = amax / 127.f, id = d != 0.f ? 1.f / d : 0.f;
+  __m256i qi[4];
+  for (int i = 0; i < 4; ++i) qi[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], _mm256_set1_ps(id)));
+  // int32 -> int8 (|q| <= 127, no saturation); packs work per 128-bit lane, the permute undoes it
+  const __m256i packed = _mm256_packs_epi16(_mm256_packs_epi32(qi[0], qi[1]),
+                                            _mm256_packs_epi32(qi[2], qi[3]));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(q),
+                      _mm256_permutevar8x32_epi32(packed, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+  for (int h = 0; h < 2; ++h) {
+    const __m256i s8 = _mm256_add_epi32(qi[2 * h], qi[2 * h + 1]);
+    __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(s8), _mm256_extracti128_si256(s8, 1));
+    s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4E));
+    s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xB1));
+    half[h] = _mm_cvtsi128_si32(s4);
+  }
+  return d;
+#else
+  float v[kActBlock], amax = 0.f;
+  for (int i = 0; i < kActBlock; ++i) {
+    v[i] = widen(xb[i]);
+    amax = std::max(amax, std::fabs(v[i]));
+  }
+  const float d = amax / 127.f, id = d != 0.f ? 1.f / d : 0.f;
+  half[0] = half[1] = 0;
+  for (int i = 0; i < kActBlock; ++i) {
+    const int32_t qi = static_cast<int32_t>(std::nearbyint(v[i] * id));
+    q[i] = static_cast<int8_t>(qi);
+    half[i / 16] += qi;
+  }
+  return d;
+#endif
+}
+
 }  // namespace
 
 namespace conveyor {
@@ -590,54 +714,13 @@ void int8_rows(Int8Rows& out, const T* x, int64_t rows, int64_t k, int64_t x_str
   float* scale = at_least(out.scale, rows * blocks);
   float* sum = at_least(out.sum, rows * blocks);
   int32_t* halves = at_least(out.halves, 2 * rows * blocks);
-#pragma omp parallel for num_threads(num_threads) schedule(static)
+#pragma omp parallel for num_threads(num_threads) schedule(static) if (rows > 1)
   for (int64_t r = 0; r < rows; ++r) {
     for (int64_t b = 0; b < blocks; ++b) {
-#if defined(__AVX512F__) && defined(__AVX512BW__)
-      {  // the same operations on 16 lanes: max is exact in any order, cvtps rounds to even
-        const T* xb = x + r * x_stride + b * kActBlock;
-        __m512 v[2];
-        for (int h = 0; h < 2; ++h) {
-          if constexpr (std::is_same_v<T, float>) {
-            v[h] = _mm512_loadu_ps(xb + 16 * h);
-          } else {
-            v[h] = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(
-                _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xb + 16 * h))), 16));
-          }
-        }
-        const __m512 mx = _mm512_max_ps(_mm512_abs_ps(v[0]), _mm512_abs_ps(v[1]));
-        const float amax = std::max(0.f, _mm512_reduce_max_ps(mx));
-        const float d = amax / 127.f, id = d != 0.f ? 1.f / d : 0.f;
-        int8_t* q = codes + r * k + b * kActBlock;
-        int32_t half[2];
-        for (int h = 0; h < 2; ++h) {
-          const __m512i qi = _mm512_cvtps_epi32(_mm512_mul_ps(v[h], _mm512_set1_ps(id)));
-          _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 16 * h), _mm512_cvtepi32_epi8(qi));
-          half[h] = _mm512_reduce_add_epi32(qi);
-        }
-        const int64_t at = r * blocks + b;
-        scale[at] = d;
-        sum[at] = d * static_cast<float>(half[0] + half[1]);
-        halves[2 * at] = half[0];
-        halves[2 * at + 1] = half[1];
-        continue;
-      }
-#endif
-      const T* xb = x + r * x_stride + b * kActBlock;
-      float v[kActBlock], amax = 0.f;
-      for (int i = 0; i < kActBlock; ++i) {
-        v[i] = widen(xb[i]);
-        amax = std::max(amax, std::fabs(v[i]));
-      }
-      const float d = amax / 127.f, id = d != 0.f ? 1.f / d : 0.f;
-      int8_t* q = codes + r * k + b * kActBlock;
-      int32_t half[2] = {0, 0};
-      for (int i = 0; i < kActBlock; ++i) {
-        const int32_t qi = static_cast<int32_t>(std::nearbyint(v[i] * id));
-        q[i] = static_cast<int8_t>(qi);
-        half[i / 16] += qi;
-      }
       const int64_t at = r * blocks + b;
+      int32_t half[2];
+      const float d = round_block(x + r * x_stride + b * kActBlock, codes + r * k + b * kActBlock,
+                                  half);
       scale[at] = d;
       sum[at] = d * static_cast<float>(half[0] + half[1]);
       halves[2 * at] = half[0];
