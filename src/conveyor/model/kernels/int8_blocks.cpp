@@ -260,9 +260,10 @@ inline VF to_float(VI v) { return _mm512_cvtepi32_ps(v); }
 inline VF mul(VF a, VF b) { return _mm512_mul_ps(a, b); }
 inline VF fma(VF a, VF b, VF c) { return _mm512_fmadd_ps(a, b, c); }
 #define CONVEYOR_DPBUSD 1
+inline VI broadcast_group(int32_t a) { return _mm512_set1_epi32(a); }
 template <bool Signed>
-inline VI dot(VI acc, VI codes, int32_t a) {
-  return _mm512_dpbusd_epi32(acc, codes, _mm512_set1_epi32(a));
+inline VI dot(VI acc, VI codes, VI x) {
+  return _mm512_dpbusd_epi32(acc, codes, x);
 }
 #else
 using VI = __m256i;
@@ -300,6 +301,7 @@ inline VI words(const uint8_t* h) {  // kLanesI uint16, zero-extended
   return _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(h)));
 }
 inline VI srli32(VI a, int n) { return _mm256_srli_epi32(a, n); }
+inline VI broadcast_group(int32_t a) { return _mm256_set1_epi32(a); }
 inline VI slli32(VI a, int n) { return _mm256_slli_epi32(a, n); }
 inline VI srai32(VI a, int n) { return _mm256_srai_epi32(a, n); }
 inline VF negate(VF a) { return _mm256_castsi256_ps(_mm256_xor_si256(_mm256_castps_si256(a),
@@ -313,11 +315,11 @@ inline VF mul(VF a, VF b) { return _mm256_mul_ps(a, b); }
 inline VF fma(VF a, VF b, VF c) { return _mm256_fmadd_ps(a, b, c); }
 #if (defined(__AVX512VNNI__) && defined(__AVX512VL__)) || defined(__AVXVNNI__)
 #define CONVEYOR_DPBUSD 1
-// acc + the 4-byte dot products of codes' lanes with a; Signed: codes are int8 (Q8_0), through
-// |w| and a with w's sign.
+// acc + the 4-byte dot products of codes' lanes with x's (a row's 4 bytes, broadcast); Signed:
+// codes are int8 (Q8_0), through |w| and x with w's sign.
 template <bool Signed>
-inline VI dot(VI acc, VI codes, int32_t a) {
-  VI x = _mm256_set1_epi32(a), w = codes;
+inline VI dot(VI acc, VI codes, VI x) {
+  VI w = codes;
   if constexpr (Signed) {
     x = _mm256_sign_epi8(x, w);
     w = _mm256_sign_epi8(w, w);
@@ -333,8 +335,8 @@ inline VI dot(VI acc, VI codes, int32_t a) {
 // as dot), summed further in int16 over a run of code vectors (pair_runs) before vpmaddwd widens
 // them to the 4-byte dot products.
 template <bool Signed>
-inline VI pair_products(VI codes, int32_t a) {
-  VI x = _mm256_set1_epi32(a), w = codes;
+inline VI pair_products(VI codes, VI x) {
+  VI w = codes;
   if constexpr (Signed) {
     x = _mm256_sign_epi8(x, w);
     w = _mm256_sign_epi8(w, w);
@@ -364,6 +366,16 @@ struct PanelBuffer {
   const VI* code(int64_t i) const { return &codes[i].v; }
 };
 
+// One file block of a panel decoded (decode_panel_block with blk = 0): what a single row
+// reads once, so it is decoded into locals and used at once.
+template <int64_t F>
+struct BlockBuffer {
+  static constexpr int kBlocks = F == kQ4_K || F == kQ5_K || F == kQ6_K ? 8 : 1;
+  IVec codes[8 * kBlocks];
+  FVec s0[kBlocks], s1[F == kQ6_K ? kBlocks : 1], m[kBlocks];
+  VI* code(int64_t i) { return &codes[i].v; }
+};
+
 // A panel block (int8_blocks.h's layout): its scale bytes as kLanesI-lane vectors of 16-bit
 // units, then its code bytes as vectors of 4-byte groups (lane o: output o's bytes 4j .. 4j + 3).
 struct PanelBlock {
@@ -376,9 +388,11 @@ struct PanelBlock {
 };
 
 // Decodes file block blk of a panel (`chunk`, its panel block) into activation blocks
-// blk * per_block .. of `buf`.
-template <int64_t F>
-void decode_panel_block(const uint8_t* chunk, const Geometry& geo, int64_t blk, PanelBuffer& buf) {
+// blk * per_block .. of `buf` (a PanelBuffer or a BlockBuffer).
+template <int64_t F, class Buffer>
+__attribute__((always_inline)) inline void decode_panel_block(const uint8_t* chunk,
+                                                              const Geometry& geo, int64_t blk,
+                                                              Buffer& buf) {
   const PanelBlock b{chunk, chunk + geo.header_bytes * kLanesI};
   if constexpr (F == kQ4_0 || F == kQ4_1 || F == kQ5_0 || F == kQ5_1 || F == kQ8_0) {
     VI* c = buf.code(8 * blk);
@@ -487,56 +501,57 @@ constexpr int pair_runs() {
 }
 #endif
 
-// y[r0 .. r0 + R, j0 .. j0 + cols) from a decoded panel.
-template <int64_t F, int R, typename T>
-inline void panel_rows(T* y, int64_t ldy, const Int8Rows& a, int64_t r0, const PanelBuffer& buf,
-                       const Geometry& g, int64_t j0, int64_t cols, int64_t k) {
+// lo, hi: one activation block's exact integer dot products of a panel's code vectors c[0..7]
+// with x[0..7], a row's 4-byte groups broadcast (group_of): over the block's first 16 codes and
+// its last (without VNNI, summed into lo alone where the type has one scale per block).
+template <int64_t F>
+__attribute__((always_inline)) inline void block_dots(const VI* c, const VI* x, VI& lo, VI& hi) {
   constexpr bool kSigned = F == kQ8_0 && !kQ8Unsigned;
-  const int64_t act_blocks = k / kActBlock;
-  VF acc[R];
-  for (int r = 0; r < R; ++r) acc[r] = zero_f();
-  const int32_t offset = F == kQ8_0 ? (kQ8Unsigned ? 128 : 0) : static_cast<int32_t>(g.offset);
-  for (int64_t bb = 0; bb < act_blocks; ++bb) {
-    const VI* c = buf.code(8 * bb);
-    VI lo[R], hi[R];
-    for (int r = 0; r < R; ++r) lo[r] = hi[r] = zero_i();
+  lo = hi = zero_i();
 #ifdef CONVEYOR_DPBUSD
-    for (int gg = 0; gg < 4; ++gg)
-      for (int r = 0; r < R; ++r) {
-        const int8_t* row = a.codes.data() + (r0 + r) * k + bb * kActBlock;
-        lo[r] = dot<kSigned>(lo[r], c[gg], group_of(row, gg));
-        hi[r] = dot<kSigned>(hi[r], c[gg + 4], group_of(row, gg + 4));
-      }
-#else
-    constexpr int run = pair_runs<F>();
-    for (int r = 0; r < R; ++r) {
-      const int8_t* row = a.codes.data() + (r0 + r) * k + bb * kActBlock;
-      for (int g0 = 0; g0 < 8; g0 += run) {
-        VI sums = pair_products<kSigned>(c[g0], group_of(row, g0));
-        for (int g = g0 + 1; g < g0 + run; ++g)
-          sums = add16(sums, pair_products<kSigned>(c[g], group_of(row, g)));
-        VI& acc32 = g0 < 4 ? lo[r] : hi[r];
-        acc32 = add32(acc32, widen_pairs(sums));
-      }
-    }
-#endif
-    for (int r = 0; r < R; ++r) {
-      const int64_t at = (r0 + r) * act_blocks + bb;
-      const VF d = set_f(a.scale[at]);
-      const int32_t q0 = a.halves[2 * at], q1 = a.halves[2 * at + 1];
-      VF v;
-      if constexpr (F == kQ6_K) {
-        v = mul(to_float(sub32(lo[r], dwords(offset * q0))), buf.s0[bb].v);
-        v = fma(to_float(sub32(hi[r], dwords(offset * q1))), buf.s1[bb].v, v);
-      } else {
-        VI dsum = add32(lo[r], hi[r]);
-        if (offset != 0) dsum = sub32(dsum, dwords(offset * (q0 + q1)));
-        v = mul(to_float(dsum), buf.s0[bb].v);
-      }
-      acc[r] = fma(v, d, acc[r]);
-      if (g.minimum) acc[r] = fma(buf.m[bb].v, set_f(a.sum[at]), acc[r]);
-    }
+  for (int gg = 0; gg < 4; ++gg) {
+    lo = dot<kSigned>(lo, c[gg], x[gg]);
+    hi = dot<kSigned>(hi, c[gg + 4], x[gg + 4]);
   }
+#else
+  constexpr int run = pair_runs<F>();
+  for (int g0 = 0; g0 < 8; g0 += run) {
+    VI sums = pair_products<kSigned>(c[g0], x[g0]);
+    for (int g = g0 + 1; g < g0 + run; ++g) sums = add16(sums, pair_products<kSigned>(c[g], x[g]));
+    VI& acc32 = g0 < 4 || F != kQ6_K ? lo : hi;
+    acc32 = add32(acc32, widen_pairs(sums));
+  }
+#endif
+}
+
+// The float steps of the header's formula for one activation block `at` (row r's block bb: r
+// (k / 32) + bb) of a row: acc + its contribution, from block_dots' lo, hi and the panel's
+// scales s0 (s1: Q6_K's second half) and minimum m for that block.
+template <int64_t F>
+__attribute__((always_inline)) inline VF block_step(VF acc, VI lo, VI hi, const Int8Rows& a,
+                                                    int64_t at, const Geometry& g, VF s0, VF s1,
+                                                    VF m) {
+  const int32_t offset = F == kQ8_0 ? (kQ8Unsigned ? 128 : 0) : static_cast<int32_t>(g.offset);
+  const int32_t q0 = a.halves[2 * at], q1 = a.halves[2 * at + 1];
+  VF v;
+  if constexpr (F == kQ6_K) {
+    v = mul(to_float(sub32(lo, dwords(offset * q0))), s0);
+    v = fma(to_float(sub32(hi, dwords(offset * q1))), s1, v);
+  } else {
+    VI dsum = add32(lo, hi);
+    if (offset != 0) dsum = sub32(dsum, dwords(offset * (q0 + q1)));
+    v = mul(to_float(dsum), s0);
+  }
+  acc = fma(v, set_f(a.scale[at]), acc);
+  if constexpr (F == kQ4_1 || F == kQ5_1 || F == kQ4_K || F == kQ5_K)
+    acc = fma(m, set_f(a.sum[at]), acc);
+  return acc;
+}
+
+// y[r0 .. r0 + R, j0 .. j0 + cols) = acc.
+template <int R, typename T>
+inline void store_rows(T* y, int64_t ldy, int64_t r0, int64_t j0, int64_t cols,
+                       const VF (&acc)[R]) {
   for (int r = 0; r < R; ++r) {
     T* out = y + (r0 + r) * ldy + j0;
     if constexpr (sizeof(vfloat) == sizeof(VF)) {
@@ -553,6 +568,50 @@ inline void panel_rows(T* y, int64_t ldy, const Int8Rows& a, int64_t r0, const P
   }
 }
 
+// y[r0 .. r0 + R, j0 .. j0 + cols) from a panel decoded for all of K.
+template <int64_t F, int R, typename T>
+inline void panel_rows(T* y, int64_t ldy, const Int8Rows& a, int64_t r0, const PanelBuffer& buf,
+                       const Geometry& g, int64_t j0, int64_t cols, int64_t k) {
+  const int64_t act_blocks = k / kActBlock;
+  VF acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = zero_f();
+  for (int64_t bb = 0; bb < act_blocks; ++bb) {
+    for (int r = 0; r < R; ++r) {
+      const int8_t* row = a.codes.data() + (r0 + r) * k + bb * kActBlock;
+      VI x[8], lo, hi;
+      for (int gg = 0; gg < 8; ++gg) x[gg] = broadcast_group(group_of(row, gg));
+      block_dots<F>(buf.code(8 * bb), x, lo, hi);
+      acc[r] = block_step<F>(acc[r], lo, hi, a, (r0 + r) * act_blocks + bb, g, buf.s0[bb].v,
+                             F == kQ6_K ? buf.s1[bb].v : zero_f(),
+                             g.minimum ? buf.m[bb].v : zero_f());
+    }
+  }
+  store_rows<R>(y, ldy, r0, j0, cols, acc);
+}
+
+// y[0, j0 .. j0 + cols) for a single row (a decode step of one sequence), x its 4-byte groups
+// broadcast: nothing is reused across rows, so each file block is decoded into locals and used
+// at once, and the row's groups are broadcast once per call, not once per panel.
+template <int64_t F, typename T>
+inline void panel_row(T* y, const Int8Rows& a, const IVec* x, const uint8_t* panel,
+                      const Geometry& g, int64_t j0, int64_t cols, int64_t k) {
+  constexpr int per_block = BlockBuffer<F>::kBlocks;
+  VF acc[1] = {zero_f()};
+  for (int64_t blk = 0; blk < k / g.block; ++blk) {
+    BlockBuffer<F> buf;
+    decode_panel_block<F>(panel + blk * kLanesI * g.block_bytes, g, 0, buf);
+    for (int t = 0; t < per_block; ++t) {
+      const int64_t bb = blk * per_block + t;
+      VI lo, hi;
+      block_dots<F>(buf.code(8 * t), &x[8 * bb].v, lo, hi);
+      acc[0] = block_step<F>(acc[0], lo, hi, a, bb, g, buf.s0[t].v,
+                             F == kQ6_K ? buf.s1[t].v : zero_f(),
+                             g.minimum ? buf.m[t].v : zero_f());
+    }
+  }
+  store_rows<1>(y, 0, 0, j0, cols, acc);
+}
+
 template <int64_t F, typename T>
 void gemm(T* y, int64_t ldy, const Int8Rows& a, const Int8BlockPart& w, int64_t m, int64_t k,
           int num_threads) {
@@ -560,6 +619,17 @@ void gemm(T* y, int64_t ldy, const Int8Rows& a, const Int8BlockPart& w, int64_t 
   geometry(F, g);
   const int64_t panels = (w.n_out + kLanesI - 1) / kLanesI;
   const int64_t file_blocks = k / g.block, act_blocks = k / kActBlock;
+  if (m == 1) {
+    std::vector<IVec> x(8 * act_blocks);
+    for (int64_t bb = 0; bb < act_blocks; ++bb)
+      for (int gg = 0; gg < 8; ++gg)
+        x[8 * bb + gg].v = broadcast_group(group_of(a.codes.data() + bb * kActBlock, gg));
+#pragma omp parallel for num_threads(num_threads) schedule(static)
+    for (int64_t p = 0; p < panels; ++p)
+      panel_row<F>(y, a, x.data(), w.data + p * file_blocks * kLanesI * g.block_bytes, g,
+                   p * kLanesI, std::min<int64_t>(kLanesI, w.n_out - p * kLanesI), k);
+    return;
+  }
 #pragma omp parallel num_threads(num_threads)
   {
     PanelBuffer buf;
