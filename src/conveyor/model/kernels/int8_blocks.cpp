@@ -366,6 +366,10 @@ struct PanelBuffer {
   const VI* code(int64_t i) const { return &codes[i].v; }
 };
 
+// The types whose weights have a minimum (w = u s + m).
+template <int64_t F>
+constexpr bool kMinimum = F == kQ4_1 || F == kQ5_1 || F == kQ4_K || F == kQ5_K;
+
 // One file block of a panel decoded (decode_panel_block with blk = 0): what a single row
 // reads once, so it is decoded into locals and used at once.
 template <int64_t F>
@@ -501,25 +505,38 @@ constexpr int pair_runs() {
 }
 #endif
 
-// lo, hi: one activation block's exact integer dot products of a panel's code vectors c[0..7]
-// with x[0..7], a row's 4-byte groups broadcast (group_of): over the block's first 16 codes and
-// its last (without VNNI, summed into lo alone where the type has one scale per block).
-template <int64_t F>
-__attribute__((always_inline)) inline void block_dots(const VI* c, const VI* x, VI& lo, VI& hi) {
+// lo[r], hi[r]: one activation block's exact integer dot products of a panel's code vectors
+// c[0..7] with row r's 4-byte groups broadcast, x(r, g) (group_of): over the block's first 16
+// codes and its last (without VNNI, summed into lo alone where the type has one scale per
+// block). Each code vector is loaded once for the R rows.
+template <int64_t F, int R, class X>
+__attribute__((always_inline)) inline void block_dots(const VI* c, X&& x, VI (&lo)[R],
+                                                      VI (&hi)[R]) {
   constexpr bool kSigned = F == kQ8_0 && !kQ8Unsigned;
-  lo = hi = zero_i();
+  for (int r = 0; r < R; ++r) lo[r] = hi[r] = zero_i();
 #ifdef CONVEYOR_DPBUSD
   for (int gg = 0; gg < 4; ++gg) {
-    lo = dot<kSigned>(lo, c[gg], x[gg]);
-    hi = dot<kSigned>(hi, c[gg + 4], x[gg + 4]);
+    const VI first = c[gg], second = c[gg + 4];
+    for (int r = 0; r < R; ++r) {
+      lo[r] = dot<kSigned>(lo[r], first, x(r, gg));
+      hi[r] = dot<kSigned>(hi[r], second, x(r, gg + 4));
+    }
   }
 #else
   constexpr int run = pair_runs<F>();
   for (int g0 = 0; g0 < 8; g0 += run) {
-    VI sums = pair_products<kSigned>(c[g0], x[g0]);
-    for (int g = g0 + 1; g < g0 + run; ++g) sums = add16(sums, pair_products<kSigned>(c[g], x[g]));
-    VI& acc32 = g0 < 4 || F != kQ6_K ? lo : hi;
-    acc32 = add32(acc32, widen_pairs(sums));
+    VI sums[R];
+    for (int g = g0; g < g0 + run; ++g) {
+      const VI codes = c[g];
+      for (int r = 0; r < R; ++r) {
+        const VI products = pair_products<kSigned>(codes, x(r, g));
+        sums[r] = g == g0 ? products : add16(sums[r], products);
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      VI& acc32 = g0 < 4 || F != kQ6_K ? lo[r] : hi[r];
+      acc32 = add32(acc32, widen_pairs(sums[r]));
+    }
   }
 #endif
 }
@@ -543,8 +560,7 @@ __attribute__((always_inline)) inline VF block_step(VF acc, VI lo, VI hi, const 
     v = mul(to_float(dsum), s0);
   }
   acc = fma(v, set_f(a.scale[at]), acc);
-  if constexpr (F == kQ4_1 || F == kQ5_1 || F == kQ4_K || F == kQ5_K)
-    acc = fma(m, set_f(a.sum[at]), acc);
+  if constexpr (kMinimum<F>) acc = fma(m, set_f(a.sum[at]), acc);
   return acc;
 }
 
@@ -576,15 +592,18 @@ inline void panel_rows(T* y, int64_t ldy, const Int8Rows& a, int64_t r0, const P
   VF acc[R];
   for (int r = 0; r < R; ++r) acc[r] = zero_f();
   for (int64_t bb = 0; bb < act_blocks; ++bb) {
-    for (int r = 0; r < R; ++r) {
-      const int8_t* row = a.codes.data() + (r0 + r) * k + bb * kActBlock;
-      VI x[8], lo, hi;
-      for (int gg = 0; gg < 8; ++gg) x[gg] = broadcast_group(group_of(row, gg));
-      block_dots<F>(buf.code(8 * bb), x, lo, hi);
-      acc[r] = block_step<F>(acc[r], lo, hi, a, (r0 + r) * act_blocks + bb, g, buf.s0[bb].v,
-                             F == kQ6_K ? buf.s1[bb].v : zero_f(),
-                             g.minimum ? buf.m[bb].v : zero_f());
-    }
+    const int8_t* rows[R];
+    for (int r = 0; r < R; ++r) rows[r] = a.codes.data() + (r0 + r) * k + bb * kActBlock;
+    VI lo[R], hi[R];
+    block_dots<F, R>(buf.code(8 * bb), [&](int r, int gg) {
+      return broadcast_group(group_of(rows[r], gg));
+    }, lo, hi);
+    const VF s0 = buf.s0[bb].v;
+    VF s1 = zero_f(), m = zero_f();
+    if constexpr (F == kQ6_K) s1 = buf.s1[bb].v;
+    if constexpr (kMinimum<F>) m = buf.m[bb].v;
+    for (int r = 0; r < R; ++r)
+      acc[r] = block_step<F>(acc[r], lo[r], hi[r], a, (r0 + r) * act_blocks + bb, g, s0, s1, m);
   }
   store_rows<R>(y, ldy, r0, j0, cols, acc);
 }
@@ -601,12 +620,14 @@ inline void panel_row(T* y, const Int8Rows& a, const IVec* x, const uint8_t* pan
     BlockBuffer<F> buf;
     decode_panel_block<F>(panel + blk * kLanesI * g.block_bytes, g, 0, buf);
     for (int t = 0; t < per_block; ++t) {
-      const int64_t bb = blk * per_block + t;
-      VI lo, hi;
-      block_dots<F>(buf.code(8 * t), &x[8 * bb].v, lo, hi);
-      acc[0] = block_step<F>(acc[0], lo, hi, a, bb, g, buf.s0[t].v,
-                             F == kQ6_K ? buf.s1[t].v : zero_f(),
-                             g.minimum ? buf.m[t].v : zero_f());
+      const IVec* xb = x + 8 * (blk * per_block + t);
+      VI lo[1], hi[1];
+      block_dots<F, 1>(buf.code(8 * t), [&](int, int gg) { return xb[gg].v; }, lo, hi);
+      VF s1 = zero_f(), m = zero_f();
+      if constexpr (F == kQ6_K) s1 = buf.s1[t].v;
+      if constexpr (kMinimum<F>) m = buf.m[t].v;
+      acc[0] = block_step<F>(acc[0], lo[0], hi[0], a, blk * per_block + t, g, buf.s0[t].v, s1,
+                             m);
     }
   }
   store_rows<1>(y, 0, 0, j0, cols, acc);
