@@ -546,17 +546,21 @@ __attribute__((always_inline)) inline void block_dots(const VI* c, X&& x, VI (&l
 // scales s0 (s1: Q6_K's second half) and minimum m for that block.
 template <int64_t F>
 __attribute__((always_inline)) inline VF block_step(VF acc, VI lo, VI hi, const Int8Rows& a,
-                                                    int64_t at, const Geometry& g, VF s0, VF s1,
-                                                    VF m) {
-  const int32_t offset = F == kQ8_0 ? (kQ8Unsigned ? 128 : 0) : static_cast<int32_t>(g.offset);
-  const int32_t q0 = a.halves[2 * at], q1 = a.halves[2 * at + 1];
+                                                    int64_t at, VF s0, VF s1, VF m) {
+  // the codes' offset (Geometry's, known here at compile time)
+  constexpr int32_t offset = F == kQ8_0 ? (kQ8Unsigned ? 128 : 0)
+                             : F == kQ4_0 ? 8
+                             : F == kQ5_0 ? 16
+                             : F == kQ6_K ? 32
+                                          : 0;
   VF v;
   if constexpr (F == kQ6_K) {
-    v = mul(to_float(sub32(lo, dwords(offset * q0))), s0);
-    v = fma(to_float(sub32(hi, dwords(offset * q1))), s1, v);
+    v = mul(to_float(sub32(lo, dwords(offset * a.halves[2 * at]))), s0);
+    v = fma(to_float(sub32(hi, dwords(offset * a.halves[2 * at + 1]))), s1, v);
   } else {
     VI dsum = add32(lo, hi);
-    if (offset != 0) dsum = sub32(dsum, dwords(offset * (q0 + q1)));
+    if constexpr (offset != 0)
+      dsum = sub32(dsum, dwords(offset * (a.halves[2 * at] + a.halves[2 * at + 1])));
     v = mul(to_float(dsum), s0);
   }
   acc = fma(v, set_f(a.scale[at]), acc);
@@ -587,7 +591,7 @@ inline void store_rows(T* y, int64_t ldy, int64_t r0, int64_t j0, int64_t cols,
 // y[r0 .. r0 + R, j0 .. j0 + cols) from a panel decoded for all of K.
 template <int64_t F, int R, typename T>
 inline void panel_rows(T* y, int64_t ldy, const Int8Rows& a, int64_t r0, const PanelBuffer& buf,
-                       const Geometry& g, int64_t j0, int64_t cols, int64_t k) {
+                       int64_t j0, int64_t cols, int64_t k) {
   const int64_t act_blocks = k / kActBlock;
   VF acc[R];
   for (int r = 0; r < R; ++r) acc[r] = zero_f();
@@ -603,7 +607,7 @@ inline void panel_rows(T* y, int64_t ldy, const Int8Rows& a, int64_t r0, const P
     if constexpr (F == kQ6_K) s1 = buf.s1[bb].v;
     if constexpr (kMinimum<F>) m = buf.m[bb].v;
     for (int r = 0; r < R; ++r)
-      acc[r] = block_step<F>(acc[r], lo[r], hi[r], a, (r0 + r) * act_blocks + bb, g, s0, s1, m);
+      acc[r] = block_step<F>(acc[r], lo[r], hi[r], a, (r0 + r) * act_blocks + bb, s0, s1, m);
   }
   store_rows<R>(y, ldy, r0, j0, cols, acc);
 }
@@ -626,8 +630,7 @@ inline void panel_row(T* y, const Int8Rows& a, const IVec* x, const uint8_t* pan
       VF s1 = zero_f(), m = zero_f();
       if constexpr (F == kQ6_K) s1 = buf.s1[t].v;
       if constexpr (kMinimum<F>) m = buf.m[t].v;
-      acc[0] = block_step<F>(acc[0], lo[0], hi[0], a, blk * per_block + t, g, buf.s0[t].v, s1,
-                             m);
+      acc[0] = block_step<F>(acc[0], lo[0], hi[0], a, blk * per_block + t, buf.s0[t].v, s1, m);
     }
   }
   store_rows<1>(y, 0, 0, j0, cols, acc);
@@ -665,9 +668,9 @@ void gemm(T* y, int64_t ldy, const Int8Rows& a, const Int8BlockPart& w, int64_t 
       for (int64_t blk = 0; blk < file_blocks; ++blk)
         decode_panel_block<F>(panel + blk * kLanesI * g.block_bytes, g, blk, buf);
       int64_t r = 0;
-      for (; r + kRows <= m; r += kRows) panel_rows<F, kRows>(y, ldy, a, r, buf, g, j0, cols, k);
+      for (; r + kRows <= m; r += kRows) panel_rows<F, kRows>(y, ldy, a, r, buf, j0, cols, k);
       with_constant<kRows - 1>(m - r, [&](auto rows_left) {
-        panel_rows<F, decltype(rows_left)::value>(y, ldy, a, r, buf, g, j0, cols, k);
+        panel_rows<F, decltype(rows_left)::value>(y, ldy, a, r, buf, j0, cols, k);
       });
     }
   }
@@ -708,16 +711,12 @@ inline float widen(uint16_t bits) {
 // target gives the same bits.
 template <typename T>
 inline float round_block(const T* xb, int8_t* q, int32_t half[2]) {
+#if (defined(__AVX512F__) && defined(__AVX512BW__)) || (defined(__AVX2__) && !defined(__AVX512F__))
+  vfloat loaded[kActBlock / kLanes];  // vec.h's load: float, or bf16 widened
+  for (int i = 0; i < kActBlock / kLanes; ++i) loaded[i] = load(xb + kLanes * i);
+#endif
 #if defined(__AVX512F__) && defined(__AVX512BW__)
-  __m512 v[2];
-  for (int h = 0; h < 2; ++h) {
-    if constexpr (std::is_same_v<T, float>) {
-      v[h] = _mm512_loadu_ps(xb + 16 * h);
-    } else {
-      v[h] = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(
-          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xb + 16 * h))), 16));
-    }
-  }
+  const __m512 v[2] = {(__m512)loaded[0], (__m512)loaded[1]};
   const __m512 mx = _mm512_max_ps(_mm512_abs_ps(v[0]), _mm512_abs_ps(v[1]));
   const float amax = std::max(0.f, _mm512_reduce_max_ps(mx));
   const float d = amax / 127.f, id = d != 0.f ? 1.f / d : 0.f;
@@ -727,16 +726,9 @@ inline float round_block(const T* xb, int8_t* q, int32_t half[2]) {
     half[h] = _mm512_reduce_add_epi32(qi);
   }
   return d;
-#elif defined(__AVX2__)
-  __m256 v[4];
-  for (int i = 0; i < 4; ++i) {
-    if constexpr (std::is_same_v<T, float>) {
-      v[i] = _mm256_loadu_ps(xb + 8 * i);
-    } else {
-      v[i] = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(
-          _mm_loadu_si128(reinterpret_cast<const __m128i*>(xb + 8 * i))), 16));
-    }
-  }
+#elif defined(__AVX2__) && !defined(__AVX512F__)
+  const __m256 v[4] = {(__m256)loaded[0], (__m256)loaded[1], (__m256)loaded[2],
+                       (__m256)loaded[3]};
   const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
   const __m256 mx = _mm256_max_ps(
       _mm256_max_ps(_mm256_and_ps(v[0], magnitude), _mm256_and_ps(v[1], magnitude)),
