@@ -175,17 +175,20 @@ def test_measure_machine_measures_int8_only_when_asked():
     assert rates.int8_ops is not None and rates.int8_ops > 0
 
 
-def test_the_int8_rate_is_the_faster_of_torch_and_conveyor_and_names_it(monkeypatch):
+def test_the_int8_rate_is_the_fastest_of_torch_and_conveyor_and_names_it(monkeypatch):
     """oneDNN's integer GEMM (torch._int_mm) falls back to slow code without VNNI, where
-    Conveyor's own kernel is the integer path's rate; the faster one is taken and named."""
+    Conveyor's own kernel is the integer path's rate, on 8-bit or on 4-bit codes; the fastest
+    one is taken and named."""
     from conveyor.bench import roofline
 
     monkeypatch.setattr(roofline, "_int_mm_rate", lambda size, timed: 2e9)
-    ours = roofline._int8_block_gemm_rate(128, lambda kernel: (kernel(), 1e-3)[1])
-    assert ours == 2.0 * 128**3 / 1e-3  # it ran the kernel once through `timed`
-    monkeypatch.setattr(roofline, "_int8_block_gemm_rate", lambda size, timed: 170e9)
+    for quant in ("Q8_0", "Q4_0"):
+        ours = roofline._int8_block_gemm_rate(128, lambda kernel: (kernel(), 1e-3)[1], quant)
+        assert ours == 2.0 * 128**3 / 1e-3  # it ran the kernel once through `timed`
+    monkeypatch.setattr(roofline, "_int8_block_gemm_rate",
+                        lambda size, timed, quant: {"Q8_0": 150e9, "Q4_0": 170e9}[quant])
     rates = measure_machine("float32", gemm_size=64, bandwidth_mib=4, repeats=1, int8=True)
-    assert (rates.int8_ops, rates.int8_source) == (170e9, "Conveyor's int8_block_gemm, Q8_0")
+    assert (rates.int8_ops, rates.int8_source) == (170e9, "Conveyor's int8_block_gemm, Q4_0")
     monkeypatch.setattr(roofline, "_int_mm_rate", lambda size, timed: 900e9)
     rates = measure_machine("float32", gemm_size=64, bandwidth_mib=4, repeats=1, int8=True)
     assert (rates.int8_ops, rates.int8_source) == (900e9, "torch._int_mm")

@@ -35,8 +35,9 @@ class MachineRates:
     num_threads: int  # CPU threads; on a GPU its streaming multiprocessors
     dtype: str = "bfloat16"  # of the GEMM
     device: str = "cpu"  # where they were measured: "cpu" or the GPU's name
-    # measured int8 x int8 -> int32 GEMM op/s where asked, on the CPU only: the faster of
-    # torch._int_mm and Conveyor's own integer GEMM, int8_source naming which
+    # measured int8 x int8 -> int32 GEMM op/s where asked, on the CPU only: the fastest of
+    # torch._int_mm and Conveyor's own integer GEMM on Q8_0 and on Q4_0 blocks, int8_source
+    # naming which
     int8_ops: float | None = None
     int8_source: str = "torch._int_mm"
 
@@ -140,9 +141,10 @@ def measure_machine(dtype: str = "bfloat16", gemm_size: int = 2048, bandwidth_mi
     """Short torch micro-benchmarks: best-of-``repeats`` GEMM in ``dtype`` (the engine's: a CPU
     without native bf16 runs float32) and streaming reads. On ``device="cuda"`` the GPU's
     (cuBLAS and HBM), with sizes raised to keep it busy: GEMMs of 8192, reads of 2 GiB. With
-    ``int8`` on the CPU also int8 GEMMs of the same size, the faster of ``torch._int_mm``
-    (oneDNN's integer kernels, fast with VNNI) and Conveyor's ``int8_block_gemm`` on Q8_0 blocks
-    (the integer path's own, on plain AVX2 too): what integer compute's matmuls can reach."""
+    ``int8`` on the CPU also int8 GEMMs of the same size, the fastest of ``torch._int_mm``
+    (oneDNN's integer kernels, fast with VNNI) and Conveyor's ``int8_block_gemm`` on Q8_0 and
+    on Q4_0 blocks (the integer path's own, on plain AVX2 too): what integer compute's matmuls
+    can reach."""
     import torch
 
     on_gpu = device.startswith("cuda")
@@ -177,9 +179,12 @@ def measure_machine(dtype: str = "bfloat16", gemm_size: int = 2048, bandwidth_mi
                             props.name)
     int8_rates = {}
     if int8:
+        # Conveyor's kernel on 8-bit and on 4-bit codes: without VNNI the 4-bit ones sum more
+        # products in int16 before widening them (int8_blocks.cpp), so they run faster
         int8_rates = {source: rate for source, rate in [
             ("torch._int_mm", _int_mm_rate(gemm_size, timed)),
-            ("Conveyor's int8_block_gemm, Q8_0", _int8_block_gemm_rate(gemm_size, timed))]
+            *((f"Conveyor's int8_block_gemm, {quant}",
+               _int8_block_gemm_rate(gemm_size, timed, quant)) for quant in ("Q8_0", "Q4_0"))]
             if rate is not None}
     int8_source = max(int8_rates, key=int8_rates.__getitem__, default="torch._int_mm")
     return MachineRates(gemm, x.numel() * 4 / best, torch.get_num_threads(), dtype,
@@ -199,10 +204,11 @@ def _int_mm_rate(size: int, timed: Callable[[Callable[[], object]], float]) -> f
         return None
 
 
-def _int8_block_gemm_rate(size: int,
-                          timed: Callable[[Callable[[], object]], float]) -> float | None:
-    """Op/s of Conveyor's ``int8_block_gemm`` (float32 rows rounded to 8 bits, Q8_0 weight
-    blocks, int32 sums) on [size, size] matrices, by ``timed``; None without the kernels."""
+def _int8_block_gemm_rate(size: int, timed: Callable[[Callable[[], object]], float],
+                          quant: str = "Q8_0") -> float | None:
+    """Op/s of Conveyor's ``int8_block_gemm`` (float32 rows rounded to 8 bits, weight blocks of
+    GGUF type ``quant``, int32 sums) on [size, size] matrices, by ``timed``; None without the
+    kernels."""
     import numpy as np
     import torch
     from gguf import GGMLQuantizationType, quants
@@ -216,9 +222,10 @@ def _int8_block_gemm_rate(size: int,
 
     if not int8_block_gemm_available():
         return None
-    kind = int(GGMLQuantizationType.Q8_0)
+    quant_type = GGMLQuantizationType[quant]
+    kind = int(quant_type)
     weight = np.random.default_rng(0).standard_normal((size, size), dtype=np.float32)
-    part = GGUFPart(kind, torch.from_numpy(quants.quantize(weight, GGMLQuantizationType.Q8_0)))
+    part = GGUFPart(kind, torch.from_numpy(quants.quantize(weight, quant_type)))
     panels = part.lane_panels(int8_panel_lanes())
     x = torch.randn(size, size)
     return 2.0 * size**3 / timed(lambda: int8_block_gemm(x, [kind], [panels], [size]))
