@@ -102,6 +102,21 @@ def test_a_second_process_starts_only_when_compiles_overlap(info) -> None:
         cache.shutdown()
 
 
+def test_requests_submitted_together_compile_side_by_side(info) -> None:
+    """Two compiles queued before either starts: the first slot to take one leaves the other
+    to the next slot, so the quick one does not wait behind the slow one."""
+    cache = GrammarCompileCache(info, timeout_s=120.0)
+    try:
+        slow = cache.submit(S(json={"type": "string", "enum": [f"w{i}-x" for i in range(30_000)]}))
+        quick = cache.submit(S(regex="[0-9]{4}"))
+        assert quick.result(timeout=60) is not None
+        assert not slow.done()  # the quick one finished while the slow one compiled
+        cache.release(quick)
+        cache.release(slow)
+    finally:
+        cache.shutdown()
+
+
 def test_a_constraint_held_by_another_request_keeps_compiling(info) -> None:
     cache = GrammarCompileCache(info)
     try:

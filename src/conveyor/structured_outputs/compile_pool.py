@@ -107,7 +107,10 @@ class CompilePool:
             while not self._closed:
                 if self._pending and all(self._busy[:index]):
                     self._busy[index] = True
-                    return self._pending.popleft()
+                    job = self._pending.popleft()
+                    if self._pending:  # this slot is busy now: a later one may take the next
+                        self._cond.notify_all()
+                    return job
                 self._cond.wait()
             return None
 
