@@ -9,11 +9,11 @@ bytes of a step are those the engine reads at that batch size when it says so
 (``step_weight_bytes``: its quantized copies serve small batches), else the dtype's.
 
 Under integer compute (``weight_compute="int8"``: a GGUF model's blocks multiplied as integers
-against 8-bit activations) the linear layers' arithmetic runs at the measured int8 GEMM rate
-(the faster of ``torch._int_mm`` and Conveyor's own ``int8_block_gemm``: oneDNN's integer GEMM
-falls back to slow code on a CPU without VNNI) and attention's at the float one, and every
-step, prefill's too, reads the weights as the engine holds them: the blocks, whatever the
-batch.
+against 8-bit activations) the linear layers' arithmetic runs at the measured int8 GEMM rate (the
+fastest of ``torch._int_mm`` and Conveyor's own ``int8_block_gemm`` on Q8_0 and Q4_0 blocks:
+oneDNN's integer GEMM falls back to slow code on a CPU without VNNI) and attention's at the float
+one, and every step, prefill's too, reads the weights as the engine holds them: the blocks, whatever
+the batch.
 """
 
 from __future__ import annotations

@@ -62,20 +62,22 @@ struct Geometry {
   int subs;  // sub-blocks (own s, m) per block of 32 activations: 1, or 2 (Q6_K)
   bool minimum, signed_codes;
   // The block's code bytes: the rest of it, before or after the scale bytes.
-  int64_t code_at() const { return header_at ? 0 : header_bytes; }
+  constexpr int64_t code_at() const { return header_at ? 0 : header_bytes; }
 };
 
-bool geometry(int64_t format, Geometry& g) {
+// A type's block layout, at compile time where the type is; block 0 for a type the kernel
+// does not read.
+constexpr Geometry geometry(int64_t format) {
   switch (format) {
-    case kQ4_0: g = {32, 18, 0, 2, 8, 1, false, false}; return true;
-    case kQ4_1: g = {32, 20, 0, 4, 0, 1, true, false}; return true;
-    case kQ5_0: g = {32, 22, 0, 2, 16, 1, false, false}; return true;
-    case kQ5_1: g = {32, 24, 0, 4, 0, 1, true, false}; return true;
-    case kQ8_0: g = {32, 34, 0, 2, 0, 1, false, true}; return true;
-    case kQ4_K: g = {256, 144, 0, 16, 0, 1, true, false}; return true;
-    case kQ5_K: g = {256, 176, 0, 16, 0, 1, true, false}; return true;
-    case kQ6_K: g = {256, 210, 192, 18, 32, 2, false, false}; return true;
-    default: return false;
+    case kQ4_0: return {32, 18, 0, 2, 8, 1, false, false};
+    case kQ4_1: return {32, 20, 0, 4, 0, 1, true, false};
+    case kQ5_0: return {32, 22, 0, 2, 16, 1, false, false};
+    case kQ5_1: return {32, 24, 0, 4, 0, 1, true, false};
+    case kQ8_0: return {32, 34, 0, 2, 0, 1, false, true};
+    case kQ4_K: return {256, 144, 0, 16, 0, 1, true, false};
+    case kQ5_K: return {256, 176, 0, 16, 0, 1, true, false};
+    case kQ6_K: return {256, 210, 192, 18, 32, 2, false, false};
+    default: return {};
   }
 }
 
@@ -368,15 +370,15 @@ struct PanelBuffer {
 
 // The types whose weights have a minimum (w = u s + m).
 template <int64_t F>
-constexpr bool kMinimum = F == kQ4_1 || F == kQ5_1 || F == kQ4_K || F == kQ5_K;
+constexpr bool kMinimum = geometry(F).minimum;
 
 // One file block of a panel decoded (decode_panel_block with blk = 0): what a single row
 // reads once, so it is decoded into locals and used at once.
 template <int64_t F>
 struct BlockBuffer {
-  static constexpr int kBlocks = F == kQ4_K || F == kQ5_K || F == kQ6_K ? 8 : 1;
+  static constexpr int kBlocks = geometry(F).block / kActBlock;
   IVec codes[8 * kBlocks];
-  FVec s0[kBlocks], s1[F == kQ6_K ? kBlocks : 1], m[kBlocks];
+  FVec s0[kBlocks], s1[geometry(F).subs == 2 ? kBlocks : 1], m[kBlocks];
   VI* code(int64_t i) { return &codes[i].v; }
 };
 
@@ -547,12 +549,7 @@ __attribute__((always_inline)) inline void block_dots(const VI* c, X&& x, VI (&l
 template <int64_t F>
 __attribute__((always_inline)) inline VF block_step(VF acc, VI lo, VI hi, const Int8Rows& a,
                                                     int64_t at, VF s0, VF s1, VF m) {
-  // the codes' offset (Geometry's, known here at compile time)
-  constexpr int32_t offset = F == kQ8_0 ? (kQ8Unsigned ? 128 : 0)
-                             : F == kQ4_0 ? 8
-                             : F == kQ5_0 ? 16
-                             : F == kQ6_K ? 32
-                                          : 0;
+  constexpr int32_t offset = F == kQ8_0 && kQ8Unsigned ? 128 : geometry(F).offset;
   VF v;
   if constexpr (F == kQ6_K) {
     v = mul(to_float(sub32(lo, dwords(offset * a.halves[2 * at]))), s0);
@@ -639,18 +636,18 @@ inline void panel_row(T* y, const Int8Rows& a, const IVec* x, const uint8_t* pan
 template <int64_t F, typename T>
 void gemm(T* y, int64_t ldy, const Int8Rows& a, const Int8BlockPart& w, int64_t m, int64_t k,
           int num_threads) {
-  Geometry g;
-  geometry(F, g);
+  constexpr Geometry g = geometry(F);
   const int64_t panels = (w.n_out + kLanesI - 1) / kLanesI;
   const int64_t file_blocks = k / g.block, act_blocks = k / kActBlock;
   if (m == 1) {
-    std::vector<IVec> x(8 * act_blocks);
+    static thread_local std::vector<IVec> groups;  // the calling thread's, reused across calls
+    IVec* x = at_least(groups, 8 * act_blocks);
     for (int64_t bb = 0; bb < act_blocks; ++bb)
       for (int gg = 0; gg < 8; ++gg)
         x[8 * bb + gg].v = broadcast_group(group_of(a.codes.data() + bb * kActBlock, gg));
 #pragma omp parallel for num_threads(num_threads) schedule(static)
     for (int64_t p = 0; p < panels; ++p)
-      panel_row<F>(y, a, x.data(), w.data + p * file_blocks * kLanesI * g.block_bytes, g,
+      panel_row<F>(y, a, x, w.data + p * file_blocks * kLanesI * g.block_bytes, g,
                    p * kLanesI, std::min<int64_t>(kLanesI, w.n_out - p * kLanesI), k);
     return;
   }
@@ -679,8 +676,7 @@ void gemm(T* y, int64_t ldy, const Int8Rows& a, const Int8BlockPart& w, int64_t 
 template <int64_t F, typename T>
 void gemm(T* y, int64_t ldy, const Int8Rows& a, const Int8BlockPart& w, int64_t m, int64_t k,
           int num_threads) {
-  Geometry g;
-  geometry(F, g);
+  constexpr Geometry g = geometry(F);
   const int64_t tiles = (w.n_out + kOut - 1) / kOut;
   for (int64_t c0 = 0; c0 < m; c0 += kRowChunk) {
     const int64_t c1 = std::min(m, c0 + kRowChunk);
@@ -783,8 +779,8 @@ int int8_panel_lanes() {
 }
 
 int64_t int8_block_bytes(int64_t format, int64_t& block) {
-  Geometry g;
-  if (!geometry(format, g)) return 0;
+  const Geometry g = geometry(format);
+  if (g.block == 0) return 0;
   block = g.block;
   return g.block_bytes;
 }
