@@ -55,14 +55,20 @@ def test_high_priority_first_token_before_earlier_low_priority(busy_server) -> N
 
     async def run() -> None:
         async with httpx.AsyncClient(base_url=busy_server.base_url, timeout=240) as http:
-            blockers = [asyncio.create_task(_stream(http, _body(10, 24, i))) for i in range(2)]
+            # the blockers hold both slots until every request is queued (however fast the
+            # steps), then their clients leave and the queue alone decides who goes next
+            blockers = [asyncio.create_task(_stream(http, _body(10, 400, i))) for i in range(2)]
             await _wait_metric(busy_server, "conveyor:num_requests_running", 2)
             lows = [asyncio.create_task(_stream(http, _body(10, 4, 10 + i), mark(f"low{i}")))
                     for i in range(3)]
             await _wait_metric(busy_server, "conveyor:num_requests_waiting", 3)
             highs = [asyncio.create_task(_stream(http, _body(-10, 4, 20 + i), mark(f"high{i}")))
                      for i in range(2)]
-            await asyncio.gather(*blockers, *lows, *highs)
+            await _wait_metric(busy_server, "conveyor:num_requests_waiting", 5)
+            for t in blockers:
+                t.cancel()
+            await asyncio.gather(*blockers, return_exceptions=True)
+            await asyncio.gather(*lows, *highs)
 
     asyncio.run(run())
     assert len(first_token) == 5
