@@ -51,6 +51,7 @@ constexpr int kMaxChunks = 256 / kLanes;  // head_dim <= 256
 constexpr int kLineChunks = 64 / sizeof(vfloat);  // vectors in a cache line: 2 (AVX2) or 1
 constexpr int kGroupTile = 4;  // query heads whose value accumulators are held in registers
 constexpr int kRunTile = 6;  // a run's rows whose value accumulators are held in registers
+constexpr int64_t kRunKeys = 64;  // keys whose values a run weighs at a time (16 KB of floats)
 
 struct Scratch {  // per thread, reused across tasks and calls
   std::vector<float> scores, inv_sum;
@@ -150,16 +151,21 @@ void attend(T* out, int64_t out_stride, const T* q, int64_t q_stride, int64_t n,
     for (int g = 0; g < G; ++g)
       for (int c = 0; c < kLineChunks; ++c) acc[(i0 + g) * chunks + c0 + c] = a[g][c];
   };
-  // A run's rows instead go kRunTile at a time over the whole context (up to the tile's longest
-  // row's), NV vectors of the head dimension each, the accumulators in registers throughout:
-  // each value vector loaded serves kRunTile rows. Their later keys weigh 0 for the shorter rows.
-  auto weigh_run = [&](auto tile, auto vectors, int64_t h, int64_t i0, int64_t c0) {
+  // A run's rows instead go kRunTile at a time, NV vectors of the head dimension each, the
+  // accumulators in registers over a stretch of kRunKeys keys: each value vector loaded serves
+  // kRunTile rows, and the stretch's values, read from the cache once, stay in L1 for every
+  // tile and vector of the run (a row's sums still run over the positions in order). Keys past
+  // a tile's longest row are not read; for its shorter rows the later keys weigh 0.
+  auto weigh_run = [&](auto tile, auto vectors, int64_t h, int64_t i0, int64_t c0, int64_t k0,
+                       int64_t k1) {
     constexpr int G = decltype(tile)::value, NV = decltype(vectors)::value;
-    const int64_t len = ctx + token_of(i0 + G - 1);
+    const int64_t len = std::min(k1, ctx + token_of(i0 + G - 1));
     const int64_t first = h * head_dim + c0 * kLanes;
-    vfloat a[G][NV] = {};
+    vfloat a[G][NV];
+    for (int g = 0; g < G; ++g)
+      for (int c = 0; c < NV; ++c) a[g][c] = acc[(i0 + g) * chunks + c0 + c];
     const float* p = scores + i0 * padded;
-    for (int64_t b = 0; b * block_size < len; ++b) {
+    for (int64_t b = k0 / block_size; b * block_size < len; ++b) {
       const C* block = rows_of(v_cache, b) + first;
       const float* pb = p + b * block_size;
       for (int64_t j = 0, keys = rows_in(b, len); j < keys; ++j) {
@@ -187,15 +193,19 @@ void attend(T* out, int64_t out_stride, const T* q, int64_t q_stride, int64_t n,
                                       [&](auto tile) { weigh_block(tile, block, next, b, h, i, c); });
     }
   } else {
-    for (int64_t h = 0; h < h1 - h0; ++h)
-      for (int64_t i = h * per_head; i < (h + 1) * per_head; i += kRunTile)
-        with_constant<kRunTile>(std::min<int64_t>((h + 1) * per_head - i, kRunTile),
-                                [&](auto tile) {
-          int64_t c = 0;
-          for (; c + 2 <= chunks; c += 2)
-            weigh_run(tile, std::integral_constant<int, 2>{}, h, i, c);
-          if (c < chunks) weigh_run(tile, std::integral_constant<int, 1>{}, h, i, c);
-        });
+    const int64_t stretch = std::max<int64_t>(1, kRunKeys / block_size) * block_size;
+    for (int64_t k0 = 0; k0 < last; k0 += stretch)
+      for (int64_t h = 0; h < h1 - h0; ++h)
+        for (int64_t i = h * per_head; i < (h + 1) * per_head; i += kRunTile)
+          with_constant<kRunTile>(std::min<int64_t>((h + 1) * per_head - i, kRunTile),
+                                  [&](auto tile) {
+            if (ctx + token_of(i + decltype(tile)::value - 1) <= k0) return;
+            const int64_t k1 = k0 + stretch;
+            int64_t c = 0;
+            for (; c + 2 <= chunks; c += 2)
+              weigh_run(tile, std::integral_constant<int, 2>{}, h, i, c, k0, k1);
+            if (c < chunks) weigh_run(tile, std::integral_constant<int, 1>{}, h, i, c, k0, k1);
+          });
   }
   for (int64_t i = 0; i < rows; ++i) {
     T* o = out + token_of(i) * out_stride + head_of(i);
