@@ -82,7 +82,8 @@ void attend_bf16(uint16_t* out, int64_t out_stride, const uint16_t* q, int64_t q
   // Scores: each key row dotted as it lies with the rows of its KV head (attention_keys.h); the
   // next block's keys are prefetched into L2 rather than L1, which measured faster here.
   score_keys<2>(scores, padded, k_cache, v_cache, table, last, h0, range, rows, head_dim,
-                block_size, token_stride, scale, dots, [=](const uint16_t* row, int64_t r) {
+                block_size, token_stride, scale, n == 1, dots,
+                [=](const uint16_t* row, int64_t r) {
     for (int64_t h = 0; h < h1 - h0; ++h) {
       __m512bh kv[CHUNKS];
       for (int c = 0; c < CHUNKS; ++c) kv[c] = BF16::vector(row + h * head_dim + c * kBf16Chunk);

@@ -19,14 +19,15 @@
 namespace conveyor {
 
 // scores[i * padded + t] = scale * q_i . k_t for t < ctx, i < heads. Rows start at KV head h0;
-// `range` elements of each row (the task's KV heads) are prefetched. NEXT_LOCALITY: the
+// `range` elements of each row (the task's KV heads) are prefetched, and of the values too when
+// prefetch_values (a long run's values would not stay in L2 until its value pass). NEXT_LOCALITY: the
 // prefetch hint for the next block's keys (3: L1, 2: L2). Always inlined: called out of line,
 // the dot_row closure's captures were reloaded every row.
 template <int NEXT_LOCALITY, typename C, typename DotRow>
 __attribute__((always_inline)) inline void score_keys(
     float* scores, int64_t padded, const C* k_cache, const C* v_cache, const int32_t* table,
     int64_t ctx, int64_t h0, int64_t range, int64_t heads, int64_t head_dim, int64_t block_size,
-    int64_t token_stride, float scale, vfloat* dots, DotRow&& dot_row) {
+    int64_t token_stride, float scale, bool prefetch_values, vfloat* dots, DotRow&& dot_row) {
   const int64_t block_stride = block_size * token_stride;
   const int64_t num_blocks = (ctx + block_size - 1) / block_size;
   auto rows_of = [&](const C* cache, int64_t b) {
@@ -43,7 +44,7 @@ __attribute__((always_inline)) inline void score_keys(
         const C* row = rows + (j + r) * token_stride;
         for (int64_t e = 0; e < range; e += 64 / sizeof(C)) {
           if (next) __builtin_prefetch(next + (j + r) * token_stride + e, 0, NEXT_LOCALITY);
-          __builtin_prefetch(values + (j + r) * token_stride + e, 0, 2);
+          if (prefetch_values) __builtin_prefetch(values + (j + r) * token_stride + e, 0, 2);
         }
         dot_row(row, r);
       }

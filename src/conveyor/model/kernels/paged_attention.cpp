@@ -109,7 +109,7 @@ void attend(T* out, int64_t out_stride, const T* q, int64_t q_stride, int64_t n,
   // scores[i][t] = q_i . k_t (q is scaled already), each key row converted to float once for
   // every row of its KV head.
   score_keys<3>(scores, padded, k_cache, v_cache, table, last, h0, range, rows, head_dim,
-                block_size, token_stride, 1.f, dots, [=](const C* row, int64_t r) {
+                block_size, token_stride, 1.f, n == 1, dots, [=](const C* row, int64_t r) {
     for (int64_t h = 0; h < h1 - h0; ++h) {
       vfloat kv[kMaxChunks];
       for (int64_t c = 0; c < chunks; ++c) kv[c] = load(row + h * head_dim + c * kLanes);
