@@ -1,8 +1,8 @@
 // The key pass of a decode token's attention, shared by paged_attention.cpp's attend (float
 // FMAs) and attention_bf16.h's attend_bf16 (vdpbf16ps): the token's sequence is read block by
-// block (blocks are scattered: the next block's keys are prefetched, and this block's values
-// too, into L2 for the value pass that follows), each key row once for all the query heads
-// that share its KV heads. The caller's dot_row(row, r) leaves, for every query head i, the
+// block (blocks are scattered: the next block's keys are prefetched, and for a decode this
+// block's values too, into L2 for the value pass that follows), each key row once for all the
+// query heads that share its KV heads. The caller's dot_row(row, r) leaves, for every query head i, the
 // products of q_i and key `row` as an unreduced vector in dots[i * kLanes + r]; kLanes rows'
 // vectors are then reduced together (transposed_hsum): a hsum per score would cost more than
 // the products.
@@ -20,9 +20,9 @@ namespace conveyor {
 
 // scores[i * padded + t] = scale * q_i . k_t for t < ctx, i < heads. Rows start at KV head h0;
 // `range` elements of each row (the task's KV heads) are prefetched, and of the values too when
-// prefetch_values (a long run's values would not stay in L2 until its value pass). NEXT_LOCALITY: the
-// prefetch hint for the next block's keys (3: L1, 2: L2). Always inlined: called out of line,
-// the dot_row closure's captures were reloaded every row.
+// prefetch_values (a decode's; a long run's values would leave L2 before its value pass).
+// NEXT_LOCALITY: the prefetch hint for the next block's keys (3: L1, 2: L2). Always inlined:
+// called out of line, the dot_row closure's captures were reloaded every row.
 template <int NEXT_LOCALITY, typename C, typename DotRow>
 __attribute__((always_inline)) inline void score_keys(
     float* scores, int64_t padded, const C* k_cache, const C* v_cache, const int32_t* table,

@@ -51,7 +51,7 @@ constexpr int kMaxChunks = 256 / kLanes;  // head_dim <= 256
 constexpr int kLineChunks = 64 / sizeof(vfloat);  // vectors in a cache line: 2 (AVX2) or 1
 constexpr int kGroupTile = 4;  // query heads whose value accumulators are held in registers
 constexpr int kRunTile = 6;  // a run's rows whose value accumulators are held in registers
-constexpr int64_t kRunKeys = 64;  // keys whose values a run weighs at a time (16 KB of floats)
+constexpr int64_t kRunKeys = 64;  // keys a run's value pass takes at a time (L1-sized)
 
 struct Scratch {  // per thread, reused across tasks and calls
   std::vector<float> scores, inv_sum;
