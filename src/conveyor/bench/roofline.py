@@ -35,9 +35,9 @@ class MachineRates:
     num_threads: int  # CPU threads; on a GPU its streaming multiprocessors
     dtype: str = "bfloat16"  # of the GEMM
     device: str = "cpu"  # where they were measured: "cpu" or the GPU's name
-    # measured int8 x int8 -> int32 GEMM op/s where asked, on the CPU only: the fastest of
-    # torch._int_mm and Conveyor's own integer GEMM on Q8_0 and on Q4_0 blocks, int8_source
-    # naming which
+    # measured int8 x int8 -> int32 GEMM op/s where asked, on the CPU only (the fastest of
+    # torch._int_mm and Conveyor's own integer GEMM on Q8_0 and on Q4_0 blocks); int8_source
+    # names which
     int8_ops: float | None = None
     int8_source: str = "torch._int_mm"
 

@@ -2,10 +2,10 @@
 // FMAs) and attention_bf16.h's attend_bf16 (vdpbf16ps): the token's sequence is read block by
 // block (blocks are scattered: the next block's keys are prefetched, and for a decode this
 // block's values too, into L2 for the value pass that follows), each key row once for all the
-// query heads that share its KV heads. The caller's dot_row(row, r) leaves, for every query head i, the
-// products of q_i and key `row` as an unreduced vector in dots[i * kLanes + r]; kLanes rows'
-// vectors are then reduced together (transposed_hsum): a hsum per score would cost more than
-// the products.
+// query heads that share its KV heads. The caller's dot_row(row, r) leaves, for every query
+// head i, the products of q_i and key `row` as an unreduced vector in dots[i * kLanes + r];
+// kLanes rows' vectors are then reduced together (transposed_hsum): a hsum per score would cost
+// more than the products.
 // KeyStream brings the next task's keys into L2 during this task's value pass, which reads from
 // L2 and would otherwise leave memory idle.
 
