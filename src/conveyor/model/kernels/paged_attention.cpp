@@ -194,11 +194,12 @@ void attend(T* out, int64_t out_stride, const T* q, int64_t q_stride, int64_t n,
     }
   } else {
     const int64_t stretch = std::max<int64_t>(1, kRunKeys / block_size) * block_size;
-    for (int64_t k0 = 0, k1 = stretch; k0 < last; k0 = k1, k1 += stretch)
+    for (int64_t k0 = 0; k0 < last; k0 += stretch)
       for (int64_t h = 0; h < h1 - h0; ++h)
         for (int64_t i = h * per_head; i < (h + 1) * per_head; i += kRunTile)
           with_constant<kRunTile>(std::min<int64_t>((h + 1) * per_head - i, kRunTile),
                                   [&](auto tile) {
+            const int64_t k1 = k0 + stretch;
             int64_t c = 0;
             for (; c + 2 <= chunks; c += 2)
               weigh_run(tile, std::integral_constant<int, 2>{}, h, i, c, k0, k1);
