@@ -16,7 +16,12 @@ from hypothesis import strategies as st
 from conveyor.model.backends.cpu_kernels import CpuBackend, KernelMetadata
 from conveyor.model.backends.sdpa import TorchBackend
 from conveyor.model.kernels import build
-from conveyor.model.kernels.paged_attention import attention_kernel_available, kernel_attention
+from conveyor.model.kernels.paged_attention import (
+    attention_kernel_available,
+    kernel_attention,
+    keys_as_rows,
+    keys_from_rows,
+)
 
 CPU = torch.device("cpu")
 needs_kernel = pytest.mark.skipif(not attention_kernel_available(CPU, torch.float32),
@@ -32,6 +37,7 @@ def _reference(q, k_cache, v_cache, tables, lens, token_seqs=None):
     position, attend in float64. Returns [T, num_heads * head_dim]."""
     num_heads, kv_heads = q.shape[1], k_cache.shape[2]
     bs = k_cache.shape[1]
+    k_cache = keys_as_rows(k_cache)
     out = []
     for s in range(q.shape[0]):
         n, row = int(lens[s]), s if token_seqs is None else int(token_seqs[s])
@@ -196,12 +202,14 @@ def test_kernel_writes_the_steps_keys_and_values_first(dtype, cache_dtype) -> No
     slots = torch.tensor([5 * bs + i if i < bs else 2 * bs + i - bs for i in range(20)])
     lens = torch.arange(1, 21, dtype=torch.int32)
     seqs = torch.zeros(20, dtype=torch.int32)
-    expected = [c.clone() for c in caches]
+    expected = [keys_as_rows(caches[0]).clone(memory_format=torch.contiguous_format),
+                caches[1].clone()]  # as rows
     for c, new in zip(expected, (k, v), strict=True):
         c.view(-1, kv_heads, head_dim).index_copy_(0, slots, new.to(cache_dtype))
     got = kernel_attention(q, *caches, tables, lens, head_dim ** -0.5, seqs, new_kv=(k, v, slots))
-    assert all(torch.equal(c, e) for c, e in zip(caches, expected, strict=True))
-    reference = _reference(q, *expected, tables, lens, seqs)
+    assert torch.equal(keys_as_rows(caches[0]), expected[0])
+    assert torch.equal(caches[1], expected[1])
+    reference = _reference(q, keys_from_rows(expected[0]), expected[1], tables, lens, seqs)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(got.double(), reference, rtol=tol, atol=tol)
     with pytest.raises(RuntimeError, match="new_k must have shape"):
@@ -251,7 +259,8 @@ def test_metadata_with_kernel_equals_torch_path(dtype, cache_dtype) -> None:
         backend = CpuBackend(CPU, attention_kernel=True) if kernel else TorchBackend(CPU)
         meta = backend.build_metadata(tables, starts, num_new, bs, num_heads // kv_heads, dtype)
         assert isinstance(meta, KernelMetadata) == kernel
-        outs.append(backend.attention(q, k, v, k_cache.clone(), v_cache.clone(), meta))
+        keys = keys_from_rows(k_cache) if kernel else k_cache.clone()  # the same rows
+        outs.append(backend.attention(q, k, v, keys, v_cache.clone(), meta))
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(outs[1].float(), outs[0].float(), rtol=tol, atol=tol)
 

@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from conveyor.model.kernels import build
+from conveyor.model.kernels.paged_attention import keys_as_rows
 from conveyor.model.kernels.panel_gemm import pack_panels
 from conveyor.model.layers.gguf_blocks import LAYOUTS, NAMES, QuantPanels
 from conveyor.model.layers.quantized import (
@@ -208,7 +209,7 @@ def test_paged_attention(ops) -> None:
         ops.paged_attention(q, k_cache, v_cache, tables, lens, None, head_dim ** -0.5, out,
                             None, None, None)
         for t in range(2):
-            rows = torch.cat([k_cache[b] for b in tables[t].tolist()])[:lens[t]]
+            rows = torch.cat([keys_as_rows(k_cache)[b] for b in tables[t].tolist()])[:lens[t]]
             values = torch.cat([v_cache[b] for b in tables[t].tolist()])[:lens[t]]
             keys = rows.repeat_interleave(heads // kv_heads, dim=1).double()
             vals = values.repeat_interleave(heads // kv_heads, dim=1).double()

@@ -9,7 +9,11 @@ import pytest
 import torch
 
 from conveyor.model.backends.sdpa import TorchBackend
-from conveyor.model.kernels.paged_attention import attention_kernel_available, kernel_attention
+from conveyor.model.kernels.paged_attention import (
+    attention_kernel_available,
+    kernel_attention,
+    keys_as_rows,
+)
 
 CPU = torch.device("cpu")
 needs_kernel = pytest.mark.skipif(not attention_kernel_available(CPU, torch.float32),
@@ -80,7 +84,7 @@ def test_kernel_decodes_attend_their_window_only(dtype, head_dim, num_heads, kv_
     q = torch.randn(len(lens), num_heads, head_dim, generator=gen).to(dtype)
     got = kernel_attention(q, k_cache, v_cache, tables, lens_t, head_dim ** -0.5,
                            deterministic=deterministic, window=window)
-    expected = windowed_reference(q, k_cache, v_cache, tables, lens_t, window)
+    expected = windowed_reference(q, keys_as_rows(k_cache), v_cache, tables, lens_t, window)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(got.double(), expected, rtol=tol, atol=tol)
 
@@ -107,7 +111,8 @@ def test_kernel_prefill_chunks_attend_their_windows(dtype, head_dim, num_heads, 
     q = torch.randn(len(lens), num_heads, head_dim, generator=gen).to(dtype)
     got = kernel_attention(q, k_cache, v_cache, tables, lens, head_dim ** -0.5, token_seqs,
                            deterministic=deterministic, window=window)
-    expected = windowed_reference(q, k_cache, v_cache, tables, lens, window, token_seqs)
+    expected = windowed_reference(q, keys_as_rows(k_cache), v_cache, tables, lens, window,
+                                  token_seqs)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(got.double(), expected, rtol=tol, atol=tol)
 

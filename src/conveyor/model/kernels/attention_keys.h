@@ -43,8 +43,8 @@ __attribute__((always_inline)) inline void score_keys(
       for (int64_t r = 0; r < m; ++r) {
         const C* row = rows + (j + r) * token_stride;
         for (int64_t e = 0; e < range; e += 64 / sizeof(C)) {
-          if (next) __builtin_prefetch(next + (j + r) * token_stride + e, 0, NEXT_LOCALITY);
-          if (prefetch_values) __builtin_prefetch(values + (j + r) * token_stride + e, 0, 2);
+          if (next) prefetch<NEXT_LOCALITY>(next + (j + r) * token_stride + e);
+          if (prefetch_values) prefetch<2>(values + (j + r) * token_stride + e);
         }
         dot_row(row, r);
       }
@@ -61,32 +61,45 @@ __attribute__((always_inline)) inline void score_keys(
 
 // A sequence's keys (KV heads [h0, h1) of its first `ctx` rows) prefetched into L2 a few rows
 // at a time: spread_over(n) paces them evenly over n calls of step(). Default-constructed, it
-// prefetches nothing.
+// prefetches nothing. transposed: keys stored [KV head][dim][block row] per block (a float
+// cache), prefetched a block at a time.
 class KeyStream {
  public:
   KeyStream() = default;
   template <typename C>
   KeyStream(const C* k_cache, const int32_t* table, int64_t ctx, int64_t h0, int64_t h1,
-            int64_t head_dim, int64_t block_size, int64_t token_stride)
-      : cache_(reinterpret_cast<const char*>(k_cache + h0 * head_dim)), table_(table),
-        rows_(ctx), block_size_(block_size), row_bytes_(token_stride * sizeof(C)),
-        row_lines_(((h1 - h0) * head_dim * sizeof(C) + 63) / 64) {}
+            int64_t head_dim, int64_t block_size, int64_t token_stride, bool transposed = false)
+      : table_(table) {
+    if (transposed) {
+      cache_ = reinterpret_cast<const char*>(k_cache + h0 * head_dim * block_size);
+      rows_ = (ctx + block_size - 1) / block_size;
+      per_block_ = 1;
+      row_bytes_ = token_stride * block_size * sizeof(C);
+      row_lines_ = ((h1 - h0) * head_dim * block_size * sizeof(C) + 63) / 64;
+    } else {
+      cache_ = reinterpret_cast<const char*>(k_cache + h0 * head_dim);
+      rows_ = ctx;
+      per_block_ = block_size;
+      row_bytes_ = token_stride * sizeof(C);
+      row_lines_ = ((h1 - h0) * head_dim * sizeof(C) + 63) / 64;
+    }
+  }
 
   void spread_over(int64_t steps) { per_step_ = steps > 0 ? (rows_ + steps - 1) / steps : 0; }
 
   void step() {
     for (const int64_t end = std::min(rows_, row_ + per_step_); row_ < end; ++row_) {
-      const char* at = cache_ + (table_[row_ / block_size_] * block_size_ + row_ % block_size_) *
-                                    row_bytes_;
-      for (int64_t line = 0; line < row_lines_; ++line) __builtin_prefetch(at + line * 64, 0, 2);
+      const char* at =
+          cache_ + (table_[row_ / per_block_] * per_block_ + row_ % per_block_) * row_bytes_;
+      for (int64_t line = 0; line < row_lines_; ++line) prefetch<2>(at + line * 64);
     }
   }
 
  private:
-  const char* cache_ = nullptr;  // block 0's first row, at KV head h0
+  const char* cache_ = nullptr;  // block 0's first row (or keys), at KV head h0
   const int32_t* table_ = nullptr;
-  int64_t rows_ = 0, block_size_ = 1, row_bytes_ = 0, row_lines_ = 0, per_step_ = 0;
-  int64_t row_ = 0;  // the next row to fetch
+  int64_t rows_ = 0, per_block_ = 1, row_bytes_ = 0, row_lines_ = 0, per_step_ = 0;
+  int64_t row_ = 0;  // the next row (or block) to fetch
 };
 
 }  // namespace conveyor

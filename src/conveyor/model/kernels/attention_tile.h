@@ -6,8 +6,9 @@
 // heads of its group, and the queries themselves do not fit in registers: that path is bound
 // by loads. Here a task holds R = n x g query rows (n tokens of one prefill chunk, token i
 // seeing ctx0 + i positions) and works like a GEMM, kKeyChunk keys at a time:
-//   scores  S[R, chunk] = Q K^T: keys are transposed kKeyTile at a time, then kRowTile rows x
-//           kKeyTile keys of accumulators stay in registers over the head dimension;
+//   scores  S[R, chunk] = Q K^T: kKeyTile keys at a time as vectors of positions (a float cache
+//           stores them so, key_halves; a bf16 cache's are transposed here), then kRowTile rows
+//           x kKeyTile keys of accumulators stay in registers over the head dimension;
 //   softmax per row over the chunk's keys of its own context (later keys get weight 0), folded
 //           into the row's running max and sum (an online softmax): the output so far is
 //           rescaled when the max grows;
@@ -21,9 +22,10 @@
 // to float once), or, for bf16 queries over a bf16 cache, vdpbf16ps on pairs of elements (BF16:
 // half the instructions, as in attention_bf16.h's decode path): queries and keys as they are,
 // the scale applied to the scores, and the softmax weights rounded to bf16 (as flash attention
-// rounds P) and normalised by the sum of their rounded values. Keys transpose as 32-bit lanes
-// either way (a lane: one float, or a pair of bf16 dimensions); value rows are interleaved in
-// pairs (bf16_pairs.h), so BF16's output accumulates in a permuted order, undone when stored.
+// rounds P) and normalised by the sum of their rounded values. A bf16 cache's keys transpose as
+// 32-bit lanes either way (a lane: one float, or a pair of bf16 dimensions); value rows are
+// interleaved in pairs (bf16_pairs.h), so BF16's output accumulates in a permuted order, undone
+// when stored.
 
 #pragma once
 
@@ -81,6 +83,58 @@ inline void score_rows(const typename F::T* q, int64_t head_dim, const typename 
     store(acc[r][0] * scale, s + r * s_stride);
     store(acc[r][1] * scale, s + r * s_stride + kLanes);
   }
+}
+
+// score_rows' F32 products on keys read in place (a float cache stores them transposed, see
+// key_halves): element d of keys [0, kLanes) at half0 + d * stride, of keys [kLanes, kKeyTile)
+// at half1 + d * stride. each(d) runs before dimension d's products (a decode's prefetches).
+template <int MR, typename Each = void (*)(int64_t)>
+inline void score_rows_at(const float* q, int64_t head_dim, const float* half0,
+                          const float* half1, int64_t stride, float* s, int64_t s_stride,
+                          Each&& each = [](int64_t) {}) {
+  vfloat acc[MR][2] = {};
+  for (int64_t d = 0; d < head_dim; ++d) {
+    each(d);
+    madd_rows<F32>(acc, q + d, head_dim, load(half0 + d * stride), load(half1 + d * stride));
+  }
+  for (int r = 0; r < MR; ++r) {
+    store(acc[r][0], s + r * s_stride);
+    store(acc[r][1], s + r * s_stride + kLanes);
+  }
+}
+
+// The keys of positions [k0, k0 + kKeyTile) of a float cache, which stores them transposed
+// (block b, KV head h: [head_dim][block_size]), as score_rows_at reads them: half s (kLanes keys)
+// at halves[s], element d at + d * stride (the returned stride). Where the block size is a
+// multiple of kLanes each half lies in one block and is read in place; else the keys are
+// gathered into kt ([head_dim][kKeyTile]). Only positions in [lo, hi) are read (k0 and the
+// positions relative to the table's first row): a half outside it reads its partner, a gathered
+// key outside it is 0; either way its scores are not used.
+inline int64_t key_halves(const float* k_cache, const int32_t* table, int64_t h,
+                          int64_t num_kv_heads, int64_t head_dim, int64_t block_size, int64_t k0,
+                          int64_t lo, int64_t hi, float* kt, const float* halves[2]) {
+  const int64_t block_keys = head_dim * block_size;
+  auto keys_of = [&](int64_t pos) {  // position pos's element 0
+    return k_cache + (table[pos / block_size] * num_kv_heads + h) * block_keys + pos % block_size;
+  };
+  if (block_size % kLanes == 0) {
+    for (int s = 0; s < 2; ++s) {
+      const int64_t at = k0 + s * kLanes;
+      halves[s] = at + kLanes > lo && at < hi ? keys_of(at) : nullptr;
+    }
+    if (!halves[0]) halves[0] = halves[1];
+    if (!halves[1]) halves[1] = halves[0];
+    return block_size;
+  }
+  for (int64_t j = 0; j < kKeyTile; ++j) {
+    const int64_t pos = k0 + j;
+    const float* keys = pos >= lo && pos < hi ? keys_of(pos) : nullptr;
+    for (int64_t d = 0; d < head_dim; ++d)
+      kt[d * kKeyTile + j] = keys ? keys[d * block_size] : 0.f;
+  }
+  halves[0] = kt;
+  halves[1] = kt + kLanes;
+  return kKeyTile;
 }
 
 // o[r][d0 .. d0 + NV * kLanes) += sum_k p[r][k] * v[k][d0 ..] for MR rows, keys [0, n); vt
@@ -200,6 +254,22 @@ void attend_tile(T* out, int64_t out_stride, const T* q, int64_t q_stride, const
     // Scores, kKeyTile keys at a time; a row tile whose rows all end before the keys skips them.
     for (int64_t k0 = c0; k0 < c1; k0 += kKeyTile) {
       if (k0 + kKeyTile <= first_read) continue;  // every row's window starts later
+      if constexpr (std::is_same_v<C, float> && F::kStep == 1) {  // keys stored transposed
+        const float* half[2];
+        const int64_t key_stride =
+            key_halves(k_cache, table, h, token_stride / head_dim, head_dim, block_size, k0,
+                       first_read, c1, kt, half);
+        for (int64_t r0 = 0; r0 < rows; r0 += kRowTile) {
+          const int64_t m = std::min<int64_t>(kRowTile, rows - r0);
+          if (k0 >= row_ctx(r0 + m - 1) || k0 + kKeyTile <= row_lo(r0)) continue;
+          with_constant<kRowTile>(m, [&](auto mr) {
+            score_rows_at<decltype(mr)::value>(qs + r0 * head_dim, head_dim, half[0], half[1],
+                                               key_stride, scores + r0 * stride + k0 - c0,
+                                               stride);
+          });
+        }
+        continue;
+      }
       const int64_t nk = std::min<int64_t>(kKeyTile, c1 - k0);
       const int64_t skip = std::max<int64_t>(0, first_read - k0);  // rows not to read
       for (int64_t k = skip; k < nk; ++k) key_rows[k] = cache_row(k_cache, k0 + k);

@@ -4,22 +4,28 @@
 // sequence being token_seqs[t] (a row of block_tables; null: token t is sequence t's only
 // token, a decode step). A prefill chunk's tokens thus each see their own causal prefix,
 // cached prefix included: no padding, no mask, no gathered copy of the keys.
-// A decode token (attend below): for each KV head, the g query heads that share it walk the
-// sequence's block table together: each key row is read from its block once, converted to
-// float once and dotted with all g queries; values are read a cache line at a time for up to
-// kGroupTile query heads (bf16 queries over a bf16 cache, where the CPU has AVX512-BF16, take
-// attention_bf16.h's version of this on vdpbf16ps). The value pass reads from L2, so meanwhile
-// the keys of the thread's next task are prefetched (attention_keys.h's KeyStream). A prefill
-// chunk's consecutive tokens instead go in tiles of query rows (attention_tile.h), where each
-// key and value row read serves many queries; in the deterministic mode, in runs through the
-// decode's own arithmetic (attend with n > 1: each key and value row read once for the run's
-// query rows, each row's sums those of the token alone). Nothing is gathered into a contiguous
-// copy first, which is what makes this faster than index_select + scaled_dot_product_attention.
+// A decode token over a float cache (attend_transposed below) computes in the tiles'
+// arithmetic, reading a block's keys as vectors of positions (the K cache stores them
+// transposed): each key tile is read once for all the g query heads of its KV head, values a
+// cache line at a time for up to kGroupTile of them. Over a bf16 cache (attend) each key row is
+// read from its block once, converted to float once and dotted with all g queries (bf16
+// queries, where the CPU has AVX512-BF16, take attention_bf16.h's version of this on
+// vdpbf16ps). The value pass reads from L2, so meanwhile the keys of the thread's next task are
+// prefetched (attention_keys.h's KeyStream). A prefill chunk's consecutive tokens instead go in
+// tiles of query rows (attention_tile.h), where each key and value row read serves many
+// queries. A float cache's decodes and tiles share one arithmetic, so every row's bits are the
+// same whichever way it goes; over a bf16 cache the deterministic mode sends a chunk's tokens in
+// runs through the decode's own arithmetic (attend with n > 1: each key and value row read
+// once for the run's query rows, each row's sums those of the token alone). Nothing is gathered
+// into a contiguous copy first, which is what makes this faster than index_select +
+// scaled_dot_product_attention.
 //
 // Layouts (element strides; T, the queries' type, and C, the cache's, are float or bf16
 // stored as uint16_t):
 //   q:            [num_tokens, num_heads, head_dim], row stride q_stride between tokens
-//   k/v cache:    [num_blocks, block_size, num_kv_heads, head_dim] of C, contiguous
+//   k/v cache:    [num_blocks, block_size, num_kv_heads, head_dim] of C, contiguous; a float
+//                 K cache's block stores [num_kv_heads, head_dim, block_size] (its keys
+//                 transposed) under the same shape
 //   block_tables: [num_seqs, max_blocks] int32
 //   token_seqs:   [num_tokens] int32, or null
 //   context_lens: [num_tokens] int32 (positions to attend, the token's own included)
@@ -57,6 +63,51 @@ struct Scratch {  // per thread, reused across tasks and calls
   std::vector<float> scores, inv_sum;
   std::vector<vfloat> qv, acc, dots;  // dots: kLanes rows' unreduced q.k products per head
 };
+
+// A decode's values of a block's rows [j0, j1) (row j at block + j * token_stride, the cache
+// line read at `line`) weighed into G query heads' accumulators, kLineChunks vectors each at
+// acc + g * chunks, every element summed in position order: p[g * p_stride + j - j0] is head
+// g's weight of row j. The accumulators stay in registers over the rows; held for all of a
+// KV head's heads and vectors at once (9 x 64 floats) they would spill, a load and a store each,
+// every key. next: the next block, whose same lines are prefetched.
+template <int G, typename C>
+inline void weigh_lines(vfloat* acc, int64_t chunks, const float* p, int64_t p_stride,
+                        const C* block, const C* next, int64_t j0, int64_t j1, int64_t line,
+                        int64_t token_stride) {
+  vfloat a[G][kLineChunks];
+  for (int g = 0; g < G; ++g)
+    for (int c = 0; c < kLineChunks; ++c) a[g][c] = acc[g * chunks + c];
+  for (int64_t j = j0; j < j1; ++j) {
+    const C* row = block + j * token_stride + line;
+    if (next) __builtin_prefetch(next + j * token_stride + line);
+    for (int c = 0; c < kLineChunks; ++c) {
+      const vfloat v = load(row + c * kLanes);
+      for (int g = 0; g < G; ++g) a[g][c] += p[g * p_stride + j - j0] * v;
+    }
+  }
+  for (int g = 0; g < G; ++g)
+    for (int c = 0; c < kLineChunks; ++c) acc[g * chunks + c] = a[g][c];
+}
+
+// A block's rows [j0, j1) weighed into the accumulators of every query head of KV heads [0,
+// heads) (head i at acc + i * chunks, its weight of row j0 at p[i * p_stride]): kGroupTile heads
+// and one cache line at a time (weigh_lines).
+template <typename C>
+__attribute__((always_inline)) inline void weigh_block(vfloat* acc, int64_t chunks,
+                                                       const float* p, int64_t p_stride,
+                                                       const C* block, const C* next, int64_t j0,
+                                                       int64_t j1, int64_t heads, int64_t group,
+                                                       int64_t head_dim, int64_t token_stride) {
+  for (int64_t h = 0; h < heads; ++h)
+    for (int64_t i = h * group; i < (h + 1) * group; i += kGroupTile)
+      for (int64_t c = 0; c < chunks; c += kLineChunks)
+        with_constant<kGroupTile>(std::min<int64_t>((h + 1) * group - i, kGroupTile),
+                                  [&](auto tile) {
+          weigh_lines<decltype(tile)::value>(acc + i * chunks + c, chunks, p + i * p_stride,
+                                             p_stride, block, next, j0, j1,
+                                             h * head_dim + c * kLanes, token_stride);
+        });
+}
 
 // n consecutive query tokens of one sequence (token u: query row q + u * q_stride, output row
 // out + u * out_stride, context ctx + u positions), KV heads [h0, h1): each of them with its
@@ -128,29 +179,7 @@ void attend(T* out, int64_t out_stride, const T* q, int64_t q_stride, int64_t n,
   }
 
   // out_i = sum_t p[i][t] v_t / sum_t p[i][t], each output element summed over the keys in
-  // position order. A decode goes block by block; within a block, one cache line of a KV head's
-  // values (kLineChunks vectors) for up to kGroupTile of its rows at a time, so that their
-  // accumulators stay in registers over the block's rows. Held for all rows at once (9 x 64
-  // floats) they would spill: a load and a store each, every key.
-  auto weigh_block = [&](auto tile, const C* block, const C* next, int64_t b, int64_t h,
-                         int64_t i0, int64_t c0) {
-    constexpr int G = decltype(tile)::value;
-    const int64_t first = h * head_dim + c0 * kLanes, keys = rows_in(b, ctx);
-    vfloat a[G][kLineChunks];
-    for (int g = 0; g < G; ++g)
-      for (int c = 0; c < kLineChunks; ++c) a[g][c] = acc[(i0 + g) * chunks + c0 + c];
-    const float* p = scores + i0 * padded + b * block_size;
-    for (int64_t j = 0; j < keys; ++j) {
-      const C* line = block + j * token_stride + first;
-      if (next) __builtin_prefetch(next + j * token_stride + first);
-      for (int c = 0; c < kLineChunks; ++c) {
-        const vfloat v = load(line + c * kLanes);
-        for (int g = 0; g < G; ++g) a[g][c] += p[g * padded + j] * v;
-      }
-    }
-    for (int g = 0; g < G; ++g)
-      for (int c = 0; c < kLineChunks; ++c) acc[(i0 + g) * chunks + c0 + c] = a[g][c];
-  };
+  // position order. A decode goes block by block (weigh_lines).
   // A run's rows instead go kRunTile at a time, NV vectors of the head dimension each, the
   // accumulators in registers over a stretch of kRunKeys keys: each value vector loaded serves
   // kRunTile rows, and the stretch's values, read from the cache once, stay in L1 for every
@@ -186,11 +215,8 @@ void attend(T* out, int64_t out_stride, const T* q, int64_t q_stride, int64_t n,
       const C* block = rows_of(v_cache, b);
       const C* next = b + 1 < num_blocks ? rows_of(v_cache, b + 1) : nullptr;
       next_keys.step();
-      for (int64_t h = 0; h < h1 - h0; ++h)
-        for (int64_t i = h * group; i < (h + 1) * group; i += kGroupTile)
-          for (int64_t c = 0; c < chunks; c += kLineChunks)
-            with_constant<kGroupTile>(std::min<int64_t>((h + 1) * group - i, kGroupTile),
-                                      [&](auto tile) { weigh_block(tile, block, next, b, h, i, c); });
+      weigh_block(acc, chunks, scores + b * block_size, padded, block, next, 0, rows_in(b, ctx),
+                  h1 - h0, group, head_dim, token_stride);
     }
   } else {
     const int64_t stretch = std::max<int64_t>(1, kRunKeys / block_size) * block_size;
@@ -213,6 +239,127 @@ void attend(T* out, int64_t out_stride, const T* q, int64_t q_stride, int64_t n,
   }
 }
 
+// A query token alone (a decode, or a token of a short run) over a float cache, whose keys are
+// stored transposed (block b, KV head h: [head_dim][block_size]), against KV heads [h0, h1),
+// each with its `group` query heads. The arithmetic is the tiles' (attention_tile.h), so a
+// token's bits are those of its row in any tile: a score is score_rows_at's chain of FMAs over
+// the head dimension on kKeyTile keys read as vectors (key_halves), the softmax folds kKeyChunk
+// keys at a time from fixed positions, each output element sums the values in position order.
+// What differs is how the cache is read: each key tile is read once for the task's KV heads,
+// the next block's keys are prefetched into L1 and this tile's values into L2 (for the value
+// pass that follows the chunk's keys), their lines spread over the products, and the next
+// task's keys into L2 during the value pass (KeyStream); the values come straight from the
+// cache (weigh_lines). The table starts at the window's first block, whose absolute position
+// `first` fixes where chunks start; its first `skip` rows weigh nothing. CHUNKS = head_dim /
+// kLanes when known at compile time (loops unroll), 0 for any other size.
+struct DecodeScratch {  // per thread, reused across tasks and calls
+  std::vector<float> q, kt, scores, row_max, row_sum;
+  std::vector<vfloat> acc;
+  std::vector<const char*> lines;  // a key tile's value lines, to prefetch
+};
+
+template <int CHUNKS>
+void attend_transposed(float* out, const float* q, const float* k_cache, const float* v_cache,
+                       const int32_t* table, int64_t ctx, int64_t first, int64_t skip, int64_t h0,
+                       int64_t h1, int64_t group, int64_t head_dim, int64_t block_size,
+                       int64_t num_kv_heads, float scale, DecodeScratch& scratch,
+                       KeyStream& next_keys) {
+  const int64_t chunks = CHUNKS ? CHUNKS : head_dim / kLanes;
+  const int64_t token_stride = num_kv_heads * head_dim;
+  const int64_t rows = (h1 - h0) * group;  // row i: query head h0 * group + i
+  const int64_t width_max = kKeyChunk + kKeyTile;
+  float* qs = at_least(scratch.q, rows * head_dim);
+  float* scores = at_least(scratch.scores, rows * width_max);
+  float* kt = at_least(scratch.kt, head_dim * kKeyTile);
+  vfloat* acc = at_least(scratch.acc, rows * chunks);
+  float* row_max = at_least(scratch.row_max, rows);
+  float* row_sum = at_least(scratch.row_sum, rows);
+  std::fill(acc, acc + rows * chunks, vfloat{});
+  std::fill(row_max, row_max + rows, -INFINITY);
+  std::fill(row_sum, row_sum + rows, 0.f);
+  for (int64_t i = 0; i < rows; ++i)
+    for (int64_t d = 0; d < head_dim; d += kLanes)
+      store(load(q + (h0 * group + i) * head_dim + d) * scale, qs + i * head_dim + d);
+  const int64_t block_keys = head_dim * block_size;  // a KV head's keys in a block
+  auto keys_at = [&](int64_t pos, int64_t h) {  // absolute position pos's lane in KV head h
+    pos -= first;
+    return k_cache + (table[pos / block_size] * num_kv_heads + h0 + h) * block_keys +
+           pos % block_size;
+  };
+
+  const int64_t start = first + skip, end = first + ctx;  // the positions that weigh
+  next_keys.spread_over((ctx - skip + block_size - 1) / block_size + 1);
+  const int64_t row_lines = ((h1 - h0) * head_dim * sizeof(float) + 63) / 64;
+  const char** lines = at_least(scratch.lines, kKeyTile * row_lines);
+  const int64_t key_lines = (block_keys * sizeof(float) + 63) / 64;  // a block's, a KV head's
+  for (int64_t c0 = start / kKeyChunk * kKeyChunk; c0 < end; c0 += kKeyChunk) {
+    const int64_t c1 = std::min(end, c0 + kKeyChunk), lo = std::max(c0, start);
+    for (int64_t k0 = c0 + (lo - c0) / kKeyTile * kKeyTile; k0 < c1; k0 += kKeyTile) {
+      // This tile's values into L2 for the value pass, the next tile's keys into L1: their
+      // cache lines spread over the products (a burst would fill the miss buffers).
+      int64_t num_lines = 0;
+      const int64_t k_lo = std::max(k0, lo) - first, k_hi = std::min(c1, k0 + kKeyTile) - first;
+      for (int64_t b = k_lo / block_size, j = k_lo % block_size, n = k_hi - k_lo; n > 0; --n) {
+        const char* row = reinterpret_cast<const char*>(
+            v_cache + (table[b] * block_size + j) * token_stride + h0 * head_dim);
+        for (int64_t e = 0; e < row_lines; ++e) lines[num_lines++] = row + e * 64;
+        if (++j == block_size) j = 0, ++b;
+      }
+      const int64_t per_d = (num_lines + (h1 - h0) * head_dim - 1) / ((h1 - h0) * head_dim);
+      const bool next_block =
+          k0 + kKeyTile < end && (k0 + kKeyTile - first) % block_size == 0;
+      for (int64_t h = 0; h < h1 - h0; ++h) {
+        const float* half[2];
+        const int64_t key_stride =
+            key_halves(k_cache, table, h0 + h, num_kv_heads, head_dim, block_size, k0 - first,
+                       lo - first, c1 - first, kt, half);
+        const char* next =
+            next_block ? reinterpret_cast<const char*>(keys_at(k0 + kKeyTile, h)) : nullptr;
+        int64_t key_line = 0;  // the next of next's lines to prefetch
+        for (int64_t r0 = h * group; r0 < (h + 1) * group; r0 += kRowTile)
+          with_constant<kRowTile>(std::min<int64_t>((h + 1) * group - r0, kRowTile),
+                                  [&](auto mr) {
+            score_rows_at<decltype(mr)::value>(
+                qs + r0 * head_dim, head_dim, half[0], half[1], key_stride,
+                scores + r0 * width_max + (k0 - c0), width_max, [&](int64_t d) {
+                  if (r0 != h * group) return;  // the first row tile prefetches
+                  if (next)  // lines [d, d + 1) * key_lines / head_dim
+                    for (; key_line * head_dim < (d + 1) * key_lines; ++key_line)
+                      prefetch<3>(next + key_line * 64);
+                  for (int64_t l = (h * head_dim + d) * per_d;
+                       l < std::min(num_lines, (h * head_dim + d + 1) * per_d); ++l)
+                    prefetch<2>(lines[l]);
+                });
+          });
+      }
+    }
+    const int64_t own = c1 - c0, width = (own + kLanes - 1) / kLanes * kLanes;
+    for (int64_t i = 0; i < rows; ++i) {
+      float* s = scores + i * width_max;
+      std::fill(s, s + (lo - c0), -INFINITY);
+      const float rescale = softmax_fold(s, own, width, row_max[i], row_sum[i], s);
+      if (rescale != 1.f)
+        for (int64_t c = 0; c < chunks; ++c) acc[i * chunks + c] *= rescale;
+    }
+    for (int64_t k = lo; k < c1;) {
+      const int64_t b = (k - first) / block_size, b0 = first + b * block_size;
+      const int64_t b1 = std::min(c1, b0 + block_size);
+      const float* block = v_cache + table[b] * block_size * token_stride + h0 * head_dim;
+      const float* next =
+          b1 < c1 ? v_cache + table[b + 1] * block_size * token_stride + h0 * head_dim : nullptr;
+      next_keys.step();
+      weigh_block(acc, chunks, scores + (k - c0), width_max, block, next, k - b0, b1 - b0,
+                  h1 - h0, group, head_dim, token_stride);
+      k = b1;
+    }
+  }
+  for (int64_t i = 0; i < rows; ++i) {
+    const float inv_sum = 1.f / row_sum[i];
+    float* o = out + (h0 * group + i) * head_dim;
+    for (int64_t c = 0; c < chunks; ++c) store(acc[i * chunks + c] * inv_sum, o + c * kLanes);
+  }
+}
+
 template <typename T, typename C>
 void copy_row(C* dst, const T* src, int64_t n) {  // n: a multiple of kLanes
   for (int64_t e = 0; e < n; e += kLanes) store(load(src + e), dst + e);
@@ -231,12 +378,13 @@ struct Task {
 // first (the longest contexts: dynamic scheduling then balances the rest); the other tokens
 // go one by one, all KV heads per task when there are enough tokens to keep the threads busy.
 // Deterministic inference needs one arithmetic for every query row, whether it is a decode or
-// sits anywhere in a prefill chunk (docs/determinism.md): kRuns sends every token the decode's
-// way (attend, attend_bf16: a row's scores, softmax and value sums depend only on its own
-// query, context and cache, hsum and transposed_hsum being the same tree), a run's tokens
-// kRunRows query rows at a time per KV head so that each key read serves them all; kTiles sends
-// every run to attend_tile (a decode as a tile of its own), for bf16 over an odd block size,
-// where attend_bf16's pairs of value rows would start at odd positions.
+// sits anywhere in a prefill chunk (docs/determinism.md). Over a float cache kMixed is that
+// already (attend_transposed computes as the tiles do). Over a bf16 cache kRuns sends every
+// token the decode's way (attend, attend_bf16: a row's scores, softmax and value sums depend
+// only on its own query, context and cache, hsum and transposed_hsum being the same tree), a
+// run's tokens kRunRows query rows at a time per KV head so that each key read serves them all;
+// kTiles sends every run to attend_tile (a decode as a tile of its own), for bf16 over an odd
+// block size, where attend_bf16's pairs of value rows would start at odd positions.
 enum class Plan { kMixed, kRuns, kTiles };
 constexpr int64_t kMinTileRows = 24;
 constexpr int64_t kRunRows = 48;
@@ -291,7 +439,7 @@ void paged_attention(T* out, const T* q, C* k_cache, C* v_cache, NewKV<T> new_kv
   const int64_t token_stride = num_kv_heads * head_dim;
   const bool pairs = std::is_same_v<T, uint16_t> && std::is_same_v<C, uint16_t> &&
                      (head_dim == 64 || head_dim == 128);  // attend_bf16 serves decode-way tokens
-  const Plan plan = !deterministic                ? Plan::kMixed
+  const Plan plan = !deterministic || std::is_same_v<C, float> ? Plan::kMixed
                     : pairs && block_size % 2 == 1 ? Plan::kTiles
                                                    : Plan::kRuns;
   const std::vector<Task> tasks = plan_tasks(token_seqs, context_lens, num_tokens, num_kv_heads,
@@ -304,12 +452,13 @@ void paged_attention(T* out, const T* q, C* k_cache, C* v_cache, NewKV<T> new_kv
   // that block's first row, the rows of it before the window.
   struct Span {
     const int32_t* table;
-    int64_t ctx, skip;
+    int64_t ctx, skip, first;
   };
   auto span_of = [&](int64_t t) {
     const int64_t ctx = context_lens[t];
     const WindowStart w = window_start(ctx, window, block_size);
-    return Span{table_of(t) + w.first_block, ctx - w.first_block * block_size, w.skip};
+    return Span{table_of(t) + w.first_block, ctx - w.first_block * block_size, w.skip,
+                w.first_block * block_size};
   };
   std::atomic<int64_t> next_task{0};
 #pragma omp parallel num_threads(num_threads)
@@ -317,13 +466,21 @@ void paged_attention(T* out, const T* q, C* k_cache, C* v_cache, NewKV<T> new_kv
     if (new_kv.k) {
 #pragma omp for  // and its barrier: every row is in place before anyone reads
       for (int64_t t = 0; t < num_tokens; ++t) {
-        copy_row(k_cache + new_kv.slots[t] * token_stride, new_kv.k + t * new_kv.k_stride,
-                 token_stride);
+        if constexpr (std::is_same_v<C, float>) {  // keys transposed: [head][dim][slot]
+          const int64_t slot = new_kv.slots[t], b = slot / block_size, j = slot % block_size;
+          const T* k = new_kv.k + t * new_kv.k_stride;
+          for (int64_t e = 0; e < token_stride; ++e)
+            k_cache[(b * token_stride + e) * block_size + j] = k[e];
+        } else {
+          copy_row(k_cache + new_kv.slots[t] * token_stride, new_kv.k + t * new_kv.k_stride,
+                   token_stride);
+        }
         copy_row(v_cache + new_kv.slots[t] * token_stride, new_kv.v + t * new_kv.v_stride,
                  token_stride);
       }
     }
     static thread_local Scratch scratch;
+    static thread_local DecodeScratch decode_scratch;
     TileScratch<float> tile_scratch;
 #ifdef __AVX512BF16__
     static thread_local Bf16Scratch bf16_scratch;
@@ -369,6 +526,19 @@ void paged_attention(T* out, const T* q, C* k_cache, C* v_cache, NewKV<T> new_kv
           bf16_way(std::integral_constant<int, 4>{});
       }
 #endif
+      else if constexpr (std::is_same_v<C, float>) {
+        auto float_way = [&](auto chunks) {
+          attend_transposed<decltype(chunks)::value>(
+              o, qt, k_cache, v_cache, span.table, span.ctx, span.first, span.skip, h0, h1, group,
+              head_dim, block_size, num_kv_heads, scale, decode_scratch, next_keys);
+        };
+        if (head_dim == 64)
+          float_way(std::integral_constant<int, 64 / kLanes>{});
+        else if (head_dim == 128)
+          float_way(std::integral_constant<int, 128 / kLanes>{});
+        else
+          float_way(std::integral_constant<int, 0>{});
+      }
       else {
         auto float_way = [&](auto chunks) {
           attend<T, C, decltype(chunks)::value>(o, num_heads * head_dim, qt, q_stride, task.n,
@@ -397,7 +567,7 @@ void paged_attention(T* out, const T* q, C* k_cache, C* v_cache, NewKV<T> new_kv
         const Task& f = tasks[following];
         const Span next = span_of(f.t);
         next_keys = KeyStream(k_cache, next.table, next.ctx + f.n - 1, f.h0, f.h1, head_dim,
-                              block_size, token_stride);
+                              block_size, token_stride, std::is_same_v<C, float>);
       }
       run(tasks[i], next_keys);
       i = claim_ahead ? following : next_task++;

@@ -26,9 +26,28 @@ def attention_kernel_available(device: torch.device, dtype: torch.dtype,
             and head_dim % 16 == 0 and head_dim <= 256 and kernel_ops() is not None)
 
 
+def keys_as_rows(k_cache: torch.Tensor) -> torch.Tensor:
+    """The kernel's key cache as [num_blocks, block_size, num_kv_heads, head_dim] rows (a view).
+    A float32 cache stores each block's keys transposed, [num_kv_heads, head_dim, block_size],
+    under the same shape, so that decodes and prefill tiles read a vector of keys at a time
+    (``paged_attention.cpp``); a bf16 cache stores rows."""
+    if k_cache.dtype != torch.float32:
+        return k_cache
+    blocks, block_size, kv_heads, head_dim = k_cache.shape
+    return k_cache.view(blocks, kv_heads, head_dim, block_size).permute(0, 3, 1, 2)
+
+
+def keys_from_rows(rows: torch.Tensor) -> torch.Tensor:
+    """A key cache in the kernel's layout holding ``rows`` ([num_blocks, block_size,
+    num_kv_heads, head_dim]): ``keys_as_rows``' inverse."""
+    if rows.dtype != torch.float32:
+        return rows.contiguous()
+    return rows.permute(0, 2, 3, 1).contiguous().view(rows.shape)
+
+
 def kernel_attention(
     q: torch.Tensor,  # [T, num_heads, head_dim], heads packed; rows may be strided
-    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim], contiguous
+    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim] (keys_as_rows)
     v_cache: torch.Tensor,
     block_tables: torch.Tensor,  # [S, max_blocks] int32
     context_lens: torch.Tensor,  # [T] int32: positions token t attends, its own included
@@ -46,11 +65,12 @@ def kernel_attention(
     dtype, heads packed, rows may be strided) are first written to the cache rows
     ``slot_mapping`` ([T] int64), rounded to the cache's dtype, in the same call.
 
-    ``deterministic``: every query row takes one arithmetic (the decode's, a prefill chunk's
-    tokens in runs that share each key read; bf16 over an odd block size, the tiles), so that a
-    token's output does not depend on whether it is a decode or part of a chunk, nor on the
-    chunk's boundaries (docs/determinism.md); otherwise runs of enough rows go in the faster
-    tiles.
+    ``deterministic``: every query row takes one arithmetic, so that a token's output does not
+    depend on whether it is a decode or part of a chunk, nor on the chunk's boundaries
+    (docs/determinism.md). Over a float32 cache decodes and tiles share theirs, so both settings
+    give the same bits; over a bf16 cache a prefill chunk's tokens then go in runs through the
+    decode's arithmetic (bf16 over an odd block size: everything in tiles), where otherwise runs
+    of enough rows go in the faster tiles.
 
     ``window``: a token at position p attends to positions (p - window, p] only (a sliding-window
     layer); the blocks of its table that lie wholly before that range are never read, so their
