@@ -103,6 +103,16 @@ inline void score_rows_at(const float* q, int64_t head_dim, const float* half0,
   }
 }
 
+// Position pos's key (pos counted from the table's first row) of KV head h in a float cache,
+// which stores each block's keys transposed ([KV head][head_dim][block_size]): element d lies
+// at the returned pointer + d * block_size.
+inline const float* transposed_key(const float* k_cache, const int32_t* table, int64_t pos,
+                                   int64_t h, int64_t num_kv_heads, int64_t head_dim,
+                                   int64_t block_size) {
+  return k_cache + (table[pos / block_size] * num_kv_heads + h) * head_dim * block_size +
+         pos % block_size;
+}
+
 // The keys of positions [k0, k0 + kKeyTile) of a float cache, which stores them transposed
 // (block b, KV head h: [head_dim][block_size]), as score_rows_at reads them: half s (kLanes keys)
 // at halves[s], element d at + d * stride (the returned stride). Where the block size is a
@@ -113,9 +123,8 @@ inline void score_rows_at(const float* q, int64_t head_dim, const float* half0,
 inline int64_t key_halves(const float* k_cache, const int32_t* table, int64_t h,
                           int64_t num_kv_heads, int64_t head_dim, int64_t block_size, int64_t k0,
                           int64_t lo, int64_t hi, float* kt, const float* halves[2]) {
-  const int64_t block_keys = head_dim * block_size;
-  auto keys_of = [&](int64_t pos) {  // position pos's element 0
-    return k_cache + (table[pos / block_size] * num_kv_heads + h) * block_keys + pos % block_size;
+  auto keys_of = [&](int64_t pos) {
+    return transposed_key(k_cache, table, pos, h, num_kv_heads, head_dim, block_size);
   };
   if (block_size % kLanes == 0) {
     for (int s = 0; s < 2; ++s) {

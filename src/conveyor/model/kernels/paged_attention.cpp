@@ -281,11 +281,6 @@ void attend_transposed(float* out, const float* q, const float* k_cache, const f
     for (int64_t d = 0; d < head_dim; d += kLanes)
       store(load(q + (h0 * group + i) * head_dim + d) * scale, qs + i * head_dim + d);
   const int64_t block_keys = head_dim * block_size;  // a KV head's keys in a block
-  auto keys_at = [&](int64_t pos, int64_t h) {  // absolute position pos's lane in KV head h
-    pos -= first;
-    return k_cache + (table[pos / block_size] * num_kv_heads + h0 + h) * block_keys +
-           pos % block_size;
-  };
 
   const int64_t start = first + skip, end = first + ctx;  // the positions that weigh
   next_keys.spread_over((ctx - skip + block_size - 1) / block_size + 1);
@@ -314,7 +309,10 @@ void attend_transposed(float* out, const float* q, const float* k_cache, const f
             key_halves(k_cache, table, h0 + h, num_kv_heads, head_dim, block_size, k0 - first,
                        lo - first, c1 - first, kt, half);
         const char* next =
-            next_block ? reinterpret_cast<const char*>(keys_at(k0 + kKeyTile, h)) : nullptr;
+            next_block ? reinterpret_cast<const char*>(
+                             transposed_key(k_cache, table, k0 + kKeyTile - first, h0 + h,
+                                            num_kv_heads, head_dim, block_size))
+                       : nullptr;
         int64_t key_line = 0;  // the next of next's lines to prefetch
         for (int64_t r0 = h * group; r0 < (h + 1) * group; r0 += kRowTile)
           with_constant<kRowTile>(std::min<int64_t>((h + 1) * group - r0, kRowTile),
@@ -526,25 +524,17 @@ void paged_attention(T* out, const T* q, C* k_cache, C* v_cache, NewKV<T> new_kv
           bf16_way(std::integral_constant<int, 4>{});
       }
 #endif
-      else if constexpr (std::is_same_v<C, float>) {
-        auto float_way = [&](auto chunks) {
-          attend_transposed<decltype(chunks)::value>(
-              o, qt, k_cache, v_cache, span.table, span.ctx, span.first, span.skip, h0, h1, group,
-              head_dim, block_size, num_kv_heads, scale, decode_scratch, next_keys);
-        };
-        if (head_dim == 64)
-          float_way(std::integral_constant<int, 64 / kLanes>{});
-        else if (head_dim == 128)
-          float_way(std::integral_constant<int, 128 / kLanes>{});
-        else
-          float_way(std::integral_constant<int, 0>{});
-      }
       else {
         auto float_way = [&](auto chunks) {
-          attend<T, C, decltype(chunks)::value>(o, num_heads * head_dim, qt, q_stride, task.n,
-                                                k_cache, v_cache, span.table, span.ctx, span.skip,
-                                                h0, h1, group, head_dim, block_size, token_stride,
-                                                scale, scratch, next_keys);
+          if constexpr (std::is_same_v<C, float>)  // keys transposed
+            attend_transposed<decltype(chunks)::value>(
+                o, qt, k_cache, v_cache, span.table, span.ctx, span.first, span.skip, h0, h1,
+                group, head_dim, block_size, num_kv_heads, scale, decode_scratch, next_keys);
+          else
+            attend<T, C, decltype(chunks)::value>(o, num_heads * head_dim, qt, q_stride, task.n,
+                                                  k_cache, v_cache, span.table, span.ctx,
+                                                  span.skip, h0, h1, group, head_dim, block_size,
+                                                  token_stride, scale, scratch, next_keys);
         };
         if (head_dim == 64)
           float_way(std::integral_constant<int, 64 / kLanes>{});
