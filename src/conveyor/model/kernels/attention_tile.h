@@ -2,13 +2,11 @@
 // one KV head, as two small matrix products around the softmax. Included by
 // paged_attention.cpp, which decides what goes this way.
 //
-// Token by token (paged_attention.cpp's attend), each key element read serves only the g query
-// heads of its group, and the queries themselves do not fit in registers: that path is bound
-// by loads. Here a task holds R = n x g query rows (n tokens of one prefill chunk, token i
-// seeing ctx0 + i positions) and works like a GEMM, kKeyChunk keys at a time:
-//   scores  S[R, chunk] = Q K^T: kKeyTile keys at a time as vectors of positions (a float cache
-//           stores them so, key_halves; a bf16 cache's are transposed here), then kRowTile rows
-//           x kKeyTile keys of accumulators stay in registers over the head dimension;
+// A task holds R = n x g query rows (n tokens of one prefill chunk, token i seeing ctx0 + i
+// positions) and works like a GEMM, kKeyChunk keys at a time:
+//   scores  S[R, chunk] = Q K^T: kKeyTile keys at a time as vectors of positions (the K cache
+//           stores them so, key_halves), kRowTile rows x kKeyTile keys of accumulators in
+//           registers over the head dimension;
 //   softmax per row over the chunk's keys of its own context (later keys get weight 0), folded
 //           into the row's running max and sum (an online softmax): the output so far is
 //           rescaled when the max grows;
@@ -16,16 +14,15 @@
 //           then kRowTile rows x two vectors of the head dimension stay in registers over them.
 // The scores of a chunk (R x kKeyChunk floats) stay in L2 however long the context. Chunks
 // start at fixed key positions, so every query row's result depends only on its own query,
-// context and cache, not on which other rows share its tile.
+// context and cache, not on which other rows share its tile; paged_attention.cpp's decode
+// (attend_decode) computes a lone token in this same arithmetic.
 //
 // The products (F, madd_step.h) are float FMAs (F32: queries scaled and every element converted
 // to float once), or, for bf16 queries over a bf16 cache, vdpbf16ps on pairs of elements (BF16:
-// half the instructions, as in attention_bf16.h's decode path): queries and keys as they are,
-// the scale applied to the scores, and the softmax weights rounded to bf16 (as flash attention
-// rounds P) and normalised by the sum of their rounded values. A bf16 cache's keys transpose as
-// 32-bit lanes either way (a lane: one float, or a pair of bf16 dimensions); value rows are
-// interleaved in pairs (bf16_pairs.h), so BF16's output accumulates in a permuted order, undone
-// when stored.
+// half the instructions): queries and keys as they are, the scale applied to the scores, and
+// the softmax weights rounded to bf16 (as flash attention rounds P) and normalised by the sum of
+// their rounded values. Value rows are interleaved in pairs (bf16_pairs.h), so BF16's output
+// accumulates in a permuted order, undone when stored.
 
 #pragma once
 
@@ -51,78 +48,37 @@ constexpr int64_t kKeyChunk = 512;
 
 template <typename E>  // F::T: float, or bf16 as uint16_t
 struct TileScratch {  // per thread, reused across tasks
-  std::vector<E> q, kt, vt, p;  // p: the softmax weights as E (BF16 only)
+  std::vector<E> q, vt, p;  // p: the softmax weights as E (BF16 only)
+  std::vector<uint32_t> kt;  // key_halves' gathered lanes
   std::vector<float> scores, o, row_max, row_sum;
 };
 
-// kLanes 32-bit lanes of a row: F32, kLanes elements as float; BF16, 2 x kLanes elements as
-// pairs.
-template <class F, typename C>
-inline vfloat lanes(const C* row) {
-  if constexpr (F::kStep == 1) {
-    return load(row);
-  } else {
-    vfloat v;
-    std::memcpy(&v, row, sizeof v);
-    return v;
-  }
-}
+// A K cache stores each block's keys transposed, as 32-bit lanes: block b, KV head h holds
+// [head_dim / P][block_size] lanes of P elements (P = 1 float, or a pair of bf16 dimensions
+// 2l, 2l + 1), so that kLanes consecutive positions of one lane are one vector.
+template <typename C>
+constexpr int64_t kPerLane = 4 / sizeof(C);
 
-// s[r][0..kKeyTile) = scale * q[r] . kt[.][j] for MR rows; kt is [head_dim / kStep][kKeyTile]
-// lanes.
-template <class F, int MR>
-inline void score_rows(const typename F::T* q, int64_t head_dim, const typename F::T* kt,
-                       float* s, int64_t s_stride, float scale) {
-  vfloat acc[MR][2] = {};
-  for (int64_t d = 0; d < head_dim; d += F::kStep) {
-    const auto* k = kt + d * kKeyTile;
-    const auto k0 = F::vector(k), k1 = F::vector(k + kLanes * F::kStep);
-    madd_rows<F>(acc, q + d, head_dim, k0, k1);
-  }
-  for (int r = 0; r < MR; ++r) {
-    store(acc[r][0] * scale, s + r * s_stride);
-    store(acc[r][1] * scale, s + r * s_stride + kLanes);
-  }
-}
-
-// score_rows' F32 products on keys read in place (a float cache stores them transposed, see
-// key_halves): element d of keys [0, kLanes) at half0 + d * stride, of keys [kLanes, kKeyTile)
-// at half1 + d * stride. each(d) runs before dimension d's products (a decode's prefetches).
-template <int MR, typename Each = void (*)(int64_t)>
-inline void score_rows_at(const float* q, int64_t head_dim, const float* half0,
-                          const float* half1, int64_t stride, float* s, int64_t s_stride,
-                          Each&& each = [](int64_t) {}) {
-  vfloat acc[MR][2] = {};
-  for (int64_t d = 0; d < head_dim; ++d) {
-    each(d);
-    madd_rows<F32>(acc, q + d, head_dim, load(half0 + d * stride), load(half1 + d * stride));
-  }
-  for (int r = 0; r < MR; ++r) {
-    store(acc[r][0], s + r * s_stride);
-    store(acc[r][1], s + r * s_stride + kLanes);
-  }
-}
-
-// Position pos's key (pos counted from the table's first row) of KV head h in a float cache,
-// which stores each block's keys transposed ([KV head][head_dim][block_size]): element d lies
-// at the returned pointer + d * block_size.
-inline const float* transposed_key(const float* k_cache, const int32_t* table, int64_t pos,
-                                   int64_t h, int64_t num_kv_heads, int64_t head_dim,
-                                   int64_t block_size) {
+// Position pos's key (pos counted from the table's first row) of KV head h: lane l lies at the
+// returned pointer + l * block_size * P.
+template <typename C>
+inline const C* transposed_key(const C* k_cache, const int32_t* table, int64_t pos, int64_t h,
+                               int64_t num_kv_heads, int64_t head_dim, int64_t block_size) {
   return k_cache + (table[pos / block_size] * num_kv_heads + h) * head_dim * block_size +
-         pos % block_size;
+         pos % block_size * kPerLane<C>;
 }
 
-// The keys of positions [k0, k0 + kKeyTile) of a float cache, which stores them transposed
-// (block b, KV head h: [head_dim][block_size]), as score_rows_at reads them: half s (kLanes keys)
-// at halves[s], element d at + d * stride (the returned stride). Where the block size is a
-// multiple of kLanes each half lies in one block and is read in place; else the keys are
-// gathered into kt ([head_dim][kKeyTile]). Only positions in [lo, hi) are read (k0 and the
-// positions relative to the table's first row): a half outside it reads its partner, a gathered
-// key outside it is 0; either way its scores are not used.
-inline int64_t key_halves(const float* k_cache, const int32_t* table, int64_t h,
+// The keys of positions [k0, k0 + kKeyTile) of KV head h, as score_rows reads them: half s
+// (kLanes keys) at halves[s], lane l at + l * stride elements (the returned stride). Where the
+// block size is a multiple of kLanes each half lies in one block and is read in place; else
+// the keys' lanes are gathered into kt ([head_dim / P][kKeyTile] lanes). Only positions in
+// [lo, hi) are read (k0 and the positions relative to the table's first row): a half outside
+// it reads its partner, a gathered key outside it is 0; either way its scores are not used.
+template <typename C>
+inline int64_t key_halves(const C* k_cache, const int32_t* table, int64_t h,
                           int64_t num_kv_heads, int64_t head_dim, int64_t block_size, int64_t k0,
-                          int64_t lo, int64_t hi, float* kt, const float* halves[2]) {
+                          int64_t lo, int64_t hi, uint32_t* kt, const C* halves[2]) {
+  constexpr int64_t P = kPerLane<C>;
   auto keys_of = [&](int64_t pos) {
     return transposed_key(k_cache, table, pos, h, num_kv_heads, head_dim, block_size);
   };
@@ -133,17 +89,65 @@ inline int64_t key_halves(const float* k_cache, const int32_t* table, int64_t h,
     }
     if (!halves[0]) halves[0] = halves[1];
     if (!halves[1]) halves[1] = halves[0];
-    return block_size;
+    return block_size * P;
   }
   for (int64_t j = 0; j < kKeyTile; ++j) {
     const int64_t pos = k0 + j;
-    const float* keys = pos >= lo && pos < hi ? keys_of(pos) : nullptr;
-    for (int64_t d = 0; d < head_dim; ++d)
-      kt[d * kKeyTile + j] = keys ? keys[d * block_size] : 0.f;
+    const C* keys = pos >= lo && pos < hi ? keys_of(pos) : nullptr;
+    for (int64_t l = 0; l < head_dim / P; ++l) {
+      uint32_t lane = 0;
+      if (keys) std::memcpy(&lane, keys + l * block_size * P, sizeof lane);
+      kt[l * kKeyTile + j] = lane;
+    }
   }
-  halves[0] = kt;
-  halves[1] = kt + kLanes;
-  return kKeyTile;
+  halves[0] = reinterpret_cast<const C*>(kt);
+  halves[1] = reinterpret_cast<const C*>(kt + kLanes);
+  return kKeyTile * P;
+}
+
+// s[r][v * kLanes + j] = scale * q[r] . (key j of halves[v]) for MR rows (q: [MR][head_dim] of
+// F::T) and NK halves as key_halves gives them (lane l at + l * stride): a chain of F's
+// products over the head dimension, lane by lane from zero, whatever MR and NK (F32 over a bf16
+// cache takes a lane's two dimensions one after the other). each(l) runs before lane l's
+// products (a decode's prefetches).
+template <class F, int MR, int NK, typename C, typename Each = void (*)(int64_t)>
+inline void score_rows(const typename F::T* q, int64_t head_dim, const C* const* halves,
+                       int64_t stride, float* s, int64_t s_stride, float scale,
+                       Each&& each = [](int64_t) {}) {
+  constexpr int64_t P = kPerLane<C>;
+  vfloat acc[MR][NK] = {};
+  for (int64_t l = 0; l < head_dim / P; ++l) {
+    each(l);
+    if constexpr (F::kStep == 2) {  // BF16: a lane is the step's pair
+      decltype(F::vector(q)) k[NK];
+      for (int v = 0; v < NK; ++v) k[v] = F::vector(halves[v] + l * stride);
+      for (int r = 0; r < MR; ++r) {
+        const auto x = F::broadcast(q + r * head_dim + 2 * l);
+        for (int v = 0; v < NK; ++v) F::madd(acc[r][v], x, k[v]);
+      }
+    } else if constexpr (P == 1) {
+      vfloat k[NK];
+      for (int v = 0; v < NK; ++v) k[v] = load(halves[v] + l * stride);
+      for (int r = 0; r < MR; ++r) {
+        const auto x = F::broadcast(q + r * head_dim + l);
+        for (int v = 0; v < NK; ++v) F::madd(acc[r][v], x, k[v]);
+      }
+    } else {  // a pair's bf16 bits are the top halves of two floats
+      vuint u[NK];
+      for (int v = 0; v < NK; ++v) std::memcpy(&u[v], halves[v] + l * stride, sizeof u[v]);
+      for (int r = 0; r < MR; ++r) {
+        const auto x = F::broadcast(q + r * head_dim + 2 * l);
+        for (int v = 0; v < NK; ++v) F::madd(acc[r][v], x, reinterpret_cast<vfloat>(u[v] << 16));
+      }
+      for (int r = 0; r < MR; ++r) {
+        const auto x = F::broadcast(q + r * head_dim + 2 * l + 1);
+        for (int v = 0; v < NK; ++v)
+          F::madd(acc[r][v], x, reinterpret_cast<vfloat>(u[v] & 0xFFFF0000u));
+      }
+    }
+  }
+  for (int r = 0; r < MR; ++r)
+    for (int v = 0; v < NK; ++v) store(acc[r][v] * scale, s + r * s_stride + v * kLanes);
 }
 
 // o[r][d0 .. d0 + NV * kLanes) += sum_k p[r][k] * v[k][d0 ..] for MR rows, keys [0, n); vt
@@ -215,11 +219,10 @@ void attend_tile(T* out, int64_t out_stride, const T* q, int64_t q_stride, const
   using E = typename F::T;
   constexpr bool kBf16 = F::kStep == 2;
   const int64_t rows = n * group, ctx = ctx0 + n - 1;  // ctx: the last token's context
-  const int64_t lane_chunks = head_dim / F::kStep / kLanes;  // a row's vectors of lanes
   // A row's scores: one chunk's, at most (a short context's fewer, rounded up to a key tile).
   const int64_t stride = std::min(kKeyChunk, (ctx + kKeyTile - 1) / kKeyTile * kKeyTile);
   E* qs = at_least(scratch.q, rows * head_dim);
-  E* kt = at_least(scratch.kt, head_dim * kKeyTile);
+  uint32_t* kt = at_least(scratch.kt, head_dim * kKeyTile);  // lanes, at most head_dim
   E* vt = at_least(scratch.vt, (kValueKeys + 1) * head_dim);
   float* scores = at_least(scratch.scores, rows * stride);
   // The weights the values take: the scores themselves in float, written over them; for BF16
@@ -254,7 +257,6 @@ void attend_tile(T* out, int64_t out_stride, const T* q, int64_t q_stride, const
   }
   const float score_scale = kBf16 ? scale : 1.f;
 
-  const C* key_rows[kKeyTile];
   const C* value_rows[kValueKeys];
   for (int64_t c0 = first_read / kKeyChunk * kKeyChunk; c0 < ctx; c0 += kKeyChunk) {
     const int64_t c1 = std::min(ctx, c0 + kKeyChunk);
@@ -263,44 +265,16 @@ void attend_tile(T* out, int64_t out_stride, const T* q, int64_t q_stride, const
     // Scores, kKeyTile keys at a time; a row tile whose rows all end before the keys skips them.
     for (int64_t k0 = c0; k0 < c1; k0 += kKeyTile) {
       if (k0 + kKeyTile <= first_read) continue;  // every row's window starts later
-      if constexpr (std::is_same_v<C, float> && F::kStep == 1) {  // keys stored transposed
-        const float* half[2];
-        const int64_t key_stride =
-            key_halves(k_cache, table, h, token_stride / head_dim, head_dim, block_size, k0,
-                       first_read, c1, kt, half);
-        for (int64_t r0 = 0; r0 < rows; r0 += kRowTile) {
-          const int64_t m = std::min<int64_t>(kRowTile, rows - r0);
-          if (k0 >= row_ctx(r0 + m - 1) || k0 + kKeyTile <= row_lo(r0)) continue;
-          with_constant<kRowTile>(m, [&](auto mr) {
-            score_rows_at<decltype(mr)::value>(qs + r0 * head_dim, head_dim, half[0], half[1],
-                                               key_stride, scores + r0 * stride + k0 - c0,
-                                               stride);
-          });
-        }
-        continue;
-      }
-      const int64_t nk = std::min<int64_t>(kKeyTile, c1 - k0);
-      const int64_t skip = std::max<int64_t>(0, first_read - k0);  // rows not to read
-      for (int64_t k = skip; k < nk; ++k) key_rows[k] = cache_row(k_cache, k0 + k);
-      for (int64_t half = 0; half < kKeyTile; half += kLanes)
-        for (int64_t c = 0; c < lane_chunks; ++c) {
-          vfloat block[kLanes];
-          for (int64_t j = 0; j < kLanes; ++j)
-            block[j] = half + j < nk && half + j >= skip
-                           ? lanes<F>(key_rows[half + j] + c * kLanes * F::kStep)
-                           : vfloat{};
-          transpose(block);
-          for (int64_t d = 0; d < kLanes; ++d)
-            std::memcpy(kt + ((c * kLanes + d) * kKeyTile + half) * F::kStep, &block[d],
-                        sizeof block[d]);
-        }
+      const C* half[2];
+      const int64_t key_stride = key_halves(k_cache, table, h, token_stride / head_dim, head_dim,
+                                            block_size, k0, first_read, c1, kt, half);
       for (int64_t r0 = 0; r0 < rows; r0 += kRowTile) {
         const int64_t m = std::min<int64_t>(kRowTile, rows - r0);
         if (k0 >= row_ctx(r0 + m - 1) || k0 + kKeyTile <= row_lo(r0)) continue;
         with_constant<kRowTile>(m, [&](auto mr) {
-          score_rows<F, decltype(mr)::value>(qs + r0 * head_dim, head_dim, kt,
-                                             scores + r0 * stride + k0 - c0, stride,
-                                             score_scale);
+          score_rows<F, decltype(mr)::value, 2>(qs + r0 * head_dim, head_dim, half, key_stride,
+                                                scores + r0 * stride + k0 - c0, stride,
+                                                score_scale);
         });
       }
     }

@@ -1,7 +1,7 @@
 // Two rows of a bf16 matrix as the pairs vdpbf16ps multiplies (AVX512-BF16): a weighted sum of
 // value rows, out += p_a a + p_z z, takes the rows interleaved by element, so that each 32-bit
 // lane holds one dimension of both, against the weights' pair broadcast to every lane. Used by
-// the decode (attention_bf16.h) and prefill (attention_tile.h) attention kernels.
+// the decode (paged_attention.cpp) and prefill (attention_tile.h) attention kernels.
 //
 // Unpacking works within 128-bit lanes, so 32 dimensions come out as two vectors in a fixed
 // permuted order (lo: dimension 8L + e, hi: 8L + 4 + e in lane 4L + e, e < 4); sums

@@ -2,7 +2,8 @@
 // operand, a vector of the other, a multiply-add into float accumulators. Shared by the panel
 // GEMM (panel_gemm.cpp: x broadcast, W's panel as vectors), the prefill attention tiles
 // (attention_tile.h: a query or a softmax weight broadcast, keys or values as vectors) and the
-// decode attention's value pass (attention_bf16.h: the weights of two rows broadcast).
+// decode attention (paged_attention.cpp: the same steps, and the weights of two value rows
+// broadcast).
 
 #pragma once
 

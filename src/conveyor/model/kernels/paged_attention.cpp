@@ -4,28 +4,22 @@
 // sequence being token_seqs[t] (a row of block_tables; null: token t is sequence t's only
 // token, a decode step). A prefill chunk's tokens thus each see their own causal prefix,
 // cached prefix included: no padding, no mask, no gathered copy of the keys.
-// A decode token over a float cache (attend_transposed below) computes in the tiles'
-// arithmetic, reading a block's keys as vectors of positions (the K cache stores them
-// transposed): each key tile is read once for all the g query heads of its KV head, values a
-// cache line at a time for up to kGroupTile of them. Over a bf16 cache (attend) each key row is
-// read from its block once, converted to float once and dotted with all g queries (bf16
-// queries, where the CPU has AVX512-BF16, take attention_bf16.h's version of this on
-// vdpbf16ps). The value pass reads from L2, so meanwhile the keys of the thread's next task are
-// prefetched (attention_keys.h's KeyStream). A prefill chunk's consecutive tokens instead go in
-// tiles of query rows (attention_tile.h), where each key and value row read serves many
-// queries. A float cache's decodes and tiles share one arithmetic, so every row's bits are the
-// same whichever way it goes; over a bf16 cache the deterministic mode sends a chunk's tokens in
-// runs through the decode's own arithmetic (attend with n > 1: each key and value row read
-// once for the run's query rows, each row's sums those of the token alone). Nothing is gathered
-// into a contiguous copy first, which is what makes this faster than index_select +
+// A prefill chunk's consecutive tokens go in tiles of query rows (attention_tile.h), where each
+// key and value row read serves many queries; a decode token, or a token of a short run, goes
+// alone (attend_decode below), each key read once for all the query heads of its KV head. Both
+// compute in one arithmetic, so a row's bits are the same whichever way it goes: the keys are
+// read as vectors of positions (the K cache stores each block's keys transposed), a score is a
+// chain of products over the head dimension, the softmax folds fixed stretches of keys, and
+// each output element sums the values in position order. Nothing is gathered into a contiguous
+// copy first, which is what makes this faster than index_select +
 // scaled_dot_product_attention.
 //
 // Layouts (element strides; T, the queries' type, and C, the cache's, are float or bf16
 // stored as uint16_t):
 //   q:            [num_tokens, num_heads, head_dim], row stride q_stride between tokens
-//   k/v cache:    [num_blocks, block_size, num_kv_heads, head_dim] of C, contiguous; a float
-//                 K cache's block stores [num_kv_heads, head_dim, block_size] (its keys
-//                 transposed) under the same shape
+//   k/v cache:    [num_blocks, block_size, num_kv_heads, head_dim] of C, contiguous; a K
+//                 cache's block stores [num_kv_heads, head_dim / P, block_size, P] (its keys
+//                 transposed in 32-bit lanes: P = 1 float or 2 bf16) under the same shape
 //   block_tables: [num_seqs, max_blocks] int32
 //   token_seqs:   [num_tokens] int32, or null
 //   context_lens: [num_tokens] int32 (positions to attend, the token's own included)
@@ -40,10 +34,10 @@
 #include <atomic>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <type_traits>
 #include <vector>
 
-#include "attention_bf16.h"
 #include "attention_keys.h"
 #include "attention_tile.h"
 #include "dispatch.h"
@@ -53,16 +47,8 @@
 namespace {
 
 using namespace conveyor;
-constexpr int kMaxChunks = 256 / kLanes;  // head_dim <= 256
 constexpr int kLineChunks = 64 / sizeof(vfloat);  // vectors in a cache line: 2 (AVX2) or 1
 constexpr int kGroupTile = 4;  // query heads whose value accumulators are held in registers
-constexpr int kRunTile = 6;  // a run's rows whose value accumulators are held in registers
-constexpr int64_t kRunKeys = 64;  // keys a run's value pass takes at a time (L1-sized)
-
-struct Scratch {  // per thread, reused across tasks and calls
-  std::vector<float> scores, inv_sum;
-  std::vector<vfloat> qv, acc, dots;  // dots: kLanes rows' unreduced q.k products per head
-};
 
 // A decode's values of a block's rows [j0, j1) (row j at block + j * token_stride, the cache
 // line read at `line`) weighed into G query heads' accumulators, kLineChunks vectors each at
@@ -109,224 +95,191 @@ __attribute__((always_inline)) inline void weigh_block(vfloat* acc, int64_t chun
         });
 }
 
-// n consecutive query tokens of one sequence (token u: query row q + u * q_stride, output row
-// out + u * out_stride, context ctx + u positions), KV heads [h0, h1): each of them with its
-// `group` query heads. A decode is n = 1; a run of a prefill chunk's tokens (n > 1) shares each
-// key and value row read among all of its n x g query rows. Row i of the task is KV head
-// h0 + i / (n g), token i / g % n, query head g = i % g of that KV head. Whatever n, a row's
-// scores, softmax and value sums are the same operations in the same order as the token's alone:
-// a key's score does not depend on which other rows were dotted with it, a row's softmax covers
-// its own context (later keys get weight 0) and its value sums run over positions in order
-// (weight-0 terms add nothing). The context is read block by block (attention_keys.h, then the
-// values; the next block is prefetched). CHUNKS = head_dim / kLanes when known at compile time
-// (loops unroll), 0 for any other size. The first `skip` positions of the context are read but
-// weigh nothing (a sliding window's start inside the table's first block, see window_start;
-// n = 1 only, since later tokens' windows start later).
-template <typename T, typename C, int CHUNKS>
-void attend(T* out, int64_t out_stride, const T* q, int64_t q_stride, int64_t n,
-            const C* k_cache, const C* v_cache, const int32_t* table, int64_t ctx, int64_t skip,
-            int64_t h0, int64_t h1, int64_t group, int64_t head_dim, int64_t block_size,
-            int64_t token_stride, float scale, Scratch& scratch, KeyStream& next_keys) {
-  const int64_t chunks = CHUNKS ? CHUNKS : head_dim / kLanes;
-  const int64_t block_stride = block_size * token_stride;
-  const int64_t last = ctx + n - 1;  // the last token's context: the keys read
-  const int64_t num_blocks = (last + block_size - 1) / block_size;
-  const int64_t per_head = n * group;  // rows of one KV head
-  const int64_t rows = (h1 - h0) * per_head;
-  const int64_t padded = (last + kLanes - 1) / kLanes * kLanes;  // a score row's length
-  const int64_t range = (h1 - h0) * head_dim;  // elements of a key row handled here
-  float* scores = at_least(scratch.scores, rows * padded);
-  vfloat* qv = at_least(scratch.qv, rows * chunks);
-  vfloat* acc = at_least(scratch.acc, rows * chunks);
-  std::fill(acc, acc + rows * chunks, vfloat{});
-  vfloat* dots = at_least(scratch.dots, rows * kLanes);
-  float* inv_sum = at_least(scratch.inv_sum, rows);
-
-  auto token_of = [&](int64_t i) { return i / group % n; };
-  auto head_of = [&](int64_t i) {  // the query head's offset in a token row
-    return ((h0 + i / per_head) * group + i % group) * head_dim;
-  };
-  // Block b's rows, from head h0 on; how many of them the first `len` positions reach.
-  auto rows_of = [&](const C* cache, int64_t b) {
-    return cache + table[b] * block_stride + h0 * head_dim;
-  };
-  auto rows_in = [&](int64_t b, int64_t len) { return std::min(block_size, len - b * block_size); };
-
-  // qv[i * chunks + c]: row i's query, scaled, as vectors.
-  for (int64_t i = 0; i < rows; ++i)
-    for (int64_t c = 0; c < chunks; ++c)
-      qv[i * chunks + c] = load(q + token_of(i) * q_stride + head_of(i) + c * kLanes) * scale;
-
-  // scores[i][t] = q_i . k_t (q is scaled already), each key row converted to float once for
-  // every row of its KV head.
-  score_keys<3>(scores, padded, k_cache, v_cache, table, last, h0, range, rows, head_dim,
-                block_size, token_stride, 1.f, n == 1, dots, [=](const C* row, int64_t r) {
-    for (int64_t h = 0; h < h1 - h0; ++h) {
-      vfloat kv[kMaxChunks];
-      for (int64_t c = 0; c < chunks; ++c) kv[c] = load(row + h * head_dim + c * kLanes);
-      for (int64_t i = h * per_head; i < (h + 1) * per_head; ++i) {
-        const vfloat* qi = qv + i * chunks;
-        vfloat dot = qi[0] * kv[0];
-        for (int64_t c = 1; c < chunks; ++c) dot += qi[c] * kv[c];
-        dots[i * kLanes + r] = dot;
-      }
-    }
-  });
-
-  for (int64_t i = 0; i < rows; ++i) {
-    std::fill(scores + i * padded, scores + i * padded + skip, -INFINITY);
-    inv_sum[i] = softmax_row(scores + i * padded, ctx + token_of(i), padded, scores + i * padded);
-  }
-
-  // out_i = sum_t p[i][t] v_t / sum_t p[i][t], each output element summed over the keys in
-  // position order. A decode goes block by block (weigh_lines).
-  // A run's rows instead go kRunTile at a time, NV vectors of the head dimension each, the
-  // accumulators in registers over a stretch of kRunKeys keys: each value vector loaded serves
-  // kRunTile rows, and the stretch's values, read from the cache once, stay in L1 for every
-  // tile and vector of the run (a row's sums still run over the positions in order). Keys past
-  // a tile's longest row are not read; for its shorter rows the later keys weigh 0.
-  auto weigh_run = [&](auto tile, auto vectors, int64_t h, int64_t i0, int64_t c0, int64_t k0,
-                       int64_t k1) {
-    constexpr int G = decltype(tile)::value, NV = decltype(vectors)::value;
-    const int64_t len = std::min(k1, ctx + token_of(i0 + G - 1));
-    const int64_t first = h * head_dim + c0 * kLanes;
-    vfloat a[G][NV];
-    for (int g = 0; g < G; ++g)
-      for (int c = 0; c < NV; ++c) a[g][c] = acc[(i0 + g) * chunks + c0 + c];
-    const float* p = scores + i0 * padded;
-    for (int64_t b = k0 / block_size; b * block_size < len; ++b) {
-      const C* block = rows_of(v_cache, b) + first;
-      const float* pb = p + b * block_size;
-      for (int64_t j = 0, keys = rows_in(b, len); j < keys; ++j) {
-        vfloat v[NV];
-        for (int c = 0; c < NV; ++c) v[c] = load(block + j * token_stride + c * kLanes);
-        for (int g = 0; g < G; ++g) {
-          const float w = pb[g * padded + j];
-          for (int c = 0; c < NV; ++c) a[g][c] += w * v[c];
-        }
-      }
-    }
-    for (int g = 0; g < G; ++g)
-      for (int c = 0; c < NV; ++c) acc[(i0 + g) * chunks + c0 + c] = a[g][c];
-  };
-  if (n == 1) {
-    next_keys.spread_over(num_blocks);
-    for (int64_t b = 0; b < num_blocks; ++b) {
-      const C* block = rows_of(v_cache, b);
-      const C* next = b + 1 < num_blocks ? rows_of(v_cache, b + 1) : nullptr;
-      next_keys.step();
-      weigh_block(acc, chunks, scores + b * block_size, padded, block, next, 0, rows_in(b, ctx),
-                  h1 - h0, group, head_dim, token_stride);
-    }
-  } else {
-    const int64_t stretch = std::max<int64_t>(1, kRunKeys / block_size) * block_size;
-    for (int64_t k0 = 0; k0 < last; k0 += stretch)
-      for (int64_t h = 0; h < h1 - h0; ++h)
-        for (int64_t i = h * per_head; i < (h + 1) * per_head; i += kRunTile)
-          with_constant<kRunTile>(std::min<int64_t>((h + 1) * per_head - i, kRunTile),
-                                  [&](auto tile) {
-            const int64_t k1 = k0 + stretch;
-            int64_t c = 0;
-            for (; c + 2 <= chunks; c += 2)
-              weigh_run(tile, std::integral_constant<int, 2>{}, h, i, c, k0, k1);
-            if (c < chunks) weigh_run(tile, std::integral_constant<int, 1>{}, h, i, c, k0, k1);
-          });
-  }
-  for (int64_t i = 0; i < rows; ++i) {
-    T* o = out + token_of(i) * out_stride + head_of(i);
-    for (int64_t c = 0; c < chunks; ++c)
-      store(acc[i * chunks + c] * inv_sum[i], o + c * kLanes);
-  }
-}
-
-// A query token alone (a decode, or a token of a short run) over a float cache, whose keys are
-// stored transposed (block b, KV head h: [head_dim][block_size]), against KV heads [h0, h1),
-// each with its `group` query heads. The arithmetic is the tiles' (attention_tile.h), so a
-// token's bits are those of its row in any tile: a score is score_rows_at's chain of FMAs over
-// the head dimension on kKeyTile keys read as vectors (key_halves), the softmax folds kKeyChunk
-// keys at a time from fixed positions, each output element sums the values in position order.
-// What differs is how the cache is read: each key tile is read once for the task's KV heads,
-// the next block's keys are prefetched into L1 and this tile's values into L2 (for the value
-// pass that follows the chunk's keys), their lines spread over the products, and the next
-// task's keys into L2 during the value pass (KeyStream); the values come straight from the
-// cache (weigh_lines). The table starts at the window's first block, whose absolute position
+// A query token alone (a decode, or a token of a short run) against KV heads [h0, h1), each
+// with its `group` query heads, in the arithmetic of the tiles (attention_tile.h) with the same
+// F (madd_step.h: F32, or BF16 for bf16 queries over a bf16 cache), so that a token's bits are
+// those of its row in any tile: a score is score_rows' chain of products over the head
+// dimension on keys read in place as vectors of positions (key_halves), the softmax folds
+// kKeyChunk keys at a time from fixed positions, each output element sums the values in
+// position order (BF16: in pairs of rows from even positions, the weights rounded to bf16).
+// What differs from a tile is how the cache is read: kDecodeKeys keys at a time, read once for
+// the task's KV heads; the next keys are prefetched (kNextKeys) and these keys' values into L2
+// (for the value pass that follows the chunk's keys), their lines spread over the products,
+// and the next task's keys into L2 during the value pass (KeyStream); the values come straight
+// from the cache. The table starts at the window's first block, whose absolute position
 // `first` fixes where chunks start; its first `skip` rows weigh nothing. CHUNKS = head_dim /
 // kLanes when known at compile time (loops unroll), 0 for any other size.
+template <typename E>  // F::T
 struct DecodeScratch {  // per thread, reused across tasks and calls
-  std::vector<float> q, kt, scores, row_max, row_sum;
+  std::vector<E> q, p;  // p: the softmax weights as bf16 (BF16 only)
+  std::vector<uint32_t> kt;  // key_halves' gathered lanes
+  std::vector<float> scores, row_max, row_sum;
   std::vector<vfloat> acc;
   std::vector<const char*> lines;  // a key tile's value lines, to prefetch
+  std::vector<const uint16_t*> value_rows;  // a chunk's, for BF16's value pass
 };
 
-template <int CHUNKS>
-void attend_transposed(float* out, const float* q, const float* k_cache, const float* v_cache,
-                       const int32_t* table, int64_t ctx, int64_t first, int64_t skip, int64_t h0,
-                       int64_t h1, int64_t group, int64_t head_dim, int64_t block_size,
-                       int64_t num_kv_heads, float scale, DecodeScratch& scratch,
-                       KeyStream& next_keys) {
+// Key vectors a decode's score pass holds at once: with AVX-512 four, so that a group of 3
+// query heads has 12 chains of products in flight (enough to cover the FMA's or vdpbf16ps's
+// latency); with AVX2's 16 registers two.
+constexpr int kDecodeHalves = kLanes == 16 ? 4 : 2;
+constexpr int64_t kDecodeKeys = kDecodeHalves * kLanes;
+constexpr int64_t kPairStep = 32;  // positions of a value pass per step of the next task's keys
+// Where a decode prefetches its next keys: with AVX2 into L1 (a step's next keys are a block or
+// two), with AVX-512 into L2 (four times as many would crowd L1); measured faster each.
+constexpr int kNextKeys = kLanes == 16 ? 2 : 3;
+
+// BF16's value pass over positions [lo, c1) of the chunk starting at c0: pairs of rows from an
+// even position (the rows before `first` and the partner after c1 are zeros, weighing 0), the
+// weights p (bf16, row i at p + i * p_stride, position c0 first), into acc's permuted order
+// (row i's 32-dimension chunk m at acc[i * chunks + 2m], + 1).
+#ifdef __AVX512BF16__
+inline void weigh_pairs(vfloat* acc, int64_t chunks, const uint16_t* p, int64_t p_stride,
+                        const uint16_t* v_cache, const int32_t* table, int64_t first,
+                        int64_t c0, int64_t lo, int64_t c1, int64_t h0, int64_t h1,
+                        int64_t group, int64_t head_dim, int64_t block_size,
+                        int64_t token_stride, const uint16_t** rows, KeyStream& next_keys) {
+  alignas(64) static const uint16_t zero_row[kPairDims] = {};
+  const int64_t p0 = lo & ~int64_t{1}, n = c1 - p0;
+  const int64_t from = std::max<int64_t>(p0, first) - first;  // the first row in the table
+  std::fill(rows, rows + (from + first - p0), nullptr);
+  for (int64_t k = from + first - p0, b = from / block_size, j = from % block_size; k < n; ++k) {
+    rows[k] = v_cache + (table[b] * block_size + j) * token_stride;
+    if (++j == block_size) j = 0, ++b;
+  }
+  rows[n] = nullptr;
+  // Up to kGroupTile rows x two chunks of 32 dimensions (8 accumulators) at a time.
+  for (int64_t h = h0; h < h1; ++h)
+    for (int64_t i = (h - h0) * group; i < (h - h0 + 1) * group; i += kGroupTile)
+      for (int64_t m0 = 0; m0 < chunks / 2; m0 += 2)
+        with_constant<kGroupTile>(std::min<int64_t>((h - h0 + 1) * group - i, kGroupTile),
+                                  [&](auto tile) {
+          with_constant<2>(std::min<int64_t>(chunks / 2 - m0, 2), [&](auto pairs) {
+            constexpr int G = decltype(tile)::value, M = decltype(pairs)::value;
+            const int64_t at = h * head_dim + m0 * kPairDims;
+            vfloat a[G][M][2];
+            for (int g = 0; g < G; ++g)
+              for (int m = 0; m < M; ++m)
+                for (int c = 0; c < 2; ++c) a[g][m][c] = acc[(i + g) * chunks + 2 * (m0 + m) + c];
+            const uint16_t* w = p + i * p_stride + (p0 - c0);
+            for (int64_t k = 0; k < n; k += 2) {
+              if (k % kPairStep == 0) next_keys.step();
+              RowPairs v[M];
+              for (int m = 0; m < M; ++m)
+                v[m] = interleave(rows[k] ? rows[k] + at + m * kPairDims : zero_row,
+                                  rows[k + 1] ? rows[k + 1] + at + m * kPairDims : nullptr);
+              for (int g = 0; g < G; ++g) {
+                const auto x = BF16::broadcast(w + g * p_stride + k);
+                for (int m = 0; m < M; ++m) {
+                  BF16::madd(a[g][m][0], x, v[m].lo);
+                  BF16::madd(a[g][m][1], x, v[m].hi);
+                }
+              }
+            }
+            for (int g = 0; g < G; ++g)
+              for (int m = 0; m < M; ++m)
+                for (int c = 0; c < 2; ++c) acc[(i + g) * chunks + 2 * (m0 + m) + c] = a[g][m][c];
+          });
+        });
+}
+#endif
+
+template <class F, int CHUNKS, typename T, typename C>
+void attend_decode(T* out, const T* q, const C* k_cache, const C* v_cache, const int32_t* table,
+                   int64_t ctx, int64_t first, int64_t skip, int64_t h0, int64_t h1,
+                   int64_t group, int64_t head_dim, int64_t block_size, int64_t num_kv_heads,
+                   float scale, DecodeScratch<typename F::T>& scratch, KeyStream& next_keys) {
+  using E = typename F::T;
+  constexpr bool kBf16 = F::kStep == 2;
   const int64_t chunks = CHUNKS ? CHUNKS : head_dim / kLanes;
+  const int64_t num_lanes = head_dim / kPerLane<C>;  // a key's lanes (attention_tile.h)
   const int64_t token_stride = num_kv_heads * head_dim;
   const int64_t rows = (h1 - h0) * group;  // row i: query head h0 * group + i
   const int64_t width_max = kKeyChunk + kKeyTile;
-  float* qs = at_least(scratch.q, rows * head_dim);
+  E* qs = at_least(scratch.q, rows * head_dim);
   float* scores = at_least(scratch.scores, rows * width_max);
-  float* kt = at_least(scratch.kt, head_dim * kKeyTile);
+  // The weights the values take: the scores themselves in float, written over them; for BF16
+  // their bf16 rounding, in an array of their own.
+  E* p = kBf16 ? at_least(scratch.p, rows * width_max) : reinterpret_cast<E*>(scores);
+  uint32_t* kt = at_least(scratch.kt, kDecodeHalves / 2 * head_dim * kKeyTile);
   vfloat* acc = at_least(scratch.acc, rows * chunks);
   float* row_max = at_least(scratch.row_max, rows);
   float* row_sum = at_least(scratch.row_sum, rows);
+  const uint16_t** value_rows = at_least(scratch.value_rows, kKeyChunk + 2);
   std::fill(acc, acc + rows * chunks, vfloat{});
   std::fill(row_max, row_max + rows, -INFINITY);
   std::fill(row_sum, row_sum + rows, 0.f);
-  for (int64_t i = 0; i < rows; ++i)
-    for (int64_t d = 0; d < head_dim; d += kLanes)
-      store(load(q + (h0 * group + i) * head_dim + d) * scale, qs + i * head_dim + d);
-  const int64_t block_keys = head_dim * block_size;  // a KV head's keys in a block
+  // Queries as the tiles take them: F32 scales them (the scores then need no scale), BF16
+  // keeps them as they are.
+  for (int64_t i = 0; i < rows; ++i) {
+    const T* src = q + (h0 * group + i) * head_dim;
+    if constexpr (kBf16)
+      std::memcpy(qs + i * head_dim, src, head_dim * sizeof(E));
+    else
+      for (int64_t d = 0; d < head_dim; d += kLanes)
+        store(load(src + d) * scale, qs + i * head_dim + d);
+  }
+  const float score_scale = kBf16 ? scale : 1.f;
 
   const int64_t start = first + skip, end = first + ctx;  // the positions that weigh
-  next_keys.spread_over((ctx - skip + block_size - 1) / block_size + 1);
-  const int64_t row_lines = ((h1 - h0) * head_dim * sizeof(float) + 63) / 64;
-  const char** lines = at_least(scratch.lines, kKeyTile * row_lines);
-  const int64_t key_lines = (block_keys * sizeof(float) + 63) / 64;  // a block's, a KV head's
+  const int64_t num_chunks = (end - 1) / kKeyChunk - start / kKeyChunk + 1;
+  next_keys.spread_over(kBf16 ? (h1 - h0) * ((group + kGroupTile - 1) / kGroupTile) *
+                                    ((chunks / 2 + 1) / 2) *
+                                    ((ctx - skip) / kPairStep + 2 * num_chunks)
+                              : (ctx - skip + block_size - 1) / block_size + 1);
+  const int64_t row_lines = ((h1 - h0) * head_dim * sizeof(C) + 63) / 64;
+  const char** lines = at_least(scratch.lines, kDecodeKeys * row_lines);
+  const int64_t key_lines = (head_dim * block_size * sizeof(C) + 63) / 64;  // a block's, a head's
   for (int64_t c0 = start / kKeyChunk * kKeyChunk; c0 < end; c0 += kKeyChunk) {
     const int64_t c1 = std::min(end, c0 + kKeyChunk), lo = std::max(c0, start);
-    for (int64_t k0 = c0 + (lo - c0) / kKeyTile * kKeyTile; k0 < c1; k0 += kKeyTile) {
-      // This tile's values into L2 for the value pass, the next tile's keys into L1: their
-      // cache lines spread over the products (a burst would fill the miss buffers).
+    for (int64_t k0 = c0 + (lo - c0) / kDecodeKeys * kDecodeKeys; k0 < c1; k0 += kDecodeKeys) {
+      const int64_t k_lo = std::max(k0, lo) - first;
+      const int64_t k_hi = std::min(c1, k0 + kDecodeKeys) - first;
+      // These keys' values into L2 for the value pass, the next keys into L1: their cache lines
+      // spread over the products (a burst would fill the miss buffers).
       int64_t num_lines = 0;
-      const int64_t k_lo = std::max(k0, lo) - first, k_hi = std::min(c1, k0 + kKeyTile) - first;
       for (int64_t b = k_lo / block_size, j = k_lo % block_size, n = k_hi - k_lo; n > 0; --n) {
         const char* row = reinterpret_cast<const char*>(
             v_cache + (table[b] * block_size + j) * token_stride + h0 * head_dim);
         for (int64_t e = 0; e < row_lines; ++e) lines[num_lines++] = row + e * 64;
         if (++j == block_size) j = 0, ++b;
       }
-      const int64_t per_d = (num_lines + (h1 - h0) * head_dim - 1) / ((h1 - h0) * head_dim);
-      const bool next_block =
-          k0 + kKeyTile < end && (k0 + kKeyTile - first) % block_size == 0;
+      const int64_t per_lane = (num_lines + (h1 - h0) * num_lanes - 1) / ((h1 - h0) * num_lanes);
+      int64_t next_blocks[kDecodeKeys], num_next = 0;  // the blocks starting in the next keys
+      for (int64_t at = (k0 + kDecodeKeys - first + block_size - 1) / block_size * block_size;
+           at < k0 + 2 * kDecodeKeys - first && at + first < end; at += block_size)
+        next_blocks[num_next++] = at;
+      const int64_t next_lines = num_next * key_lines;
       for (int64_t h = 0; h < h1 - h0; ++h) {
-        const float* half[2];
-        const int64_t key_stride =
-            key_halves(k_cache, table, h0 + h, num_kv_heads, head_dim, block_size, k0 - first,
-                       lo - first, c1 - first, kt, half);
-        const char* next =
-            next_block ? reinterpret_cast<const char*>(
-                             transposed_key(k_cache, table, k0 + kKeyTile - first, h0 + h,
-                                            num_kv_heads, head_dim, block_size))
-                       : nullptr;
-        int64_t key_line = 0;  // the next of next's lines to prefetch
+        // kDecodeHalves vectors of keys, a key tile's two at a time; a tile wholly outside
+        // [lo, c1) reads another's (its scores are not used).
+        const C* half[kDecodeHalves];
+        int64_t key_stride = 0;
+        for (int v = 0; v < kDecodeHalves; v += 2)
+          key_stride = key_halves(k_cache, table, h0 + h, num_kv_heads, head_dim, block_size,
+                                  k0 + v * kLanes - first, lo - first, c1 - first,
+                                  kt + v / 2 * num_lanes * kKeyTile, half + v);
+        for (int v = 0; v < kDecodeHalves; ++v)
+          if (!half[v]) half[v] = half[v ^ 2] ? half[v ^ 2] : half[v ^ 3];
+        const char* next[kDecodeKeys];  // this KV head's keys in those blocks
+        for (int64_t i = 0; i < num_next; ++i)
+          next[i] = reinterpret_cast<const char*>(transposed_key(
+              k_cache, table, next_blocks[i], h0 + h, num_kv_heads, head_dim, block_size));
+        int64_t key_line = 0, next_block = 0, block_line = 0;  // the next line to prefetch
         for (int64_t r0 = h * group; r0 < (h + 1) * group; r0 += kRowTile)
           with_constant<kRowTile>(std::min<int64_t>((h + 1) * group - r0, kRowTile),
                                   [&](auto mr) {
-            score_rows_at<decltype(mr)::value>(
-                qs + r0 * head_dim, head_dim, half[0], half[1], key_stride,
-                scores + r0 * width_max + (k0 - c0), width_max, [&](int64_t d) {
+            score_rows<F, decltype(mr)::value, kDecodeHalves>(
+                qs + r0 * head_dim, head_dim, half, key_stride,
+                scores + r0 * width_max + (k0 - c0), width_max, score_scale, [&](int64_t l) {
                   if (r0 != h * group) return;  // the first row tile prefetches
-                  if (next)  // lines [d, d + 1) * key_lines / head_dim
-                    for (; key_line * head_dim < (d + 1) * key_lines; ++key_line)
-                      prefetch<3>(next + key_line * 64);
-                  for (int64_t l = (h * head_dim + d) * per_d;
-                       l < std::min(num_lines, (h * head_dim + d + 1) * per_d); ++l)
-                    prefetch<2>(lines[l]);
+                  for (; key_line * num_lanes < (l + 1) * next_lines; ++key_line) {
+                    prefetch<kNextKeys>(next[next_block] + block_line * 64);
+                    if (++block_line == key_lines) block_line = 0, ++next_block;
+                  }
+                  for (int64_t i = (h * num_lanes + l) * per_lane;
+                       i < std::min(num_lines, (h * num_lanes + l + 1) * per_lane); ++i)
+                    prefetch<2>(lines[i]);
                 });
           });
       }
@@ -335,26 +288,42 @@ void attend_transposed(float* out, const float* q, const float* k_cache, const f
     for (int64_t i = 0; i < rows; ++i) {
       float* s = scores + i * width_max;
       std::fill(s, s + (lo - c0), -INFINITY);
-      const float rescale = softmax_fold(s, own, width, row_max[i], row_sum[i], s);
+      const float rescale = softmax_fold(s, own, width, row_max[i], row_sum[i], p + i * width_max);
       if (rescale != 1.f)
         for (int64_t c = 0; c < chunks; ++c) acc[i * chunks + c] *= rescale;
     }
-    for (int64_t k = lo; k < c1;) {
-      const int64_t b = (k - first) / block_size, b0 = first + b * block_size;
-      const int64_t b1 = std::min(c1, b0 + block_size);
-      const float* block = v_cache + table[b] * block_size * token_stride + h0 * head_dim;
-      const float* next =
-          b1 < c1 ? v_cache + table[b + 1] * block_size * token_stride + h0 * head_dim : nullptr;
-      next_keys.step();
-      weigh_block(acc, chunks, scores + (k - c0), width_max, block, next, k - b0, b1 - b0,
-                  h1 - h0, group, head_dim, token_stride);
-      k = b1;
+    if constexpr (kBf16) {
+#ifdef __AVX512BF16__
+      weigh_pairs(acc, chunks, p, width_max, v_cache, table, first, c0, lo, c1, h0, h1, group,
+                  head_dim, block_size, token_stride, value_rows, next_keys);
+#endif
+    } else {
+      for (int64_t k = lo; k < c1;) {
+        const int64_t b = (k - first) / block_size, b0 = first + b * block_size;
+        const int64_t b1 = std::min(c1, b0 + block_size);
+        const C* block = v_cache + table[b] * block_size * token_stride + h0 * head_dim;
+        const C* next =
+            b1 < c1 ? v_cache + table[b + 1] * block_size * token_stride + h0 * head_dim
+                    : nullptr;
+        next_keys.step();
+        weigh_block(acc, chunks, p + (k - c0), width_max, block, next, k - b0, b1 - b0,
+                    h1 - h0, group, head_dim, token_stride);
+        k = b1;
+      }
     }
   }
   for (int64_t i = 0; i < rows; ++i) {
     const float inv_sum = 1.f / row_sum[i];
-    float* o = out + (h0 * group + i) * head_dim;
-    for (int64_t c = 0; c < chunks; ++c) store(acc[i * chunks + c] * inv_sum, o + c * kLanes);
+    T* o = out + (h0 * group + i) * head_dim;
+    if constexpr (kBf16) {
+#ifdef __AVX512BF16__
+      for (int64_t m = 0; m < chunks / 2; ++m)
+        store_in_order(acc[i * chunks + 2 * m] * inv_sum, acc[i * chunks + 2 * m + 1] * inv_sum,
+                       o + m * kPairDims);
+#endif
+    } else {
+      for (int64_t c = 0; c < chunks; ++c) store(acc[i * chunks + c] * inv_sum, o + c * kLanes);
+    }
   }
 }
 
@@ -364,8 +333,7 @@ void copy_row(C* dst, const T* src, int64_t n) {  // n: a multiple of kLanes
 }
 
 // What one thread does at a time: tokens [t, t + n) of one sequence against KV head h0 (a tile,
-// attention_tile.h), or against KV heads [h0, h1) (attend: a decode, or a run of a prefill
-// chunk's tokens in the deterministic mode).
+// attention_tile.h), or token t against KV heads [h0, h1) (attend_decode).
 struct Task {
   int64_t t, n, h0, h1;
   bool tile;
@@ -375,24 +343,12 @@ struct Task {
 // Runs of at least kMinTileRows query rows go in tiles of about kTileRows rows, last tile
 // first (the longest contexts: dynamic scheduling then balances the rest); the other tokens
 // go one by one, all KV heads per task when there are enough tokens to keep the threads busy.
-// Deterministic inference needs one arithmetic for every query row, whether it is a decode or
-// sits anywhere in a prefill chunk (docs/determinism.md). Over a float cache kMixed is that
-// already (attend_transposed computes as the tiles do). Over a bf16 cache kRuns sends every
-// token the decode's way (attend, attend_bf16: a row's scores, softmax and value sums depend
-// only on its own query, context and cache, hsum and transposed_hsum being the same tree), a
-// run's tokens kRunRows query rows at a time per KV head so that each key read serves them all;
-// kTiles sends every run to attend_tile (a decode as a tile of its own), for bf16 over an odd
-// block size, where attend_bf16's pairs of value rows would start at odd positions.
-enum class Plan { kMixed, kRuns, kTiles };
+// Both ways compute a row in one arithmetic, so where a token goes never changes its bits.
 constexpr int64_t kMinTileRows = 24;
-constexpr int64_t kRunRows = 48;
-// A run task's score rows (query rows x its last token's context) kept within about 256 KB,
-// which stays in L2 between the key pass that writes them and the value pass that reads them.
-constexpr int64_t kRunScores = 64 * 1024;
 
 std::vector<Task> plan_tasks(const int32_t* token_seqs, const int32_t* context_lens,
                              int64_t num_tokens, int64_t num_kv_heads, int64_t group,
-                             int num_threads, Plan plan, bool windowed) {
+                             int num_threads) {
   const int64_t span = num_tokens >= 4 * num_threads ? num_kv_heads : 1;
   const int64_t per_tile = std::max<int64_t>(1, kTileRows / group);
   std::vector<Task> tasks;
@@ -401,17 +357,10 @@ std::vector<Task> plan_tasks(const int32_t* token_seqs, const int32_t* context_l
     while (token_seqs && end < num_tokens && token_seqs[end] == token_seqs[t] &&
            context_lens[end] == context_lens[end - 1] + 1)
       ++end;
-    if (plan == Plan::kTiles || (plan == Plan::kMixed && (end - t) * group >= kMinTileRows)) {
+    if ((end - t) * group >= kMinTileRows) {
       for (int64_t s = t + (end - t - 1) / per_tile * per_tile; s >= t; s -= per_tile)
         for (int64_t h = 0; h < num_kv_heads; ++h)
           tasks.push_back({s, std::min(per_tile, end - s), h, h + 1, true});
-    } else if (plan == Plan::kRuns && end - t > 1 && !windowed) {
-      const int64_t longest = context_lens[end - 1] + kLanes;
-      const int64_t per_run =
-          std::max<int64_t>(1, std::min(kRunRows, kRunScores / longest) / group);
-      for (int64_t s = t + (end - t - 1) / per_run * per_run; s >= t; s -= per_run)
-        for (int64_t h = 0; h < num_kv_heads; ++h)
-          tasks.push_back({s, std::min(per_run, end - s), h, h + 1, false});
     } else {
       for (int64_t u = t; u < end; ++u)
         for (int64_t h0 = 0; h0 < num_kv_heads; h0 += span)
@@ -435,13 +384,8 @@ void paged_attention(T* out, const T* q, C* k_cache, C* v_cache, NewKV<T> new_kv
                      bool deterministic, int64_t window) {
   const int64_t group = num_heads / num_kv_heads;
   const int64_t token_stride = num_kv_heads * head_dim;
-  const bool pairs = std::is_same_v<T, uint16_t> && std::is_same_v<C, uint16_t> &&
-                     (head_dim == 64 || head_dim == 128);  // attend_bf16 serves decode-way tokens
-  const Plan plan = !deterministic || std::is_same_v<C, float> ? Plan::kMixed
-                    : pairs && block_size % 2 == 1 ? Plan::kTiles
-                                                   : Plan::kRuns;
-  const std::vector<Task> tasks = plan_tasks(token_seqs, context_lens, num_tokens, num_kv_heads,
-                                             group, num_threads, plan, window > 0);
+  const std::vector<Task> tasks =
+      plan_tasks(token_seqs, context_lens, num_tokens, num_kv_heads, group, num_threads);
   const int64_t num_tasks = static_cast<int64_t>(tasks.size());
   auto table_of = [&](int64_t t) {  // token t's sequence's block table
     return block_tables + (token_seqs ? token_seqs[t] : t) * max_blocks;
@@ -462,89 +406,64 @@ void paged_attention(T* out, const T* q, C* k_cache, C* v_cache, NewKV<T> new_kv
 #pragma omp parallel num_threads(num_threads)
   {
     if (new_kv.k) {
+      static thread_local std::vector<C> key_row;  // a key rounded to the cache's type
 #pragma omp for  // and its barrier: every row is in place before anyone reads
       for (int64_t t = 0; t < num_tokens; ++t) {
-        if constexpr (std::is_same_v<C, float>) {  // keys transposed: [head][dim][slot]
-          const int64_t slot = new_kv.slots[t], b = slot / block_size, j = slot % block_size;
-          const T* k = new_kv.k + t * new_kv.k_stride;
-          for (int64_t e = 0; e < token_stride; ++e)
-            k_cache[(b * token_stride + e) * block_size + j] = k[e];
-        } else {
-          copy_row(k_cache + new_kv.slots[t] * token_stride, new_kv.k + t * new_kv.k_stride,
-                   token_stride);
-        }
+        // Keys transposed as lanes of P elements: block b's [head_dim * heads / P][slot][P].
+        constexpr int64_t P = kPerLane<C>;
+        const int64_t slot = new_kv.slots[t], b = slot / block_size, j = slot % block_size;
+        C* key = at_least(key_row, token_stride);
+        copy_row(key, new_kv.k + t * new_kv.k_stride, token_stride);
+        for (int64_t e = 0; e < token_stride; e += P)
+          std::memcpy(k_cache + (b * token_stride + e) * block_size + j * P, key + e,
+                      P * sizeof(C));
         copy_row(v_cache + new_kv.slots[t] * token_stride, new_kv.v + t * new_kv.v_stride,
                  token_stride);
       }
     }
-    static thread_local Scratch scratch;
-    static thread_local DecodeScratch decode_scratch;
+    static thread_local DecodeScratch<float> decode_scratch;
     TileScratch<float> tile_scratch;
 #ifdef __AVX512BF16__
-    static thread_local Bf16Scratch bf16_scratch;
+    static thread_local DecodeScratch<uint16_t> bf16_decode_scratch;
     TileScratch<uint16_t> bf16_tile_scratch;
 #endif
+    // step: madd_step.h's F32 or BF16, as the tiles take it (BF16 for bf16 queries over a bf16
+    // cache where the CPU has AVX512-BF16), the same for a tile and a decode.
     auto run = [&](const Task& task, KeyStream& next_keys) {
       const int64_t t = task.t, h0 = task.h0, h1 = task.h1;
-      const int64_t ctx = context_lens[t];
-      const int32_t* table = table_of(t);
-      const Span span = span_of(t);
       T* o = out + t * num_heads * head_dim;
       const T* qt = q + t * q_stride;
-      if (task.tile) {
-        auto tile = [&](auto step, auto& step_scratch) {  // step: madd_step.h's F32 or BF16
-          attend_tile<decltype(step)>(o, num_heads * head_dim, qt, q_stride, k_cache, v_cache,
-                                      table, ctx, task.n, h0, group, head_dim, block_size,
-                                      token_stride, scale, window, step_scratch);
-        };
-#ifdef __AVX512BF16__
-        if constexpr (std::is_same_v<T, uint16_t> && std::is_same_v<C, uint16_t>)
-          if (head_dim % kPairDims == 0) {
-            tile(BF16{}, bf16_tile_scratch);
-            return;
-          }
-#endif
-        tile(F32{}, tile_scratch);
-      }
-#ifdef __AVX512BF16__
-      else if (std::is_same_v<T, uint16_t> && std::is_same_v<C, uint16_t> &&
-               (head_dim == 64 || head_dim == 128)) {
-        const auto* qb = reinterpret_cast<const uint16_t*>(qt);
-        auto* ob = reinterpret_cast<uint16_t*>(o);
-        const auto* kb = reinterpret_cast<const uint16_t*>(k_cache);
-        const auto* vb = reinterpret_cast<const uint16_t*>(v_cache);
-        auto bf16_way = [&](auto chunks) {
-          attend_bf16<decltype(chunks)::value>(
-              ob, num_heads * head_dim, qb, q_stride, task.n, kb, vb, span.table, span.ctx,
-              span.skip, h0, h1, group, block_size, token_stride, scale, bf16_scratch, next_keys);
+      auto go = [&](auto step, auto& step_tile_scratch, auto& step_decode_scratch) {
+        using F = decltype(step);
+        if (task.tile) {
+          attend_tile<F>(o, num_heads * head_dim, qt, q_stride, k_cache, v_cache, table_of(t),
+                         context_lens[t], task.n, h0, group, head_dim, block_size, token_stride,
+                         scale, window, step_tile_scratch);
+          return;
+        }
+        const Span span = span_of(t);
+        auto decode = [&](auto chunks) {
+          attend_decode<F, decltype(chunks)::value>(
+              o, qt, k_cache, v_cache, span.table, span.ctx, span.first, span.skip, h0, h1,
+              group, head_dim, block_size, num_kv_heads, scale, step_decode_scratch, next_keys);
         };
         if (head_dim == 64)
-          bf16_way(std::integral_constant<int, 2>{});
-        else
-          bf16_way(std::integral_constant<int, 4>{});
-      }
-#endif
-      else {
-        auto float_way = [&](auto chunks) {
-          if constexpr (std::is_same_v<C, float>)  // keys transposed
-            attend_transposed<decltype(chunks)::value>(
-                o, qt, k_cache, v_cache, span.table, span.ctx, span.first, span.skip, h0, h1,
-                group, head_dim, block_size, num_kv_heads, scale, decode_scratch, next_keys);
-          else
-            attend<T, C, decltype(chunks)::value>(o, num_heads * head_dim, qt, q_stride, task.n,
-                                                  k_cache, v_cache, span.table, span.ctx,
-                                                  span.skip, h0, h1, group, head_dim, block_size,
-                                                  token_stride, scale, scratch, next_keys);
-        };
-        if (head_dim == 64)
-          float_way(std::integral_constant<int, 64 / kLanes>{});
+          decode(std::integral_constant<int, 64 / kLanes>{});
         else if (head_dim == 128)
-          float_way(std::integral_constant<int, 128 / kLanes>{});
+          decode(std::integral_constant<int, 128 / kLanes>{});
         else if (head_dim == 256)
-          float_way(std::integral_constant<int, 256 / kLanes>{});
+          decode(std::integral_constant<int, 256 / kLanes>{});
         else
-          float_way(std::integral_constant<int, 0>{});
-      }
+          decode(std::integral_constant<int, 0>{});
+      };
+#ifdef __AVX512BF16__
+      if constexpr (std::is_same_v<T, uint16_t> && std::is_same_v<C, uint16_t>)
+        if (head_dim % kPairDims == 0) {
+          go(BF16{}, bf16_tile_scratch, bf16_decode_scratch);
+          return;
+        }
+#endif
+      go(F32{}, tile_scratch, decode_scratch);
     };
     // Dynamic scheduling by hand. With tasks enough to go round, a thread claims its next task
     // as it starts one, so that a decode task can fetch the next one's keys (KeyStream) while it
@@ -557,7 +476,7 @@ void paged_attention(T* out, const T* q, C* k_cache, C* v_cache, NewKV<T> new_kv
         const Task& f = tasks[following];
         const Span next = span_of(f.t);
         next_keys = KeyStream(k_cache, next.table, next.ctx + f.n - 1, f.h0, f.h1, head_dim,
-                              block_size, token_stride, std::is_same_v<C, float>);
+                              block_size, token_stride);
       }
       run(tasks[i], next_keys);
       i = claim_ahead ? following : next_task++;

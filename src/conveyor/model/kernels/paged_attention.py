@@ -26,23 +26,32 @@ def attention_kernel_available(device: torch.device, dtype: torch.dtype,
             and head_dim % 16 == 0 and head_dim <= 256 and kernel_ops() is not None)
 
 
-def keys_as_rows(k_cache: torch.Tensor) -> torch.Tensor:
-    """The kernel's key cache as [num_blocks, block_size, num_kv_heads, head_dim] rows (a view).
-    A float32 cache stores each block's keys transposed, [num_kv_heads, head_dim, block_size],
-    under the same shape, so that decodes and prefill tiles read a vector of keys at a time
-    (``paged_attention.cpp``); a bf16 cache stores rows."""
-    if k_cache.dtype != torch.float32:
-        return k_cache
+def _lane_view(k_cache: torch.Tensor) -> torch.Tensor:
+    """The kernel's key cache as it lies: [num_blocks, num_kv_heads, head_dim / P, block_size, P],
+    P elements to a 32-bit lane (1 float32, 2 bf16)."""
     blocks, block_size, kv_heads, head_dim = k_cache.shape
-    return k_cache.view(blocks, kv_heads, head_dim, block_size).permute(0, 3, 1, 2)
+    per_lane = 4 // k_cache.element_size()
+    return k_cache.view(blocks, kv_heads, head_dim // per_lane, block_size, per_lane)
+
+
+def keys_as_rows(k_cache: torch.Tensor) -> torch.Tensor:
+    """The kernel's key cache as [num_blocks, block_size, num_kv_heads, head_dim] rows. The cache
+    stores each block's keys transposed in 32-bit lanes (a float, or a pair of bf16 dimensions):
+    [num_kv_heads, head_dim / P, block_size, P] under the same shape, so that decodes and
+    prefill tiles read a vector of positions at a time (``paged_attention.cpp``). A view for
+    float32, a copy for bf16."""
+    blocks, block_size, kv_heads, head_dim = k_cache.shape
+    rows = _lane_view(k_cache).permute(0, 3, 1, 2, 4)
+    return rows.reshape(blocks, block_size, kv_heads, head_dim)
 
 
 def keys_from_rows(rows: torch.Tensor) -> torch.Tensor:
     """A key cache in the kernel's layout holding ``rows`` ([num_blocks, block_size,
     num_kv_heads, head_dim]): ``keys_as_rows``' inverse."""
-    if rows.dtype != torch.float32:
-        return rows.contiguous()
-    return rows.permute(0, 2, 3, 1).contiguous().view(rows.shape)
+    blocks, block_size, kv_heads, head_dim = rows.shape
+    per_lane = 4 // rows.element_size()
+    lanes = rows.reshape(blocks, block_size, kv_heads, head_dim // per_lane, per_lane)
+    return lanes.permute(0, 2, 3, 1, 4).contiguous().view(rows.shape)
 
 
 def kernel_attention(
@@ -67,10 +76,8 @@ def kernel_attention(
 
     ``deterministic``: every query row takes one arithmetic, so that a token's output does not
     depend on whether it is a decode or part of a chunk, nor on the chunk's boundaries
-    (docs/determinism.md). Over a float32 cache decodes and tiles share theirs, so both settings
-    give the same bits; over a bf16 cache a prefill chunk's tokens then go in runs through the
-    decode's arithmetic (bf16 over an odd block size: everything in tiles), where otherwise runs
-    of enough rows go in the faster tiles.
+    (docs/determinism.md). Decodes and prefill tiles share one arithmetic over every cache, so
+    both settings give the same bits and the flag changes nothing here.
 
     ``window``: a token at position p attends to positions (p - window, p] only (a sliding-window
     layer); the blocks of its table that lie wholly before that range are never read, so their
