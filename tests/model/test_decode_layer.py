@@ -56,8 +56,7 @@ def quantized_layer(seed: int = 0, dtype: torch.dtype = torch.float32,
     return layer
 
 
-def decode_step(num_seqs: int, seed: int = 1, dtype: torch.dtype = torch.float32,
-                deterministic: bool = False):
+def decode_step(num_seqs: int, seed: int = 1, dtype: torch.dtype = torch.float32):
     """Inputs of one decode step of ``num_seqs`` sequences with random cached contexts."""
     g = torch.Generator().manual_seed(seed)
     contexts = [int(c) for c in torch.randint(1, 60, (num_seqs,), generator=g)]
@@ -68,7 +67,7 @@ def decode_step(num_seqs: int, seed: int = 1, dtype: torch.dtype = torch.float32
         nxt += need
     shape = (nxt, BLOCK, CFG.num_kv_heads, CFG.head_dim)
     caches = (torch.randn(shape, generator=g).to(dtype), torch.randn(shape, generator=g).to(dtype))
-    backend = CpuBackend(torch.device("cpu"), attention_kernel=True, deterministic=deterministic)
+    backend = CpuBackend(torch.device("cpu"), attention_kernel=True)
     meta = backend.build_metadata(tables, contexts, [1] * num_seqs, BLOCK,
                                   CFG.num_queries_per_kv, dtype)
     rotary = RotaryEmbedding(rope_inv_freq(CFG.head_dim, 10000.0, None))
@@ -110,19 +109,18 @@ def test_fused_layers_equal_python_path(dtype, num_seqs, large, deterministic):
         assert not fused.serves(1)
         pytest.skip(f"no block panels for {dtype} here: the dense weight serves every row")
     assert fused.serves(num_seqs) and fused.serves(1000) == (large is not None)
-    x, residual, cos, sin, (k, v), meta = decode_step(num_seqs, dtype=dtype,
-                                                      deterministic=deterministic)
+    x, residual, cos, sin, (k, v), meta = decode_step(num_seqs, dtype=dtype)
     assert meta.decode_only
     caches = [(k.clone(), v.clone()), (k.clone() + 1, v.clone() - 1)]
 
     h, expected_res, expected_caches, out, res, got_caches = python_and_fused(
-        layers, fused, x, residual, cos, sin, caches, meta, deterministic)
+        layers, fused, x, residual, cos, sin, caches, meta)
     assert torch.equal(out, h) and torch.equal(res, expected_res)
     for got, expected in zip(got_caches, expected_caches, strict=True):
         assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1])
 
 
-def python_and_fused(layers, fused, x, residual, cos, sin, caches, meta, deterministic):
+def python_and_fused(layers, fused, x, residual, cos, sin, caches, meta):
     """One decode step through the layers' Python path and through the one-call layers, each on
     its own copies of the residual and caches: (hidden, residual, caches) of the Python path,
     then the same of the one-call layers."""
@@ -131,7 +129,7 @@ def python_and_fused(layers, fused, x, residual, cos, sin, caches, meta, determi
         h = layer(h.clone(), expected_res, cos, sin, kc, vc, meta)
     res, got_caches = residual.clone(), [(a.clone(), b.clone()) for a, b in caches]
     out = decode_layers(fused, x.clone(), res, cos, sin, got_caches, meta.slot_mapping,
-                        meta.block_tables, meta.context_lens, deterministic)
+                        meta.block_tables, meta.context_lens)
     return h, expected_res, expected_caches, out, res, got_caches
 
 
@@ -218,7 +216,7 @@ def test_fused_layers_add_lora_as_the_python_path(monkeypatch, dtype, determinis
     model.enable_lora(num_slots=2, max_rank=8)
     model.set_lora_slot(1, _adapter(cfg, 4, ("q_proj", "v_proj", "down_proj"), 1), 2.0)
     model.set_lora_slot(2, _adapter(cfg, 2, ("k_proj", "o_proj", "gate_proj", "up_proj"), 2), 0.5)
-    x, residual, cos, sin, (k, v), meta = decode_step(5, dtype=dtype, deterministic=deterministic)
+    x, residual, cos, sin, (k, v), meta = decode_step(5, dtype=dtype)
     ids = torch.arange(5) % cfg.vocab_size
 
     def logits(use_fused: bool, slots: list[int]) -> torch.Tensor:
@@ -274,11 +272,10 @@ def test_fused_layers_take_quant_panels(dtype, num_seqs, deterministic):
     assert [p.kind for p in layers[0].qkv_proj.method.small.parts] == [Q5_0, Q5_1, Q8_0]
     fused = DecodeLayers([decode_weights(layer) for layer in layers])
     assert fused.serves(num_seqs)
-    x, residual, cos, sin, (k, v), meta = decode_step(num_seqs, dtype=dtype,
-                                                      deterministic=deterministic)
+    x, residual, cos, sin, (k, v), meta = decode_step(num_seqs, dtype=dtype)
     caches = [(k.clone(), v.clone()), (k.clone() + 1, v.clone() - 1)]
     h, expected_res, expected_caches, out, res, got_caches = python_and_fused(
-        layers, fused, x, residual, cos, sin, caches, meta, deterministic)
+        layers, fused, x, residual, cos, sin, caches, meta)
     assert torch.equal(out, h) and torch.equal(res, expected_res)
     for got, expected in zip(got_caches, expected_caches, strict=True):
         assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1])
@@ -307,7 +304,7 @@ def test_fused_layers_take_each_layers_window(dtype, deterministic):
     fused = DecodeLayers(weights)
     if not fused.serves(3):
         pytest.skip(f"no block panels for {dtype} here: the fused layers serve no rows")
-    x, residual, cos, sin, (k, v), meta = decode_step(3, dtype=dtype, deterministic=deterministic)
+    x, residual, cos, sin, (k, v), meta = decode_step(3, dtype=dtype)
     k0, v0 = k.clone(), v.clone()
     for row, ctx in zip(meta.block_tables.tolist(), meta.context_lens.tolist(), strict=True):
         for b in row[:max(0, ctx - window) // BLOCK]:  # wholly before the window
@@ -316,6 +313,6 @@ def test_fused_layers_take_each_layers_window(dtype, deterministic):
     assert any(k0.isnan().flatten(1).all(1))
 
     h, expected_res, expected_caches, out, res, got_caches = python_and_fused(
-        layers, fused, x, residual, cos, sin, caches, meta, deterministic)
+        layers, fused, x, residual, cos, sin, caches, meta)
     assert not h.isnan().any()
     assert torch.equal(out, h) and torch.equal(res, expected_res)

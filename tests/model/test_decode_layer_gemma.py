@@ -108,7 +108,7 @@ class Step:
 
 
 def decode_step(model: LlamaForCausalLM, num_seqs: int, dtype: torch.dtype,
-                deterministic: bool, seed: int = 1) -> Step:
+                seed: int = 1) -> Step:
     """One decode step of ``num_seqs`` sequences with cached contexts of 1 to 70 tokens (the
     first longer than two windows), each layer's cache random. A model with sliding layers gets a
     hybrid cache: the global layers' group (group 0) and the sliding layers' each have their own
@@ -138,7 +138,7 @@ def decode_step(model: LlamaForCausalLM, num_seqs: int, dtype: torch.dtype,
     for tables in groups:  # POISON as the block index it is
         for row in tables:
             row[:] = [b % shape[0] for b in row]
-    backend = CpuBackend(torch.device("cpu"), attention_kernel=True, deterministic=deterministic)
+    backend = CpuBackend(torch.device("cpu"), attention_kernel=True)
     metas = [backend.build_metadata(tables, contexts, [1] * num_seqs, BLOCK,
                                     cfg.num_queries_per_kv, dtype) for tables in groups]
     meta = metas[0]
@@ -217,7 +217,7 @@ def test_gemma_layers_in_one_call_equal_python_path(monkeypatch, dtype, num_seqs
     assert [layer.rotary_index for layer in model.layers] == [LOCAL_ROTARY, LOCAL_ROTARY, 0] * 2
     assert all(layer.scale == 24 ** -0.5 for layer in model.layers)
     serving(model, num_seqs, dtype, large, deterministic)
-    step = decode_step(model, num_seqs, dtype, deterministic)
+    step = decode_step(model, num_seqs, dtype)
     assert step.meta.decode_only and step.meta.layer_metadata is not None
     assert step.caches[0][0].isnan().any()  # the sliding layers' poisoned block
     assert_same(*run_both(model, step, monkeypatch))
@@ -237,7 +237,7 @@ def test_qk_norm_llama_layers_in_one_call_equal_python_path(monkeypatch, dtype, 
     assert weights.q_norm is model.layers[0].q_norm.weight and weights.activation == "silu"
     assert weights.post_attention_norm is None and weights.scale is None
     serving(model, num_seqs, dtype, large, deterministic)
-    step = decode_step(model, num_seqs, dtype, deterministic)
+    step = decode_step(model, num_seqs, dtype)
     assert step.meta.layer_metadata is None
     assert_same(*run_both(model, step, monkeypatch))
 
@@ -249,7 +249,7 @@ def test_gemma_logits_in_one_call_equal_python_path(monkeypatch, dtype):
     large = "panels" if panel_gemm_available(dtype) else "int8"
     model = tiny_model(dataclasses.replace(GEMMA, final_logit_softcapping=30.0), dtype, large,
                        True)
-    step = decode_step(model, 6, dtype, True)
+    step = decode_step(model, 6, dtype)
     ids = torch.arange(6) * 7 % GEMMA.vocab_size
     calls = []
     monkeypatch.setattr(llama, "decode_layers", lambda *a: calls.append(1) or decode_layers(*a))
@@ -303,7 +303,7 @@ def test_rotary_tables_per_layer_kind(monkeypatch):
     """Each layer takes its kind's table: swapping the tables changes the result of the layers
     that read them (the sliding ones), as on the Python path."""
     model = tiny_model(GEMMA, torch.float32, "int8", False)
-    step = decode_step(model, 3, torch.float32, False)
+    step = decode_step(model, 3, torch.float32)
     rotaries = [r.cos_sin(step.positions, torch.float32)
                 for r in (model.rotary, model.local_rotary)]
     assert not torch.equal(rotaries[0][0], rotaries[1][0])

@@ -80,8 +80,7 @@ def test_attention_row_is_independent_of_chunking(dtype, cache_dtype, head_dim, 
         """Tokens lo..hi-1 as one prefill chunk."""
         seqs = torch.zeros(hi - lo, dtype=torch.int32)
         lens = torch.arange(lo + 1, hi + 1, dtype=torch.int32)
-        return kernel_attention(q[lo:hi], k_cache, v_cache, table, lens, scale, seqs,
-                                deterministic=True)
+        return kernel_attention(q[lo:hi], k_cache, v_cache, table, lens, scale, seqs)
 
     with torch_threads(2):
         whole = chunk(0, length)
@@ -94,28 +93,8 @@ def test_attention_row_is_independent_of_chunking(dtype, cache_dtype, head_dim, 
             picks = [0, 5, 31, 32, 100, 511, 512, 513, 699]
             lens = torch.tensor([p + 1 for p in picks], dtype=torch.int32)
             tables = table.expand(len(picks), -1).contiguous()
-            decodes = kernel_attention(q[picks], k_cache, v_cache, tables, lens, scale,
-                                       deterministic=True)
+            decodes = kernel_attention(q[picks], k_cache, v_cache, tables, lens, scale)
             assert torch.equal(decodes, whole[picks]), t
-
-
-@pytest.mark.parametrize(("dtype", "cache_dtype"), _attention_dtypes())
-def test_attention_decodes_and_tiles_agree_in_both_modes(dtype, cache_dtype) -> None:
-    """Decodes and prefill tiles share one arithmetic over every cache dtype, so a long prefill
-    chunk (tiles) gives its tokens' bits as decodes, with or without the deterministic flag."""
-    gen = torch.Generator().manual_seed(1)
-    bs, length = 16, 300
-    k_cache = torch.randn(24, bs, 3, 64, generator=gen).to(cache_dtype)
-    v_cache = torch.randn(24, bs, 3, 64, generator=gen).to(cache_dtype)
-    tables = torch.arange(19, dtype=torch.int32)[None].expand(length, -1).contiguous()
-    q = torch.randn(length, 9, 64, generator=gen).to(dtype)
-    lens = torch.arange(1, length + 1, dtype=torch.int32)
-    seqs = torch.zeros(length, dtype=torch.int32)
-    decodes = kernel_attention(q, k_cache, v_cache, tables, lens, 0.125)
-    for deterministic in (False, True):
-        chunk = kernel_attention(q, k_cache, v_cache, tables[:1], lens, 0.125, seqs,
-                                 deterministic=deterministic)
-        assert torch.equal(chunk, decodes), deterministic
 
 
 @pytest.mark.parametrize("dtype", _gemm_dtypes())

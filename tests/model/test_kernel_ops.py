@@ -150,9 +150,8 @@ def attention_args() -> dict:
                 new_v=torch.randn(2, 2, 32), slot_mapping=torch.tensor([4, 15]))
 
 
-@pytest.mark.parametrize("deterministic", [False, True])
-def test_paged_attention(deterministic) -> None:
-    args = {**attention_args(), "deterministic": deterministic}
+def test_paged_attention() -> None:
+    args = attention_args()
     ops.paged_attention(**args)
     fn = ops.paged_attention
     refuses(fn, args, "q", args["q"].double(), "q must be float32 or bfloat16")
@@ -232,7 +231,6 @@ def test_decode_layers() -> None:
                block_tables=[torch.tensor([[0], [1]], dtype=torch.int32)],
                context_lens=[torch.tensor([1, 2], dtype=torch.int32)])
     ops.decode_layers(**run)
-    ops.decode_layers(**run, deterministic=True)
     fn = ops.decode_layers
     refuses(fn, run, "x", torch.randn(2, hidden).bfloat16(), "x must be float32")
     refuses(fn, run, "residual", strided(torch.randn(2, hidden)), "residual must be contiguous")
@@ -308,7 +306,7 @@ def test_decode_layers_of_gemma_and_qk_norms() -> None:
 @pytest.mark.skipif("avx2" not in kernel_features(), reason="needs AVX2")
 def test_decode_layers_block_panels() -> None:
     """BlockPanels in a DecodeLayers object are checked as BlockPanels (outputs in whole panels),
-    and the deterministic decode runs over them."""
+    and a decode runs over them."""
     hidden, heads, kv_heads, head_dim, inter = 64, 2, 1, 32, 64
     norm = torch.ones(hidden)
     layers = torch.classes.conveyor.DecodeLayers()
@@ -329,4 +327,4 @@ def test_decode_layers_block_panels() -> None:
                       [torch.ones(2, 1, head_dim)], [torch.zeros(2, 1, head_dim)], [cache],
                       [cache.clone()], [torch.tensor([0, 5])],
                       [torch.tensor([[0], [1]], dtype=torch.int32)],
-                      [torch.tensor([1, 2], dtype=torch.int32)], deterministic=True)
+                      [torch.tensor([1, 2], dtype=torch.int32)])

@@ -135,8 +135,8 @@ _HELP = {
     "distributed_timeout": "seconds a tensor-parallel collective waits for a rank before failing",
     "deterministic": "a request's tokens and logprobs are bit-identical however it is batched, "
                      "chunked, cached or preempted, and with any thread count; "
-                     "--no-deterministic takes the mixed kernels (small steps on the GGUF "
-                     "blocks in file order, prefill attention over a bf16 KV cache in tiles) "
+                     "--no-deterministic lets small steps multiply the GGUF blocks in file "
+                     "order under float weight compute, and a bf16 model use oneDNN's AMX GEMM "
                      "(docs/determinism.md)",
     "structured_outputs_compile_timeout": "seconds a structured-output constraint (JSON schema, "
                                           "regex, grammar) may take to compile; a slower one "

@@ -79,7 +79,7 @@ class KernelPlan:
     int8_blocks: bool  # integer compute: a GGUF model's quantized matmuls as integers
     backend: Backend  # attention, norm, rotary, activation (model/backends/)
     # same bits however a request is batched (docs/determinism.md): GGUF blocks as BlockPanels
-    # (or serving no rows), every attention query row through the decode's arithmetic
+    # (or serving no rows), the bf16 panels rather than oneDNN's AMX GEMM
     deterministic: bool = False
 
 
@@ -105,8 +105,9 @@ def select_kernels(device: torch.device, dtype: torch.dtype, head_dim: int,
       of two from 16 to 256; on the CPU, ``CpuBackend`` wherever the kernels build, its
       attention kernel where it takes the queries' and cache's dtypes (float32/bf16; a float32
       model's cache may be bf16) and head_dim (16..256 by 16s); else ``TorchBackend``.
-    * ``deterministic``: as asked; the kernels above then run their deterministic variants
-      (``BlockPanels`` for the blocks, the decode's attention arithmetic for every row).
+    * ``deterministic``: as asked; the matmuls above then run their deterministic variants
+      (``BlockPanels`` for the blocks, the bf16 panels even with AMX). Attention computes every
+      query row in one arithmetic either way.
     """
     from conveyor.model.kernels.block_matmul import block_matmul_available
     from conveyor.model.kernels.panel_gemm import panel_gemm_available
@@ -133,7 +134,7 @@ def select_kernels(device: torch.device, dtype: torch.dtype, head_dim: int,
         linear=linear,
         block_weights=int8_blocks or (linear is not DenseMethod and kernels_built),
         int8_blocks=int8_blocks,
-        backend=select_backend(device, dtype, head_dim, cache_dtype, deterministic),
+        backend=select_backend(device, dtype, head_dim, cache_dtype),
         deterministic=deterministic)
 
 
@@ -142,7 +143,7 @@ WEIGHT_COMPUTE = ("auto", "float", "int8")  # how quantized weights are multipli
 
 
 def select_backend(device: torch.device, dtype: torch.dtype, head_dim: int,
-                   cache_dtype: torch.dtype | None = None, deterministic: bool = True) -> Backend:
+                   cache_dtype: torch.dtype | None = None) -> Backend:
     """The backend of ``select_kernels``'s plan; ``CONVEYOR_BACKEND`` (torch, cpu or triton)
     names one instead, where it can run (Triton's interpreter runs ``triton`` on the CPU)."""
     from conveyor.model.backends.cpu_kernels import CpuBackend
@@ -164,8 +165,7 @@ def select_backend(device: torch.device, dtype: torch.dtype, head_dim: int,
     if wanted == "cpu" or (not wanted and device.type == "cpu" and kernel_ops() is not None):
         if device.type != "cpu" or kernel_ops() is None:
             raise ValueError("CONVEYOR_BACKEND=cpu needs the CPU device and the C++ kernels")
-        return CpuBackend(device, attention_kernel_available(device, dtype, cache_dtype, head_dim),
-                          deterministic)
+        return CpuBackend(device, attention_kernel_available(device, dtype, cache_dtype, head_dim))
     return TorchBackend(device)
 
 

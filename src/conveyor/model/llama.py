@@ -228,8 +228,7 @@ class LlamaForCausalLM(nn.Module):
         return decode_layers(fused, x, residual, [cos for cos, _ in rotaries],
                              [sin for _, sin in rotaries], kv_caches,
                              [g.slot_mapping for g in groups], [g.block_tables for g in groups],
-                             [g.context_lens for g in groups], meta.deterministic, lora_slots,
-                             layer_groups)
+                             [g.context_lens for g in groups], lora_slots, layer_groups)
 
     @property
     def dtype(self) -> torch.dtype:

@@ -189,9 +189,8 @@ def load_model(model: str | None, dtype: torch.dtype, device: torch.device,
     8 bits and multiply the file's blocks as integers (``KernelPlan.int8_blocks``); ``float``: in
     the activations' dtype; ``auto``: int8 wherever the CPU kernels keep the blocks.
     ``kv_cache_dtype`` (default: ``dtype``) is what the attention kernel's choice depends on.
-    ``deterministic``: small batches' matmuls give the large ones' bits and every attention
-    query row takes one arithmetic (``KernelPlan.deterministic``, ``pack_blocks``;
-    docs/determinism.md). ``tp``: load only this rank's shard (``layers/parallel.py``)."""
+    ``deterministic``: small batches' matmuls give the large ones' bits
+    (``KernelPlan.deterministic``, ``pack_blocks``; docs/determinism.md). ``tp``: load only this rank's shard (``layers/parallel.py``)."""
     from conveyor.model.device import dtype_name, return_freed_memory, select_kernels
     from conveyor.model.tokenizer import end_of_turn_id, load_tokenizer
 

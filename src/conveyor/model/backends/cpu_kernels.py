@@ -33,7 +33,6 @@ class KernelMetadata(StepMetadata):
     block_tables: torch.Tensor | None = None  # [S, max_blocks] int32 (padding: 0)
     context_lens: torch.Tensor | None = None  # [T] int32, the token itself included
     token_seqs: torch.Tensor | None = None  # [T] int32; None in a decode-only step (t -> row t)
-    deterministic: bool = True  # one arithmetic for every query row (kernel_attention)
 
     @property
     def decode_only(self) -> bool:
@@ -43,11 +42,9 @@ class KernelMetadata(StepMetadata):
 class CpuBackend(TorchBackend):
     name = "cpu"
 
-    def __init__(self, device: torch.device, attention_kernel: bool,
-                 deterministic: bool = True) -> None:
+    def __init__(self, device: torch.device, attention_kernel: bool) -> None:
         super().__init__(device)
         self.attention_kernel = attention_kernel
-        self.deterministic = deterministic  # docs/determinism.md
 
     def build_metadata(self, block_tables: list[list[int]], starts: list[int],
                        counts: list[int], block_size: int, num_queries_per_kv: int,
@@ -63,7 +60,7 @@ class CpuBackend(TorchBackend):
             token_seqs = torch.repeat_interleave(torch.arange(len(counts), dtype=torch.int32),
                                                  torch.tensor(counts))
         return KernelMetadata(torch.tensor(slots), torch.tensor(positions), table, context_lens,
-                              token_seqs, self.deterministic)
+                              token_seqs)
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float,
                  residual: torch.Tensor | None = None,
@@ -99,5 +96,4 @@ class CpuBackend(TorchBackend):
             return super().attention(q, k, v, k_cache, v_cache, meta, out, window, scale)
         return kernel_attention(q, k_cache, v_cache, meta.block_tables, meta.context_lens,
                                 q.shape[2] ** -0.5 if scale is None else scale, meta.token_seqs,
-                                out=out, new_kv=(k, v, meta.slot_mapping),
-                                deterministic=meta.deterministic, window=window)
+                                out=out, new_kv=(k, v, meta.slot_mapping), window=window)

@@ -77,7 +77,7 @@ namespace conveyor {
 template <typename T>
 void decode_layer(const LayerWeights* w, T* out, const T* x, T* residual, int64_t rows,
                   const LayerStep<T>& step, T* k_cache, T* v_cache, int64_t block_size,
-                  Activations<T>& a, int num_threads, bool deterministic, const LoraStep& lora) {
+                  Activations<T>& a, int num_threads, const LoraStep& lora) {
   const int64_t hidden = w->hidden, hd = w->head_dim, inter = w->intermediate;
   const int64_t q_heads = w->num_heads, kv_heads = w->num_kv_heads;
   const int64_t q_width = q_heads * hd, k_width = kv_heads * hd, qk_width = q_width + k_width;
@@ -115,7 +115,7 @@ void decode_layer(const LayerWeights* w, T* out, const T* x, T* residual, int64_
                         step.slot_mapping};  // rotated keys, values straight from the projection
   paged_attention<T>(attn, q, k_cache, v_cache, new_kv, step.block_tables, nullptr,
                      step.context_lens, rows, q_heads, kv_heads, hd, block_size, step.max_blocks,
-                     q_stride, w->scale, num_threads, deterministic, w->window);
+                     q_stride, w->scale, num_threads, w->window);
   matmul(proj, attn, w->o, rows, q_width, a, num_threads);
   add_lora(proj, attn, w, 1, lora, rows, q_width, hidden, num_threads);
   if (w->post_attention_norm)  // in place: each row is read before it is written
@@ -138,10 +138,9 @@ void decode_layer(const LayerWeights* w, T* out, const T* x, T* residual, int64_
 
 template void decode_layer<float>(const LayerWeights*, float*, const float*, float*, int64_t,
                                   const LayerStep<float>&, float*, float*, int64_t,
-                                  Activations<float>&, int, bool, const LoraStep&);
+                                  Activations<float>&, int, const LoraStep&);
 template void decode_layer<uint16_t>(const LayerWeights*, uint16_t*, const uint16_t*, uint16_t*,
                                      int64_t, const LayerStep<uint16_t>&, uint16_t*, uint16_t*,
-                                     int64_t, Activations<uint16_t>&, int, bool,
-                                     const LoraStep&);
+                                     int64_t, Activations<uint16_t>&, int, const LoraStep&);
 
 }  // namespace conveyor

@@ -104,6 +104,6 @@ struct Activations {
 template <typename T>
 void decode_layer(const LayerWeights* w, T* out, const T* x, T* residual, int64_t rows,
                   const LayerStep<T>& step, T* k_cache, T* v_cache, int64_t block_size,
-                  Activations<T>& a, int num_threads, bool deterministic, const LoraStep& lora);
+                  Activations<T>& a, int num_threads, const LoraStep& lora);
 
 }  // namespace conveyor

@@ -168,7 +168,6 @@ def decode_layers(layers: DecodeLayers, x: torch.Tensor, residual: torch.Tensor,
                   slot_mapping: torch.Tensor | Sequence[torch.Tensor],
                   block_tables: torch.Tensor | Sequence[torch.Tensor],
                   context_lens: torch.Tensor | Sequence[torch.Tensor],
-                  deterministic: bool = False,
                   lora_slots: torch.Tensor | None = None,
                   layer_groups: Sequence[int] = ()) -> torch.Tensor:
     """Runs every layer on ``x`` [T, hidden] (one decode token per row) and returns the last
@@ -177,8 +176,7 @@ def decode_layers(layers: DecodeLayers, x: torch.Tensor, residual: torch.Tensor,
     the layers' dtype. ``cos``, ``sin``: the rotary table, or a list of them, a layer taking the
     one its ``DecodeLayerWeights.rotary`` names. ``slot_mapping``, ``block_tables``,
     ``context_lens``: the step's, or with a hybrid KV cache a list of each KV-cache group's, layer
-    ``l`` reading group ``layer_groups[l]``'s. ``deterministic``: attention as
-    ``kernel_attention`` computes it so. ``lora_slots`` [T] int32: each row's LoRA slot (0: none)
+    ``l`` reading group ``layer_groups[l]``'s. ``lora_slots`` [T] int32: each row's LoRA slot (0: none)
     in the stacks of ``set_lora``."""
     widths = []
     if lora_slots is not None:
@@ -187,7 +185,7 @@ def decode_layers(layers: DecodeLayers, x: torch.Tensor, residual: torch.Tensor,
         widths = [p.width for p in layers.lora]
     layers.run(layers.weights, x, residual, _listed(cos), _listed(sin),
                [k for k, _ in kv_caches], [v for _, v in kv_caches], _listed(slot_mapping),
-               _listed(block_tables), _listed(context_lens), list(layer_groups), deterministic,
+               _listed(block_tables), _listed(context_lens), list(layer_groups),
                lora_slots, widths)
     return x
 

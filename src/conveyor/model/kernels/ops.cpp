@@ -531,8 +531,7 @@ void paged_attention_op(const Tensor& q_in, const Tensor& k_cache, const Tensor&
                      const Tensor& block_tables, const Tensor& context_lens,
                      const std::optional<Tensor>& token_seqs, double scale, const Tensor& out,
                      const std::optional<Tensor>& new_k, const std::optional<Tensor>& new_v,
-                     const std::optional<Tensor>& slot_mapping, bool deterministic,
-                     int64_t window) {
+                     const std::optional<Tensor>& slot_mapping, int64_t window) {
   check_activation_dtype(q_in, "q");
   TORCH_CHECK(window >= 0, "window must be 0 (none) or positive, got ", window);
   TORCH_CHECK(q_in.dim() == 3, "q must be 3-D [tokens, heads, head_dim], got shape ",
@@ -571,7 +570,7 @@ void paged_attention_op(const Tensor& q_in, const Tensor& k_cache, const Tensor&
                             token_seqs ? data<const int32_t>(*token_seqs) : nullptr,
                             data<const int32_t>(context_lens), tokens, heads, c.num_kv_heads,
                             c.head_dim, c.block_size, block_tables.size(1), q.stride(0),
-                            static_cast<float>(scale), threads(), deterministic, window);
+                            static_cast<float>(scale), threads(), window);
     };
     if (bf16_cache)
       run(static_cast<uint16_t*>(nullptr));
@@ -841,7 +840,7 @@ void decode_layers_op(const c10::intrusive_ptr<DecodeLayers>& weights, const Ten
                       const std::vector<Tensor>& v_caches, const std::vector<Tensor>& slot_mapping,
                       const std::vector<Tensor>& block_tables,
                       const std::vector<Tensor>& context_lens,
-                      const std::vector<int64_t>& layer_groups, bool deterministic,
+                      const std::vector<int64_t>& layer_groups,
                       const std::optional<Tensor>& lora_slots,
                       const std::vector<int64_t>& lora_widths) {
   const auto& layers = weights->layers;
@@ -945,7 +944,7 @@ void decode_layers_op(const c10::intrusive_ptr<DecodeLayers>& weights, const Ten
                               data<const int32_t>(context_lens[g]), block_tables[g].size(1)};
       decode_layer<T>(&w, data<T>(x), data<const T>(x), data<T>(residual), rows, step,
                       data<T>(k_caches[i]), data<T>(v_caches[i]), c.block_size, activations,
-                      threads(), deterministic,
+                      threads(),
                       lora.slots ? LoraStep{lora.slots, lora_widths.data() + 4 * i, lora.num_slots}
                                  : lora);
     }
@@ -996,13 +995,13 @@ TORCH_LIBRARY(CONVEYOR_OPS_NAMESPACE, m) {
         &lora_apply_op);
   m.def("paged_attention(Tensor q, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor block_tables, "
         "Tensor context_lens, Tensor? token_seqs, float scale, Tensor(c!) out, Tensor? new_k, "
-        "Tensor? new_v, Tensor? slot_mapping, bool deterministic=False, int window=0) -> ()",
+        "Tensor? new_v, Tensor? slot_mapping, int window=0) -> ()",
         &paged_attention_op);
   m.def("decode_layers(__torch__.torch.classes." CONVEYOR_NAME(CONVEYOR_OPS_NAMESPACE)
         ".DecodeLayers weights, Tensor(a!) x, Tensor(b!) residual, "
         "Tensor[] cos, Tensor[] sin, Tensor(c!)[] k_caches, Tensor(d!)[] v_caches, "
         "Tensor[] slot_mapping, Tensor[] block_tables, Tensor[] context_lens, "
-        "int[] layer_groups=[], bool deterministic=False, Tensor? lora_slots=None, "
+        "int[] layer_groups=[], Tensor? lora_slots=None, "
         "int[] lora_widths=[]) -> ()",
         &CONVEYOR_OPS_NAMESPACE::decode_layers_op);
 }

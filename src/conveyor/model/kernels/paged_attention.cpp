@@ -381,7 +381,7 @@ void paged_attention(T* out, const T* q, C* k_cache, C* v_cache, NewKV<T> new_kv
                      const int32_t* context_lens, int64_t num_tokens, int64_t num_heads,
                      int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
                      int64_t max_blocks, int64_t q_stride, float scale, int num_threads,
-                     bool deterministic, int64_t window) {
+                     int64_t window) {
   const int64_t group = num_heads / num_kv_heads;
   const int64_t token_stride = num_kv_heads * head_dim;
   const std::vector<Task> tasks =
@@ -487,16 +487,15 @@ void paged_attention(T* out, const T* q, C* k_cache, C* v_cache, NewKV<T> new_kv
 template void paged_attention<float, float>(float*, const float*, float*, float*, NewKV<float>,
                                             const int32_t*, const int32_t*, const int32_t*,
                                             int64_t, int64_t, int64_t, int64_t, int64_t, int64_t,
-                                            int64_t, float, int, bool, int64_t);
+                                            int64_t, float, int, int64_t);
 template void paged_attention<float, uint16_t>(float*, const float*, uint16_t*, uint16_t*,
                                                NewKV<float>, const int32_t*, const int32_t*,
                                                const int32_t*, int64_t, int64_t, int64_t, int64_t,
-                                               int64_t, int64_t, int64_t, float, int, bool,
-                                               int64_t);
+                                               int64_t, int64_t, int64_t, float, int, int64_t);
 template void paged_attention<uint16_t, uint16_t>(uint16_t*, const uint16_t*, uint16_t*,
                                                   uint16_t*, NewKV<uint16_t>, const int32_t*,
                                                   const int32_t*, const int32_t*, int64_t,
                                                   int64_t, int64_t, int64_t, int64_t, int64_t,
-                                                  int64_t, float, int, bool, int64_t);
+                                                  int64_t, float, int, int64_t);
 
 }  // namespace conveyor

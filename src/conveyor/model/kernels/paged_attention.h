@@ -27,7 +27,7 @@ void paged_attention(T* out, const T* q, C* k_cache, C* v_cache, NewKV<T> new_kv
                      const int32_t* context_lens, int64_t num_tokens, int64_t num_heads,
                      int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
                      int64_t max_blocks, int64_t q_stride, float scale, int num_threads,
-                     bool deterministic, int64_t window = 0);
+                     int64_t window = 0);
 
 // Where a token whose context is `ctx` positions reads under `window` (0: none): from block
 // `first_block` of its table on, the first `skip` rows of that block being outside the window.

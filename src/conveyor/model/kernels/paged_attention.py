@@ -64,7 +64,6 @@ def kernel_attention(
     token_seqs: torch.Tensor | None = None,  # [T] int32 row of block_tables; None: token t -> t
     out: torch.Tensor | None = None,
     new_kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
-    deterministic: bool = False,
     window: int | None = None,
 ) -> torch.Tensor:
     """Returns [T, num_heads * head_dim], written into ``out`` when it is a contiguous tensor
@@ -73,11 +72,6 @@ def kernel_attention(
     ``new_kv = (k, v, slot_mapping)``: this step's keys and values ([T, kv_heads, head_dim] in q's
     dtype, heads packed, rows may be strided) are first written to the cache rows
     ``slot_mapping`` ([T] int64), rounded to the cache's dtype, in the same call.
-
-    ``deterministic``: every query row takes one arithmetic, so that a token's output does not
-    depend on whether it is a decode or part of a chunk, nor on the chunk's boundaries
-    (docs/determinism.md). Decodes and prefill tiles share one arithmetic over every cache, so
-    both settings give the same bits and the flag changes nothing here.
 
     ``window``: a token at position p attends to positions (p - window, p] only (a sliding-window
     layer); the blocks of its table that lie wholly before that range are never read, so their
@@ -90,5 +84,5 @@ def kernel_attention(
         out = torch.empty(shape, dtype=q.dtype)
     k, v, slots = new_kv if new_kv is not None else (None, None, None)
     ops.paged_attention(q, k_cache, v_cache, block_tables, context_lens, token_seqs, scale, out,
-                        k, v, slots, deterministic, window or 0)
+                        k, v, slots, window or 0)
     return out
