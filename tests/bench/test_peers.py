@@ -75,6 +75,32 @@ def test_also_with_runs_conveyor_again_with_changed_flags(monkeypatch):
                            "float32 (with enable-prefix-caching=false)"]
 
 
+def test_interleave_runs_the_rows_repeats_in_turns(monkeypatch):
+    """--interleave: one process per repeat, row 1's first repeat, row 2's first, row 1's
+    second, ...; each row's table entry holds all its repeats, each on its own workload seed."""
+    jobs = []
+
+    def fake_worker(job, system, config):
+        jobs.append(job)
+        wall = 2.0 if job["engine_args"]["kv_cache_dtype"] == "auto" else 3.0
+        return throughput.SystemResult(
+            system, "float32", [throughput.Measurement(wall, 100, 10 * (job["first_repeat"] + 1))],
+            extra={"tensor_parallel": {"steps": 4, "step_ms": 1e3 * wall / 4}})
+
+    monkeypatch.setattr(throughput, "run_worker", fake_worker)
+    args = throughput_parser().parse_args([
+        "throughput", "--workload", "S1", "--no-roofline", "--repeats", "3", "--interleave",
+        "--also-with", "kv_cache_dtype=bfloat16"])
+    payload = throughput.run_all(args)
+    assert [(j["engine_args"]["kv_cache_dtype"], j["first_repeat"], j["repeats"]) for j in jobs] \
+        == [("auto", 0, 1), ("bfloat16", 0, 1), ("auto", 1, 1), ("bfloat16", 1, 1),
+            ("auto", 2, 1), ("bfloat16", 2, 1)]
+    rows = payload["results"]
+    assert [[m["output_tokens"] for m in r["repeats"]] for r in rows] == [[10, 20, 30]] * 2
+    assert rows[0]["extra"]["tensor_parallel"] == {"steps": 12, "step_ms": 500.0}
+    assert rows[1]["config"] == "float32 (with kv_cache_dtype=bfloat16)"
+
+
 @pytest.mark.parametrize(("changes", "message"), [
     ("kv_cache_dtype=int8", "invalid choice: 'int8'"),
     ("max_num_seqs=many", "invalid int value: 'many'"),

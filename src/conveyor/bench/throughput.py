@@ -235,7 +235,8 @@ def run_conveyor(job: dict[str, Any]) -> SystemResult:
     if tp is not None:
         tp.timer.reset()
     steps_before, wall = llm.llm_engine.get_stats().num_steps, 0.0
-    for k in range(job["repeats"]):
+    first = job.get("first_repeat", 0)  # an interleaved run's repeat: its own workload seed
+    for k in range(first, first + job["repeats"]):
         workload = make_workload(name, vocab, seed + k, n)
         t0 = time.perf_counter()
         outputs = _conveyor_generate(llm, workload, structured, loras)
@@ -278,7 +279,7 @@ def run_conveyor(job: dict[str, Any]) -> SystemResult:
     }
     rss = peak_rss_mb()  # before profiling, which adds nothing but keep it clean
     if job.get("profile"):
-        workload = make_workload(name, vocab, seed + job["repeats"], n)
+        workload = make_workload(name, vocab, seed + first + job["repeats"], n)
         extra["profile"] = profile_engine(llm.llm_engine,
                                           lambda: _conveyor_generate(llm, workload, structured))
     return SystemResult("conveyor", label, repeats, load_s=load_s, peak_rss_mb=rss, extra=extra)
@@ -334,6 +335,21 @@ def run_worker(job: dict[str, Any], system: str, config: str) -> SystemResult:
         print(f"[bench] {system} done in {time.perf_counter() - t0:.0f}s", file=sys.stderr,
               flush=True)
         return SystemResult.from_dict(json.loads(Path(out_path).read_text()))
+
+
+def merge_repeats(first: SystemResult, more: SystemResult) -> SystemResult:
+    """One row's result from two of its interleaved runs: the repeats of both, the steps timed
+    over both."""
+    if first.skipped or more.skipped:
+        return first if first.skipped else more
+    tp, more_tp = first.extra["tensor_parallel"], more.extra["tensor_parallel"]
+    steps = tp["steps"] + more_tp["steps"]
+    wall = sum(m.wall_s for m in first.repeats + more.repeats)
+    extra = {**first.extra, "tensor_parallel": {**tp, "steps": steps,
+                                                "step_ms": 1e3 * wall / max(steps, 1)}}
+    return dataclasses.replace(first, repeats=first.repeats + more.repeats,
+                               peak_rss_mb=max(first.peak_rss_mb or 0, more.peak_rss_mb or 0),
+                               extra=extra)
 
 
 def engine_variant(engine_args: EngineArgs, changes: str) -> EngineArgs:
@@ -425,17 +441,28 @@ def run_all(args: argparse.Namespace) -> dict[str, Any]:
                             f"{args.lora} LoRA adapters", ""))
 
     base = {"system": "conveyor", "workload": args.workload, "seed": args.seed,
-            "num_requests": args.num_requests, "repeats": args.repeats, "profile": args.profile}
-    results = []
-    for i, (ea, what, note) in enumerate(variants):
+            "num_requests": args.num_requests, "profile": args.profile}
+    jobs = []
+    for i, (ea, what, _) in enumerate(variants):
         structured = args.structured if what.startswith("structured ") else None
-        job = {**base, "engine_args": dataclasses.asdict(ea), "structured": structured,
-               "profile": args.profile and (i == 0 or structured is not None),
-               "lora": ({"count": args.lora, "rank": args.lora_rank}
-                        if what.endswith("LoRA adapters") else None)}
-        result = run_worker(job, "conveyor", what)
+        jobs.append({**base, "engine_args": dataclasses.asdict(ea), "structured": structured,
+                     "profile": args.profile and (i == 0 or structured is not None),
+                     "lora": ({"count": args.lora, "rank": args.lora_rank}
+                              if what.endswith("LoRA adapters") else None)})
+    # Interleaved: one process per repeat, the rows taking turns, so that a drift in the host's
+    # speed falls on every row alike.
+    rounds, per_job = (args.repeats, 1) if args.interleave else (1, args.repeats)
+    results: list[SystemResult] = []
+    for k in range(rounds):
+        for i, (job, (_, what, _)) in enumerate(zip(jobs, variants, strict=True)):
+            result = run_worker({**job, "repeats": per_job, "first_repeat": k,
+                                 "profile": job["profile"] and k == 0}, "conveyor", what)
+            if k == 0:
+                results.append(result)
+            else:
+                results[i] = merge_repeats(results[i], result)
+    for result, (_, _, note) in zip(results, variants, strict=True):
         result.config += note
-        results.append(result)
     conveyor = results[0]
     rates = None
     if not args.no_roofline and conveyor.repeats:
@@ -670,6 +697,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                    help="run Conveyor again in the same run with these engine flags changed "
                         "(e.g. kv_cache_dtype=bfloat16); repeatable; the row's ratio columns "
                         "compare it with the first")
+    p.add_argument("--interleave", action="store_true",
+                   help="run each Conveyor row's repeats in processes of their own, the rows "
+                        "taking turns (row 1's first repeat, row 2's first, ...), so that a drift "
+                        "in the host's speed falls on every row alike (each repeat reloads the "
+                        "model)")
     p.add_argument("--speculative", default="",
                    help="comma list of speculative methods, one Conveyor row each (e.g. "
                         "ngram,off; off: none); with --compare llamacpp on a single-stream "
