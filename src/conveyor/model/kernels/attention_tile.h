@@ -68,6 +68,21 @@ inline const C* transposed_key(const C* k_cache, const int32_t* table, int64_t p
          pos % block_size * kPerLane<C>;
 }
 
+// A query row as score_rows takes it: F32 scales it (the scores then need no scale), BF16
+// keeps it as it is (scores_scale: the scale the scores then take).
+template <class F, typename T>
+inline void query_row(typename F::T* dst, const T* src, int64_t head_dim, float scale) {
+  if constexpr (F::kStep == 2)
+    std::memcpy(dst, src, head_dim * sizeof(*dst));
+  else
+    for (int64_t d = 0; d < head_dim; d += kLanes) store(load(src + d) * scale, dst + d);
+}
+
+template <class F>
+constexpr float scores_scale(float scale) {
+  return F::kStep == 2 ? scale : 1.f;
+}
+
 // The keys of positions [k0, k0 + kKeyTile) of KV head h, as score_rows reads them: half s
 // (kLanes keys) at halves[s], lane l at + l * stride elements (the returned stride). Where the
 // block size is a multiple of kLanes each half lies in one block and is read in place; else
@@ -246,16 +261,10 @@ void attend_tile(T* out, int64_t out_stride, const T* q, int64_t q_stride, const
            h * head_dim;
   };
 
-  // Queries: F32 scales them here (the scores then need no scale), BF16 keeps them as they are.
-  for (int64_t r = 0; r < rows; ++r) {
-    const T* src = q + r / group * q_stride + (h * group + r % group) * head_dim;
-    if constexpr (kBf16)
-      std::memcpy(qs + r * head_dim, src, head_dim * sizeof(E));
-    else
-      for (int64_t d = 0; d < head_dim; d += kLanes)
-        store(load(src + d) * scale, qs + r * head_dim + d);
-  }
-  const float score_scale = kBf16 ? scale : 1.f;
+  for (int64_t r = 0; r < rows; ++r)
+    query_row<F>(qs + r * head_dim, q + r / group * q_stride + (h * group + r % group) * head_dim,
+                 head_dim, scale);
+  const float score_scale = scores_scale<F>(scale);
 
   const C* value_rows[kValueKeys];
   for (int64_t c0 = first_read / kKeyChunk * kKeyChunk; c0 < ctx; c0 += kKeyChunk) {

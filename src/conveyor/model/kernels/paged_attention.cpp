@@ -209,17 +209,9 @@ void attend_decode(T* out, const T* q, const C* k_cache, const C* v_cache, const
   std::fill(acc, acc + rows * chunks, vfloat{});
   std::fill(row_max, row_max + rows, -INFINITY);
   std::fill(row_sum, row_sum + rows, 0.f);
-  // Queries as the tiles take them: F32 scales them (the scores then need no scale), BF16
-  // keeps them as they are.
-  for (int64_t i = 0; i < rows; ++i) {
-    const T* src = q + (h0 * group + i) * head_dim;
-    if constexpr (kBf16)
-      std::memcpy(qs + i * head_dim, src, head_dim * sizeof(E));
-    else
-      for (int64_t d = 0; d < head_dim; d += kLanes)
-        store(load(src + d) * scale, qs + i * head_dim + d);
-  }
-  const float score_scale = kBf16 ? scale : 1.f;
+  for (int64_t i = 0; i < rows; ++i)
+    query_row<F>(qs + i * head_dim, q + (h0 * group + i) * head_dim, head_dim, scale);
+  const float score_scale = scores_scale<F>(scale);
 
   const int64_t start = first + skip, end = first + ctx;  // the positions that weigh
   const int64_t num_chunks = (end - 1) / kKeyChunk - start / kKeyChunk + 1;
