@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import json
 import shutil
+import statistics
 from pathlib import Path
 
 import pytest
 
 from conveyor.bench.doc_tables import ReportError, regenerate
+from conveyor.bench.report import _fmt
 from conveyor.entrypoints.cli import main as cli_main
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -38,26 +40,34 @@ def test_the_committed_tables_are_what_the_result_files_say(capsys):
     assert f"<!-- bench-report:throughput {W1} -->" in (ROOT / "docs/benchmarks.md").read_text()
 
 
+def _output_rates(conveyor: dict) -> str:
+    """Conveyor's output tok/s as the tables print them: best / median of the repeats."""
+    rates = [m["output_tokens"] / m["wall_s"] for m in conveyor["repeats"]]
+    return f"{_fmt(max(rates))} / {_fmt(statistics.median(rates))}"
+
+
 def test_a_changed_figure_fails_the_check_until_the_tables_are_regenerated(repo, capsys):
     path = repo / W1
     payload = json.loads(path.read_text())
     conveyor = payload["results"][0]
+    before = _output_rates(conveyor)
     for m in conveyor["repeats"]:
         m["wall_s"] /= 2  # every output tok/s figure of Conveyor's row doubles
+    after = _output_rates(conveyor)
     path.write_text(json.dumps(payload, indent=2) + "\n")
     capsys.readouterr()
 
     assert report(repo, "--check") == 1
     out, err = capsys.readouterr()
-    assert "-| W1 | output tok/s, best / median | **673** / 623 |" in out  # the README's row
-    assert "+| W1 | output tok/s, best / median | **1,346** / 1,246 |" in out
-    assert "-| conveyor | bfloat16, prefill_first, max_num_seqs 64 | 673 / 623 |" in out
+    summary_row = "| W1 | output tok/s, best / median | **{}** / {} |"
+    assert "-" + summary_row.format(*before.split(" / ")) in out  # the README's row
+    assert "+" + summary_row.format(*after.split(" / ")) in out
+    assert f"-| conveyor | {conveyor['config']} | {before} |" in out  # docs/benchmarks.md's
     assert "2 table(s) differ from their result files" in err
     assert (repo / "README.md").read_text() == (ROOT / "README.md").read_text()  # untouched
 
     assert report(repo) == 0
-    assert "| W1 | output tok/s, best / median | **1,346** / 1,246 |" in (
-        repo / "README.md").read_text()
+    assert summary_row.format(*after.split(" / ")) in (repo / "README.md").read_text()
     assert report(repo, "--check") == 0
 
 
@@ -95,7 +105,9 @@ def test_a_region_is_filled_from_its_file_and_the_rest_is_kept(repo):
     assert changed == [f"summary {W1}"]
     assert new.startswith(f"# Title\n\n<!-- bench-report:summary {W1} -->\n\n| workload |")
     assert new.endswith("._\n\n<!-- /bench-report:summary -->\n\nAfter.\n")
-    assert "(2026-11-26, commit 3400eec): AMD EPYC Zen 4, 2 cores; torch 2.13.0" in new
+    p = json.loads((repo / W1).read_text())["provenance"]
+    assert f"`{W1}` ({p['date'][:10]}, commit {p['commit'][:7]}" in new
+    assert f"{p['cpu']['model']}, {p['cpu']['cores']} cores; torch {p['torch']}" in new
     assert regenerate(new, repo, "doc.md") == (new, [])
 
 

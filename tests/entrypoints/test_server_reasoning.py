@@ -124,7 +124,9 @@ def test_messages_have_a_thinking_block(qwen3, model) -> None:
 
 @pytest.mark.slow  # starts a server of its own
 def test_deepseek_r1_replies_start_inside_the_reasoning(start_server, model) -> None:
-    r1 = start_server(["--reasoning-parser", "deepseek_r1"])
+    # the qwen3 fixture's dtype and compute, whose greedy copy of the shown turn the check reads
+    r1 = start_server(["--reasoning-parser", "deepseek_r1", "--dtype", "bfloat16",
+                       "--weight-compute", "float"])
     body = {"model": model, "messages": _shown("4", opening=""), "max_tokens": 40,
             "temperature": 0.0}
     resp = httpx.post(r1.base_url + "/v1/chat/completions", json=body, timeout=120)
