@@ -133,21 +133,14 @@ inline void score_rows(const typename F::T* q, int64_t head_dim, const C* const*
   vfloat acc[MR][NK] = {};
   for (int64_t l = 0; l < head_dim / P; ++l) {
     each(l);
-    if constexpr (F::kStep == 2) {  // BF16: a lane is the step's pair
-      decltype(F::vector(q)) k[NK];
+    if constexpr (F::kStep == P) {  // a lane is one step: a float, or BF16's pair
+      decltype(F::vector(halves[0])) k[NK];
       for (int v = 0; v < NK; ++v) k[v] = F::vector(halves[v] + l * stride);
       for (int r = 0; r < MR; ++r) {
-        const auto x = F::broadcast(q + r * head_dim + 2 * l);
+        const auto x = F::broadcast(q + r * head_dim + l * P);
         for (int v = 0; v < NK; ++v) F::madd(acc[r][v], x, k[v]);
       }
-    } else if constexpr (P == 1) {
-      vfloat k[NK];
-      for (int v = 0; v < NK; ++v) k[v] = load(halves[v] + l * stride);
-      for (int r = 0; r < MR; ++r) {
-        const auto x = F::broadcast(q + r * head_dim + l);
-        for (int v = 0; v < NK; ++v) F::madd(acc[r][v], x, k[v]);
-      }
-    } else {  // a pair's bf16 bits are the top halves of two floats
+    } else {  // F32 over bf16 pairs: a pair's bits are the top halves of two floats
       vuint u[NK];
       for (int v = 0; v < NK; ++v) std::memcpy(&u[v], halves[v] + l * stride, sizeof u[v]);
       for (int r = 0; r < MR; ++r) {

@@ -129,6 +129,14 @@ constexpr int64_t kPairStep = 32;  // positions of a value pass per step of the 
 // two), with AVX-512 into L2 (four times as many would crowd L1); measured faster each.
 constexpr int kNextKeys = kLanes == 16 ? 2 : 3;
 
+// How many times weigh_pairs steps the next task's keys over `positions` positions in
+// `num_chunks` chunks (at most): once per kPairStep positions of each of its passes.
+constexpr int64_t pair_steps(int64_t heads, int64_t group, int64_t chunks, int64_t positions,
+                             int64_t num_chunks) {
+  const int64_t passes = heads * ((group + kGroupTile - 1) / kGroupTile) * ((chunks / 2 + 1) / 2);
+  return passes * (positions / kPairStep + 2 * num_chunks);
+}
+
 // BF16's value pass over positions [lo, c1) of the chunk starting at c0: pairs of rows from an
 // even position (the rows before `first` and the partner after c1 are zeros, weighing 0), the
 // weights p (bf16, row i at p + i * p_stride, position c0 first), into acc's permuted order
@@ -205,7 +213,6 @@ void attend_decode(T* out, const T* q, const C* k_cache, const C* v_cache, const
   vfloat* acc = at_least(scratch.acc, rows * chunks);
   float* row_max = at_least(scratch.row_max, rows);
   float* row_sum = at_least(scratch.row_sum, rows);
-  const uint16_t** value_rows = at_least(scratch.value_rows, kKeyChunk + 2);
   std::fill(acc, acc + rows * chunks, vfloat{});
   std::fill(row_max, row_max + rows, -INFINITY);
   std::fill(row_sum, row_sum + rows, 0.f);
@@ -215,9 +222,7 @@ void attend_decode(T* out, const T* q, const C* k_cache, const C* v_cache, const
 
   const int64_t start = first + skip, end = first + ctx;  // the positions that weigh
   const int64_t num_chunks = (end - 1) / kKeyChunk - start / kKeyChunk + 1;
-  next_keys.spread_over(kBf16 ? (h1 - h0) * ((group + kGroupTile - 1) / kGroupTile) *
-                                    ((chunks / 2 + 1) / 2) *
-                                    ((ctx - skip) / kPairStep + 2 * num_chunks)
+  next_keys.spread_over(kBf16 ? pair_steps(h1 - h0, group, chunks, ctx - skip, num_chunks)
                               : (ctx - skip + block_size - 1) / block_size + 1);
   const int64_t row_lines = ((h1 - h0) * head_dim * sizeof(C) + 63) / 64;
   const char** lines = at_least(scratch.lines, kDecodeKeys * row_lines);
@@ -227,8 +232,8 @@ void attend_decode(T* out, const T* q, const C* k_cache, const C* v_cache, const
     for (int64_t k0 = c0 + (lo - c0) / kDecodeKeys * kDecodeKeys; k0 < c1; k0 += kDecodeKeys) {
       const int64_t k_lo = std::max(k0, lo) - first;
       const int64_t k_hi = std::min(c1, k0 + kDecodeKeys) - first;
-      // These keys' values into L2 for the value pass, the next keys into L1: their cache lines
-      // spread over the products (a burst would fill the miss buffers).
+      // These keys' values into L2 for the value pass, the next keys where kNextKeys says: their
+      // cache lines spread over the products (a burst would fill the miss buffers).
       int64_t num_lines = 0;
       for (int64_t b = k_lo / block_size, j = k_lo % block_size, n = k_hi - k_lo; n > 0; --n) {
         const char* row = reinterpret_cast<const char*>(
@@ -251,8 +256,9 @@ void attend_decode(T* out, const T* q, const C* k_cache, const C* v_cache, const
           key_stride = key_halves(k_cache, table, h0 + h, num_kv_heads, head_dim, block_size,
                                   k0 + v * kLanes - first, lo - first, c1 - first,
                                   kt + v / 2 * num_lanes * kKeyTile, half + v);
-        for (int v = 0; v < kDecodeHalves; ++v)
-          if (!half[v]) half[v] = half[v ^ 2] ? half[v ^ 2] : half[v ^ 3];
+        const C* any = *std::find_if(half, half + kDecodeHalves, [](const C* k) { return k; });
+        for (const C*& k : half)
+          if (!k) k = any;
         const char* next[kDecodeKeys];  // this KV head's keys in those blocks
         for (int64_t i = 0; i < num_next; ++i)
           next[i] = reinterpret_cast<const char*>(transposed_key(
@@ -287,7 +293,8 @@ void attend_decode(T* out, const T* q, const C* k_cache, const C* v_cache, const
     if constexpr (kBf16) {
 #ifdef __AVX512BF16__
       weigh_pairs(acc, chunks, p, width_max, v_cache, table, first, c0, lo, c1, h0, h1, group,
-                  head_dim, block_size, token_stride, value_rows, next_keys);
+                  head_dim, block_size, token_stride,
+                  at_least(scratch.value_rows, kKeyChunk + 2), next_keys);
 #endif
     } else {
       for (int64_t k = lo; k < c1;) {

@@ -14,7 +14,6 @@
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
-#include <utility>
 
 namespace conveyor {
 
@@ -112,59 +111,6 @@ inline float hsum(vfloat v) {  // a tree: a left-to-right sum would be kLanes de
   return v[0];
 }
 
-// bit_reversed(r): r with its log2(kLanes) low bits in reverse order.
-constexpr int bit_reversed(int r) {
-  int out = 0;
-  for (int bit = 1; bit < kLanes; bit <<= 1) out = out << 1 | ((r & bit) ? 1 : 0);
-  return out;
-}
-
-// x and y's segments of W lanes, each folded in half (lane j + lane j + W / 2): x's halves,
-// then y's, segment by segment.
-template <int W, size_t... P>
-inline vfloat fold_pair(vfloat x, vfloat y, std::index_sequence<P...>) {
-  constexpr int h = W / 2;
-  return __builtin_shufflevector(x, y, (P / W * W + P % W % h + (P % W >= h ? kLanes : 0))...) +
-         __builtin_shufflevector(x, y, (P / W * W + P % W % h + h + (P % W >= h ? kLanes : 0))...);
-}
-
-template <int W>  // W vectors in d[0..W), W / 2 out
-inline void fold(vfloat* d) {
-  for (int i = 0; i < W / 2; ++i)
-    d[i] = fold_pair<W>(d[2 * i], d[2 * i + 1], std::make_index_sequence<kLanes>{});
-  if constexpr (W > 2) fold<W / 2>(d);
-}
-
-// {hsum(rows[0]), ..., hsum(rows[kLanes - 1])}: the same additions in the same order as hsum,
-// so bit for bit the same, in kLanes - 1 vector adds instead of kLanes * log2(kLanes).
-// Each fold halves the number of vectors; after the last, lane p holds the sum of the vector
-// that came in at position bit_reversed(p): hence the order they go in.
-inline vfloat transposed_hsum(const vfloat* rows) {
-  vfloat d[kLanes];
-  for (int i = 0; i < kLanes; ++i) d[i] = rows[bit_reversed(i)];
-  fold<kLanes>(d);
-  return d[0];
-}
-
-// x's and y's lanes with bit H of the lane index swapped between them: lane l of the first
-// result is x[l] where bit H of l is clear, else y[l - H]; the second is x[l + H] or y[l].
-template <int H, size_t... P>
-inline void swap_lanes(vfloat& x, vfloat& y, std::index_sequence<P...>) {
-  const vfloat lo = __builtin_shufflevector(x, y, ((P & H) ? kLanes + P - H : P)...);
-  const vfloat hi = __builtin_shufflevector(x, y, ((P & H) ? kLanes + P : P + H)...);
-  x = lo;
-  y = hi;
-}
-
-// rows[0..kLanes) transposed in place (lane j of rows[i] becomes lane i of rows[j]): each
-// step swaps one bit between the row index and the lane index.
-template <int H = kLanes / 2>
-inline void transpose(vfloat* rows) {
-  for (int i = 0; i < kLanes; ++i)
-    if (!(i & H)) swap_lanes<H>(rows[i], rows[i + H], std::make_index_sequence<kLanes>{});
-  if constexpr (H > 1) transpose<H / 2>(rows);
-}
-
 // exp(x), kLanes at a time, x clamped to [-87, 88] (exp(-87) ~ 1.6e-38 is still a normal float):
 // 2^n * e^f with n = round(x log2 e) and a degree-6 polynomial for e^f, |f| <= 0.35
 // (relative error about 1e-7). Adding 1.5 * 2^23 rounds x log2 e to an integer (to nearest
@@ -242,14 +188,6 @@ inline float softmax_fold(float* s, int64_t n, int64_t width, float& m, float& l
   l = l * rescale + hsum(sum);
   m = mx;
   return rescale;
-}
-
-// The softmax of a whole row as one stretch; returns 1 / the sum.
-template <typename W>
-inline float softmax_row(float* s, int64_t n, int64_t width, W* w) {
-  float m = -INFINITY, l = 0.f;
-  softmax_fold(s, n, width, m, l, w);
-  return 1.f / l;
 }
 
 }  // namespace conveyor
