@@ -31,12 +31,11 @@ def near_q4_0_blocks(n: int, k: int, gen: torch.Generator) -> Int4Blocks:
 
 
 def load_blocks(linear: Linear, blocks: Int4Blocks | Int8Blocks) -> None:
-    """All of ``linear``'s rows: ``blocks`` and their float32 dequantization, shard by shard."""
-    dense = blocks.dequantize()
+    """All of ``linear``'s rows as a GGUF file's blocks (``GGUFBlocks.of``), shard by shard."""
     for name, (start, stop) in linear.shards.items():
         rows = {f: getattr(blocks, f)[start:stop] for f in ("codes", "scale", "min")
                 if hasattr(blocks, f)}
-        linear.load("weight", name, dense[start:stop], type(blocks)(**rows))
+        linear.load("weight", name, None, GGUFBlocks.of(type(blocks)(**rows)))
 
 
 def raw_blocks(kind: int, n: int, k: int, gen: torch.Generator) -> GGUFBlocks:

@@ -35,14 +35,17 @@ def randomize(model: torch.nn.Module) -> None:
             p.copy_(1.0 + 0.2 * torch.randn_like(p) if "norm" in name else 0.2 * torch.randn_like(p))
 
 
-def gemma3_model(common: dict, layer_types: list[str], sliding_window: int = 8):
+def gemma3_model(common: dict, layer_types: list[str], sliding_window: int = 8,
+                 query_pre_attn_scalar: int = 24):
     """A transformers Gemma 3 (text) of ``common``'s sizes with layers of ``layer_types``
-    (``sliding_attention`` / ``full_attention``), head size 16, an attention scale of its own,
-    linear rope scaling on the global layers and capped logits (weights not yet random)."""
+    (``sliding_attention`` / ``full_attention``), head size 16, an attention scale of its own
+    (``query_pre_attn_scalar``; 16 gives GGUF's, which has no key for it), linear rope scaling
+    on the global layers and capped logits (weights not yet random)."""
     import transformers
 
     cfg = transformers.Gemma3TextConfig(
-        **common, head_dim=16, sliding_window=sliding_window, query_pre_attn_scalar=24,
+        **common, head_dim=16, sliding_window=sliding_window,
+        query_pre_attn_scalar=query_pre_attn_scalar,
         layer_types=layer_types, final_logit_softcapping=3.0,
         rope_parameters={
             "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
@@ -59,6 +62,42 @@ def save_hybrid_gemma3(path: str, sliding_window: int = 8):
                               max_position_embeddings=512, bos_token_id=1, eos_token_id=2),
                          (["sliding_attention"] * 2 + ["full_attention"]) * 2, sliding_window)
     randomize(model)
+    model.eval()
+    model.save_pretrained(path)
+    save_word_tokenizer(path)
+    return model
+
+
+def save_tiny_causal_lm(kind: str, path: str):
+    """A tiny random causal LM of ``kind`` (``llama``: with Llama 3's rope scaling,
+    ``llama_tied``, ``qwen2``, ``qwen3``: a head size of 24, ``gemma3``: a sliding and a global
+    layer, ``gemma3_gguf``: the same with the attention scale a GGUF file implies) saved at
+    ``path`` with ``save_word_tokenizer``'s tokenizer; returns transformers' model."""
+    import transformers
+
+    common = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                  bos_token_id=1, eos_token_id=2)
+    if kind == "llama":
+        cfg = transformers.LlamaConfig(**common, tie_word_embeddings=False, rope_parameters={
+            "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 32, "rope_theta": 10000.0})
+        model = transformers.LlamaForCausalLM(cfg)
+    elif kind == "llama_tied":
+        cfg = transformers.LlamaConfig(**common, tie_word_embeddings=True)
+        model = transformers.LlamaForCausalLM(cfg)
+    elif kind == "qwen2":
+        cfg = transformers.Qwen2Config(**common, tie_word_embeddings=True)
+        model = transformers.Qwen2ForCausalLM(cfg)
+    elif kind == "gemma3":
+        model = gemma3_model(common, ["sliding_attention", "full_attention"])
+    elif kind == "gemma3_gguf":
+        model = gemma3_model(common, ["sliding_attention", "full_attention"],
+                             query_pre_attn_scalar=16)
+    else:
+        cfg = transformers.Qwen3Config(**common, head_dim=24, tie_word_embeddings=False)
+        model = transformers.Qwen3ForCausalLM(cfg)
+    randomize(model)  # random everything, biases and norms included
     model.eval()
     model.save_pretrained(path)
     save_word_tokenizer(path)
@@ -164,3 +203,71 @@ def save_lora_models(root: str) -> dict[str, str]:
             shutil.copy(os.path.join(paths["base"], f), merged)
         paths[name + "_merged"] = merged
     return paths
+
+
+def write_gguf(model, architecture: str, path: str, quant: str = "F32") -> None:
+    """transformers' causal LM ``model`` as llama.cpp's converter writes it, for Conveyor's
+    ``architecture`` (``model/registry.py``: its names, its Q/K row permutation, Gemma's
+    ``1 + w`` norms): its metadata, its norms in F32 and its matrices in ``quant`` (``F32`` or
+    ``Q8_0``, quantized by the gguf package). No tokenizer: load it ``with_tokenizer=False``."""
+    import gguf
+    import numpy as np
+
+    from conveyor.model.registry import architecture as declaration
+
+    arch, cfg = declaration(architecture), model.config
+    heads, kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+    w = gguf.GGUFWriter(path, architecture)
+    w.add_block_count(cfg.num_hidden_layers)
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(heads)
+    w.add_head_count_kv(kv_heads)
+    w.add_key_length(head_dim)
+    w.add_value_length(head_dim)
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    w.add_vocab_size(cfg.vocab_size)
+    rope = getattr(cfg, "rope_parameters", None) or {}
+    if architecture == "gemma3":
+        full = rope.get("full_attention", {})
+        w.add_rope_freq_base(full.get("rope_theta", 1e6))
+        if full.get("rope_type", "default") != "default":
+            w.add_string(f"{architecture}.rope.scaling.type", full["rope_type"])
+            w.add_float32(f"{architecture}.rope.scaling.factor", full["factor"])
+        w.add_uint32(f"{architecture}.attention.sliding_window", cfg.sliding_window)
+        types = cfg.layer_types
+        w.add_uint32(f"{architecture}.attention.sliding_window_pattern",
+                     types.index("full_attention") + 1)
+        if cfg.final_logit_softcapping:
+            w.add_float32(f"{architecture}.final_logit_softcapping", cfg.final_logit_softcapping)
+    else:
+        w.add_rope_freq_base(rope.get("rope_theta", 10000.0))
+    tied = bool(cfg.tie_word_embeddings)
+    for name, tensor in model.state_dict().items():
+        if tied and name == "lm_head.weight":
+            continue
+        found = arch.hf_tensor(name)
+        if found is None:
+            raise ValueError(f"{name} has no GGUF name in {architecture}'s table")
+        spec = found.spec
+        gguf_name = spec.gguf if found.layer is None else f"blk.{found.layer}.{spec.gguf}"
+        arr = tensor.float().numpy().copy()
+        if spec.hf_plus_one:
+            arr = arr + 1
+        if spec.rope_permuted and arch.gguf_rope_permuted:  # llama.cpp's permute
+            n = arr.shape[0] // head_dim
+            arr = (arr.reshape(n, 2, arr.shape[0] // n // 2, *arr.shape[1:])
+                   .swapaxes(1, 2).reshape(arr.shape))
+        arr = np.ascontiguousarray(arr, dtype=np.float32)
+        if quant == "Q8_0" and arr.ndim == 2 and arr.shape[1] % 32 == 0:
+            kind = gguf.GGMLQuantizationType.Q8_0
+            data = gguf.quants.quantize(arr, kind)
+            w.add_tensor(gguf_name, data, raw_shape=data.shape, raw_dtype=kind)
+        else:
+            w.add_tensor(gguf_name, arr)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()

@@ -22,6 +22,7 @@ from conveyor.model.layers.gguf_blocks import Q5_0, Q5_1, Q6_K, Q8_0
 from conveyor.model.layers.linear import DenseMethod, PanelMethod
 from conveyor.model.layers.rotary import RotaryEmbedding, rope_inv_freq
 from conveyor.model.llama import DecoderLayer, LlamaForCausalLM
+from conveyor.model.registry import LLAMA
 from gguf_blocks import load_blocks, near_q4_0_blocks, raw_blocks
 
 pytestmark = pytest.mark.skipif(
@@ -52,7 +53,7 @@ def quantized_layer(seed: int = 0, dtype: torch.dtype = torch.float32,
                          block_weights=True, int8_blocks=large == "int8", backend=BACKEND,
                          deterministic=deterministic)
     for linear in layer.projections:
-        linear.process_weights_after_loading(partial(linear_format, kernels))
+        linear.process_weights_after_loading(partial(linear_format, kernels, dtype))
     return layer
 
 
@@ -102,7 +103,7 @@ def test_fused_layers_equal_python_path(dtype, num_seqs, large, deterministic):
         pytest.skip(f"no {large} GEMM for {dtype} here")
     layers = [quantized_layer(0, dtype, large, deterministic),
               quantized_layer(1, dtype, large, deterministic)]
-    fused = DecodeLayers([decode_weights(layer) for layer in layers])
+    fused = DecodeLayers([decode_weights(layer, LLAMA.decode_layer) for layer in layers])
     if deterministic and large is None and not block_panel_gemm_available(dtype):
         # Blocks serve a deterministic step only as BlockPanels; without them the dense
         # weight serves every row, and the fused layers none.
@@ -138,8 +139,8 @@ def _tiny_model(dtype: torch.dtype = torch.float32, large: str | None = None,
     cfg = dataclasses.replace(CFG, num_layers=2)
     model = LlamaForCausalLM(cfg, BACKEND)
     g = torch.Generator().manual_seed(7)
-    model.embed_tokens.weight.data = torch.randn(cfg.vocab_size, cfg.hidden_size, generator=g)
-    model.lm_head.weight.data = torch.randn(cfg.vocab_size, cfg.hidden_size, generator=g)
+    model.embed_tokens.load("weight", None, torch.randn(cfg.vocab_size, cfg.hidden_size, generator=g))
+    model.lm_head.load("weight", None, torch.randn(cfg.vocab_size, cfg.hidden_size, generator=g))
     model.to(dtype)
     model.layers = torch.nn.ModuleList([quantized_layer(0, dtype, large, deterministic),
                                         quantized_layer(1, dtype, large, deterministic)])
@@ -174,10 +175,10 @@ def test_fused_layers_are_used_only_where_they_apply(monkeypatch, dtype, large):
 
     bias = quantized_layer()
     bias.qkv_proj.bias = torch.nn.Parameter(torch.zeros(bias.qkv_proj.out_features))
-    assert decode_weights(bias) is None  # Qwen2-style QKV bias
+    assert decode_weights(bias, LLAMA.decode_layer) is None  # Qwen2-style QKV bias
     dense = quantized_layer()
     dense.o_proj.set_method(dense.o_proj.method.large)
-    assert decode_weights(dense) is None
+    assert decode_weights(dense, LLAMA.decode_layer) is None
     partly = _tiny_model()
     partly.layers[1] = dense
     assert fuse_decode_layers(partly) is None
@@ -254,12 +255,12 @@ def gguf_layer(seed: int, dtype: torch.dtype, deterministic: bool) -> DecoderLay
         for name, (start, stop) in linear.shards.items():
             kind = Q6_K if linear is layer.down_proj else kinds[name]
             blocks = raw_blocks(kind, stop - start, linear.in_features, g)
-            linear.load("weight", name, blocks.dequantize(), blocks)
+            linear.load("weight", name, None, blocks)
     layer.to(dtype)
     kernels = KernelPlan(linear=PanelMethod, block_weights=True, int8_blocks=False,
                          backend=BACKEND, deterministic=deterministic)
     for linear in layer.projections:
-        linear.process_weights_after_loading(partial(linear_format, kernels))
+        linear.process_weights_after_loading(partial(linear_format, kernels, dtype))
     return layer
 
 
@@ -270,7 +271,7 @@ def gguf_layer(seed: int, dtype: torch.dtype, deterministic: bool) -> DecoderLay
 def test_fused_layers_take_quant_panels(dtype, num_seqs, deterministic):
     layers = [gguf_layer(0, dtype, deterministic), gguf_layer(1, dtype, deterministic)]
     assert [p.kind for p in layers[0].qkv_proj.method.small.parts] == [Q5_0, Q5_1, Q8_0]
-    fused = DecodeLayers([decode_weights(layer) for layer in layers])
+    fused = DecodeLayers([decode_weights(layer, LLAMA.decode_layer) for layer in layers])
     assert fused.serves(num_seqs)
     x, residual, cos, sin, (k, v), meta = decode_step(num_seqs, dtype=dtype)
     caches = [(k.clone(), v.clone()), (k.clone() + 1, v.clone() - 1)]
@@ -279,7 +280,7 @@ def test_fused_layers_take_quant_panels(dtype, num_seqs, deterministic):
     assert torch.equal(out, h) and torch.equal(res, expected_res)
     for got, expected in zip(got_caches, expected_caches, strict=True):
         assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1])
-    weights = decode_weights(layers[0])
+    weights = decode_weights(layers[0], LLAMA.decode_layer)
     weights.projections[0] = dataclasses.replace(weights.projections[0], panels=None)
     with pytest.raises(RuntimeError, match="qkv's part 1 codes must have shape"):
         bad = weights.projections[0].blocks
@@ -299,7 +300,7 @@ def test_fused_layers_take_each_layers_window(dtype, deterministic):
     layers = [quantized_layer(0, dtype, None, deterministic),
               quantized_layer(1, dtype, None, deterministic)]
     layers[0].window = window
-    weights = [decode_weights(layer) for layer in layers]
+    weights = [decode_weights(layer, LLAMA.decode_layer) for layer in layers]
     assert [w.window for w in weights] == [window, 0]
     fused = DecodeLayers(weights)
     if not fused.serves(3):

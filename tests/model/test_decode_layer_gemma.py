@@ -21,7 +21,7 @@ from conveyor.model.backends.cpu_kernels import CpuBackend
 from conveyor.model.config import ModelConfig
 from conveyor.model.device import KernelPlan
 from conveyor.model.fused_decode import decode_weights, fuse_decode_layers
-from conveyor.model.gemma3 import LOCAL_ROTARY, Gemma3DecoderLayer, Gemma3ForCausalLM
+from conveyor.model.gemma3 import LOCAL_ROTARY, Gemma3DecoderLayer
 from conveyor.model.kernels.decode_layer import DecodeLayers, decode_layer_available, decode_layers
 from conveyor.model.kernels.paged_attention import attention_kernel_available
 from conveyor.model.kernels.panel_gemm import block_panel_gemm_available, panel_gemm_available
@@ -29,6 +29,7 @@ from conveyor.model.layers.formats import linear_format
 from conveyor.model.layers.gguf_blocks import Q5_0, Q5_1, Q6_K, Q8_0
 from conveyor.model.layers.linear import DenseMethod, PanelMethod
 from conveyor.model.llama import DecoderLayer, LlamaForCausalLM
+from conveyor.model.registry import GEMMA3, architecture
 from gguf_blocks import load_blocks, near_q4_0_blocks, raw_blocks
 
 pytestmark = pytest.mark.skipif(
@@ -68,7 +69,7 @@ def quantize(layer: DecoderLayer, seed: int, dtype: torch.dtype, large: str | No
             for name, (start, stop) in linear.shards.items():
                 kind = Q6_K if linear is layer.down_proj else kinds[name]
                 blocks = raw_blocks(kind, stop - start, linear.in_features, g)
-                linear.load("weight", name, blocks.dequantize(), blocks)
+                linear.load("weight", name, None, blocks)
             continue
         load_blocks(linear, near_q4_0_blocks(linear.out_features, linear.in_features, g))
     layer.to(dtype)
@@ -77,7 +78,7 @@ def quantize(layer: DecoderLayer, seed: int, dtype: torch.dtype, large: str | No
                          int8_blocks=large == "int8", backend=BACKEND,
                          deterministic=deterministic)
     for linear in layer.projections:
-        linear.process_weights_after_loading(partial(linear_format, kernels))
+        linear.process_weights_after_loading(partial(linear_format, kernels, dtype))
     return layer
 
 
@@ -85,11 +86,13 @@ def tiny_model(cfg: ModelConfig, dtype: torch.dtype, large: str | None,
                deterministic: bool) -> LlamaForCausalLM:
     """``cfg``'s model (Gemma 3's or Llama's class) with quantized random layers and its fused
     decode layers (None where they cannot be built here)."""
-    model = (Gemma3ForCausalLM if cfg.architecture == "gemma3" else LlamaForCausalLM)(cfg, BACKEND)
+    model = architecture(cfg.architecture).module_class()(cfg, BACKEND)
     g = torch.Generator().manual_seed(7)
-    model.embed_tokens.weight.data = torch.randn(cfg.vocab_size, cfg.hidden_size, generator=g)
-    if not cfg.tie_word_embeddings:
-        model.lm_head.weight.data = torch.randn(cfg.vocab_size, cfg.hidden_size, generator=g)
+    model.embed_tokens.load("weight", None, torch.randn(cfg.vocab_size, cfg.hidden_size, generator=g))
+    if cfg.tie_word_embeddings:
+        model.lm_head.set_method(DenseMethod(model.embed_tokens.weight))
+    else:
+        model.lm_head.load("weight", None, torch.randn(cfg.vocab_size, cfg.hidden_size, generator=g))
     model.to(dtype)
     model.layers = torch.nn.ModuleList(  # built in float32, loaded, then cast and packed
         quantize(model.make_layer(cfg, i), i, dtype, large, deterministic)
@@ -233,7 +236,7 @@ def test_qk_norm_llama_layers_in_one_call_equal_python_path(monkeypatch, dtype, 
     """Two Llama layers with per-head q/k norms (Qwen3's), on one KV-cache group."""
     model = tiny_model(QWEN3, dtype, large, deterministic)
     assert type(model.layers[0]) is DecoderLayer and model.layers[0].q_norm is not None
-    weights = decode_weights(model.layers[0])
+    weights = decode_weights(model.layers[0], architecture("qwen3").decode_layer)
     assert weights.q_norm is model.layers[0].q_norm.weight and weights.activation == "silu"
     assert weights.post_attention_norm is None and weights.scale is None
     serving(model, num_seqs, dtype, large, deterministic)
@@ -276,7 +279,7 @@ def test_which_layers_fuse():
     """Gemma 3's and q/k-norm layers give their extras; a layer whose norms differ in eps, or a
     projection without blocks, keeps the model on the Python path."""
     gemma = tiny_model(GEMMA, torch.float32, "int8", False)
-    weights = [decode_weights(layer) for layer in gemma.layers]
+    weights = [decode_weights(layer, GEMMA3.decode_layer) for layer in gemma.layers]
     assert [w.window for w in weights] == [WINDOW, WINDOW, 0] * 2
     assert [w.rotary for w in weights] == [LOCAL_ROTARY, LOCAL_ROTARY, 0] * 2
     w = weights[0]
@@ -287,9 +290,12 @@ def test_which_layers_fuse():
     assert w.k_norm is layer.k_norm.weight
     assert gemma.fused_decode is not None and gemma.fused_decode.num_layers == 6
     layer.k_norm.eps = 1e-5
-    assert decode_weights(layer) is None and fuse_decode_layers(gemma) is None
+    assert decode_weights(layer, GEMMA3.decode_layer) is None and fuse_decode_layers(gemma) is None
     dense = Gemma3DecoderLayer(GEMMA, BACKEND, 0)  # dense weights: no blocks
-    assert decode_weights(dense) is None
+    for p in dense.projections:
+        for name, (start, stop) in p.shards.items():
+            p.load("weight", name, torch.zeros(stop - start, p.in_features))
+    assert decode_weights(dense, GEMMA3.decode_layer) is None
     # Sizes the kernel refuses are refused with the argument named, as for Llama's layers.
     bad = dataclasses.replace(weights[1], q_norm=weights[1].q_norm[:16])
     with pytest.raises(RuntimeError, match=r"q_norm must have shape \[32\]"):

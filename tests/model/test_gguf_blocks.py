@@ -87,7 +87,8 @@ def test_a_row_does_not_depend_on_its_batch_or_threads(dtype) -> None:
 def test_stacked_parts_of_mixed_types() -> None:
     """q, k, v of three types (one of them 8-bit blocks): one weight, each part its own kernel."""
     g = torch.Generator().manual_seed(4)
-    parts = [raw_blocks(Q4_K, 64, 256, g), raw_blocks(Q6_K, 32, 256, g), file_blocks(8, 32, 256, g)]
+    parts = [raw_blocks(Q4_K, 64, 256, g), raw_blocks(Q6_K, 32, 256, g),
+             GGUFBlocks.of(file_blocks(8, 32, 256, g))]
     stacked = stack_blocks(parts)
     assert isinstance(stacked, GGUFBlocks) and [p.kind for p in stacked.parts] == [Q4_K, Q6_K, 8]
     weight = torch.cat([p.dequantize() for p in parts])

@@ -14,36 +14,7 @@ from conveyor.executor.model_executor import ModelExecutor
 from conveyor.model.backends.sdpa import TorchBackend
 from conveyor.model.device import select_kernels
 from conveyor.model.kv_cache import KVCache
-from tiny_models import VOCAB, gemma3_model, randomize, save_word_tokenizer
-
-
-def _build(kind: str, path: str):
-    import transformers
-
-    common = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                  bos_token_id=1, eos_token_id=2)
-    if kind == "llama":
-        cfg = transformers.LlamaConfig(**common, tie_word_embeddings=False, rope_parameters={
-            "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-            "original_max_position_embeddings": 32, "rope_theta": 10000.0})
-        model = transformers.LlamaForCausalLM(cfg)
-    elif kind == "llama_tied":
-        cfg = transformers.LlamaConfig(**common, tie_word_embeddings=True)
-        model = transformers.LlamaForCausalLM(cfg)
-    elif kind == "qwen2":
-        cfg = transformers.Qwen2Config(**common, tie_word_embeddings=True)
-        model = transformers.Qwen2ForCausalLM(cfg)
-    elif kind == "gemma3":
-        model = gemma3_model(common, ["sliding_attention", "full_attention"])
-    else:
-        cfg = transformers.Qwen3Config(**common, head_dim=24, tie_word_embeddings=False)
-        model = transformers.Qwen3ForCausalLM(cfg)
-    randomize(model)  # random everything, biases and norms included
-    model.eval()
-    model.save_pretrained(path)
-    save_word_tokenizer(path)
-    return model
+from tiny_models import VOCAB, save_tiny_causal_lm
 
 
 def metadata(ex: ModelExecutor, tables: list[list[int]], starts: list[int], counts: list[int],
@@ -59,7 +30,7 @@ def metadata(ex: ModelExecutor, tables: list[list[int]], starts: list[int], coun
 @pytest.mark.parametrize("attention_kernel", [False, True], ids=["torch", "kernel"])
 @pytest.mark.parametrize("kind", ["llama", "llama_tied", "qwen2", "qwen3", "gemma3"])
 def test_logits_match_transformers(kind: str, attention_kernel: bool, tmp_path) -> None:
-    ref = _build(kind, str(tmp_path))
+    ref = save_tiny_causal_lm(kind, str(tmp_path))
     ex = ModelExecutor(str(tmp_path), dtype="float32", device="cpu")
     cfg = ex.model_config
     if attention_kernel and not getattr(ex.model.backend, "attention_kernel", False):
@@ -107,7 +78,7 @@ def test_missing_files_and_unknown_architecture(tmp_path) -> None:
     with pytest.raises(ValueError, match="config.json"):
         ModelExecutor(str(tmp_path), device="cpu")
 
-    _build("llama", str(tmp_path))
+    save_tiny_causal_lm("llama", str(tmp_path))
     weights = [f for f in os.listdir(tmp_path) if f.endswith(".safetensors")]
     os.rename(tmp_path / weights[0], tmp_path / "moved.bin")
     with pytest.raises(ValueError, match="safetensors"):
@@ -140,7 +111,7 @@ def test_bad_dtype_and_device() -> None:
 
 def test_many_decodes_of_different_lengths(tmp_path) -> None:
     """More decodes than one attention group holds, with contexts of many lengths."""
-    ref = _build("qwen3", str(tmp_path))
+    ref = save_tiny_causal_lm("qwen3", str(tmp_path))
     ex = ModelExecutor(str(tmp_path), dtype="float32", device="cpu")
     cfg = ex.model_config
     block_size, n = 4, 37
@@ -169,7 +140,7 @@ def test_many_decodes_of_different_lengths(tmp_path) -> None:
 
 
 def test_bfloat16_with_prepacked_weights_is_close(tmp_path) -> None:
-    ref = _build("qwen2", str(tmp_path))  # QKV bias: the packed path with a bias
+    ref = save_tiny_causal_lm("qwen2", str(tmp_path))  # QKV bias: the packed path with a bias
     ex = ModelExecutor(str(tmp_path), dtype="bfloat16", device="cpu")
     cfg = ex.model_config
     assert cfg.dtype == "bfloat16"

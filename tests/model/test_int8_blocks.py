@@ -131,7 +131,7 @@ def test_linear_under_integer_compute(bits, dtype) -> None:
     linear.to(dtype)
     kernels = KernelPlan(linear=PanelMethod, block_weights=True, int8_blocks=True,
                          backend=TorchBackend(torch.device("cpu")))
-    linear.process_weights_after_loading(partial(linear_format, kernels))
+    linear.process_weights_after_loading(partial(linear_format, kernels, dtype))
     method = linear.method
     assert isinstance(method, Int8BlockMethod) and linear.weight is None
     assert method.formats == [Q4_0 if bits == 4 else Q8_0]
@@ -180,6 +180,6 @@ def test_refused_arguments() -> None:
     with pytest.raises(RuntimeError, match="must be uint8"):
         int8_block_gemm(x, [Q4_K], [data.view(torch.int8)], [8])
     with pytest.raises(ValueError, match="float32 or bf16 activations"):
-        Int8BlockMethod.pack(blocks, torch.float16)
+        Int8BlockMethod(blocks, torch.float16)
     with pytest.raises(ValueError, match="weight_compute must be one of"):
         select_kernels(torch.device("cpu"), torch.float32, 64, weight_compute="int4")

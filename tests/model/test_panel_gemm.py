@@ -85,15 +85,16 @@ def test_strided_input_is_accepted_and_bad_input_refused() -> None:
 
 @pytest.mark.parametrize("dtype", [torch.float32, BF16])
 def test_linear_with_panels_equals_dense_linear_with_bias(dtype) -> None:
-    layer = Linear(40, 70, bias=True).to(dtype)
-    layer.weight.data.normal_()
+    layer = Linear(40, 70, bias=True)
+    layer.load("weight", None, torch.randn(70, 40))
+    layer.to(dtype)
     layer.bias.data.normal_()
     x = torch.randn(9, 40).to(dtype)
     expected = F.linear(x.double(), layer.weight.double(), layer.bias.double())
     dense = layer.weight.data.clone()
     plan = KernelPlan(linear=PanelMethod, block_weights=False, int8_blocks=False,
                       backend=TorchBackend(torch.device("cpu")))
-    layer.process_weights_after_loading(partial(linear_format, plan))
+    layer.process_weights_after_loading(partial(linear_format, plan, dtype))
     assert isinstance(layer.method, PanelMethod) and layer.weight is None
     assert torch.equal(layer.dense_weight(), dense)
     tol = 1e-5 if dtype == torch.float32 else 2 ** -7  # bf16: the product and the bias add round

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from conveyor.model.kernels.block_matmul import block_matmul_available
+from conveyor.model.layers.gguf_blocks import Q8_0
 from conveyor.model.layers.quantized import (
     BF16_MAX_TOKENS,
     GROUP,
@@ -104,14 +105,16 @@ def test_shipped_model_blocks_are_its_weights():
     reader = gguf.GGUFReader(default_model_path())
     config = read_gguf_config(reader, "model.gguf")
     tensors = {t.weight.name: t for t in read_gguf_tensors(reader, config, blocks=True)}
+    dense = {t.weight.name: t for t in read_gguf_tensors(reader, config)}  # blocks not asked
+    assert all(t.blocks is None and t.dense is not None for t in dense.values())
     with_blocks = [t for t in tensors.values() if t.blocks is not None]
     assert len(with_blocks) >= 4 * config.num_layers  # q, k, v, o, gate, up, down are 4-bit
+    assert all(t.dense is None for t in with_blocks)  # kept as blocks: never dequantized
     for name in ("model.layers.0.self_attn.q_proj.weight", "model.layers.7.mlp.down_proj.weight",
                  "model.embed_tokens.weight"):  # the embedding is Q8_0
-        t = tensors[name]
-        torch.testing.assert_close(t.blocks.dequantize(), t.dense, rtol=0, atol=0)
-    assert isinstance(tensors["model.embed_tokens.weight"].blocks, Int8Blocks)
-    assert all(t.blocks is None for t in read_gguf_tensors(reader, config))  # not asked
+        torch.testing.assert_close(tensors[name].blocks.dequantize(), dense[name].dense,
+                                   rtol=0, atol=0)
+    assert [p.kind for p in tensors["model.embed_tokens.weight"].blocks.parts] == [Q8_0]
 
 
 @needs_kernel

@@ -1,4 +1,4 @@
-"""The checkpoint-name table (model/weights.py) and the one-pass load (loader.load_weights):
+"""The checkpoint-name table (model/weights.py, read through model/registry.py) and the one-pass load (loader.load_weights):
 GGUF and transformers names meet in one entry, tensor-parallel slices tile every tensor, and a
 checkpoint with a tensor missing, unknown or of the wrong shape is refused by name."""
 
@@ -12,15 +12,8 @@ from conveyor.model.config import ModelConfig
 from conveyor.model.layers.parallel import shard_plan
 from conveyor.model.llama import LlamaForCausalLM
 from conveyor.model.loader import load_weights
-from conveyor.model.weights import (
-    CheckpointTensor,
-    Split,
-    checkpoint_weights,
-    gguf_tensor,
-    hf_tensor,
-    rank_holds,
-    rank_slice,
-)
+from conveyor.model.registry import LLAMA
+from conveyor.model.weights import CheckpointTensor, Split, rank_holds, rank_slice
 
 TORCH = TorchBackend(torch.device("cpu"))
 CFG = ModelConfig(name="tiny", architecture="llama", num_layers=2, hidden_size=64,
@@ -29,16 +22,16 @@ CFG = ModelConfig(name="tiny", architecture="llama", num_layers=2, hidden_size=6
 
 
 def test_gguf_and_transformers_names_meet_in_one_entry() -> None:
-    weights = checkpoint_weights(CFG.num_layers)
+    weights = LLAMA.checkpoint_weights(CFG.num_layers)
     assert len({w.name for w in weights}) == len(weights)
     for w in weights:
-        assert hf_tensor(w.name) == w
+        assert LLAMA.hf_tensor(w.name) == w
         gguf = w.spec.gguf if w.layer is None else f"blk.{w.layer}.{w.spec.gguf}"
-        assert gguf_tensor(gguf) == w
-    q = hf_tensor("model.layers.1.self_attn.q_proj.weight")
+        assert LLAMA.gguf_tensor(gguf) == w
+    q = LLAMA.hf_tensor("model.layers.1.self_attn.q_proj.weight")
     assert (q.module, q.spec.param, q.spec.shard) == ("layers.1.qkv_proj", "weight", "q_proj")
-    assert hf_tensor("model.layers.0.mlp.gate_proj.bias") is None
-    assert gguf_tensor("blk.0.ffn_gate_inp.weight") is None
+    assert LLAMA.hf_tensor("model.layers.0.mlp.gate_proj.bias") is None
+    assert LLAMA.gguf_tensor("blk.0.ffn_gate_inp.weight") is None
 
 
 def _shape(w, cfg: ModelConfig) -> tuple[int, ...]:
@@ -62,7 +55,7 @@ def test_rank_slices_tile_every_tensor(size, whole_sums) -> None:
     output rows, every rank holding a slice."""
     plans = [shard_plan(CFG, r, size, whole_sums) for r in range(size)]
     row_parallel = (Split.QUERY_COLUMNS, Split.INTER_COLUMNS, Split.FIRST_RANK)
-    for w in checkpoint_weights(1):
+    for w in LLAMA.checkpoint_weights(1):
         shape = _shape(w, CFG)
         held = [r for r, p in enumerate(plans) if rank_holds(w.spec, p)]
         slices = [rank_slice(w.spec, plans[r], CFG.head_dim) for r in held]
@@ -84,7 +77,7 @@ def test_rank_slices_tile_every_tensor(size, whole_sums) -> None:
 def _checkpoint(cfg: ModelConfig) -> list[CheckpointTensor]:
     g = torch.Generator().manual_seed(0)
     return [CheckpointTensor(w, torch.randn(*_shape(w, cfg), generator=g))
-            for w in checkpoint_weights(cfg.num_layers)
+            for w in LLAMA.checkpoint_weights(cfg.num_layers)
             if not w.spec.optional and not w.spec.module.endswith(("q_norm", "k_norm"))]
 
 
@@ -106,7 +99,7 @@ def test_a_bad_checkpoint_is_refused_by_name() -> None:
     missing = [t for t in tensors if t.weight.name != "model.layers.1.mlp.up_proj.weight"]
     with pytest.raises(ValueError, match="'model.layers.1.mlp.up_proj.weight' is missing"):
         load_weights(LlamaForCausalLM(CFG, TORCH), missing)
-    q_norm = CheckpointTensor(hf_tensor("model.layers.0.self_attn.q_norm.weight"), torch.ones(16))
+    q_norm = CheckpointTensor(LLAMA.hf_tensor("model.layers.0.self_attn.q_norm.weight"), torch.ones(16))
     with pytest.raises(ValueError, match="unexpected weight 'model.layers.0.self_attn.q_norm"):
         load_weights(LlamaForCausalLM(CFG, TORCH), tensors + [q_norm])  # a Llama layer has no q_norm
     wrong = [CheckpointTensor(t.weight, t.dense[:-1]) if t.weight.name.endswith("v_proj.weight")

@@ -9,8 +9,8 @@ import os
 
 import torch
 
-from conveyor.lora.adapter import MODULES, module_shapes
 from conveyor.model.config import ModelConfig
+from conveyor.model.registry import architecture
 
 
 def write_random_adapters(cfg: ModelConfig, count: int, rank: int, root: str,
@@ -18,7 +18,7 @@ def write_random_adapters(cfg: ModelConfig, count: int, rank: int, root: str,
     """``count`` adapter directories under ``root``; their paths."""
     from safetensors.torch import save_file
 
-    shapes = module_shapes(cfg)
+    targets = architecture(cfg.architecture).lora_targets(cfg)
     gen = torch.Generator().manual_seed(seed)
     paths = []
     for k in range(count):
@@ -26,15 +26,14 @@ def write_random_adapters(cfg: ModelConfig, count: int, rank: int, root: str,
         os.makedirs(path, exist_ok=True)
         tensors = {}
         for layer in range(cfg.num_layers):
-            for module in MODULES:
-                out, inp = shapes[module]
-                part = "self_attn" if module in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp"
-                name = f"base_model.model.model.layers.{layer}.{part}.{module}"
+            for target in targets.values():
+                out, inp = target.shape
+                name = f"base_model.model.model.layers.{layer}.{target.path}"
                 tensors[f"{name}.lora_A.weight"] = 0.02 * torch.randn(rank, inp, generator=gen)
                 tensors[f"{name}.lora_B.weight"] = 0.02 * torch.randn(out, rank, generator=gen)
         save_file(tensors, os.path.join(path, "adapter_model.safetensors"))
         with open(os.path.join(path, "adapter_config.json"), "w") as f:
             json.dump({"peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank,
-                       "target_modules": list(MODULES), "bias": "none"}, f)
+                       "target_modules": list(targets), "bias": "none"}, f)
         paths.append(path)
     return paths

@@ -15,7 +15,6 @@ from dataclasses import dataclass, field
 import torch
 
 from conveyor.distributed.group import LONG_WAIT_S, broadcast
-from conveyor.lora.adapter import MODULES as LORA_MODULES
 
 STEP, INIT_CACHE, SHUTDOWN, ENABLE_LORA, LORA_SLOT = 0, 1, 2, 3, 4
 # kind, tokens, entries, table width, logits rows, swap-out, swap-in, copy, extra, LoRA slots,
@@ -103,13 +102,14 @@ def _payload_sizes(h: list[int]) -> list[int]:
 
 
 def lora_slot_message(slot: int, weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]],
-                      scale: float) -> tuple[StepMessage, torch.Tensor]:
+                      scale: float, modules: list[str]) -> tuple[StepMessage, torch.Tensor]:
     """Rank 0: the message that puts an adapter in ``slot`` on every rank, and the float32
     payload broadcast after it (the scale, then each pair's whole A and B: every rank takes
-    its own shard, ``LlamaForCausalLM.set_lora_slot``)."""
+    its own shard, ``LlamaForCausalLM.set_lora_slot``); ``modules``: the model's LoRA targets
+    (``lora.adapter.module_shapes``), a module sent as its index there."""
     extra, parts = [slot], [torch.tensor([scale])]
     for (layer, module), (a, b) in sorted(weights.items()):
-        extra += [layer, LORA_MODULES.index(module), a.shape[0]]
+        extra += [layer, modules.index(module), a.shape[0]]
         parts += [a.float().flatten(), b.float().flatten()]
     return StepMessage(kind=LORA_SLOT, extra=extra), torch.cat(parts)
 
@@ -117,9 +117,9 @@ def lora_slot_message(slot: int, weights: dict[tuple[int, str], tuple[torch.Tens
 def receive_lora_slot(msg: StepMessage, shapes: dict[str, tuple[int, int]]) -> tuple[
         int, dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]], float]:
     """Other ranks: the float payload of a LORA_SLOT message -> (slot, weights, scale);
-    ``shapes``: each module's full (out, in)."""
-    entries = msg.extra[1:]
-    pairs = [(layer, LORA_MODULES[m], r) for layer, m, r in zip(*[iter(entries)] * 3, strict=True)]
+    ``shapes``: each module's full (out, in) (``lora.adapter.module_shapes``)."""
+    entries, modules = msg.extra[1:], list(shapes)
+    pairs = [(layer, modules[m], r) for layer, m, r in zip(*[iter(entries)] * 3, strict=True)]
     size = 1 + sum(r * sum(shapes[module]) for _, module, r in pairs)
     flat = broadcast(torch.zeros(size), 0)
     scale, pos, weights = float(flat[0]), 1, {}

@@ -31,7 +31,7 @@ from conveyor.executor.kv_tier_store import TierStore
 from conveyor.executor.model_fingerprint import model_fingerprint
 from conveyor.executor.model_runner import ModelRunner
 from conveyor.executor.proposer import Proposer
-from conveyor.lora.adapter import LoRAAdapter
+from conveyor.lora.adapter import LoRAAdapter, module_shapes
 from conveyor.model.config import ModelConfig
 from conveyor.model.device import (
     configure_cpu_allocator,
@@ -139,7 +139,8 @@ class ModelExecutor:
         """Put ``adapter`` (its weights as ``conveyor.lora.adapter`` reads them) in ``slot``,
         in place of what the slot held."""
         if self.workers is not None:
-            msg, payload = lora_slot_message(slot, adapter.weights, adapter.scale)
+            msg, payload = lora_slot_message(slot, adapter.weights, adapter.scale,
+                                             list(module_shapes(self.runner.config)))
             self.workers.send(msg)
             self.workers.send_tensor(payload)
         self.runner.set_lora_slot(slot, adapter.weights, adapter.scale)

@@ -69,7 +69,8 @@ class ModelRunner:
     def __init__(self, loaded: LoadedModel, device: torch.device, seed: int = 0,
                  max_num_seqs: int = 64, cuda_graphs: bool = False,
                  trim_after_long_steps: bool = False) -> None:
-        """``cuda_graphs``: replay decode steps from CUDA graphs (on CUDA, one process)."""
+        """``cuda_graphs``: replay decode steps from CUDA graphs (on CUDA, one process, with a
+        backend that ``captures_decode``; eager steps elsewhere)."""
         self.model = loaded.model
         self.config = loaded.config
         self.backend = loaded.kernels.backend
@@ -80,7 +81,8 @@ class ModelRunner:
         self.max_num_seqs = max_num_seqs
         self.kv_cache_groups = model_kv_cache_groups(self.config)
         self.layer_slots = layer_slots(self.kv_cache_groups, self.config.num_layers)
-        self.use_cuda_graphs = cuda_graphs and device.type == "cuda"
+        self.use_cuda_graphs = (cuda_graphs and device.type == "cuda"
+                                and self.backend.captures_decode)
         # eager decode steps (with graphs off too) plan as the graph they would pad to
         self.backend.plan_decode(self.config.max_position_embeddings, self.config.num_kv_heads,
                                  graph_batch_sizes(max_num_seqs))

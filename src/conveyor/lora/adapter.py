@@ -1,8 +1,9 @@
 """Read a PEFT LoRA adapter (``adapter_config.json`` + ``adapter_model.safetensors``) into the
 A and B matrices of each projection, checked against the base model's shapes.
 
-PEFT names a weight ``base_model.model.model.layers.N.<self_attn|mlp>.<proj>.lora_A.weight``
-([r, in]) and ``...lora_B.weight`` ([out, r]); the update is ``B @ A * scale`` with
+PEFT names a weight ``base_model.model.model.layers.N.<path>.lora_A.weight`` ([r, in]) and
+``...lora_B.weight`` ([out, r]), ``<path>`` a projection's in transformers' model
+(``self_attn.q_proj``: the architecture's LoRA targets, ``model/registry.py``); the update is ``B @ A * scale`` with
 ``scale = lora_alpha / r``, or ``lora_alpha / sqrt(r)`` with rsLoRA. Anything PEFT can write
 that this engine would compute differently (biases, DoRA, extra trained modules, per-module
 ranks, layers of another shape) is refused with the reason.
@@ -19,10 +20,9 @@ from dataclasses import dataclass, field
 import torch
 
 from conveyor.model.config import ModelConfig
+from conveyor.model.registry import architecture
 
-MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-_NAME = re.compile(r"(?:base_model\.model\.)?model\.layers\.(\d+)\.(?:self_attn|mlp)\."
-                   r"(\w+)\.lora_([AB])\.weight")
+_NAME = re.compile(r"(?:base_model\.model\.)?model\.layers\.(\d+)\.(.+)\.lora_([AB])\.weight")
 
 
 @dataclass
@@ -35,11 +35,10 @@ class LoRAAdapter:
 
 
 def module_shapes(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
-    """(out, in) of each projection LoRA may target, in the base model's full shapes."""
-    q, kv, h, i = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, \
-        cfg.hidden_size, cfg.intermediate_size
-    return {"q_proj": (q, h), "k_proj": (kv, h), "v_proj": (kv, h), "o_proj": (h, q),
-            "gate_proj": (i, h), "up_proj": (i, h), "down_proj": (h, i)}
+    """(out, in) of each projection LoRA may target, in the base model's full shapes, by PEFT
+    module name in the architecture's table order (the tensor-parallel wire's module numbers)."""
+    return {name: t.shape for name, t in
+            architecture(cfg.architecture).lora_targets(cfg).items()}
 
 
 def load_adapter(name: str, path: str, cfg: ModelConfig, max_rank: int) -> LoRAAdapter:
@@ -74,14 +73,15 @@ def load_adapter(name: str, path: str, cfg: ModelConfig, max_rank: int) -> LoRAA
     from safetensors.torch import load_file
 
     tensors = load_file(weights_path)
-    shapes = module_shapes(cfg)
+    targets = {t.path: t for t in architecture(cfg.architecture).lora_targets(cfg).values()}
     parts: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
     for key, tensor in tensors.items():
         m = _NAME.fullmatch(key)
-        if m is None or m.group(2) not in MODULES or int(m.group(1)) >= cfg.num_layers:
+        if m is None or m.group(2) not in targets or int(m.group(1)) >= cfg.num_layers:
             raise ValueError(f"LoRA adapter {name!r}: weight {key!r} names no projection of "
                              f"this model's {cfg.num_layers} layers")
-        parts.setdefault((int(m.group(1)), m.group(2)), {})[m.group(3)] = tensor
+        parts.setdefault((int(m.group(1)), targets[m.group(2)].name), {})[m.group(3)] = tensor
+    shapes = module_shapes(cfg)
     if not parts:
         raise ValueError(f"LoRA adapter {name!r}: {weights_path} holds no LoRA weights")
     adapter = LoRAAdapter(name, rank, scale)

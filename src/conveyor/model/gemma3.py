@@ -123,7 +123,3 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
             logits = torch.tanh(logits / cap) * cap
         return logits if hidden_indices is None else (logits, hidden)
 
-
-def model_class(architecture: str) -> type[LlamaForCausalLM]:
-    """The model that runs ``architecture`` (a key of ``config.SUPPORTED_ARCHITECTURES``)."""
-    return Gemma3ForCausalLM if architecture == "gemma3" else LlamaForCausalLM

@@ -1,7 +1,8 @@
-"""Read a GGUF file: config from its metadata, its tensors as ``model/weights.py``'s table names
-them, dequantized, and the quantized ones the kernels read also as their blocks: 4-bit (Q4_0 /
-Q4_1) and 8-bit (Q8_0) ones unpacked (``layers/quantized.py``), Q5_0 / Q5_1 and the K-quants
-(Q4_K / Q5_K / Q6_K) in the file's bytes (``layers/gguf_blocks.py``).
+"""Read a GGUF file: config from its metadata (through the architecture's declaration,
+``model/registry.py``), its tensors as the architecture's table names them: the quantized ones
+the kernels read (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 and the K-quants Q4_K / Q5_K / Q6_K) as the file's
+bytes (``layers/gguf_blocks.py``'s ``GGUFBlocks``, parsed once, never dequantized) when the
+loader keeps blocks, the others dequantized to float32.
 
 llama.cpp's converter permutes the rows of Llama's Q and K projections (to interleaved rope
 pairs); we undo that so the weights work with the HF "rotate_half" rotary layout.
@@ -18,27 +19,11 @@ from typing import Any
 import numpy as np
 import torch
 
-from conveyor.model.config import (
-    FULL,
-    GEMMA3_LOCAL_ROPE_THETA,
-    GEMMA3_SLIDING_WINDOW_PATTERN,
-    SLIDING,
-    SUPPORTED_ARCHITECTURES,
-    ModelConfig,
-    check_architecture,
-    window_pattern,
-)
-from conveyor.model.layers.gguf_blocks import RAW_TYPES, FileBlocks, GGUFBlocks
+from conveyor.model.config import ModelConfig
+from conveyor.model.layers.gguf_blocks import LAYOUTS, GGUFBlocks
 from conveyor.model.layers.parallel import ShardPlan
-from conveyor.model.layers.quantized import GROUP, Int4Blocks, Int8Blocks
-from conveyor.model.weights import (
-    ROPE_FREQS,
-    CheckpointTensor,
-    WeightSpec,
-    gguf_tensor,
-    rank_holds,
-    rank_slice,
-)
+from conveyor.model.registry import architecture
+from conveyor.model.weights import ROPE_FREQS, CheckpointTensor, WeightSpec, rank_holds, rank_slice
 
 # A reader opened by a check before loading (``keep=True``), handed to the next open of the
 # same unchanged file, so that checking first costs no second parse of the metadata.
@@ -98,7 +83,7 @@ def _field(reader: Any, key: str, default: Any = None) -> Any:
 
 def read_gguf_config(reader: Any, name: str) -> ModelConfig:
     arch = _field(reader, "general.architecture", "")
-    check_architecture(arch, f"{name} (general.architecture)")
+    declared = architecture(arch, f"{name} (general.architecture)")
 
     def need(key: str) -> Any:
         v = _field(reader, f"{arch}.{key}")
@@ -129,37 +114,13 @@ def read_gguf_config(reader: Any, name: str) -> ModelConfig:
         rms_norm_eps=float(_field(reader, f"{arch}.attention.layer_norm_rms_epsilon", 1e-6)),
         rope_theta=float(_field(reader, f"{arch}.rope.freq_base", 10000.0)),
         tie_word_embeddings=not has_output,
-        attention_bias=SUPPORTED_ARCHITECTURES[arch]["attention_bias"],
-        qk_norm=SUPPORTED_ARCHITECTURES[arch]["qk_norm"],
+        attention_bias=declared.attention_bias,
+        qk_norm=declared.qk_norm,
         bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id"),
     )
-    if arch == "gemma3":
-        _gemma3_config(reader, config)
+    if declared.gguf_config is not None:
+        declared.gguf_config(config, lambda key, default: _field(reader, f"{arch}.{key}", default))
     return config
-
-
-def _gemma3_config(reader: Any, config: ModelConfig) -> None:
-    """Gemma 3's fields as llama.cpp reads them: the window from ``gemma3.attention.
-    sliding_window``, its layout from ``...sliding_window_pattern`` where the file has it (a
-    period, or a per-layer list of booleans), else every sixth layer global; the sliding layers'
-    rope base fixed at 10,000; the full layers' ``rope.scaling``; the attention scale
-    1/sqrt(head_dim), but 1/sqrt(hidden / heads) for the 62-layer 27B model."""
-    arch = "gemma3"
-    config.sliding_window = int(_field(reader, f"{arch}.attention.sliding_window", 4096))
-    pattern = _field(reader, f"{arch}.attention.sliding_window_pattern")
-    config.sliding_window_pattern = (
-        window_pattern([SLIDING if bool(p) else FULL for p in pattern], config.num_layers,
-                       f"GGUF file {config.name}") if isinstance(pattern, list)
-        else int(pattern or GEMMA3_SLIDING_WINDOW_PATTERN))
-    config.rope_local_theta = GEMMA3_LOCAL_ROPE_THETA
-    kind = _field(reader, f"{arch}.rope.scaling.type")
-    if kind not in (None, "none"):
-        config.rope_scaling = {"rope_type": kind,
-                               "factor": float(_field(reader, f"{arch}.rope.scaling.factor", 1.0))}
-    config.query_pre_attn_scalar = (config.hidden_size // config.num_heads
-                                    if config.num_layers == 62 else config.head_dim)
-    config.final_logit_softcapping = _field(reader, f"{arch}.final_logit_softcapping")
-    config.hidden_activation = "gelu_pytorch_tanh"
 
 
 def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -172,7 +133,7 @@ def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
 def _fix_rows(spec: WeightSpec, arr: np.ndarray, cfg: ModelConfig) -> np.ndarray:
     """Undo llama.cpp's Q/K row permutation (rows come first in every array passed; they may
     be a rank's slice of whole heads: the permutation stays within a head)."""
-    if cfg.architecture == "llama" and spec.rope_permuted:
+    if spec.rope_permuted and architecture(cfg.architecture).gguf_rope_permuted:
         return _unpermute(arr, arr.shape[0] // cfg.head_dim)
     return arr
 
@@ -197,36 +158,14 @@ def _sliced_data(t: Any, spec: WeightSpec, plan: ShardPlan | None,
     return data[:, sl.start // block * type_size: sl.stop // block * type_size]
 
 
-def _blocks(t: Any, raw: np.ndarray, spec: WeightSpec,
-            cfg: ModelConfig) -> FileBlocks | None:
-    """A Q4_0 / Q4_1 tensor as 4-bit codes, scales and minimums (w = scale * code + min), a
-    Q8_0 one as 8-bit codes and scales (w = scale * code), a Q5_0 / Q5_1 / Q4_K / Q5_K / Q6_K
-    one as its bytes; None for other types (and 1-D tensors)."""
-    from gguf import GGMLQuantizationType as Q
-
-    if raw.ndim != 2:
+def _blocks(t: Any, raw: np.ndarray, spec: WeightSpec, cfg: ModelConfig) -> GGUFBlocks | None:
+    """The tensor's bytes as ``GGUFBlocks`` (its rows unpermuted where llama.cpp permuted
+    them); None for types without a kernel here (and 1-D tensors)."""
+    if raw.ndim != 2 or int(t.tensor_type) not in LAYOUTS:
         return None
-    if t.tensor_type in RAW_TYPES:
-        # a copy: raw may be a read-only view of the mapped file
-        return GGUFBlocks.from_file(int(t.tensor_type),
-                                    torch.from_numpy(np.array(_fix_rows(spec, raw, cfg))))
-    if t.tensor_type not in (Q.Q4_0, Q.Q4_1, Q.Q8_0):
-        return None
-    rows = raw.shape[0]
-    head = 4 if t.tensor_type == Q.Q4_1 else 2  # fp16 d (Q4_1: then fp16 m), then the codes
-    code_bytes = GROUP if t.tensor_type == Q.Q8_0 else GROUP // 2
-    blocks = raw.reshape(rows, -1, head + code_bytes)
-    scale = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
-    if t.tensor_type == Q.Q8_0:
-        codes = blocks[..., head:].copy().view(np.int8).reshape(rows, -1)
-        parts = [np.ascontiguousarray(_fix_rows(spec, a, cfg)) for a in (codes, scale)]
-        return Int8Blocks(*(torch.from_numpy(a) for a in parts))
-    low = (blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
-           if t.tensor_type == Q.Q4_1 else -8 * scale)
-    nibbles = blocks[..., head:]
-    codes = np.concatenate([nibbles & 0xF, nibbles >> 4], axis=-1).reshape(rows, -1)
-    parts = [np.ascontiguousarray(_fix_rows(spec, a, cfg)) for a in (codes, scale, low)]
-    return Int4Blocks(*(torch.from_numpy(a) for a in parts))
+    # a copy: raw may be a read-only view of the mapped file
+    return GGUFBlocks.from_file(int(t.tensor_type),
+                                torch.from_numpy(np.array(_fix_rows(spec, raw, cfg))))
 
 
 def _dequantized(t: Any, data: np.ndarray, spec: WeightSpec, cfg: ModelConfig) -> torch.Tensor:
@@ -255,18 +194,20 @@ def read_gguf_rope_freqs(reader: Any) -> torch.Tensor | None:
 
 def read_gguf_tensors(reader: Any, cfg: ModelConfig, plan: ShardPlan | None = None,
                       blocks: bool = False) -> Iterator[CheckpointTensor]:
-    """Every tensor of the file (but the rope factors) in the table of ``model/weights.py``,
-    dequantized to float32, one at a time; with a tensor-parallel ``plan`` only this rank's
-    slice of each, cut from the file's bytes before anything is dequantized. ``blocks``: the
-    quantized tensors the kernels read come with their blocks too, undequantized."""
+    """Every tensor of the file (but the rope factors) in the architecture's table, one at a
+    time, dequantized to float32; with a tensor-parallel ``plan`` only this rank's slice of each,
+    cut from the file's bytes before anything is dequantized. ``blocks``: the quantized tensors
+    the kernels read come as their blocks instead, undequantized."""
+    arch = architecture(cfg.architecture)
     for t in reader.tensors:
         if t.name == ROPE_FREQS:
             continue
-        weight = gguf_tensor(t.name, cfg.architecture)
+        weight = arch.gguf_tensor(t.name)
         if weight is None:
             raise ValueError(f"unknown GGUF tensor {t.name!r}")
         if not rank_holds(weight.spec, plan):
             continue
         data = _sliced_data(t, weight.spec, plan, cfg)
-        yield CheckpointTensor(weight, _dequantized(t, data, weight.spec, cfg),
-                               _blocks(t, data, weight.spec, cfg) if blocks else None)
+        kept = _blocks(t, data, weight.spec, cfg) if blocks else None
+        yield CheckpointTensor(weight, None if kept is not None else
+                               _dequantized(t, data, weight.spec, cfg), kept)

@@ -27,7 +27,8 @@ from conveyor.model.layers.parallel import (
     vocab_parallel_rows,
 )
 from conveyor.model.layers.rotary import RotaryEmbedding, rope_inv_freq
-from conveyor.model.weights import weight_slice
+from conveyor.model.registry import architecture
+from conveyor.model.weights import rank_slice
 
 MLP_CHUNK_TOKENS = 1024
 
@@ -269,22 +270,22 @@ class LlamaForCausalLM(nn.Module):
         what the slot held (empty ``weights``: clears it)."""
         if self.lora is None:
             raise ValueError("LoRA is not enabled on this model (enable_lora)")
-        fused = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj",
-                 "o_proj": "o_proj", "gate_proj": "gate_up_proj", "up_proj": "gate_up_proj",
-                 "down_proj": "down_proj"}
+        arch = architecture(self.config.architecture)
+        targets = arch.lora_targets(self.config)
         parts: dict[tuple[int, str], dict[str, tuple[torch.Tensor, torch.Tensor]]] = {}
         for (i, module), (a, b) in weights.items():
+            target = targets[module]
             if self.plan is not None:  # B's rows of a column-parallel projection, else A's columns
-                block = "self_attn" if module in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp"
-                part = weight_slice(f"model.layers.{i}.{block}.{module}.weight", self.plan,
-                                    self.config.head_dim, self.config.architecture)
-                if part.axis == 0:
+                spec = arch.hf_tensor(f"model.layers.{i}.{target.path}.weight").spec
+                part = rank_slice(spec, self.plan, self.config.head_dim)
+                if part is not None and part.axis == 0:
                     b = b[part.start:part.stop]
-                else:
+                elif part is not None:
                     a = a[:, part.start:part.stop]
-            parts.setdefault((i, fused[module]), {})[module] = (a, b * scale)
+            parts.setdefault((i, target.module), {})[module] = (a, b * scale)
+        modules = dict.fromkeys(t.module for t in targets.values())
         for i, layer in enumerate(self.layers):
-            for name in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"):
+            for name in modules:
                 getattr(layer, name).lora.set_slot(slot, parts.get((i, name), {}))
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:

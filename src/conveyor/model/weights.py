@@ -1,23 +1,23 @@
-"""One table of a checkpoint's tensors per architecture (the Llama family's, Gemma 3's): each
-one's name in transformers' safetensors and in llama.cpp's GGUF, the parameter of the model
-(``LlamaForCausalLM``, ``Gemma3ForCausalLM``) it loads into (and its part of a stacked
-projection: q/k/v in ``qkv_proj``, gate/up in ``gate_up_proj``), and how tensor parallelism
-splits it (``layers/parallel.py``).
+"""The checkpoint-name tables an architecture's declaration names (``model/registry.py``; the
+Llama family's, Gemma 3's): each tensor's name in transformers' safetensors and in llama.cpp's
+GGUF, the parameter of the model it loads into (and its part of a stacked projection: q/k/v in
+``qkv_proj``, gate/up in ``gate_up_proj``), and how tensor parallelism splits it
+(``layers/parallel.py``).
 
-Loaders look each tensor up here before reading it (``gguf_tensor``, ``hf_tensor``), so a rank
+Loaders look each tensor up in the table before reading it (``Architecture.gguf_tensor``,
+``hf_tensor``), so a rank
 reads, and for GGUF dequantizes, only its slice (``rank_slice``): its peak memory is about 1/N
 of the weights, not all of them. Shapes are [out, in] as transformers stores them.
 """
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 from enum import Enum
 
 import torch
 
-from conveyor.model.layers.gguf_blocks import FileBlocks
+from conveyor.model.layers.gguf_blocks import GGUFBlocks
 from conveyor.model.layers.parallel import ShardPlan
 
 
@@ -115,13 +115,6 @@ GEMMA3_MODEL_WEIGHTS = (
     _gemma_norm("model.norm.weight", "output_norm.weight", "norm"),
     MODEL_WEIGHTS[2],
 )
-# architecture -> (its layers' tensors, the model's others); the Llama family's by default
-_TABLES = {"gemma3": (GEMMA3_LAYER_WEIGHTS, GEMMA3_MODEL_WEIGHTS)}
-
-
-def _table(architecture: str) -> tuple[tuple[WeightSpec, ...], tuple[WeightSpec, ...]]:
-    return _TABLES.get(architecture, (LAYER_WEIGHTS, MODEL_WEIGHTS))
-
 
 # Not a parameter: llama 3's rope frequency factors in a GGUF file, which the model is built with.
 ROPE_FREQS = "rope_freqs.weight"
@@ -145,44 +138,12 @@ class CheckpointWeight:
 
 @dataclass
 class CheckpointTensor:
-    """One tensor as a loader read it: float32, this rank's slice, and the file's own blocks
-    where it stores them (GGUF Q4_0 / Q4_1 / Q8_0 as ``Blocks``, Q5_0 / Q5_1 / Q4_K / Q5_K /
-    Q6_K as ``GGUFBlocks``) and the loader was asked for them."""
+    """One tensor as a loader read it, this rank's slice: dense (float32), or where a GGUF file
+    stores it as blocks the kernels read (Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 / Q4_K / Q5_K /
+    Q6_K) and the loader was asked for them, those blocks alone, undequantized."""
     weight: CheckpointWeight
-    dense: torch.Tensor
-    blocks: FileBlocks | None = None
-
-
-def _lookup(name: str, layer_prefix: re.Pattern, field: str,
-            architecture: str) -> CheckpointWeight | None:
-    layer_weights, model_weights = _table(architecture)
-    m = layer_prefix.fullmatch(name)
-    if m is not None:
-        found = [s for s in layer_weights if getattr(s, field) == m.group(2)]
-        return CheckpointWeight(found[0], int(m.group(1))) if found else None
-    found = [s for s in model_weights if getattr(s, field) == name]
-    return CheckpointWeight(found[0]) if found else None
-
-
-_HF_LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
-_GGUF_LAYER = re.compile(r"blk\.(\d+)\.(.+)")
-
-
-def hf_tensor(name: str, architecture: str = "llama") -> CheckpointWeight | None:
-    """The architecture's table's entry for a transformers tensor name, None when it has none."""
-    return _lookup(name, _HF_LAYER, "hf", architecture)
-
-
-def gguf_tensor(name: str, architecture: str = "llama") -> CheckpointWeight | None:
-    """The architecture's table's entry for a GGUF tensor name, None when it has none."""
-    return _lookup(name, _GGUF_LAYER, "gguf", architecture)
-
-
-def checkpoint_weights(num_layers: int, architecture: str = "llama") -> list[CheckpointWeight]:
-    """Every entry of the architecture's table for a model of ``num_layers`` layers."""
-    layer_weights, model_weights = _table(architecture)
-    return ([CheckpointWeight(s) for s in model_weights]
-            + [CheckpointWeight(s, i) for i in range(num_layers) for s in layer_weights])
+    dense: torch.Tensor | None
+    blocks: GGUFBlocks | None = None
 
 
 @dataclass(frozen=True)
@@ -227,13 +188,3 @@ def rank_slice(spec: WeightSpec, plan: ShardPlan | None, head_dim: int) -> Weigh
     }
     axis, (start, stop) = ranges[spec.split]
     return WeightSlice(axis, start, stop)
-
-
-def weight_slice(name: str, plan: ShardPlan | None, head_dim: int,
-                 architecture: str = "llama") -> WeightSlice | None:
-    """``rank_slice`` of the tensor named ``name`` by transformers (an adapter's A or B takes
-    its projection's)."""
-    found = hf_tensor(name, architecture)
-    if found is None:
-        raise ValueError(f"unknown weight {name!r}")
-    return rank_slice(found.spec, plan, head_dim)

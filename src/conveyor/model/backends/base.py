@@ -31,12 +31,16 @@ class StepMetadata:
 
 
 class Backend:
-    """The ops a model's layers call. A step's entries come ordered decodes (one token) first,
-    then prefill chunks; ``proposals_as_decodes``: a decode carrying draft tokens is laid out
-    as one-token entries (each attending to its own prefix) rather than as a chunk."""
+    """Everything the model runner and a model's layers call on a backend. A step's entries come
+    ordered decodes (one token) first, then prefill chunks; ``proposals_as_decodes``: a decode
+    carrying draft tokens is laid out as one-token entries (each attending to its own prefix)
+    rather than as a chunk; ``captures_decode``: ``decode_metadata`` builds a decode step's
+    metadata from tensors already on the device, so that a CUDA graph can capture it (the
+    runner replays decode steps from graphs only then)."""
 
     name: str
     proposals_as_decodes: bool = True
+    captures_decode: bool = False
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
@@ -45,6 +49,13 @@ class Backend:
                        counts: list[int], block_size: int, num_queries_per_kv: int,
                        dtype: torch.dtype) -> StepMetadata:
         raise NotImplementedError
+
+    def decode_metadata(self, slot_mapping: torch.Tensor, positions: torch.Tensor,
+                        block_tables: torch.Tensor, seq_lens: torch.Tensor) -> StepMetadata:
+        """A decode step's metadata over tensors already on the device (a CUDA graph's static
+        inputs), where ``captures_decode``."""
+        raise NotImplementedError(f"the {self.name} backend builds no decode metadata from "
+                                  "device tensors (captures_decode is False)")
 
     def plan_decode(self, max_context: int, num_kv_heads: int,
                     decode_batch_sizes: list[int]) -> None:

@@ -40,6 +40,7 @@ class TritonMetadata(StepMetadata):
 class TritonBackend(TorchBackend):
     name = "triton"
     proposals_as_decodes = False  # the prefill kernel attends a proposal as one causal chunk
+    captures_decode = True
 
     def __init__(self, device: torch.device) -> None:
         super().__init__(device)
@@ -86,8 +87,6 @@ class TritonBackend(TorchBackend):
 
     def decode_metadata(self, slot_mapping: torch.Tensor, positions: torch.Tensor,
                         block_tables: torch.Tensor, seq_lens: torch.Tensor) -> TritonMetadata:
-        """A decode step's metadata over tensors already on the device (a CUDA graph's static
-        inputs)."""
         n = slot_mapping.shape[0]
         no_prefill = torch.zeros(1, dtype=torch.int32, device=self.device)
         return TritonMetadata(slot_mapping, positions, block_tables, seq_lens, no_prefill, n, 0,

@@ -4,8 +4,9 @@
 * ``BlockMethod``: the file's blocks, multiplied as stored, serve calls of up to their
   ``max_tokens`` rows, where reading the weight dominates and the blocks are fewer bytes; another
   format (a dense one) serves the larger calls. The row-count switch
-  lives here, and only here. 4-bit and 8-bit blocks (Q4_0, Q4_1, Q8_0) take ``pack_blocks``'
-  layouts; the other types (Q5_0, Q5_1, K-quants, and stacks that mix types) ``QuantPanels``.
+  lives here, and only here. A weight of one 4-bit or 8-bit type (Q4_0, Q4_1, Q8_0) takes
+  ``pack_blocks``' layouts; the other types (Q5_0, Q5_1, K-quants, and stacks that mix types)
+  ``QuantPanels``. Both pack from the file's bytes (``GGUFBlocks``).
 * ``Int8BlockMethod``: integer compute (``weight_compute="int8"``): the file's blocks, every type
   and every number of rows, multiplied as integers against activations rounded to 8 bits per
   row and block of 32 (``kernels/int8_blocks.cpp``): the same bits whatever the batch, the
@@ -18,7 +19,7 @@ import torch
 
 from conveyor.model.kernels.decode_layer import DecodeProjection
 from conveyor.model.kernels.int8_blocks import int8_block_gemm, int8_panel_lanes
-from conveyor.model.layers.gguf_blocks import FileBlocks, GGUFBlocks, GGUFPart, QuantPanels
+from conveyor.model.layers.gguf_blocks import GGUFBlocks, GGUFPart, QuantPanels, int_blocks
 from conveyor.model.layers.linear import LinearMethod, PanelMethod
 from conveyor.model.layers.quantized import (
     BlockPanels,
@@ -34,19 +35,13 @@ class Int8BlockMethod(LinearMethod):
     the activations' (float32 or bf16, what ``dense_weight`` gives)."""
 
     def __init__(self, blocks: GGUFBlocks, dtype: torch.dtype) -> None:
+        if dtype not in (torch.float32, torch.bfloat16):
+            raise ValueError(f"int8 blocks run with float32 or bf16 activations, not {dtype}")
         self.dtype, self.lanes = dtype, int8_panel_lanes()
         self.out_features = blocks.out_features
         self.formats = [p.kind for p in blocks.parts]
         self.data = [p.lane_panels(self.lanes) for p in blocks.parts]
         self.sizes = [p.data.shape[0] for p in blocks.parts]
-
-    @staticmethod
-    def pack(blocks: FileBlocks, dtype: torch.dtype) -> Int8BlockMethod | None:
-        """None where the blocks have no form in a file's bytes (``GGUFBlocks.of``)."""
-        if dtype not in (torch.float32, torch.bfloat16):
-            raise ValueError(f"int8 blocks run with float32 or bf16 activations, not {dtype}")
-        converted = GGUFBlocks.of(blocks)
-        return None if converted is None else Int8BlockMethod(converted, dtype)
 
     def apply(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         y = int8_block_gemm(x, self.formats, self.data, self.sizes)
@@ -75,12 +70,13 @@ class BlockMethod(LinearMethod):
         self.out_features, self.dtype = large.out_features, large.dtype
 
     @staticmethod
-    def pack(blocks: FileBlocks, large: LinearMethod, deterministic: bool = False) -> BlockMethod:
+    def pack(blocks: GGUFBlocks, large: LinearMethod, deterministic: bool = False) -> BlockMethod:
         """``deterministic``: small batches get the large ones' bits (``pack_blocks``,
         ``QuantPanels.pack``)."""
-        if isinstance(blocks, GGUFBlocks):
+        codes = int_blocks(blocks)
+        if codes is None:
             return BlockMethod(QuantPanels.pack(blocks, large.dtype, deterministic), large)
-        return BlockMethod(pack_blocks(blocks, large.dtype, deterministic), large)
+        return BlockMethod(pack_blocks(codes, large.dtype, deterministic), large)
 
     def apply(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if x.shape[0] <= self.max_tokens:

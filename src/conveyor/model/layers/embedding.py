@@ -1,8 +1,7 @@
 """The token embedding: a [vocab, hidden] table (under tensor parallelism this rank's rows of the
-vocabulary, ``layers/parallel.py``), looked up in its dense Parameter or, once a GGUF file's
-8-bit blocks of it (or its bytes of another type, ``GGUFBlocks``) are loaded and no lm_head
-multiplies by the dense table, in those (``rows``): a model whose lm_head holds a packed copy of
-its own then keeps one table, not two.
+vocabulary, ``layers/parallel.py``), looked up in its dense Parameter or, where a GGUF file
+stores it as blocks (``GGUFBlocks``, any type), in those (``rows``): the blocks are loaded as
+they are, and no dense table is made unless a tied lm_head multiplies by one.
 """
 
 from __future__ import annotations
@@ -11,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from conveyor.model.layers.gguf_blocks import FileBlocks, GGUFBlocks
+from conveyor.model.layers.gguf_blocks import GGUFBlocks, int_blocks
 from conveyor.model.layers.parameters import load_rows, new_parameter
 from conveyor.model.layers.quantized import Int8Blocks
 
@@ -19,31 +18,49 @@ from conveyor.model.layers.quantized import Int8Blocks
 class VocabEmbedding(nn.Module):
     def __init__(self, num_embeddings: int, embedding_dim: int) -> None:
         super().__init__()
-        self.weight: nn.Parameter | None = new_parameter(num_embeddings, embedding_dim)
-        # the checkpoint's blocks (one unnamed shard), shared with a tied lm_head (Linear.tie)
-        self.blocks: dict[None, FileBlocks] = {}
+        self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
+        # the dense table, made when the checkpoint brings it dense (load)
+        self.weight: nn.Parameter | None = None
+        # the checkpoint's blocks (one unnamed shard), read by a tied lm_head (Linear.tie)
+        self.blocks: dict[None, GGUFBlocks] = {}
         self.table: Int8Blocks | GGUFBlocks | None = None  # serves lookups in place of the weight
         self.dtype = torch.float32  # the rows' from the table
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if self.table is not None:
             return self.table.rows(ids, self.dtype)
+        if self.weight is None:
+            raise RuntimeError("this embedding has no table: load one (VocabEmbedding.load)")
         return F.embedding(ids, self.weight)
 
-    def load(self, param: str, shard: None, tensor: torch.Tensor,
-             blocks: FileBlocks | None = None) -> None:
-        """The checkpoint's table, and its blocks where the file stores it so."""
-        load_rows(self.weight, 0, self.weight.shape[0], tensor)
+    def load(self, param: str, shard: None, tensor: torch.Tensor | None,
+             blocks: GGUFBlocks | None = None) -> None:
+        """The checkpoint's table: its blocks where the file stores it so, else dense."""
         if blocks is not None:
+            if (blocks.out_features, blocks.in_features) != (self.num_embeddings,
+                                                             self.embedding_dim):
+                raise ValueError(f"got blocks of shape ({blocks.out_features}, "
+                                 f"{blocks.in_features}), expected ({self.num_embeddings}, "
+                                 f"{self.embedding_dim})")
             self.blocks[shard] = blocks
+            return
+        if self.weight is None:
+            self.weight = new_parameter(self.num_embeddings, self.embedding_dim)
+        load_rows(self.weight, 0, self.num_embeddings, tensor)
 
-    def process_weights_after_loading(self, shared: bool) -> None:
-        """Look rows up in the checkpoint's 8-bit blocks or ``GGUFBlocks``, the dense table
-        dropped, unless it is ``shared`` with an lm_head that multiplies by it."""
+    def process_weights_after_loading(self, dtype: torch.dtype,
+                                      shared: nn.Parameter | None = None) -> None:
+        """Look rows up in the checkpoint's blocks (in ``dtype``; Q8_0 ones as ``Int8Blocks``,
+        fewer operations a lookup), or in ``shared``, the dense table a tied lm_head multiplies
+        by (made from those blocks), where there is one."""
         blocks, self.blocks = self.blocks.get(None), {}
-        if isinstance(blocks, (Int8Blocks, GGUFBlocks)) and not shared:
-            self.dtype = self.weight.dtype
-            self.table, self.weight = blocks, None
+        if blocks is None:
+            return
+        if shared is not None:
+            self.weight = shared
+            return
+        codes = int_blocks(blocks)
+        self.dtype, self.table = dtype, codes if isinstance(codes, Int8Blocks) else blocks
 
     def nbytes(self) -> int:
         """Bytes of the table held outside the Parameter (its blocks)."""

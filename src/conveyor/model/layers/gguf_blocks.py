@@ -1,12 +1,14 @@
-"""Weights kept in a GGUF file's own bytes, for the types without a layout of their own in
-``layers/quantized.py``: Q5_0 and Q5_1 (blocks of 32 weights, 5-bit codes, fp16 scale and
-minimum) and the K-quants Q4_K, Q5_K, Q6_K (super-blocks of 256 weights with 6-bit or 8-bit
-sub-block scales and fp16 super-scales), which Q4_K_M files are made of.
+"""A quantized weight as a GGUF file stores it: the one form the loader parses a tensor into,
+from which every format packs its own layout (``layers/block_method.py``). The types: Q4_0,
+Q4_1, Q8_0 (blocks of 32 weights, 4-bit or 8-bit codes, an fp16 scale, Q4_1 an fp16 minimum),
+Q5_0 and Q5_1 (5-bit codes) and the K-quants Q4_K, Q5_K, Q6_K (super-blocks of 256 weights with
+6-bit or 8-bit sub-block scales and fp16 super-scales), which Q4_K_M files are made of.
 
 * ``GGUFBlocks``: a weight as the file stores it, one ``GGUFPart`` per run of rows of one type
   (a stacked projection may mix types: Q4_K_M files keep some V projections in Q6_K beside
-  Q4_K queries and keys; ``GGUFBlocks.of`` gives Q4_0 / Q4_1 / Q8_0 blocks the same form so that
-  they mix too). ``dequantize`` equals gguf's, bit for bit; ``rows`` serves embedding lookups.
+  Q4_K queries and keys). ``dequantize`` equals gguf's, bit for bit; ``rows`` serves embedding
+  lookups; ``int_blocks`` gives a Q4_0 / Q4_1 / Q8_0 weight's codes and scales to
+  ``layers/quantized.py``'s layouts (``GGUFBlocks.of`` the way back).
 * ``QuantPanels``: the same bytes repacked by panels of ``panel_width()`` outputs (none added
   where the outputs fill whole panels) for ``kernels/quant_panels.cpp``, which gives the panel
   GEMM's bits over the dequantized weight, whatever the number of rows: ``BlockMethod``'s small
@@ -33,8 +35,6 @@ from conveyor.model.layers.quantized import BF16_MAX_TOKENS, GROUP, Int4Blocks, 
 Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K = 2, 3, 6, 7, 8, 12, 13, 14
 NAMES = {Q4_0: "Q4_0", Q4_1: "Q4_1", Q5_0: "Q5_0", Q5_1: "Q5_1", Q8_0: "Q8_0", Q4_K: "Q4_K",
          Q5_K: "Q5_K", Q6_K: "Q6_K"}
-# The types the loader keeps as GGUFBlocks (the rest of NAMES have their own formats).
-RAW_TYPES = (Q5_0, Q5_1, Q4_K, Q5_K, Q6_K)
 # The code each type's zero sits at, where it has no minimum.
 OFFSETS = {Q4_0: 8, Q5_0: 16, Q8_0: 128, Q6_K: 32}
 
@@ -251,19 +251,24 @@ class GGUFBlocks:
         return sum(p.data.numel() for p in self.parts)
 
 
-FileBlocks = Int4Blocks | Int8Blocks | GGUFBlocks  # a weight as a GGUF file stores it
-
-
-def stack_blocks(parts: list[FileBlocks | None]) -> FileBlocks | None:
-    """A stacked projection's blocks from its parts' (None: not all of them have blocks, or
-    they do not mix): one kind's ``cat``, else all of them as ``GGUFBlocks``."""
-    if not parts or None in parts:
+def stack_blocks(parts: list[GGUFBlocks | None]) -> GGUFBlocks | None:
+    """A stacked projection's blocks from its parts' (None: not all of them have blocks)."""
+    if not parts or any(p is None for p in parts):
         return None
-    kinds = {type(p) for p in parts}
-    if len(kinds) == 1:
-        return kinds.pop().cat(parts)
-    converted = [GGUFBlocks.of(p) for p in parts]
-    return None if None in converted else GGUFBlocks.cat(converted)
+    return GGUFBlocks.cat(parts)
+
+
+def int_blocks(blocks: GGUFBlocks) -> Int4Blocks | Int8Blocks | None:
+    """A weight of one 4-bit (Q4_0 / Q4_1) or 8-bit (Q8_0) type as codes and float32 scales
+    (and minimums) for ``layers/quantized.py``'s layouts; None for other types and mixes."""
+    if len(blocks.parts) != 1 or blocks.parts[0].kind not in (Q4_0, Q4_1, Q8_0):
+        return None
+    part = blocks.parts[0]
+    u, s, m = _decode(part.kind, part.blocks())
+    scale = s[..., 0].contiguous()
+    if part.kind == Q8_0:
+        return Int8Blocks((u.to(torch.int16) - 128).to(torch.int8), scale)
+    return Int4Blocks(u, scale, (-8 * scale) if m is None else m[..., 0].contiguous())
 
 
 def quant_panel_gemm(x: torch.Tensor, kind: int, codes: torch.Tensor, header: torch.Tensor,

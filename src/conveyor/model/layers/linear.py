@@ -1,14 +1,20 @@
 """``Linear``: y = x W^T (+ b), W held by one ``LinearMethod`` (a weight format and the kernel
 that multiplies it), through a load's lifecycle as vLLM's linear methods go:
 
-1. the weights are created: ``__init__`` makes the dense [out, in] Parameter every checkpoint
-   loads into and names the parts of a stacked projection (``shards``: q/k/v, gate/up);
-2. ``load`` copies one checkpoint tensor into its rows, and keeps the file's own quantized
-   blocks where it has them (GGUF; ``layers/quantized.py``);
-3. ``process_weights_after_loading`` lays the weight out in the format this device runs
-   (``layers/formats.py``, from ``conveyor.model.device.select_kernels``' plan), which replaces
-   the dense Parameter, so memory is not doubled;
+1. ``__init__`` names the parts of a stacked projection (``shards``: q/k/v, gate/up) and
+   creates no weight: what a checkpoint brings decides what is kept;
+2. ``load`` takes one checkpoint tensor into its shard: a dense one into rows of the dense
+   [out, in] Parameter (made by the first), or a GGUF file's blocks (``layers/gguf_blocks.py``'s
+   ``GGUFBlocks``, the one stored form of a quantized tensor) as they are, never dequantized;
+3. ``process_weights_after_loading`` has the format chosen for this device
+   (``layers/formats.py``, from ``conveyor.model.device.select_kernels``' plan) pack its own
+   layout from what was loaded: the blocks alone under integer compute, a dense format made from
+   them (one weight at a time) where one is needed; the dense Parameter is dropped when the
+   format keeps another layout, so memory is not doubled;
 4. ``forward`` is the method's ``apply``, plus LoRA adapters' updates (``layers/lora.py``).
+
+The loader finds every ``Linear`` by walking the model's module tree, so a projection of any
+shape (an expert's, a router, a projector) goes through the same steps.
 
 The formats of a dense weight, one per CPU capability (vLLM's ``quant_method`` idea):
 
@@ -19,8 +25,7 @@ The formats of a dense weight, one per CPU capability (vLLM's ``quant_method`` i
 * ``OneDnnMethod``: bf16 on CPUs with AMX (oneDNN's AMX GEMM beats the panels) or native bf16
   without AVX512-BF16, and float32 without a C++ compiler: oneDNN's packed layout, made once.
 
-A checkpoint's blocks get ``layers/block_method.py``'s formats, which multiply them as stored
-at small batches.
+A checkpoint's blocks get ``layers/block_method.py``'s formats, which multiply them as stored.
 """
 
 from __future__ import annotations
@@ -34,7 +39,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from conveyor.model.kernels.panel_gemm import pack_panels, panel_gemm, unpack_panels
-from conveyor.model.layers.gguf_blocks import FileBlocks, GGUFBlocks, stack_blocks
+from conveyor.model.layers.gguf_blocks import GGUFBlocks, stack_blocks
 from conveyor.model.layers.lora import LoRALayer
 from conveyor.model.layers.parameters import load_rows, new_parameter
 
@@ -161,46 +166,74 @@ class Linear(nn.Module):
         self.shards: dict[str | None, tuple[int, int]] = {
             name: (end - size, end) for (name, size), end in zip(sizes.items(), ends, strict=True)}
         self.in_features, self.out_features = in_features, out_features
-        self.weight: nn.Parameter | None = new_parameter(out_features, in_features)
+        # the dense [out, in] weight, made by the first dense tensor loaded (load)
+        self.weight: nn.Parameter | None = None
         self.bias = new_parameter(out_features, zero=True) if bias else None
         # the checkpoint's blocks of each shard, until process_weights_after_loading
-        self.blocks: dict[str | None, FileBlocks] = {}
-        self.method: LinearMethod = DenseMethod(self.weight)
+        self.blocks: dict[str | None, GGUFBlocks] = {}
+        # DenseMethod over the dense weight once loaded; the device's format after loading
+        self.method: LinearMethod | None = None
+        self.tied: VocabEmbedding | None = None  # the embedding whose table this layer is
+        self.processed = False  # process_weights_after_loading has run
         self.lora: LoRALayer | None = None  # LoRA adapters' updates (model.enable_lora)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.method is None:
+            raise RuntimeError("this Linear has no weight: load one (Linear.load)")
         y = self.method.apply(x, self.bias)
         return y if self.lora is None else self.lora.apply(x, y)
 
-    def load(self, param: str, shard: str | None, tensor: torch.Tensor,
-             blocks: FileBlocks | None = None) -> None:
-        """Copy a checkpoint tensor into ``param``'s rows of ``shard`` (a bias the layer lacks is
-        made, zero where no shard fills it); ``blocks``: the file's own blocks of a weight."""
+    def load(self, param: str, shard: str | None, tensor: torch.Tensor | None,
+             blocks: GGUFBlocks | None = None) -> None:
+        """One checkpoint tensor into ``param``'s rows of ``shard`` (a bias the layer lacks is
+        made, zero where no shard fills it): a weight's ``blocks`` as they are (no dense rows
+        then), else the dense ``tensor``."""
         start, stop = self.shards[shard]
-        if param == "bias" and self.bias is None:
-            self.bias = new_parameter(self.out_features, zero=True)
-        load_rows(self.bias if param == "bias" else self.weight, start, stop, tensor)
-        if blocks is not None and param == "weight":
-            rows = blocks.out_features if isinstance(blocks, GGUFBlocks) else blocks.codes.shape[0]
-            if rows != stop - start:
-                raise ValueError(f"blocks of {rows} rows for {stop - start}")
+        if param == "bias":
+            if self.bias is None:
+                self.bias = new_parameter(self.out_features, zero=True)
+            load_rows(self.bias, start, stop, tensor)
+        elif blocks is not None:
+            if (blocks.out_features, blocks.in_features) != (stop - start, self.in_features):
+                raise ValueError(f"got blocks of shape ({blocks.out_features}, "
+                                 f"{blocks.in_features}), expected ({stop - start}, "
+                                 f"{self.in_features})")
             self.blocks[shard] = blocks
+        else:
+            if self.weight is None:
+                self.weight = new_parameter(self.out_features, self.in_features)
+            load_rows(self.weight, start, stop, tensor)
+            self.method = DenseMethod(self.weight)
 
     def tie(self, embedding: VocabEmbedding) -> None:
-        """Share a (tied) embedding's dense weight and checkpoint blocks, until
-        ``process_weights_after_loading`` lays out a copy of its own."""
-        self.weight = embedding.weight
-        self.blocks = embedding.blocks
-        self.method = DenseMethod(self.weight)
+        """Multiply by a (tied) embedding's table: what the embedding loads, this layer lays
+        out in its own format after loading."""
+        self.tied = embedding
 
     def process_weights_after_loading(
-            self, choose: Callable[[nn.Parameter, FileBlocks | None], LinearMethod]) -> None:
-        """Lay the loaded weight out in the format ``choose`` gives for it and for the
-        checkpoint's blocks, where every shard came as blocks (``stack_blocks``, else None):
-        ``layers/formats.py``'s ``linear_format``. Inference only, after ``.to()``."""
-        blocks = stack_blocks([self.blocks.get(name) for name in self.shards])
+            self, choose: Callable[[nn.Parameter | None, GGUFBlocks | None], LinearMethod]
+    ) -> None:
+        """Lay the loaded weight out in the format ``choose`` gives for the dense weight (None
+        where every shard came as blocks) and the checkpoint's blocks (``stack_blocks``: None
+        unless every shard came as blocks): ``layers/formats.py``'s ``linear_format``. Where some
+        shards came dense and others as blocks, the blocks are dequantized into the dense rows.
+        Inference only, after ``.to()``."""
+        weight, shard_blocks = self.weight, self.blocks
+        if self.tied is not None:
+            weight, shard_blocks = self.tied.weight, self.tied.blocks
+        parts = [shard_blocks.get(name) for name in self.shards]
+        blocks = stack_blocks(parts)
+        if blocks is None and any(p is not None for p in parts):
+            if weight is None:
+                raise ValueError("a stacked weight needs all of its shards loaded")
+            for name, part in shard_blocks.items():
+                start, stop = self.shards[name]
+                weight.data[start:stop] = part.dequantize().to(weight.dtype)
+        if weight is None and blocks is None:
+            raise ValueError("no weight was loaded")
         self.blocks = {}
-        self.set_method(choose(self.weight, blocks))
+        self.set_method(choose(weight, blocks))
+        self.processed = True
 
     def set_method(self, method: LinearMethod) -> None:
         """Hold the weight in ``method``'s format from now on; a format other than
@@ -209,8 +242,7 @@ class Linear(nn.Module):
             raise ValueError(f"method has {method.out_features} outputs for a "
                              f"{self.out_features}-output layer")
         self.method = method
-        if not isinstance(method, DenseMethod):
-            self.weight = None
+        self.weight = method.weight if isinstance(method, DenseMethod) else None
 
     def weight_bytes(self, rows: int) -> int:
         """Bytes of weight a call with ``rows`` rows reads."""
