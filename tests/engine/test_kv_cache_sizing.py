@@ -8,7 +8,9 @@ import logging
 from types import SimpleNamespace
 
 import pytest
+import torch
 
+from conveyor.distributed.group import ParallelConfig
 from conveyor.engine import llm_engine
 from conveyor.engine.args import EngineArgs
 from conveyor.engine.llm_engine import DEFAULT_CPU_KV_CACHE_BYTES, _num_blocks
@@ -20,7 +22,9 @@ GiB = 2**30
 @pytest.fixture
 def executor(monkeypatch):
     monkeypatch.setattr(llm_engine, "_available_memory", lambda device: 64 * GiB)
-    return SimpleNamespace(device="cpu", kv_cache_bytes_per_block=lambda block_size: BLOCK_BYTES)
+    return SimpleNamespace(device=torch.device("cpu"), parallel=ParallelConfig(),
+                           kv_cache_groups=(),
+                           kv_cache_bytes_per_block=lambda block_size: BLOCK_BYTES)
 
 
 def test_the_default_fits_the_work(executor, caplog) -> None:

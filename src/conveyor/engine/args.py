@@ -181,20 +181,24 @@ _HELP = {
                "model's sentence-transformers pooling config, else last)",
 }
 
-_CHOICES = {
-    "dtype": ["auto", "bfloat16", "float32", "float16"],
-    "kv_cache_dtype": ["auto", "bfloat16", "float32", "float16"],
-    "weight_compute": ["auto", "float", "int8"],
-    "device": ["auto", "cpu", "cuda"],
-    **{name: choice.values() for name, choice in CHOICE_FIELDS.items()},
-    "speculative_method": ["ngram", "draft_model"],
-    "pooling": ["last", "mean", "cls"],
-    "kv_transfer": ["producer", "consumer"],
-}
+def _choices() -> dict[str, list[str]]:
+    """Each flag's values, from the module that owns them (imported here, not at the top:
+    ``EngineArgs`` itself stays importable without torch)."""
+    from conveyor.core.pooling_params import POOLING_METHODS
+    from conveyor.core.spec_decode.config import METHODS
+    from conveyor.engine.kv_transfer import KV_TRANSFER_ROLES
+    from conveyor.model.device import DEVICES, DTYPES, KV_CACHE_DTYPES, WEIGHT_COMPUTE
+
+    return {"dtype": list(DTYPES), "kv_cache_dtype": list(KV_CACHE_DTYPES),
+            "weight_compute": list(WEIGHT_COMPUTE), "device": list(DEVICES),
+            **{name: list(choice.values()) for name, choice in CHOICE_FIELDS.items()},
+            "speculative_method": list(METHODS), "pooling": list(POOLING_METHODS),
+            "kv_transfer": list(KV_TRANSFER_ROLES)}
 
 
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("engine")
+    choices = _choices()
     defaults = EngineArgs()
     for f in dataclasses.fields(EngineArgs):
         flag = "--" + f.name.replace("_", "-")
@@ -208,7 +212,7 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
             kind = int
         if f.name == "kv_cache_memory":
             kind = float
-        group.add_argument(flag, type=kind, default=default, choices=_CHOICES.get(f.name),
+        group.add_argument(flag, type=kind, default=default, choices=choices.get(f.name),
                            help=f"{_HELP[f.name]} (default: {default})")
 
 

@@ -30,6 +30,8 @@ from conveyor.core.kv_connector.inbound import InboundKVScheduler
 from conveyor.core.kv_connector.keys import KEY_BYTES, root_key
 from conveyor.core.kv_connector.offload import TieredOffloadScheduler
 from conveyor.engine.args import EngineArgs
+from conveyor.engine.kv_transfer import KV_TRANSFER_ROLES
+from conveyor.executor.base import EngineExecutor
 from conveyor.executor.kv_block_file import header_size
 
 logger = logging.getLogger("conveyor.engine")
@@ -48,13 +50,13 @@ def offload_config(args: EngineArgs) -> KVOffloadConfig:
                            args.kv_offload_disk_bytes)
 
 
-def setup_kv_connector(args: EngineArgs, executor: Any) -> KVConnectorSetup:
+def setup_kv_connector(args: EngineArgs, executor: EngineExecutor) -> KVConnectorSetup:
     """Both halves of the offloading connector and the KV event log the args ask for (after
     ``executor.initialize_cache``)."""
     config = offload_config(args)
     if not isinstance(args.kv_events, bool):
         raise ValueError(f"kv_events must be a bool, got {args.kv_events!r}")
-    if args.kv_transfer not in (None, "producer", "consumer"):
+    if args.kv_transfer is not None and args.kv_transfer not in KV_TRANSFER_ROLES:
         raise ValueError(f"kv_transfer must be None, 'producer' or 'consumer', got "
                          f"{args.kv_transfer!r}")
     if not config.enabled and not args.kv_events and args.kv_transfer is None:
@@ -65,9 +67,6 @@ def setup_kv_connector(args: EngineArgs, executor: Any) -> KVConnectorSetup:
                          "connector")
     if config.enabled or args.kv_transfer is not None:
         _check_supported(args, executor, "--kv-offload-*" if config.enabled else "--pd")
-    if not hasattr(executor, "kv_identity"):
-        raise ValueError(f"KV offload and KV events need an executor that names its KV "
-                         f"contents (kv_identity); {type(executor).__name__} does not")
     block_size = args.block_size
     namespace = blake2b(executor.kv_identity(block_size).encode(),
                         digest_size=KEY_BYTES).digest()
@@ -92,7 +91,7 @@ def setup_kv_connector(args: EngineArgs, executor: Any) -> KVConnectorSetup:
     return KVConnectorSetup(connector, events, namespace)
 
 
-def _check_supported(args: EngineArgs, executor: Any, flag: str) -> None:
+def _check_supported(args: EngineArgs, executor: EngineExecutor, flag: str) -> None:
     what = ("KV offload (--kv-offload-*)" if flag == "--kv-offload-*"
             else "prefill/decode disaggregation (--pd)")
     if not args.enable_prefix_caching:
@@ -101,11 +100,10 @@ def _check_supported(args: EngineArgs, executor: Any, flag: str) -> None:
         raise ValueError(f"{what} does not support tensor parallelism yet "
                          "(--tensor-parallel-size > 1): each rank's share of a block would have "
                          "to move with it")
-    device = str(getattr(executor, "device", "cpu"))
-    if not device.startswith("cpu"):
+    if executor.device.type != "cpu":
         raise ValueError(f"{what} runs on the CPU device only for now; "
-                         f"this engine runs on {device!r}")
-    groups = getattr(executor, "kv_cache_groups", ())
+                         f"this engine runs on {str(executor.device)!r}")
+    groups = executor.kv_cache_groups
     if len(groups) > 1:
         raise ValueError(f"{what} does not support hybrid KV caches yet: "
                          f"this model's layers form {len(groups)} KV-cache groups "
@@ -113,9 +111,6 @@ def _check_supported(args: EngineArgs, executor: Any, flag: str) -> None:
     if args.speculative_method == "draft_model":
         raise ValueError(f"{what} does not support --speculative-method "
                          "draft_model: the draft model's KV cache would not follow the loads")
-    if not hasattr(executor, "start_kv_offload"):
-        raise ValueError(f"{what} needs an executor with a KV connector runner half; "
-                         f"{type(executor).__name__} has none")
 
 
 def _tier_blocks(flag: str, num_bytes: int, stored: int, block_size: int) -> int:

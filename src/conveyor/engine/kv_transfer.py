@@ -27,6 +27,8 @@ from conveyor.core.kv_connector.keys import BlockRecord, block_records, extend_b
 from conveyor.core.prefix_hash import extend_block_hashes, root_hash
 from conveyor.executor.kv_block_file import encode_header
 
+KV_TRANSFER_ROLES = ("producer", "consumer")  # EngineArgs.kv_transfer's values
+
 
 @dataclass(frozen=True, slots=True)
 class StoredBlock:

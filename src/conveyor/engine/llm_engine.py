@@ -37,6 +37,9 @@ from conveyor.lora.request import LoRARequest
 from conveyor.model.pooling_config import PoolingConfig, read_pooling_config
 
 if TYPE_CHECKING:
+    import torch
+
+    from conveyor.executor.base import EngineExecutor
     from conveyor.structured_outputs import StructuredOutputManager
 
 DEFAULT_MAX_MODEL_LEN_CAP = 8192
@@ -53,7 +56,8 @@ logger = logging.getLogger("conveyor.engine")
 
 
 class LLMEngine:
-    def __init__(self, engine_args: EngineArgs | None = None, executor: Any | None = None) -> None:
+    def __init__(self, engine_args: EngineArgs | None = None,
+                 executor: EngineExecutor | None = None) -> None:
         """``executor``: an already loaded ModelExecutor-like object to use instead of loading
         ``engine_args.model`` (its KV cache is (re)initialized here)."""
         self.engine_args = args = engine_args or EngineArgs()
@@ -107,7 +111,7 @@ class LLMEngine:
                 num_gpu_blocks=self.num_gpu_blocks,
                 num_cpu_blocks=self.num_cpu_blocks,
                 enable_prefix_caching=args.enable_prefix_caching,
-                kv_cache_groups=getattr(self.executor, "kv_cache_groups", ()),
+                kv_cache_groups=self.executor.kv_cache_groups,
             ),
             eos_token_ids=tuple(self.model_config.eos_token_ids),
             clock=self._clock,
@@ -138,9 +142,7 @@ class LLMEngine:
             self._grammar.compile_cache.shutdown()
         if self.lora_pool is not None:
             self.lora_pool.shutdown()
-        shutdown = getattr(self.executor, "shutdown", None)
-        if shutdown is not None:
-            shutdown()
+        self.executor.shutdown()
 
     # ------------------------------------------------------------------ requests
 
@@ -530,15 +532,15 @@ def _max_model_len(args: EngineArgs, max_positions: int) -> int:
     return args.max_model_len
 
 
-def _num_blocks(args: EngineArgs, executor: Any, max_model_len: int | None = None
+def _num_blocks(args: EngineArgs, executor: EngineExecutor, max_model_len: int | None = None
                 ) -> tuple[int, int]:
     """(GPU-pool blocks, CPU swap-pool blocks) from the memory budgets in ``args``
     (``bytes_per_block``: on one rank, for its share of the KV heads). Without a budget, on the
     CPU: room for ``max_num_seqs`` sequences of ``max_model_len`` tokens, at most
     ``DEFAULT_CPU_KV_CACHE_BYTES`` and a quarter of the available memory."""
     bytes_per_block = executor.kv_cache_bytes_per_block(args.block_size)
-    local_ranks = getattr(getattr(executor, "parallel", None), "local_ranks", 1)
-    on_cuda = str(getattr(executor, "device", "cpu")).startswith("cuda")
+    local_ranks = executor.parallel.local_ranks
+    on_cuda = executor.device.type == "cuda"
     budget = args.kv_cache_memory
     if args.num_gpu_blocks is not None:
         if args.num_gpu_blocks < 1:
@@ -555,7 +557,7 @@ def _num_blocks(args: EngineArgs, executor: Any, max_model_len: int | None = Non
         if budget is not None and budget <= 0:
             raise ValueError(f"kv_cache_memory must be > 0, got {budget}")
         available = None if budget is not None and budget > 1 \
-            else _available_memory(getattr(executor, "device", "cpu"))
+            else _available_memory(executor.device)
         if budget is None:
             budget = min(DEFAULT_CPU_KV_CACHE_BYTES, DEFAULT_CPU_KV_CACHE_FRACTION * available)
             why = (f"default: at most {DEFAULT_CPU_KV_CACHE_BYTES / 2**30:g} GiB and "
@@ -573,7 +575,7 @@ def _num_blocks(args: EngineArgs, executor: Any, max_model_len: int | None = Non
                              f"{bytes_per_block} bytes")
         if args.kv_cache_memory is None and max_model_len is not None:
             # every KV-cache group's blocks (a block holds one group's layers)
-            groups = max(1, len(getattr(executor, "kv_cache_groups", ())))
+            groups = max(1, len(executor.kv_cache_groups))
             needed = args.max_num_seqs * -(-max_model_len // args.block_size) * groups
             if needed < num_gpu:
                 num_gpu = needed
@@ -593,7 +595,7 @@ def _num_cpu_blocks(args: EngineArgs, bytes_per_block: int, local_ranks: int = 1
     return int(args.swap_space * 2**30 / local_ranks // bytes_per_block)
 
 
-def _available_memory(device: Any) -> int:
+def _available_memory(device: torch.device) -> int:
     """Free bytes on the KV cache's device (GPU memory, or the host's available RAM)."""
     if str(device).startswith("cuda"):
         import torch

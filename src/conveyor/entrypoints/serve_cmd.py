@@ -7,9 +7,12 @@ import os
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    from uvicorn.config import LOG_LEVELS
+
     from conveyor.engine.args import add_cli_args
     from conveyor.entrypoints.openai.limits import ServerLimits
     from conveyor.entrypoints.openai.reasoning_parsers import REASONING_PARSERS
+    from conveyor.routing.policies import ROUTERS
 
     p = subparsers.add_parser("serve", help="OpenAI-compatible HTTP server",
                               description="Serve /v1/completions, /v1/chat/completions, "
@@ -25,7 +28,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                    help="seconds running requests get to finish after SIGINT/SIGTERM before "
                    "they are aborted (default: 30)")
     p.add_argument("--log-level", default="info",
-                   choices=["critical", "error", "warning", "info", "debug"])
+                   choices=[level for level in LOG_LEVELS if level != "trace"])
     p.add_argument("--access-log", action=argparse.BooleanOptionalAction, default=True,
                    help="log one line per HTTP request: id, status, tokens, latency "
                    "(default: on)")
@@ -78,7 +81,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                    help="join this Ray cluster (e.g. auto, or HEAD_IP:6379) instead of starting "
                    "a local one")
     d.add_argument("--router", default="prefix_affinity",
-                   choices=["prefix_affinity", "round_robin", "least_loaded", "kv_aware"],
+                   choices=ROUTERS,
                    help="how requests are spread over replicas (default: prefix_affinity); "
                    "kv_aware routes by the replicas' KV events (turns --kv-events on)")
     d.add_argument("--pd", default=None, metavar="P:D",

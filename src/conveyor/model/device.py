@@ -17,12 +17,16 @@ if TYPE_CHECKING:
     from conveyor.model.layers.linear import LinearMethod
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# the values of dtype, kv_cache_dtype and device (EngineArgs; the CLI's choices)
+DTYPES = ("auto", *_DTYPES)
+KV_CACHE_DTYPES = ("auto", *_DTYPES)
+DEVICES = ("auto", "cpu", "cuda")
 
 
 def resolve_device(device: str = "auto") -> torch.device:
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if device not in ("cpu", "cuda"):
+    if device not in DEVICES:
         raise ValueError(f"device must be 'auto', 'cpu' or 'cuda', got {device!r}")
     if device == "cuda" and not torch.cuda.is_available():
         raise ValueError("device='cuda' was requested but torch sees no CUDA device")
