@@ -140,6 +140,18 @@ def test_paths_outside_the_root_are_refused_alike(served, models, tmp_path) -> N
     assert "/etc" not in answers[0]["message"]
 
 
+def test_lone_surrogates_in_the_adapter_routes_name_the_field(served) -> None:
+    for route, body, param in (
+            ("load_lora_adapter", '{"lora_name": "x", "lora_path": "\\ud800"}', "lora_path"),
+            ("load_lora_adapter", '{"lora_name": "\\udfff", "lora_path": "x"}', "lora_name"),
+            ("unload_lora_adapter", '{"lora_name": "a\\ud800"}', "lora_name")):
+        r = httpx.post(f"{served.base_url}/v1/{route}", content=body, timeout=60,
+                       headers={"content-type": "application/json"})
+        assert r.status_code == 400, r.text
+        err = r.json()["error"]
+        assert err["code"] == "invalid_unicode" and err["param"] == param, err
+
+
 def test_runtime_loading_without_a_root_tells_no_reason(start_server, models, tmp_path) -> None:
     """With --allow-runtime-lora and no --lora-root any path may be tried, and every failure
     is one message: whether /etc exists (it does), holds no adapter, or /nowhere does not exist
