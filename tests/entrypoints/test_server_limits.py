@@ -79,6 +79,12 @@ CASES = [
                                  "tools": [{"name": f"f{i}", "input_schema": {}}
                                            for i in range(200)]}).encode(),
      "--max-tools", None),
+    ("/v1/chat/completions", json.dumps({"messages": [
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": "", "tool_calls": [{"id": "c", "type": "function",
+            "function": {"name": "f", "arguments": "{}"}}]},
+        {"role": "tool", "content": "ok", "tool_call_id": "i" * 50_000}]}).encode(),
+     "characters are more than", "messages"),
     # 20 tools of 3,000 characters: more than the 512-token context can hold, found from their
     # characters before the template renders them
     ("/v1/chat/completions", json.dumps(

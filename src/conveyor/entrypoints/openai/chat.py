@@ -211,10 +211,12 @@ def _message(m: ChatMessage) -> dict[str, Any]:
 
 
 def _chars(message: dict[str, Any]) -> int:
-    """The characters of a message the chat template renders: its content and tool calls."""
+    """The characters of a message a chat template may render: its content, name, tool-call
+    id, and its tool calls' ids, names and arguments."""
     calls = message.get("tool_calls") or ()
-    return len(message["content"]) + sum(len(c["function"]["name"])
-                                         + len(c["function"]["arguments"]) for c in calls)
+    return (sum(len(v) for k, v in message.items() if k != "role" and isinstance(v, str))
+            + sum(len(c.get("id") or "") + len(c["function"]["name"])
+                  + len(c["function"]["arguments"]) for c in calls))
 
 
 def _finish_reason(reason: str | None, called: bool) -> str | None:
