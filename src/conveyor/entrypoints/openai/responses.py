@@ -100,6 +100,7 @@ class TextFormat(RequestModel):
 
 class TextConfig(RequestModel):
     format: TextFormat | None = None
+    verbosity: str | None = None  # the API's; changes nothing here
 
 
 class ResponsesRequest(RequestModel):
