@@ -72,7 +72,8 @@ def lora_dirs(llm, tmp_path_factory) -> dict[str, str]:
 def fleet(tmp_path_factory, lora_dirs):
     s = _start(tmp_path_factory, "prefix_affinity",
                ["--enable-lora", "--max-loras", "2", "--max-lora-rank", "8",
-                "--lora-modules", f"sql={lora_dirs['sql']}"])
+                "--lora-modules", f"sql={lora_dirs['sql']}", "--allow-runtime-lora",
+                "--lora-root", os.path.dirname(lora_dirs["sql"])])
     try:
         yield s
     finally:
@@ -186,8 +187,8 @@ def test_client_disconnect_aborts_on_the_replica(fleet) -> None:
         time.sleep(0.5)
 
 
-def test_lora_adapters_serve_from_every_replica_with_affinity(fleet, lora_dirs, one_thread,
-                                                             tmp_path) -> None:
+def test_lora_adapters_serve_from_every_replica_with_affinity(fleet, lora_dirs,
+                                                             one_thread) -> None:
     """``--lora-modules`` and a run-time load reach both replicas (a bad adapter reaches none);
     /v1/models lists them; each adapter's requests stay on one replica and answer as a
     single-process engine does; an unloaded adapter is a 404 and leaves every replica."""
@@ -199,8 +200,10 @@ def test_lora_adapters_serve_from_every_replica_with_affinity(fleet, lora_dirs, 
     loaded = httpx.post(url + "/v1/load_lora_adapter", timeout=60,
                         json={"lora_name": "chat", "lora_path": lora_dirs["chat"]})
     assert loaded.status_code == 200, loaded.text
+    empty = os.path.join(os.path.dirname(lora_dirs["sql"]), "empty")  # under --lora-root
+    os.makedirs(empty, exist_ok=True)
     bad = httpx.post(url + "/v1/load_lora_adapter", timeout=60,
-                     json={"lora_name": "bad", "lora_path": str(tmp_path)})
+                     json={"lora_name": "bad", "lora_path": empty})
     assert bad.status_code == 400 and "adapter_config.json" in bad.json()["error"]["message"]
     models = {m["id"]: m for m in httpx.get(url + "/v1/models", timeout=30).json()["data"]}
     base = next(name for name, m in models.items() if m["parent"] is None)

@@ -39,6 +39,11 @@ def test_a_key_file_without_keys_is_refused(tmp_path, content, fragment) -> None
     (["--ssl-keyfile", "/tmp/key.pem"], "--ssl-keyfile and --ssl-certfile go together"),
     (["--ssl-keyfile", "/nonexistent/k", "--ssl-certfile", "/nonexistent/c"], "no such file"),
     (["--max-request-bytes", "0"], "--max-request-bytes must be >= 1"),
+    (["--max-tools", "0"], "--max-tools must be >= 1"),
+    (["--allow-runtime-lora"], "--allow-runtime-lora needs --enable-lora"),
+    (["--enable-lora", "--lora-root", "/tmp"], "--lora-root needs --allow-runtime-lora"),
+    (["--enable-lora", "--allow-runtime-lora", "--lora-root", "/nonexistent/adapters"],
+     "--lora-root /nonexistent/adapters: not a directory"),
 ])
 def test_bad_flags_stop_before_the_model_loads(flags, message) -> None:
     with pytest.raises(SystemExit) as info:

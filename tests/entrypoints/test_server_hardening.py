@@ -1,6 +1,7 @@
-"""The server under hostile load: a huge prompt stalls no stream and not /health; every limit
-answers with its 4xx/429 naming the flag; one request's many sequences do not starve another's;
-non-JSON bodies are 415; user content cannot forge special tokens."""
+"""The server under hostile load: a huge prompt stalls no stream and not /health; hostile text,
+thousands of tools and token ids outside the vocabulary are 4xx beside a running stream; every
+limit answers with its 4xx/429 naming the flag; one request's many sequences do not starve
+another's; non-JSON bodies are 415; user content cannot forge special tokens."""
 
 from __future__ import annotations
 
@@ -138,6 +139,98 @@ def test_long_lists_are_refused_by_their_length_without_stalling_streams(hardene
         before = max(g for stamp, g in gaps if stamp <= quiet_end)
         during = [g for stamp, g in gaps if start <= stamp <= end + 0.5]
         assert during and max(during) < before + 0.5, (before, max(during))
+
+
+def _tools(n: int, description: str = "Looks a word up.") -> list[dict[str, Any]]:
+    return [{"type": "function", "function": {
+        "name": f"tool_{i}", "description": description,
+        "parameters": {"type": "object", "properties": {
+            f"arg{j}": {"type": "string", "description": "an argument"} for j in range(8)}}}}
+        for i in range(n)]
+
+
+def _anthropic_tools(n: int) -> list[dict[str, Any]]:
+    return [{"name": t["function"]["name"], "description": t["function"]["description"],
+             "input_schema": t["function"]["parameters"]} for t in _tools(n)]
+
+
+HI = [{"role": "user", "content": "Hi"}]
+# (name, path, body, status, param): each a hostile request from a client and its answer
+ATTACKS = [
+    ("surrogate prompt", "/v1/completions", {"prompt": "\ud800", "max_tokens": 2}, 400,
+     "prompt"),
+    ("surrogate prompt, streamed", "/v1/completions",
+     {"prompt": "a\udfff", "max_tokens": 2, "stream": True}, 400, "prompt"),
+    ("surrogate embedding input", "/v1/embeddings", {"input": ["ok", "\ud800"]}, 400, "input"),
+    ("surrogate chat message", "/v1/chat/completions",
+     {"messages": [{"role": "user", "content": "\udfff"}], "stream": True}, 400, "messages"),
+    ("surrogate Anthropic message", "/v1/messages",
+     {"model": "m", "max_tokens": 2, "messages": [{"role": "user", "content": "\ud800"}]}, 400,
+     None),
+    ("surrogate Responses input", "/v1/responses", {"input": "\ud800", "stream": True}, 400,
+     "input"),
+    ("3,000 tools", "/v1/chat/completions", {"messages": HI, "tools": _tools(3000)}, 400,
+     "tools"),
+    ("3,000 tools, streamed", "/v1/chat/completions",
+     {"messages": HI, "tools": _tools(3000), "stream": True}, 400, "tools"),
+    ("3,000 Anthropic tools", "/v1/messages",
+     {"model": "m", "max_tokens": 2, "messages": HI, "tools": _anthropic_tools(3000)}, 400,
+     None),
+    ("3,000 Responses tools", "/v1/responses",
+     {"input": "Hi", "tools": [{"type": "function", **t["function"]} for t in _tools(3000)]},
+     400, "tools"),
+    # 100 tools whose JSON nearly fills the character bound (4096 tokens x 81 characters): the
+    # fallback tool prompt is rendered and tokenized, then refused for its tokens
+    ("100 long tools", "/v1/chat/completions",
+     {"messages": HI, "tools": _tools(100, "Looks a word up in the dictionary. " * 75)}, 400,
+     "messages"),
+    ("allowed_token_ids", "/v1/completions",
+     {"prompt": "Hi", "max_tokens": 2, "allowed_token_ids": [10**6]}, 400, "allowed_token_ids"),
+    ("stop_token_ids", "/v1/completions",
+     {"prompt": "Hi", "max_tokens": 2, "stop_token_ids": [49152]}, 400, "stop_token_ids"),
+    ("logit_bias", "/v1/completions",
+     {"prompt": "Hi", "max_tokens": 2, "logit_bias": {"49152": 1}}, 400, "logit_bias"),
+    ("prompt ids", "/v1/completions", {"prompt": [1, 49152], "max_tokens": 2}, 400, "prompt"),
+    ("NaN", "/v1/completions", "{\"prompt\": \"Hi\", \"temperature\": NaN}", 400, None),
+    ("a server path", "/v1/load_lora_adapter", {"lora_name": "x", "lora_path": "/etc"}, 403,
+     None),
+]
+
+
+@pytest.mark.slow
+def test_hostile_inputs_are_4xx_beside_a_running_stream(hardened) -> None:
+    """Each attack is a 4xx in its API's error shape while a stream runs; the stream's largest
+    gap meanwhile stays under 2 s, and afterwards no request runs and no KV block is held."""
+    base = hardened.base_url
+    arrivals: list[float] = []
+    stream = threading.Thread(target=_stream_gaps, args=(base, arrivals, 120))
+    stream.start()
+    while len(arrivals) < 10:
+        time.sleep(0.05)
+    start = time.monotonic()
+    with httpx.Client(base_url=base, timeout=120,
+                      headers={"content-type": "application/json"}) as http:
+        for name, path, body, status, param in ATTACKS:
+            raw = body if isinstance(body, str) else json.dumps(body)
+            resp = http.post(path, content=raw.encode())
+            assert resp.status_code == status, (name, resp.text[:300])
+            if path == "/v1/messages":
+                assert resp.json()["type"] == "error", (name, resp.text[:300])
+            else:
+                err = resp.json()["error"]
+                assert set(err) == {"message", "type", "param", "code"}, (name, err)
+                assert err["param"] == param, (name, err)
+    end = time.monotonic()
+    stream.join(300)
+    gaps = [(b, b - a) for a, b in zip(arrivals, arrivals[1:], strict=False)]
+    during = [g for stamp, g in gaps if start <= stamp <= end + 0.5]
+    assert len(arrivals) == 120 and during, (len(arrivals), start, end)
+    assert max(during) < 2.0, max(during)
+    m = hardened.metrics()
+    assert m["conveyor:num_requests_running"] == 0 and m["conveyor:num_requests_waiting"] == 0
+    assert m["conveyor:kv_cache_usage_perc"] == 0.0
+    log = hardened.log_path.read_text(errors="replace")
+    assert "unhandled error" not in log and "Exception in ASGI application" not in log
 
 
 def _error(resp: httpx.Response, status: int, flag: str) -> dict[str, Any]:

@@ -12,6 +12,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     from conveyor.engine.args import add_cli_args
     from conveyor.entrypoints.openai.limits import ServerLimits
     from conveyor.entrypoints.openai.reasoning_parsers import REASONING_PARSERS
+    from conveyor.entrypoints.openai.unicode_text import INVALID_UNICODE_MODES
     from conveyor.routing.policies import ROUTERS
 
     p = subparsers.add_parser("serve", help="OpenAI-compatible HTTP server",
@@ -37,6 +38,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--lora-modules", nargs="+", default=[], metavar="NAME=PATH",
                    help="with --enable-lora: LoRA adapters (PEFT directories) to serve from the "
                    "start, each under the model name clients send (docs/lora.md)")
+    p.add_argument("--allow-runtime-lora", action="store_true",
+                   help="with --enable-lora: let clients load and unload adapters with "
+                   "/v1/load_lora_adapter and /v1/unload_lora_adapter (default: off, 403)")
+    p.add_argument("--lora-root", action="append", default=[], metavar="DIR",
+                   help="with --allow-runtime-lora: clients may load adapters only from under "
+                   "this directory (repeatable; a relative lora_path is under the first), and "
+                   "are told why a load failed (default: anywhere, and never told why)")
     p.add_argument("--reasoning-parser", default=None, choices=sorted(REASONING_PARSERS),
                    help="split the model's <think> reasoning from its answer: reasoning_content "
                    "in chat, reasoning items in responses, thinking blocks in messages "
@@ -73,6 +81,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                      help="most sequences (prompts x n) all running requests may hold; a "
                      "request beyond it gets 429 with Retry-After, one larger than it a 400 "
                      f"(default: {ServerLimits.max_sequences_in_flight})")
+    lim.add_argument("--max-tools", type=int, default=ServerLimits.max_tools,
+                     help="most tools in one chat, Messages or Responses request; more is a "
+                     f"400 (default: {ServerLimits.max_tools})")
+    lim.add_argument("--invalid-unicode", default=ServerLimits.invalid_unicode,
+                     choices=INVALID_UNICODE_MODES,
+                     help="text holding a lone UTF-16 surrogate (a \\ud800 escape): reject it "
+                     "(400 naming the field) or replace each with U+FFFD (default: reject)")
     d = p.add_argument_group("data-parallel replicas (Ray Serve; docs/parallelism.md)")
     d.add_argument("--data-parallel-size", type=int, default=1,
                    help="engine replicas behind this endpoint; > 1 deploys them with Ray Serve "
@@ -109,6 +124,7 @@ def _run(args: argparse.Namespace) -> int:
     from conveyor.entrypoints.openai.lora import parse_lora_modules
     from conveyor.entrypoints.openai.security import ServerSecurity, load_api_keys
     from conveyor.entrypoints.openai.server import run_server
+    from conveyor.entrypoints.openai.server_paths import ClientPaths
     from conveyor.model.loader import check_model
 
     on_ray = (args.data_parallel_size > 1 or args.ray_address is not None
@@ -125,7 +141,8 @@ def _run(args: argparse.Namespace) -> int:
         limits = ServerLimits(
             max_request_bytes=args.max_request_bytes or DEFAULT_MAX_REQUEST_BYTES,
             max_prompts=args.max_prompts_per_request, max_n=args.max_n,
-            max_sequences_in_flight=args.max_sequences_in_flight)
+            max_sequences_in_flight=args.max_sequences_in_flight, max_tools=args.max_tools,
+            invalid_unicode=args.invalid_unicode)
     except ValueError as e:
         raise SystemExit(str(e)) from e
     if (args.ssl_keyfile is None) != (args.ssl_certfile is None):
@@ -147,6 +164,14 @@ def _run(args: argparse.Namespace) -> int:
         raise SystemExit(str(e)) from e
     if lora_modules and not args.enable_lora:
         raise SystemExit("--lora-modules needs --enable-lora")
+    if args.allow_runtime_lora and not args.enable_lora:
+        raise SystemExit("--allow-runtime-lora needs --enable-lora")
+    if args.lora_root and not args.allow_runtime_lora:
+        raise SystemExit("--lora-root needs --allow-runtime-lora")
+    try:
+        lora_paths = ClientPaths.of(args.lora_root, "--lora-root")
+    except ValueError as e:
+        raise SystemExit(str(e)) from e
     server_kwargs = dict(
         host=args.host, port=args.port, served_model_name=args.served_model_name,
         max_queued_requests=args.max_queued_requests, shutdown_timeout=args.shutdown_timeout,
@@ -154,7 +179,8 @@ def _run(args: argparse.Namespace) -> int:
         limits=limits, reasoning_parser=args.reasoning_parser,
         access_log=AccessLogSettings(args.access_log, args.log_prompts),
         ssl_keyfile=args.ssl_keyfile, ssl_certfile=args.ssl_certfile,
-        lora_modules=lora_modules)
+        lora_modules=lora_modules, allow_runtime_lora=args.allow_runtime_lora,
+        lora_paths=lora_paths)
     if on_ray:
         from conveyor.entrypoints.ray_serve.launcher import pd_fleet_config, run_fleet
 

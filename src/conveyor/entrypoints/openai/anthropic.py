@@ -15,12 +15,13 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 
 from conveyor.entrypoints.openai.chat import OpenAIServingChat, chat_request_from
 from conveyor.entrypoints.openai.errors import bad_request
 from conveyor.entrypoints.openai.protocol import ChatCompletionRequest
 from conveyor.entrypoints.openai.reasoning_parsers import ReasoningStream, split_reasoning
+from conveyor.entrypoints.openai.request_model import RequestModel
 from conveyor.entrypoints.openai.serving import Choice, Run
 from conveyor.entrypoints.openai.sse import sse_event
 from conveyor.entrypoints.openai.tools import ToolMode, ToolStream, new_call_id
@@ -29,22 +30,20 @@ if TYPE_CHECKING:
     from conveyor.entrypoints.openai.tool_parsers import ToolCall
 
 
-class _Lenient(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-
-
-class AnthropicTool(_Lenient):
+class AnthropicTool(RequestModel):
     name: str = Field(min_length=1)
     description: str | None = None
     input_schema: dict[str, Any]
+    type: Literal["custom"] | None = None
+    cache_control: dict[str, Any] | None = None  # no prompt caching to control: accepted
 
 
-class AnthropicMessage(_Lenient):
+class AnthropicMessage(RequestModel):
     role: Literal["user", "assistant"]
     content: str | list[dict[str, Any]]
 
 
-class MessagesRequest(_Lenient):
+class MessagesRequest(RequestModel):
     model: str
     max_tokens: int = Field(ge=1)
     messages: list[AnthropicMessage]
@@ -56,7 +55,10 @@ class MessagesRequest(_Lenient):
     stream: bool = False
     tools: list[AnthropicTool] | None = None
     tool_choice: dict[str, Any] | None = None
+    # the API's fields that change nothing on this server, accepted so that SDK clients work
     metadata: dict[str, Any] | None = None
+    service_tier: str | None = None
+    thinking: dict[str, Any] | None = None  # reasoning follows --reasoning-parser
 
 
 def _text(blocks: str | list[dict[str, Any]], where: str) -> str:

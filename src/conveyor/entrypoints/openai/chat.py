@@ -5,6 +5,7 @@ deltas), apart from the ``content`` that tool calls are parsed from and a constr
 
 from __future__ import annotations
 
+import json
 from collections.abc import AsyncIterator
 from contextlib import aclosing
 from dataclasses import replace
@@ -82,30 +83,40 @@ class OpenAIServingChat(OpenAIServing):
         if req.top_logprobs is not None and not req.logprobs:
             raise bad_request("'top_logprobs' requires 'logprobs': true", param="top_logprobs")
         messages = [_message(m) for m in req.messages]
-        self.check_prompt_chars(sum(len(m["content"]) for m in messages), "messages")
+        self.check_prompt_chars(sum(_chars(m) for m in messages), "messages")
         template = getattr(self.state.tokenizer, "chat_template", None)
         try:
             tools = ToolMode.of(req, template)
             req._tool_constraint = tools.constraint()
         except ValueError as e:
             raise bad_request(str(e), param="tool_choice" if req.tools else "tools") from e
-        messages, template_tools = tools.prompt_messages(messages, template)
         request_id = new_id(id_prefix)
         run = await self.admit(request, request_id, 1, req.n,
-                               partial(self._job, request, req, messages, template_tools,
-                                       request_id))
+                               partial(self._job, request, req, messages, tools, request_id))
         return run, tools
 
-    async def _job(self, request: Request, req: ChatCompletionRequest,
-                   messages: list[dict[str, Any]], template_tools: list[dict[str, Any]] | None,
-                   request_id: str, engine: AsyncEngine) -> list[Job]:
-        state = self.state
+    def _prompt(self, req: ChatCompletionRequest, messages: list[dict[str, Any]],
+                tools: ToolMode) -> dict[str, Any]:
+        """The conversation and its tools through the chat template, on a preprocessing
+        thread: everything the template renders (the tools' JSON included) is held to the
+        context's character bound before rendering begins."""
+        template = getattr(self.state.tokenizer, "chat_template", None)
+        messages, template_tools = tools.prompt_messages(messages, template)
+        chars = sum(_chars(m) for m in messages)
+        if template_tools:
+            chars += len(json.dumps(template_tools, ensure_ascii=False))
+        self.check_prompt_chars(chars, "tools")  # the messages alone were checked before
         try:
-            prompt = await state.off_loop(state.encode_chat, messages, req.add_generation_prompt,
-                                          template_tools)
+            return self.state.encode_chat(messages, req.add_generation_prompt, template_tools)
         except Exception as e:  # a template that rejects the conversation (e.g. role order)
             raise bad_request(f"the chat template rejected the messages: {e}",
                               param="messages") from e
+
+    async def _job(self, request: Request, req: ChatCompletionRequest,
+                   messages: list[dict[str, Any]], tools: ToolMode, request_id: str,
+                   engine: AsyncEngine) -> list[Job]:
+        state = self.state
+        prompt = await state.off_loop(self._prompt, req, messages, tools)
         prompt_ids = prompt["prompt_token_ids"]
         param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         max_tokens = self.max_tokens(len(prompt_ids), req.requested_max_tokens, param,
@@ -197,6 +208,15 @@ def _message(m: ChatMessage) -> dict[str, Any]:
     if m.tool_call_id:
         out["tool_call_id"] = m.tool_call_id
     return out
+
+
+def _chars(message: dict[str, Any]) -> int:
+    """The characters of a message a chat template may render: its content, name, tool-call
+    id, and its tool calls' ids, names and arguments."""
+    calls = message.get("tool_calls") or ()
+    return (sum(len(v) for k, v in message.items() if k != "role" and isinstance(v, str))
+            + sum(len(c.get("id") or "") + len(c["function"]["name"])
+                  + len(c["function"]["arguments"]) for c in calls))
 
 
 def _finish_reason(reason: str | None, called: bool) -> str | None:

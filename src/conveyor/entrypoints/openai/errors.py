@@ -6,6 +6,7 @@ FastAPI's raw 422 dump never leaks) into that shape.
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from fastapi.responses import JSONResponse
@@ -47,7 +48,15 @@ class APIError(Exception):
     def response(self, path: str = "") -> JSONResponse:
         """The error's response; in Anthropic's shape on its API's paths (``path``)."""
         body = self.anthropic_body() if path.startswith(ANTHROPIC_PATH) else self.body()
-        return JSONResponse(body, status_code=self.status, headers=self.headers)
+        return _ErrorResponse(body, status_code=self.status, headers=self.headers)
+
+
+class _ErrorResponse(JSONResponse):
+    """JSON in ASCII: whatever text an error message quotes (a lone surrogate included), its
+    answer renders."""
+
+    def render(self, content: Any) -> bytes:
+        return json.dumps(content, allow_nan=False, separators=(",", ":")).encode("ascii")
 
 
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
@@ -61,6 +70,10 @@ def from_validation_error(err: ValidationError) -> APIError:
     param = str(first["loc"][0]) if first["loc"] else None
     if first["type"] == "missing":
         return bad_request(f"'{param}' is a required field", param)
+    if first["type"] == "extra_forbidden":
+        where = ".".join(str(p) for p in first["loc"])
+        return bad_request(f"Unrecognized request argument supplied: '{where}' is not a field "
+                           "of this API", param, code="unknown_field")
     # A union (prompt, stop, content, ...) fails once per alternative, each location ending in
     # the alternative's type; the field is where those locations agree.
     same_field = [tuple(e["loc"]) for e in errors if e["loc"][:1] == first["loc"][:1]]

@@ -1,7 +1,7 @@
 """How much one request may ask of the server: the body's media type and size (both enforced
 before anything reads the body), the JSON nesting depth, the number and length of stop strings,
-the length of short string fields, the number of prompts, ``n``, and the sequences in flight
-(``admission``). Each violation is a 4xx in OpenAI's error shape, never a 500."""
+the length of short string fields, the number of prompts and of tools, ``n``, and the sequences
+in flight (``admission``). Each violation is a 4xx in OpenAI's error shape, never a 500."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from typing import Any
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from conveyor.entrypoints.openai.errors import APIError, bad_request
+from conveyor.entrypoints.openai.unicode_text import INVALID_UNICODE_MODES
 
 DEFAULT_MAX_REQUEST_BYTES = 8 * 1024 * 1024
 
@@ -25,12 +26,18 @@ class ServerLimits:
     max_prompts: int = 1024  # --max-prompts-per-request: prompts in one /v1/completions request
     max_n: int = 128  # --max-n: samples per prompt
     max_sequences_in_flight: int | None = 1024  # --max-sequences-in-flight (None: no limit)
+    max_tools: int = 128  # --max-tools: tools in one chat request
+    invalid_unicode: str = "reject"  # --invalid-unicode: or "replace" (unicode_text.py)
 
     def __post_init__(self) -> None:
-        for name in ("max_request_bytes", "max_prompts", "max_n", "max_sequences_in_flight"):
+        for name in ("max_request_bytes", "max_prompts", "max_n", "max_sequences_in_flight",
+                     "max_tools"):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+        if self.invalid_unicode not in INVALID_UNICODE_MODES:
+            raise ValueError(f"--invalid-unicode must be reject or replace, got "
+                             f"{self.invalid_unicode!r}")
 
 
 @dataclass(frozen=True)
@@ -136,8 +143,8 @@ def _content_length(scope: Scope) -> int | None:
 
 def check_list_sizes(body: dict[str, Any], limits: ServerLimits,
                      lists: ListLimits | None) -> None:
-    """The lengths of a parsed body's long lists (prompts, token ids, messages, logit_bias,
-    stop_token_ids), each a constant-time check, so that validating what passes takes time in
+    """The lengths of a parsed body's long lists (prompts, tools, token ids, messages,
+    logit_bias, stop_token_ids), each a constant-time check, so that validating what passes takes time in
     proportion to what the model can use."""
     prompt = body.get("prompt")
     if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
@@ -146,6 +153,11 @@ def check_list_sizes(body: dict[str, Any], limits: ServerLimits,
                               f"{limits.max_prompts} are allowed in one request "
                               "(--max-prompts-per-request)", param="prompt",
                               code="too_many_prompts")
+    tools = body.get("tools")  # chat, Messages and Responses requests
+    if isinstance(tools, list) and len(tools) > limits.max_tools:
+        raise bad_request(f"'tools' has {len(tools)} tools; at most {limits.max_tools} are "
+                          "allowed in one request (--max-tools)", param="tools",
+                          code="too_many_tools")
     if lists is None:
         return
     token_lists = [prompt] if isinstance(prompt, list) and prompt \

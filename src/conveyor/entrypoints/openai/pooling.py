@@ -17,11 +17,12 @@ from typing import TYPE_CHECKING, Any, Literal
 import numpy as np
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 
 from conveyor.core.pooling_params import PoolingParams
 from conveyor.engine.scoring import pair_scores, score_inputs
 from conveyor.entrypoints.openai.errors import APIError, bad_request
+from conveyor.entrypoints.openai.request_model import RequestModel
 from conveyor.entrypoints.openai.serving import Job, OpenAIServing, Run, new_id, now_s
 
 if TYPE_CHECKING:
@@ -31,9 +32,7 @@ if TYPE_CHECKING:
 Render = Callable[[list[list[float]], int], Response]
 
 
-class _Request(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
+class _Request(RequestModel):
     model: str | None = Field(None, max_length=256)
     user: str | None = Field(None, max_length=256)
     priority: int = 0

@@ -1,18 +1,20 @@
 """Request bodies of the OpenAI API that Conveyor serves, validated strictly (wrong JSON types
 are rejected, not coerced), and their translation into SamplingParams.
 
-Fields beyond OpenAI's (``top_k``, ``min_p``, ``priority``, ...) follow vLLM's names.
-Unknown fields are ignored, as OpenAI's own server does.
+Fields beyond OpenAI's (``top_k``, ``min_p``, ``priority``, ...) follow vLLM's names. An
+unknown field is a 400, as on OpenAI's own server (``request_model``); the OpenAI fields that
+change nothing here (``metadata``, ``store``, ``service_tier``, ...) are accepted.
 """
 
 from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr
+from pydantic import Field, PrivateAttr
 
 from conveyor.core.sampling_params import SamplingParams
 from conveyor.core.structured_outputs_params import StructuredOutputsParams
+from conveyor.entrypoints.openai.request_model import RequestModel
 from conveyor.entrypoints.openai.structured import structured_outputs_params
 
 
@@ -28,31 +30,25 @@ def _token_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
     return out
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
-
-
-class StreamOptions(_Strict):
+class StreamOptions(RequestModel):
     include_usage: bool = False
 
 
-class JsonSchemaFormat(_Strict):
-    model_config = ConfigDict(strict=True, extra="ignore", populate_by_name=True)
+class JsonSchemaFormat(RequestModel):
     name: str = "response"
     description: str | None = None
     schema_: dict[str, Any] | None = Field(None, alias="schema")
     strict: bool | None = None
 
 
-class ResponseFormat(_Strict):
+class ResponseFormat(RequestModel):
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JsonSchemaFormat | None = None
 
 
-class StructuredOutputsField(_Strict):
+class StructuredOutputsField(RequestModel):
     """vLLM's ``structured_outputs`` extra field (one constraint)."""
 
-    model_config = ConfigDict(strict=True, extra="forbid", populate_by_name=True)
     json_: dict[str, Any] | str | None = Field(None, alias="json")
     json_object: bool | None = None
     regex: str | None = None
@@ -60,7 +56,7 @@ class StructuredOutputsField(_Strict):
     grammar: str | None = None
 
 
-class _SamplingRequest(_Strict):
+class _SamplingRequest(RequestModel):
     """Fields shared by /v1/completions and /v1/chat/completions."""
 
     model: str | None = None
@@ -137,50 +133,53 @@ class CompletionRequest(_SamplingRequest):
         return self._sampling_params(max_tokens, self.logprobs, echo_logprobs)
 
 
-class TextPart(_Strict):
+class TextPart(RequestModel):
     type: Literal["text"]
     text: str
 
 
-class FunctionDefinition(_Strict):
+class FunctionDefinition(RequestModel):
     name: str = Field(min_length=1)
     description: str | None = None
     parameters: dict[str, Any] | None = None
     strict: bool | None = None
 
 
-class ToolDefinition(_Strict):
+class ToolDefinition(RequestModel):
     type: Literal["function"]
     function: FunctionDefinition
 
 
-class _FunctionName(_Strict):
+class _FunctionName(RequestModel):
     name: str
 
 
-class NamedToolChoice(_Strict):
+class NamedToolChoice(RequestModel):
     type: Literal["function"]
     function: _FunctionName
 
 
-class ToolCallFunction(_Strict):
+class ToolCallFunction(RequestModel):
     name: str
     arguments: str  # the call's arguments as JSON text, as OpenAI sends them
 
 
-class AssistantToolCall(_Strict):
+class AssistantToolCall(RequestModel):
     """One of an assistant message's earlier tool calls."""
     id: str | None = None
     type: Literal["function"] = "function"
     function: ToolCallFunction
 
 
-class ChatMessage(_Strict):
+class ChatMessage(RequestModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
     tool_calls: list[AssistantToolCall] | None = None  # an assistant's earlier calls
     tool_call_id: str | None = None  # a tool message's answer to that call
+    # an earlier reply sent back as the SDKs return it: its reasoning is not part of the prompt
+    refusal: str | None = None
+    reasoning_content: str | None = None
 
     def text(self) -> str:
         if self.content is None:
@@ -200,6 +199,12 @@ class ChatCompletionRequest(_SamplingRequest):
     tools: list[ToolDefinition] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
+    # OpenAI's fields that change nothing on this server, accepted so that SDK clients work
+    metadata: dict[str, str] | None = None
+    store: bool | None = None
+    service_tier: str | None = None
+    prompt_cache_key: str | None = None
+    safety_identifier: str | None = None
 
     @property
     def requested_max_tokens(self) -> int | None:

@@ -15,12 +15,13 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 
 from conveyor.entrypoints.openai.chat import OpenAIServingChat, chat_request_from
 from conveyor.entrypoints.openai.errors import APIError, bad_request
 from conveyor.entrypoints.openai.protocol import ChatCompletionRequest
 from conveyor.entrypoints.openai.reasoning_parsers import ReasoningStream
+from conveyor.entrypoints.openai.request_model import RequestModel
 from conveyor.entrypoints.openai.serving import Run, now_s
 from conveyor.entrypoints.openai.sse import sse_event
 from conveyor.entrypoints.openai.tools import ToolMode, ToolStream, new_call_id
@@ -29,45 +30,54 @@ if TYPE_CHECKING:
     from conveyor.entrypoints.openai.state import ServerState
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
-
-
-class TextContent(_Strict):
+class TextContent(RequestModel):
     type: Literal["input_text", "output_text"]
     text: str
+    annotations: list[Any] | None = None  # an output part sent back: not part of the prompt
+    logprobs: list[Any] | None = None
 
 
-class InputMessage(_Strict):
+class InputMessage(RequestModel):
     type: Literal["message"] = "message"
     role: Literal["user", "assistant", "system", "developer"]
     content: str | list[TextContent]
+    id: str | None = None  # an earlier response's output item sent back
+    status: str | None = None
 
 
-class FunctionCallItem(_Strict):
+class FunctionCallItem(RequestModel):
     """A function call the model made earlier (from an earlier response's output)."""
 
     type: Literal["function_call"]
     call_id: str
     name: str = Field(min_length=1)
     arguments: str  # JSON text
+    id: str | None = None
+    status: str | None = None
 
 
-class FunctionCallOutputItem(_Strict):
+class FunctionCallOutputItem(RequestModel):
     """The caller's result of a function call."""
 
     type: Literal["function_call_output"]
     call_id: str
     output: str | list[TextContent]
+    id: str | None = None
+    status: str | None = None
 
 
-class ReasoningItem(_Strict):
+class ReasoningItem(RequestModel):
     """An earlier response's reasoning: accepted, and left out of the prompt."""
 
     type: Literal["reasoning"]
+    id: str | None = None
+    summary: list[Any] | None = None
+    content: list[Any] | None = None
+    encrypted_content: str | None = None
+    status: str | None = None
 
 
-class FunctionTool(_Strict):
+class FunctionTool(RequestModel):
     type: Literal["function"]
     name: str = Field(min_length=1)
     description: str | None = None
@@ -75,13 +85,12 @@ class FunctionTool(_Strict):
     strict: bool | None = None
 
 
-class FunctionChoice(_Strict):
+class FunctionChoice(RequestModel):
     type: Literal["function"]
     name: str
 
 
-class TextFormat(_Strict):
-    model_config = ConfigDict(strict=True, extra="ignore", populate_by_name=True)
+class TextFormat(RequestModel):
     type: Literal["text", "json_object", "json_schema"]
     name: str | None = None
     description: str | None = None
@@ -89,11 +98,12 @@ class TextFormat(_Strict):
     strict: bool | None = None
 
 
-class TextConfig(_Strict):
+class TextConfig(RequestModel):
     format: TextFormat | None = None
+    verbosity: str | None = None  # the API's; changes nothing here
 
 
-class ResponsesRequest(_Strict):
+class ResponsesRequest(RequestModel):
     model: str | None = None
     input: str | list[InputMessage | FunctionCallItem | FunctionCallOutputItem | ReasoningItem]
     instructions: str | None = None
@@ -110,6 +120,13 @@ class ResponsesRequest(_Strict):
     conversation: str | dict[str, Any] | None = None  # refused: no conversation is kept
     metadata: dict[str, str] | None = None
     user: str | None = None
+    # the API's fields that change nothing on this server, accepted so that SDK clients work
+    include: list[str] | None = None
+    reasoning: dict[str, Any] | None = None
+    truncation: str | None = None
+    service_tier: str | None = None
+    prompt_cache_key: str | None = None
+    safety_identifier: str | None = None
 
 
 def _check_stateless(req: ResponsesRequest) -> None:

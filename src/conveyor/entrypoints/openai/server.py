@@ -22,6 +22,7 @@ from conveyor.entrypoints.openai.app import build_app
 from conveyor.entrypoints.openai.limits import ServerLimits
 from conveyor.entrypoints.openai.reasoning_parsers import REASONING_PARSERS
 from conveyor.entrypoints.openai.security import ServerSecurity
+from conveyor.entrypoints.openai.server_paths import ClientPaths
 from conveyor.entrypoints.openai.state import ServerState
 
 logger = logging.getLogger("conveyor.serve")
@@ -134,11 +135,13 @@ def run_server(engine_args: EngineArgs, host: str = "127.0.0.1", port: int = 800
                access_log: AccessLogSettings | None = None, ssl_keyfile: str | None = None,
                ssl_certfile: str | None = None, state: ServerState | None = None,
                reasoning_parser: str | None = None,
-               lora_modules: dict[str, str] | None = None) -> int:
+               lora_modules: dict[str, str] | None = None, allow_runtime_lora: bool = False,
+               lora_paths: ClientPaths | None = None) -> int:
     """Serve until a signal; returns the process exit status. HTTPS when both ssl files are
     given. ``state``: serve over another engine (a fleet of replicas) instead of one built
     from ``engine_args``. ``reasoning_parser``: a name in ``REASONING_PARSERS``.
-    ``lora_modules``: LoRA adapters (name -> PEFT directory) served from the start."""
+    ``lora_modules``: LoRA adapters (name -> PEFT directory) served from the start;
+    ``allow_runtime_lora``: clients may load and unload adapters, from under ``lora_paths``."""
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if not (security and security.api_keys) and host not in ("127.0.0.1", "localhost", "::1"):
         logger.warning("serving on %s without an API key: anyone who can reach it may use it "
@@ -146,6 +149,8 @@ def run_server(engine_args: EngineArgs, host: str = "127.0.0.1", port: int = 800
     state = state or ServerState(engine_args, served_model_name, max_queued_requests)
     state.reasoning_parser = REASONING_PARSERS[reasoning_parser] if reasoning_parser else None
     state.lora_modules = dict(lora_modules or {})
+    state.allow_runtime_lora = allow_runtime_lora
+    state.lora_paths = lora_paths or ClientPaths()
     app = build_app(state, security, limits, access_log)
     # uvicorn's own access log is off: Conveyor's (access_log.py) has the token counts.
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=False,

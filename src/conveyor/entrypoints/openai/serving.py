@@ -36,6 +36,7 @@ from conveyor.entrypoints.openai.limits import (
 )
 from conveyor.entrypoints.openai.sse import sse, sse_response
 from conveyor.entrypoints.openai.structured import constraint_param
+from conveyor.entrypoints.openai.unicode_text import check_text
 
 if TYPE_CHECKING:
     from conveyor.engine.async_engine import AsyncEngine
@@ -119,10 +120,16 @@ def now_s() -> int:
     return int(time.time())
 
 
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a JSON value")
+
+
 def parse_body(raw: bytes, model_cls: type[R], limits: ServerLimits,
                lists: ListLimits | None = None) -> R:
     """Bytes -> validated request model, each failure a 400 that says what is wrong. The JSON
-    is parsed once; list lengths are checked before anything walks the lists."""
+    is parsed once (strictly: ``NaN`` and ``Infinity`` are not JSON); list lengths are checked
+    before anything walks the lists, and every string is checked to be Unicode that encodes
+    (``unicode_text``) before anything reads it."""
     if not raw.strip():
         raise bad_request("the request body is empty; expected a JSON object")
     try:
@@ -132,7 +139,7 @@ def parse_body(raw: bytes, model_cls: type[R], limits: ServerLimits,
     too_deep = bad_request(f"the request body nests JSON arrays/objects deeper than "
                            f"{limits.max_json_depth} levels")
     try:
-        obj = json.loads(text)
+        obj = json.loads(text, parse_constant=_no_constant)
     except json.JSONDecodeError as e:
         raise bad_request(f"the request body is not valid JSON: {e.msg} (line {e.lineno}, "
                           f"column {e.colno})") from e
@@ -145,6 +152,7 @@ def parse_body(raw: bytes, model_cls: type[R], limits: ServerLimits,
     check_list_sizes(obj, limits, lists)
     if json_depth_exceeds(obj, limits.max_json_depth):
         raise too_deep
+    obj = check_text(text, obj, limits.invalid_unicode)
     try:
         return model_cls.model_validate(obj)
     except ValidationError as e:
@@ -333,10 +341,12 @@ class OpenAIServing:
                 param = None
             raise bad_request(msg.removeprefix("SamplingParams."), param=param) from e
         vocab = self.state.vocab_size
-        if params.logit_bias and max(params.logit_bias) >= vocab:
-            bad = [t for t in params.logit_bias if t >= vocab][:5]
-            raise bad_request(f"'logit_bias' names token ids outside the vocabulary [0, "
-                              f"{vocab}): {bad}", param="logit_bias")
+        for name, ids in (("logit_bias", params.logit_bias or ()),
+                         ("stop_token_ids", params.stop_token_ids)):
+            bad = [t for t in ids if t >= vocab][:5]  # SamplingParams refused negative ones
+            if bad:
+                raise bad_request(f"'{name}' names token ids outside the vocabulary [0, "
+                                  f"{vocab}): {bad}", param=name)
         return params
 
     # ------------------------------------------------------------ admission

@@ -23,6 +23,7 @@ from conveyor.entrypoints.openai.errors import APIError
 from conveyor.entrypoints.openai.limits import ListLimits
 from conveyor.entrypoints.openai.metrics import ServerMetrics
 from conveyor.entrypoints.openai.reasoning_parsers import ReasoningParser
+from conveyor.entrypoints.openai.server_paths import ClientPaths
 from conveyor.lora.request import LoRARequest
 
 logger = logging.getLogger("conveyor.serve")
@@ -61,6 +62,8 @@ class ServerState:
         self.admission = SequenceAdmission()  # build_app sets the configured limit
         self.reasoning_parser: ReasoningParser | None = None  # --reasoning-parser
         self.lora_modules: dict[str, str] = {}  # --lora-modules: loaded with the model
+        self.allow_runtime_lora = False  # --allow-runtime-lora: the load/unload routes work
+        self.lora_paths = ClientPaths()  # --lora-root: where those loads may read
         self.loras: dict[str, LoRARequest] = {}  # adapters served, by the name clients send
         self._adding_loras: set[str] = set()  # names whose adapter is being read
         self._lora_ids = itertools.count(1)
@@ -144,14 +147,18 @@ class ServerState:
         assert self.engine is not None
         return [self._model_name(self.engine.engine)]
 
-    async def add_lora(self, name: str, path: str) -> LoRARequest:
-        """Serve the adapter at ``path`` as ``name``: ValueError for a bad adapter, a name
-        already taken, or a server without --enable-lora."""
+    def check_lora_name(self, name: str) -> None:
+        """ValueError unless this server serves adapters and ``name`` is free."""
         if not self.engine_args.enable_lora:
             raise ValueError("this server does not serve LoRA adapters: start it with "
                              "--enable-lora")
         if name in self.loras or name in self._adding_loras or name in self.model_names:
             raise ValueError(f"the name {name!r} is already served")
+
+    async def add_lora(self, name: str, path: str) -> LoRARequest:
+        """Serve the adapter at ``path`` as ``name``: ValueError for a bad adapter, a name
+        already taken, or a server without --enable-lora."""
+        self.check_lora_name(name)
         lora = LoRARequest(name, next(self._lora_ids), path)
         self._adding_loras.add(name)  # a second load of the name while this one reads fails
         try:
