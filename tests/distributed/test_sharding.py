@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from conveyor.distributed.step import StepMessage
+from conveyor.executor.step_input import StepInput
 from conveyor.model.config import ModelConfig
 from conveyor.model.layers.parallel import check_tensor_parallel, shard_plan
 
@@ -55,11 +56,11 @@ def test_bad_splits_name_tensor_parallel_size(heads, kv_heads, size, message) ->
 
 
 def test_step_message_round_trip() -> None:
-    msg = StepMessage(input_ids=[5, 6, 7, 8], starts=[3, 0], counts=[1, 3],
-                      block_tables=[[4, 9], [2]], logits_indices=[0, 3],
-                      swap_out=[(1, 0)], swap_in=[(2, 5), (3, 6)], copy=[(7, 8)],
-                      lora_slots=[0, 2])
+    msg = StepMessage(step=StepInput(input_ids=[5, 6, 7, 8], starts=[3, 0], counts=[1, 3],
+                                     block_tables=[[4, 9], [2]], logits_indices=[0, 3],
+                                     swap_out=[(1, 0)], swap_in=[(2, 5), (3, 6)], copy=[(7, 8)],
+                                     lora_slots=[0, 2]), extra=[7])
     back = StepMessage.unpack(*msg.pack())
-    assert back.block_tables == [[4, 9], [2, 0]]  # padded to one width
-    back.block_tables = msg.block_tables
+    assert back.step.block_tables == [[4, 9], [2, 0]]  # padded to one width
+    back.step.block_tables = msg.step.block_tables
     assert back == msg

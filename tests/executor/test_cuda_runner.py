@@ -12,7 +12,6 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # read when the kernels are first imported
 
-from conveyor.distributed.step import StepMessage  # noqa: E402
 from conveyor.executor.cuda_graphs import (  # noqa: E402
     graph_batch_sizes,
     padded_batch_size,
@@ -22,6 +21,7 @@ from conveyor.executor.gpu_memory import (  # noqa: E402
     activation_bytes,
     gpu_kv_cache_blocks,
 )
+from conveyor.executor.step_input import StepInput  # noqa: E402
 from conveyor.model.backends.triton_kernels import TritonBackend  # noqa: E402
 from conveyor.model.kv_cache import KVCache, contiguous_runs  # noqa: E402
 
@@ -148,7 +148,7 @@ def test_eager_runner_matches_transformers(tmp_path, monkeypatch):
         for seq, _, start, count in entries:
             ids += seq[start:start + count]
             last.append(len(ids) - 1)
-        return runner.forward(StepMessage(input_ids=ids, starts=[e[2] for e in entries],
+        return runner.forward(StepInput(input_ids=ids, starts=[e[2] for e in entries],
                                           counts=[e[3] for e in entries],
                                           block_tables=[e[1] for e in entries],
                                           logits_indices=last))
@@ -180,6 +180,7 @@ def test_engine_sizes_a_cuda_cache_from_mem_get_info(monkeypatch):
     less what is in use and the activation reserve; a kv_cache_memory in bytes still wins."""
     from types import SimpleNamespace
 
+    from conveyor.distributed.group import ParallelConfig
     from conveyor.engine.args import EngineArgs
     from conveyor.engine.llm_engine import _num_blocks
     from conveyor.executor.gpu_memory import GRAPH_AND_WORKSPACE_BYTES
@@ -188,7 +189,8 @@ def test_engine_sizes_a_cuda_cache_from_mem_get_info(monkeypatch):
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (70 * GiB, 80 * GiB))
     config = SimpleNamespace(hidden_size=576, intermediate_size=1536, vocab_size=49152)
     executor = SimpleNamespace(device=torch.device("cuda"), dtype=torch.bfloat16,
-                               model_config=config,
+                               model_config=config, parallel=ParallelConfig(),
+                               kv_cache_groups=(),
                                kv_cache_bytes_per_block=lambda block_size: 2**20)
     args = EngineArgs(gpu_memory_utilization=0.5, max_num_batched_tokens=2048, max_num_seqs=8)
     reserved = GRAPH_AND_WORKSPACE_BYTES + activation_bytes(2048, 8, 576, 1536, 49152, 2)

@@ -1,11 +1,9 @@
-"""The message rank 0 sends every rank, and its transport.
+"""The message rank 0 sends the other tensor-parallel ranks, and its transport.
 
-A step is plain integers: the tokens to compute (ids, each entry's start position and count,
-its block table in every KV-cache group), which flat tokens' logits are wanted, and the scheduler's block operations
-(swap out, swap in, copy). They travel as two int64 broadcasts, a fixed header of counts and
-one flat payload, so a worker never sees a Python object of the scheduler's. The same
-``StepMessage`` is what every rank's ``ModelRunner.forward`` runs, rank 0's included. Other
-kinds set the cache up and hold LoRA adapters.
+A ``STEP`` message carries the ``StepInput`` rank 0's runner prepared (plain integers); it
+travels as two int64 broadcasts, a fixed header of counts and one flat payload, so a worker
+never sees a Python object of the scheduler's, and each rank's runner runs the ``StepInput`` it
+unpacks. Other kinds set the cache up and hold LoRA adapters.
 """
 
 from __future__ import annotations
@@ -15,6 +13,7 @@ from dataclasses import dataclass, field
 import torch
 
 from conveyor.distributed.group import LONG_WAIT_S, broadcast
+from conveyor.executor.step_input import StepInput
 
 STEP, INIT_CACHE, SHUTDOWN, ENABLE_LORA, LORA_SLOT = 0, 1, 2, 3, 4
 # kind, tokens, entries, table width, logits rows, swap-out, swap-in, copy, extra, LoRA slots,
@@ -25,35 +24,26 @@ _HEADER = 11
 @dataclass
 class StepMessage:
     kind: int = STEP
-    input_ids: list[int] = field(default_factory=list)
-    starts: list[int] = field(default_factory=list)  # per entry: first position computed
-    counts: list[int] = field(default_factory=list)  # per entry: tokens computed
-    block_tables: list[list[int]] = field(default_factory=list)  # per entry: KV-cache group 0's
-    # groups 1..G-1 (hybrid KV cache), per group per entry; NULL_BLOCK (-1) before a window
-    group_tables: list[list[list[int]]] = field(default_factory=list)
-    logits_indices: list[int] = field(default_factory=list)
-    swap_out: list[tuple[int, int]] = field(default_factory=list)
-    swap_in: list[tuple[int, int]] = field(default_factory=list)
-    copy: list[tuple[int, int]] = field(default_factory=list)
+    step: StepInput = field(default_factory=StepInput)  # STEP: what every rank runs
     # INIT_CACHE: block size, GPU blocks, CPU blocks; ENABLE_LORA: slots, max rank;
     # LORA_SLOT: slot, then (layer, module, rank) per LoRA weight pair (``lora_slot_message``)
     extra: list[int] = field(default_factory=list)
-    lora_slots: list[int] = field(default_factory=list)  # per entry: its adapter's slot (0: none)
 
     def pack(self) -> tuple[torch.Tensor, torch.Tensor]:
+        s = self.step
         # a sequence's tables have the same length in every group
-        width = max((len(t) for t in self.block_tables), default=0)
-        header = [self.kind, len(self.input_ids), len(self.starts), width,
-                  len(self.logits_indices), len(self.swap_out), len(self.swap_in),
-                  len(self.copy), len(self.extra), len(self.lora_slots), len(self.group_tables)]
-        flat = list(self.input_ids) + list(self.starts) + list(self.counts)
-        for tables in (self.block_tables, *self.group_tables):
+        width = max((len(t) for t in s.block_tables), default=0)
+        header = [self.kind, len(s.input_ids), len(s.starts), width,
+                  len(s.logits_indices), len(s.swap_out), len(s.swap_in),
+                  len(s.copy), len(self.extra), len(s.lora_slots), len(s.group_tables)]
+        flat = list(s.input_ids) + list(s.starts) + list(s.counts)
+        for tables in (s.block_tables, *s.group_tables):
             for t in tables:
                 flat += list(t) + [0] * (width - len(t))
-        flat += list(self.logits_indices)
-        for pairs in (self.swap_out, self.swap_in, self.copy):
+        flat += list(s.logits_indices)
+        for pairs in (s.swap_out, s.swap_in, s.copy):
             flat += [x for pair in pairs for x in pair]
-        flat += list(self.extra) + list(self.lora_slots)
+        flat += list(self.extra) + list(s.lora_slots)
         return torch.tensor(header, dtype=torch.int64), torch.tensor(flat, dtype=torch.int64)
 
     @staticmethod
@@ -75,9 +65,11 @@ class StepMessage:
         ids, starts, counts = take(n_tok), take(n_ent), take(n_ent)
         tables = [take(width) for _ in range(n_ent)]
         group_tables = [[take(width) for _ in range(n_ent)] for _ in range(n_groups)]
-        return StepMessage(kind, ids, starts, counts, tables, group_tables, take(n_log),
-                           pairs(n_out), pairs(n_in), pairs(n_copy), take(n_extra),
-                           take(n_lora))
+        logits, swap_out, swap_in, copy = take(n_log), pairs(n_out), pairs(n_in), pairs(n_copy)
+        extra = take(n_extra)
+        step = StepInput(ids, starts, counts, tables, group_tables, logits, swap_out, swap_in,
+                         copy, take(n_lora))
+        return StepMessage(kind, step, extra)
 
 
 def send_message(msg: StepMessage) -> None:

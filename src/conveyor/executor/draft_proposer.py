@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from conveyor.distributed.step import StepMessage
+from conveyor.executor.step_input import StepInput
 
 if TYPE_CHECKING:
     from conveyor.core.kv_cache_spec import KVCacheGroup
@@ -40,7 +40,7 @@ class DraftModelProposer:
     def initialize_cache(self, block_size: int, num_gpu_blocks: int, num_cpu_blocks: int) -> None:
         self.draft.initialize_cache(block_size, num_gpu_blocks, num_cpu_blocks)
 
-    def follow(self, step: StepMessage) -> None:
+    def follow(self, step: StepInput) -> None:
         self.draft.runner.forward(step)
 
     @torch.inference_mode()
@@ -62,7 +62,7 @@ class DraftModelProposer:
             active = [i for i, limit in enumerate(limits) if limit > j]
             if not active:
                 break
-            logits = runner.forward(StepMessage(
+            logits = runner.forward(StepInput(
                 input_ids=[tokens[i] for i in active], starts=[positions[i] for i in active],
                 counts=[1] * len(active), block_tables=[block_tables[i][0] for i in active],
                 group_tables=[[block_tables[i][g] for i in active]

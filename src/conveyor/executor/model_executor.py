@@ -215,9 +215,9 @@ class ModelExecutor:
             connector.start_step(scheduler_output.kv_connector_metadata)
         step = self.runner.prepare(scheduler_output)
         if self.workers is not None:
-            self.workers.send(step.message)
+            self.workers.send(StepMessage(step=step.input))
         try:
-            result = self.runner.forward(step.message, step.hidden_rows or None)
+            result = self.runner.forward(step.input, step.hidden_rows or None)
         except RuntimeError as e:
             if self.workers is None:
                 raise

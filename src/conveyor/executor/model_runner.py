@@ -11,7 +11,7 @@ layers, each layer reads and writes its group's slot, and a step carries each en
 in every group, from which the backend builds one metadata object per group.
 
 ``prepare`` lays a ``SchedulerOutput`` out flat (single-token entries first, then prefill
-chunks, each by length: attention groups pad less) as the ``StepMessage`` every rank runs,
+chunks, each by length: attention groups pad less) as the ``StepInput`` every rank runs,
 with logits only at sampling positions; ``forward`` runs it; ``sample`` turns the logits into
 the step's tokens (and pooled vectors, prompt logprobs, verified proposals).
 """
@@ -33,12 +33,12 @@ from conveyor.core.kv_cache_spec import (
 from conveyor.core.lookahead import may_speculate
 from conveyor.core.scheduler_output import ExecutorOutput, SchedulerOutput
 from conveyor.core.spec_decode.config import SpeculativeConfig
-from conveyor.distributed.step import StepMessage
 from conveyor.executor.cuda_graphs import CudaGraphRunner, graph_batch_sizes
 from conveyor.executor.pooler import Pooler, PoolingEntry
 from conveyor.executor.prompt_logprobs import PromptScoring, positions_to_score, score
 from conveyor.executor.proposer import Proposer
 from conveyor.executor.spec_verify import Proposal, proposal_rows, verify
+from conveyor.executor.step_input import StepInput
 from conveyor.model.backends.base import StepMetadata
 from conveyor.model.config import ModelConfig
 from conveyor.model.device import TRIM_AFTER_TOKENS, return_freed_memory
@@ -50,7 +50,7 @@ from conveyor.model.sampler import Sampler, SampleRow
 @dataclass
 class PreparedStep:
     """A step laid out for the model, and what ``sample`` needs to read its logits back."""
-    message: StepMessage
+    input: StepInput
     sample_entries: list[int] = field(default_factory=list)  # entry index, in logits-row order
     num_sampled_rows: int = 0  # logits rows of sampling positions (scored rows follow)
     scorings: list[PromptScoring] = field(default_factory=list)
@@ -127,7 +127,7 @@ class ModelRunner:
 
     # -- a step on every rank -------------------------------------------------------------
 
-    def forward(self, step: StepMessage, hidden_indices: list[int] | None = None) -> Any:
+    def forward(self, step: StepInput, hidden_indices: list[int] | None = None) -> Any:
         """``step``'s block operations and one forward: the logits of ``step.logits_indices``
         (None when nothing was computed, or off rank 0 under tensor parallelism); with
         ``hidden_indices`` (rank 0 only: every rank holds the whole hidden state), ``(logits,
@@ -191,11 +191,11 @@ class ModelRunner:
     # -- rank 0: the scheduler's output in, tokens out ------------------------------------
 
     def prepare(self, so: SchedulerOutput) -> PreparedStep:
-        step = PreparedStep(StepMessage(swap_out=so.blocks_to_swap_out,
+        step = PreparedStep(StepInput(swap_out=so.blocks_to_swap_out,
                                         swap_in=so.blocks_to_swap_in, copy=so.blocks_to_copy))
         if so.is_empty:
             return step
-        msg = step.message
+        msg = step.input  # the StepInput being laid out
         n = len(so.seqs)
         # A proposal to verify goes as one-token entries (below) where the backend wants them.
         expand = self.backend.proposals_as_decodes
@@ -324,7 +324,7 @@ class ModelRunner:
         proposer, spec = self.proposer, self.speculative
         if proposer is None:
             return None
-        proposer.follow(step.message)
+        proposer.follow(step.input)
         drafts: list[list[int]] = [[] for _ in so.seqs]
         chosen = [i for i in step.sample_entries
                   if sampled[i] and (so.num_samples(i) == 1 or so.seqs[i].spec_token_ids)

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from conveyor.distributed.step import StepMessage
+from conveyor.executor.step_input import StepInput
 
 
 class Proposer(Protocol):
-    def follow(self, step: StepMessage) -> None:
+    def follow(self, step: StepInput) -> None:
         """Compute ``step`` (its block operations and tokens) where the proposer keeps state."""
 
     def propose(self, contexts: list[list[int]], block_tables: list[list[list[int]]],

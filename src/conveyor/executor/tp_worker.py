@@ -83,7 +83,7 @@ def run_worker(spec: WorkerSpec) -> int:
                 elif msg.kind == LORA_SLOT:
                     runner.set_lora_slot(*receive_lora_slot(msg, module_shapes(runner.config)))
                 else:
-                    runner.forward(msg)
+                    runner.forward(msg.step)
     finally:
         destroy_group()
 
