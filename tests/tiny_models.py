@@ -71,8 +71,10 @@ def save_hybrid_gemma3(path: str, sliding_window: int = 8):
 def save_tiny_causal_lm(kind: str, path: str):
     """A tiny random causal LM of ``kind`` (``llama``: with Llama 3's rope scaling,
     ``llama_tied``, ``qwen2``, ``qwen3``: a head size of 24, ``gemma3``: a sliding and a global
-    layer, ``gemma3_gguf``: the same with the attention scale a GGUF file implies) saved at
-    ``path`` with ``save_word_tokenizer``'s tokenizer; returns transformers' model."""
+    layer, ``gemma3_gguf``: the same with the attention scale a GGUF file implies; mixtures of
+    experts: ``qwen3_moe`` (8 experts, top 4, normalized weights, its second layer dense),
+    ``olmoe`` (8 experts, top 4), ``mixtral`` (8 experts, top 2)) saved at ``path`` with
+    ``save_word_tokenizer``'s tokenizer; returns transformers' model."""
     import transformers
 
     common = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
@@ -94,6 +96,21 @@ def save_tiny_causal_lm(kind: str, path: str):
     elif kind == "gemma3_gguf":
         model = gemma3_model(common, ["sliding_attention", "full_attention"],
                              query_pre_attn_scalar=16)
+    elif kind == "qwen3_moe":
+        cfg = transformers.Qwen3MoeConfig(**common, head_dim=16, num_experts=8,
+                                          num_experts_per_tok=4, moe_intermediate_size=32,
+                                          norm_topk_prob=True, mlp_only_layers=[1],
+                                          tie_word_embeddings=False)
+        model = transformers.Qwen3MoeForCausalLM(cfg)
+    elif kind == "olmoe":
+        cfg = transformers.OlmoeConfig(**{**common, "intermediate_size": 32}, num_experts=8,
+                                       num_experts_per_tok=4, pad_token_id=0)
+        model = transformers.OlmoeForCausalLM(cfg)
+    elif kind == "mixtral":
+        cfg = transformers.MixtralConfig(**{**common, "intermediate_size": 32},
+                                         num_local_experts=8, num_experts_per_tok=2,
+                                         tie_word_embeddings=False)
+        model = transformers.MixtralForCausalLM(cfg)
     else:
         cfg = transformers.Qwen3Config(**common, head_dim=24, tie_word_embeddings=False)
         model = transformers.Qwen3ForCausalLM(cfg)

@@ -1,6 +1,6 @@
 """Every registered architecture (``model/registry.py``) loads a tiny random transformers model
-from HF safetensors and from the GGUF file llama.cpp's converter would write of it, through its
-declaration alone: every ``Linear`` of the module tree goes through its method's post-load step,
+from HF safetensors and, where its declaration says its GGUF files load, from the GGUF file
+llama.cpp's converter would write of it, through its declaration alone: every ``Linear`` of the module tree goes through its method's post-load step,
 the GGUF model computes transformers' logits, and a Q8_0 file under integer compute keeps its
 blocks and no dense copy of any weight."""
 
@@ -19,7 +19,8 @@ from tiny_models import VOCAB, save_tiny_causal_lm, write_gguf
 
 # the tiny model each architecture is tested on (tiny_models.save_tiny_causal_lm's kinds; Llama's
 # without llama 3's rope scaling, which GGUF carries as a rope_freqs tensor write_gguf omits)
-TINY = {"llama": "llama_tied", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3": "gemma3_gguf"}
+TINY = {"llama": "llama_tied", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3": "gemma3_gguf",
+        "qwen3_moe": "qwen3_moe", "olmoe": "olmoe", "mixtral": "mixtral"}
 CPU = torch.device("cpu")
 
 
@@ -51,10 +52,16 @@ def test_loads_from_hf_and_gguf_through_its_declaration(arch, tmp_path) -> None:
         expected = ref(torch.tensor([prompt])).logits[0]
 
     hf = load_model(str(tmp_path / "hf"), torch.float32, CPU, "float", with_tokenizer=False)
-    assert hf.config.architecture == arch
-    assert len(linears(hf.model)) == 4 * hf.config.num_layers + 1
+    cfg = hf.config
+    assert cfg.architecture == arch
+    sparse = sum(cfg.sparse_layer(i) for i in range(cfg.num_layers))
+    # per layer qkv, o and a dense MLP's two, or a router and each expert's two; the lm_head
+    assert len(linears(hf.model)) == (2 * cfg.num_layers + 2 * (cfg.num_layers - sparse)
+                                      + sparse * (1 + 2 * cfg.num_experts) + 1)
     assert all(p.processed for p in linears(hf.model))
     torch.testing.assert_close(prefill_logits(hf.model, prompt), expected, rtol=1e-4, atol=1e-4)
+    if not architecture(arch).gguf:
+        return
 
     f32 = str(tmp_path / f"{arch}-f32.gguf")
     write_gguf(ref, arch, f32)

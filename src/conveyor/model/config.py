@@ -36,6 +36,19 @@ class ModelConfig(ModelShape):
     query_pre_attn_scalar: float | None = None
     final_logit_softcapping: float | None = None
     hidden_activation: str = "silu"
+    # A mixture of experts (model/moe.py; 0 experts elsewhere): each sparse layer's experts, how
+    # many each token uses, their intermediate size, whether the top-k weights are renormalized,
+    # the layers that keep a dense MLP; OLMoE norms q and k over all heads at once.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    dense_mlp_layers: list[int] = field(default_factory=list)
+    qk_norm_whole: bool = False
+
+    def sparse_layer(self, layer: int) -> bool:
+        """Whether layer ``layer``'s MLP is a mixture of experts."""
+        return self.num_experts > 0 and layer not in self.dense_mlp_layers
 
     def layer_window(self, layer: int) -> int | None:
         """The sliding window that layer ``layer`` attends through, None for its whole context."""

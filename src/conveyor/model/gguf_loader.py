@@ -84,6 +84,9 @@ def _field(reader: Any, key: str, default: Any = None) -> Any:
 def read_gguf_config(reader: Any, name: str) -> ModelConfig:
     arch = _field(reader, "general.architecture", "")
     declared = architecture(arch, f"{name} (general.architecture)")
+    if not declared.gguf or _field(reader, f"{arch}.expert_count"):
+        raise ValueError(f"GGUF file {name}: {arch} mixture-of-experts files do not load yet; "
+                         "load the model's HF safetensors directory instead")
 
     def need(key: str) -> Any:
         v = _field(reader, f"{arch}.{key}")

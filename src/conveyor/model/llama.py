@@ -68,8 +68,11 @@ class DecoderLayer(nn.Module):
         self.qkv_proj = Linear(cfg.hidden_size, q_size + 2 * kv_size, bias=cfg.attention_bias,
                                shards={"q_proj": q_size, "k_proj": kv_size, "v_proj": kv_size})
         self.o_proj = row_parallel_linear(q_size, cfg.hidden_size, tp)
-        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, backend) if cfg.qk_norm else None
-        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, backend) if cfg.qk_norm else None
+        # q/k norms per head (Qwen3, Gemma 3), or over all heads at once (OLMoE)
+        self.qk_norm_whole = cfg.qk_norm_whole
+        q_norm, k_norm = (q_size, kv_size) if cfg.qk_norm_whole else (cfg.head_dim, cfg.head_dim)
+        self.q_norm = RMSNorm(q_norm, cfg.rms_norm_eps, backend) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(k_norm, cfg.rms_norm_eps, backend) if cfg.qk_norm else None
         self.post_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, backend)
         inter = cfg.intermediate_size
         self.gate_up_proj = Linear(cfg.hidden_size, 2 * inter,
@@ -110,12 +113,21 @@ class DecoderLayer(nn.Module):
             qk = self.backend.rotary(qk, cos, sin, out=qk)
             q, k = qk[:, :heads], qk[:, heads:]
         else:
-            q = self.q_norm(qkv[:, :self.q_size].view(t, heads, self.head_dim))
-            k = self.k_norm(qkv[:, self.q_size:qk_size].view(t, self.num_kv_heads, self.head_dim))
+            q, k = self._qk_norms(qkv[:, :self.q_size], qkv[:, self.q_size:qk_size], t)
             q, k = self.backend.rotary(q, cos, sin), self.backend.rotary(k, cos, sin)
         # h is dead once projected: the attention output goes over it (same shape in Llama).
         return self.o_proj(self.backend.attention(q, k, v, k_cache, v_cache, meta, out=h,
                                                   window=self.window, scale=self.scale))
+
+    def _qk_norms(self, q: torch.Tensor, k: torch.Tensor,
+                  t: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """q and k ([T, heads * head_dim] views of qkv) normed per head, or over all heads at
+        once, as [T, heads, head_dim]."""
+        heads, kv_heads, d = self.num_heads, self.num_kv_heads, self.head_dim
+        if self.qk_norm_whole:
+            return (self.q_norm(q.contiguous()).view(t, heads, d),
+                    self.k_norm(k.contiguous()).view(t, kv_heads, d))
+        return self.q_norm(q.view(t, heads, d)), self.k_norm(k.view(t, kv_heads, d))
 
     def _act(self, gate_up: torch.Tensor) -> torch.Tensor:
         """The gated activation of a fused [T, gate | up] row: ``silu(gate) * up``."""

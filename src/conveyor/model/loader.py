@@ -243,7 +243,7 @@ def load_weights(model: LlamaForCausalLM, tensors: Iterable[CheckpointTensor]) -
             raise ValueError(f"weight {w.name!r}: {e}") from e
         filled.add((w.module, w.spec.param, w.spec.shard))
     arch = architecture(model.config.architecture)
-    for w in arch.checkpoint_weights(model.config.num_layers):
+    for w in arch.checkpoint_weights(model.config.num_layers, model.config.num_experts):
         if (not w.spec.optional and not (tied and w.spec.module == "lm_head")
                 and _module(model, w.module) is not None
                 and (w.module, w.spec.param, w.spec.shard) not in filled):

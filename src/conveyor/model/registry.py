@@ -29,7 +29,9 @@ from conveyor.model.weights import (
     GEMMA3_LAYER_WEIGHTS,
     GEMMA3_MODEL_WEIGHTS,
     LAYER_WEIGHTS,
+    MIXTRAL_LAYER_WEIGHTS,
     MODEL_WEIGHTS,
+    MOE_LAYER_WEIGHTS,
     CheckpointWeight,
     Split,
     WeightSpec,
@@ -77,6 +79,7 @@ class Architecture:
     hf_config: Callable[[ModelConfig, dict[str, Any], str], None] | None = None
     gguf_config: Callable[[ModelConfig, GGUFField], None] | None = None
     decode_layer: DecodeLayerKind | None = DecodeLayerKind()  # None: no one-call decode
+    gguf: bool = True  # whether its GGUF files load (False: HF safetensors only, for now)
 
     def module_class(self) -> type[nn.Module]:
         module, cls = self.model_class.split(":")
@@ -99,18 +102,29 @@ class Architecture:
         """The table's entry for a GGUF tensor name, None when it has none."""
         return self._lookup(name, _GGUF_LAYER, "gguf")
 
-    def checkpoint_weights(self, num_layers: int) -> list[CheckpointWeight]:
-        """Every entry of the table for a model of ``num_layers`` layers."""
+    def checkpoint_weights(self, num_layers: int, num_experts: int = 0) -> list[CheckpointWeight]:
+        """Every entry of the table for a model of ``num_layers`` layers (of ``num_experts``
+        experts each, where it has experts)."""
         return ([CheckpointWeight(s) for s in self.model_weights]
-                + [CheckpointWeight(s, i) for i in range(num_layers) for s in self.layer_weights])
+                + [CheckpointWeight(s, i, e) for i in range(num_layers) for s in self.layer_weights
+                   for e in (range(num_experts) if s.expert else [None])])
 
     def _lookup(self, name: str, layer_prefix: re.Pattern, field: str) -> CheckpointWeight | None:
         m = layer_prefix.fullmatch(name)
-        if m is not None:
-            found = [s for s in self.layer_weights if getattr(s, field) == m.group(2)]
-            return CheckpointWeight(found[0], int(m.group(1))) if found else None
-        found = [s for s in self.model_weights if getattr(s, field) == name]
-        return CheckpointWeight(found[0]) if found else None
+        if m is None:
+            found = [s for s in self.model_weights if getattr(s, field) == name]
+            return CheckpointWeight(found[0]) if found else None
+        layer, rest = int(m.group(1)), m.group(2)
+        for s in self.layer_weights:
+            pattern = getattr(s, field)
+            if pattern == rest:  # a GGUF expert tensor: every expert's, stacked
+                return CheckpointWeight(s, layer)
+            if s.expert and "{e}" in pattern:
+                head, tail = pattern.split("{e}")
+                index = rest[len(head):len(rest) - len(tail)]
+                if rest.startswith(head) and rest.endswith(tail) and index.isdigit():
+                    return CheckpointWeight(s, layer, int(index))
+        return None
 
     def lora_targets(self, cfg: ModelConfig) -> dict[str, LoRATarget]:
         """The layers' projections an adapter may update, in table order, with their full
@@ -121,7 +135,7 @@ class Architecture:
                   Split.QUERY_COLUMNS: (h, q), Split.INTER_COLUMNS: (h, inter)}
         targets = {}
         for s in self.layer_weights:
-            if s.param == "weight" and s.split in shapes:
+            if s.param == "weight" and s.split in shapes and not s.expert:
                 path = s.hf.removesuffix(".weight")
                 name = path.rsplit(".", 1)[-1]
                 targets[name] = LoRATarget(name, path, s.module, shapes[s.split])
@@ -236,6 +250,59 @@ def _gemma3_from_gguf(config: ModelConfig, field: GGUFField) -> None:
                                     if config.num_layers == GEMMA3_27B_LAYERS else config.head_dim)
     config.final_logit_softcapping = field("final_logit_softcapping", None)
     config.hidden_activation = "gelu_pytorch_tanh"
+
+
+# --- mixtures of experts (model/moe.py) ----------------------------------------------------
+
+
+def _qwen3_moe_from_hf(config: ModelConfig, cfg: dict[str, Any], name: str) -> None:
+    """128 experts, top 8, normalized top-k weights in Qwen3-30B-A3B; dense layers where
+    ``mlp_only_layers`` or ``decoder_sparse_step`` say."""
+    _experts(config, cfg, name, cfg.get("moe_intermediate_size"))
+    step = cfg.get("decoder_sparse_step") or 1
+    config.dense_mlp_layers = [i for i in range(config.num_layers)
+                               if i in (cfg.get("mlp_only_layers") or []) or (i + 1) % step]
+
+
+def _olmoe_from_hf(config: ModelConfig, cfg: dict[str, Any], name: str) -> None:
+    """64 experts of ``intermediate_size``, top 8; q and k normed over all heads at once."""
+    _experts(config, cfg, name, cfg["intermediate_size"])
+    config.qk_norm_whole = True
+    if cfg.get("clip_qkv") is not None:
+        raise ValueError(f"{name}/config.json: clip_qkv is not supported")
+
+
+def _mixtral_from_hf(config: ModelConfig, cfg: dict[str, Any], name: str) -> None:
+    """8 experts of ``intermediate_size``, top 2, the top-k weights always normalized."""
+    _experts(config, cfg, name, cfg["intermediate_size"])
+    config.norm_topk_prob = True
+
+
+def _experts(config: ModelConfig, cfg: dict[str, Any], name: str, size: int | None) -> None:
+    """The experts' count (``num_experts``, or transformers 5.x's and Mixtral's
+    ``num_local_experts``), top k, size and whether the top-k weights are renormalized."""
+    count = cfg.get("num_experts") or cfg.get("num_local_experts")
+    top_k = cfg.get("num_experts_per_tok")
+    if not isinstance(count, int) or not isinstance(top_k, int) or not 1 <= top_k <= count:
+        raise ValueError(f"{name}/config.json needs num_experts >= num_experts_per_tok >= 1, "
+                         f"got {count!r} and {top_k!r}")
+    if not size:
+        raise ValueError(f"{name}/config.json is missing the experts' intermediate size")
+    config.num_experts, config.num_experts_per_tok = count, top_k
+    config.moe_intermediate_size = size
+    config.norm_topk_prob = bool(cfg.get("norm_topk_prob", False))
+
+
+_MOE = "conveyor.model.moe:MoEForCausalLM"
+QWEN3_MOE = register(Architecture("qwen3_moe", ("qwen3_moe",), _MOE,
+                                  layer_weights=MOE_LAYER_WEIGHTS, qk_norm=True,
+                                  hf_config=_qwen3_moe_from_hf, decode_layer=None, gguf=False))
+OLMOE = register(Architecture("olmoe", ("olmoe",), _MOE, layer_weights=MOE_LAYER_WEIGHTS,
+                              qk_norm=True, hf_config=_olmoe_from_hf, decode_layer=None,
+                              gguf=False))
+MIXTRAL = register(Architecture("mixtral", ("mixtral",), _MOE,
+                                layer_weights=MIXTRAL_LAYER_WEIGHTS, hf_config=_mixtral_from_hf,
+                                decode_layer=None, gguf=False))
 
 
 GEMMA3 = register(Architecture(

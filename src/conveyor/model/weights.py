@@ -40,7 +40,7 @@ class Split(Enum):
 
 @dataclass(frozen=True)
 class WeightSpec:
-    """A checkpoint tensor (per layer, ``{i}`` stands for the layer's index)."""
+    """A checkpoint tensor (per layer; an expert's names and module hold ``{e}``, its index)."""
     hf: str  # transformers' name
     gguf: str  # llama.cpp's name
     module: str  # the module of the model that holds it
@@ -53,6 +53,9 @@ class WeightSpec:
     # Gemma's norms scale by (1 + w): transformers stores w, llama.cpp's converter (and so the
     # model's parameter) 1 + w; a safetensors checkpoint's tensor gets the 1 added on load.
     hf_plus_one: bool = False
+    # one of a mixture-of-experts layer's experts: one tensor per expert in transformers' files
+    # (``{e}`` in hf), one [experts, out, in] tensor in llama.cpp's
+    expert: bool = False
 
 
 _Q, _KV = Split.QUERY_ROWS, Split.KV_ROWS
@@ -91,6 +94,29 @@ MODEL_WEIGHTS = (
     WeightSpec("lm_head.weight", "output.weight", "lm_head", "weight", split=Split.VOCAB_ROWS),
 )
 
+def moe_weights(block: str, experts: tuple[str, str, str]) -> tuple[WeightSpec, ...]:
+    """A sparse MoE block's tensors (``model/moe.py``): its router (``{block}.gate``) and each
+    expert's gate, up and down projections, named ``experts`` in transformers' files."""
+    gate, up, down = experts
+    prefix = f"{block}.experts.{{e}}"
+    return (
+        WeightSpec(f"{block}.gate.weight", "ffn_gate_inp.weight", "mlp.gate", "weight"),
+        WeightSpec(f"{prefix}.{gate}.weight", "ffn_gate_exps.weight", "mlp.experts.{e}.gate_up_proj",
+                   "weight", "gate_proj", Split.INTER_ROWS, expert=True),
+        WeightSpec(f"{prefix}.{up}.weight", "ffn_up_exps.weight", "mlp.experts.{e}.gate_up_proj",
+                   "weight", "up_proj", Split.INTER_ROWS, expert=True),
+        WeightSpec(f"{prefix}.{down}.weight", "ffn_down_exps.weight", "mlp.experts.{e}.down_proj",
+                   "weight", split=Split.INTER_COLUMNS, expert=True),
+    )
+
+
+# A mixture of experts' layers (Qwen3-MoE, OLMoE, Mixtral): Llama's attention and norms, then the
+# sparse block; Qwen3-MoE's dense layers (``mlp_only_layers``) keep Llama's MLP.
+_ATTENTION_WEIGHTS = tuple(s for s in LAYER_WEIGHTS if s.module not in ("gate_up_proj", "down_proj"))
+MOE_LAYER_WEIGHTS = (*LAYER_WEIGHTS, *moe_weights("mlp", ("gate_proj", "up_proj", "down_proj")))
+MIXTRAL_LAYER_WEIGHTS = (*_ATTENTION_WEIGHTS, *moe_weights("block_sparse_moe", ("w1", "w3", "w2")))
+
+
 def _gemma_norm(hf: str, gguf: str, module: str) -> WeightSpec:
     return WeightSpec(hf, gguf, module, "weight", hf_plus_one=True)
 
@@ -125,15 +151,18 @@ class CheckpointWeight:
     """A checkpoint tensor found in the table: its spec and its layer (None: not a layer's)."""
     spec: WeightSpec
     layer: int | None = None
+    expert: int | None = None  # an expert's tensor: which expert
 
     @property
     def name(self) -> str:
         """transformers' name, which messages use whatever the file."""
-        return self.spec.hf if self.layer is None else f"model.layers.{self.layer}.{self.spec.hf}"
+        hf = self.spec.hf.format(e=self.expert) if self.spec.expert else self.spec.hf
+        return hf if self.layer is None else f"model.layers.{self.layer}.{hf}"
 
     @property
     def module(self) -> str:
-        return self.spec.module if self.layer is None else f"layers.{self.layer}.{self.spec.module}"
+        module = self.spec.module.format(e=self.expert) if self.spec.expert else self.spec.module
+        return module if self.layer is None else f"layers.{self.layer}.{module}"
 
 
 @dataclass

@@ -264,10 +264,12 @@ def int_blocks(blocks: GGUFBlocks) -> Int4Blocks | Int8Blocks | None:
     if len(blocks.parts) != 1 or blocks.parts[0].kind not in (Q4_0, Q4_1, Q8_0):
         return None
     part = blocks.parts[0]
-    u, s, m = _decode(part.kind, part.blocks())
+    raw = part.blocks()
+    if part.kind == Q8_0:  # the codes are the file's bytes: one copy of them, nothing wider
+        codes = raw[..., 2:].contiguous().view(torch.int8).view(raw.shape[0], -1)
+        return Int8Blocks(codes, _half(raw[..., 0:2]))
+    u, s, m = _decode(part.kind, raw)
     scale = s[..., 0].contiguous()
-    if part.kind == Q8_0:
-        return Int8Blocks((u.to(torch.int16) - 128).to(torch.int8), scale)
     return Int4Blocks(u, scale, (-8 * scale) if m is None else m[..., 0].contiguous())
 
 
