@@ -1,11 +1,12 @@
 """Build the C++ kernels into one torch operator library, once per machine, and load it.
 
-Each kernel source (``*.cpp``: the kernels, and ``ops.cpp``, their typed torch operators) is
-compiled with the system C++ compiler (``$CXX``, else ``c++``) against torch's headers, and the
-objects are linked against torch's libraries (``torch.utils.cpp_extension``'s paths) into a
-cache folder (``$CONVEYOR_CACHE_DIR``, else ``~/.cache/conveyor``), keyed by a hash of every
-kernel source and header here, the commands, the compiler's version, torch's version and this
-CPU's feature flags: a library built for one CPU is never loaded on another. Loading it
+Each kernel source (``*.cpp``: the kernels, and ``ops.cpp`` and ``decode_layers_op.cpp``, their
+typed torch operators) is compiled with the system C++ compiler (``$CXX``, else ``c++``) against
+torch's headers, and the objects are linked against torch's libraries
+(``torch.utils.cpp_extension``'s paths) into a cache folder (``$CONVEYOR_CACHE_DIR``, else
+``~/.cache/conveyor``), keyed by a hash of every kernel source and header here, the commands,
+the compiler's version, torch's version and this CPU's feature flags: a library built for one
+CPU is never loaded on another. Loading it
 registers ``torch.ops.conveyor.*`` (docs/kernels.md lists them).
 
 ``kernel_ops()`` is what the model uses: the native build's operators, or None when

@@ -22,7 +22,7 @@
 // layers/lora.py adds them on the Python path). Each layer takes its rotary table (Gemma's
 // sliding layers have their own) and its KV-cache group's slots, block tables and context
 // lengths (a hybrid cache: docs/kv_cache.md). The pieces are the kernels' own entry points;
-// ops.cpp holds the typed operator.
+// decode_layers_op.cpp holds the typed class and operator.
 
 #include <cstdint>
 #include <cstring>
