@@ -109,7 +109,7 @@ _HELP = {
                       "rounded to 8 bits per block of 32, the file's blocks multiplied as "
                       "integers, as llama.cpp does; accuracy in docs/performance.md), float "
                       "(in the activations' dtype), or auto (int8 wherever the CPU kernels "
-                      "run the blocks, else float)",
+                      "are built, else float; the same at every --tensor-parallel-size)",
     "device": "auto, cpu or cuda",
     "max_num_seqs": "most sequences in one batch",
     "max_num_batched_tokens": "most tokens computed in one step",
