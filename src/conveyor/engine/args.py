@@ -30,7 +30,7 @@ if TYPE_CHECKING:
 SERVE_POLICY = SchedulingPolicy.CHUNKED
 SERVE_PREFILL_CHUNK = 64
 # flags whose default `conveyor serve` resolves from the others (``add_cli_args(serve=True)``)
-_SERVE_RESOLVED = ("policy", "max_num_batched_tokens", "long_prefill_token_threshold")
+SERVE_RESOLVED = ("policy", "max_num_batched_tokens", "long_prefill_token_threshold")
 
 @dataclass
 class EngineArgs:
@@ -216,7 +216,7 @@ def add_cli_args(parser: argparse.ArgumentParser, serve: bool = False) -> None:
     for f in dataclasses.fields(EngineArgs):
         flag = "--" + f.name.replace("_", "-")
         default = getattr(defaults, f.name)
-        if serve and f.name in _SERVE_RESOLVED:
+        if serve and f.name in SERVE_RESOLVED:
             kind = int if f.name != "policy" else str
             group.add_argument(flag, type=kind, default=None, choices=_CHOICES.get(f.name),
                                help=f"{_HELP[f.name]} (default: {_SERVE_HELP[f.name]})")
@@ -236,7 +236,7 @@ def add_cli_args(parser: argparse.ArgumentParser, serve: bool = False) -> None:
 
 def from_cli_args(ns: argparse.Namespace) -> EngineArgs:
     given = {f.name: getattr(ns, f.name) for f in dataclasses.fields(EngineArgs)}
-    if any(given[name] is None for name in _SERVE_RESOLVED):  # `conveyor serve`'s flags
+    if any(given[name] is None for name in SERVE_RESOLVED):  # `conveyor serve`'s flags
         given.update(serve_scheduling(given["policy"], given["max_num_batched_tokens"],
                                       given["long_prefill_token_threshold"],
                                       given["max_num_seqs"]))
