@@ -11,6 +11,7 @@ from conveyor.bench.serving import (
     RequestResult,
     add_parser,
     arrival_offsets,
+    engine_flags,
     parse_rates,
     parse_slo,
     preemptions_from_metrics,
@@ -92,6 +93,21 @@ def test_one_spawned_fleet_per_router():
                               "--ray-num-cpus", "2", "--router", "round_robin"]
     single = parser.parse_args(["serve", "--spawn"])
     assert spawn_variants(single) == [("conveyor", [])]
+
+
+def test_a_spawned_server_runs_the_scheduling_this_command_reports():
+    """`conveyor serve` has scheduling defaults of its own (chunked): the benchmark passes its
+    own, the offline engine's unless given, so its report names what the server ran."""
+    parser = argparse.ArgumentParser()
+    add_parser(parser.add_subparsers())
+    flags = engine_flags(parser.parse_args(["serve", "--spawn"]))
+    pairs = dict(zip(flags[::2], flags[1::2], strict=True))
+    assert pairs == {"--policy": "prefill_first", "--max-num-batched-tokens": "4096",
+                     "--long-prefill-token-threshold": "0"}
+    flags = engine_flags(parser.parse_args(["serve", "--spawn", "--policy", "chunked",
+                                            "--max-num-batched-tokens", "256"]))
+    assert flags[flags.index("--policy") + 1] == "chunked"
+    assert flags[flags.index("--max-num-batched-tokens") + 1] == "256"
 
 
 def test_pd_variants_spawn_a_disaggregated_fleet_beside_a_plain_one():

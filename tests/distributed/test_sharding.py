@@ -4,11 +4,14 @@ without processes."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from conveyor.distributed.step import StepMessage
 from conveyor.executor.step_input import StepInput
 from conveyor.model.config import ModelConfig
-from conveyor.model.layers.parallel import check_tensor_parallel, shard_plan
+from conveyor.model.device import resolve_weight_compute
+from conveyor.model.kernels.block_matmul import block_matmul_available
+from conveyor.model.layers.parallel import TensorParallel, check_tensor_parallel, shard_plan
 
 
 def _config(heads: int = 8, kv_heads: int = 2, vocab: int = 100) -> ModelConfig:
@@ -28,6 +31,21 @@ def test_whole_sums_split_the_hidden_features() -> None:
     with pytest.raises(ValueError, match="tensor_parallel_size 6 does not divide the model's "
                                          "hidden size 64"):
         check_tensor_parallel(cfg, 6, whole_sums=True)
+
+
+def test_weight_compute_and_sums_do_not_depend_on_the_split() -> None:
+    """"auto" is decided by the device alone; whole sums (one process's bits) unless float
+    compute was asked to be non-deterministic."""
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert resolve_weight_compute("auto", cpu) == ("int8" if block_matmul_available() else "float")
+    assert resolve_weight_compute("auto", cuda) == "float"
+    assert resolve_weight_compute("float", cpu) == "float"
+    with pytest.raises(ValueError, match="weight_compute must be one of"):
+        resolve_weight_compute("int4", cpu)
+    assert TensorParallel.of(0, 3, "int8").whole_sums
+    assert TensorParallel.of(0, 3, "int8", deterministic=False).whole_sums
+    assert TensorParallel.of(0, 3, "float").whole_sums
+    assert not TensorParallel.of(0, 3, "float", deterministic=False).whole_sums
 
 
 def test_kv_heads_split_or_replicated() -> None:

@@ -76,7 +76,8 @@ def _smollm2_cases(executor: ModelExecutor) -> dict[str, list[list[list[int]]]]:
 
 @pytest.mark.slow
 def test_smollm2_tp3_equals_tp1() -> None:
-    """SmolLM2-135M: 9 query heads and 3 KV heads, one of each KV head per rank."""
+    """SmolLM2-135M: 9 query heads and 3 KV heads, one of each KV head per rank. Float compute,
+    deterministic: whole sums, so one process's bits (docs/parallelism.md)."""
     expected = _smollm2_cases(ModelExecutor(dtype="float32", device="cpu",
                                             weight_compute="float"))
     tp = ModelExecutor(dtype="float32", device="cpu", weight_compute="float",
@@ -84,6 +85,7 @@ def test_smollm2_tp3_equals_tp1() -> None:
                                            threads_per_rank=1).parallel_config())
     try:
         assert tp.model.layers[0].num_kv_heads == 1 and tp.model.layers[0].num_heads == 3
+        assert isinstance(tp.model.layers[0].down_proj, WholeSumLinear)
         assert _smollm2_cases(tp) == expected
     finally:
         tp.shutdown()
@@ -130,6 +132,28 @@ def test_integer_compute_tp_is_one_process_bit_for_bit(model, size, dtype) -> No
     try:
         assert isinstance(tp.model.layers[0].down_proj, WholeSumLinear)
         assert _alone_and_batched(tp, dtype, prompts) == (alone, alone)
+    finally:
+        tp.shutdown()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_default_flags_give_tp1_tokens_at_tp3(dtype: str) -> None:
+    """``weight_compute="auto"`` resolves by the device alone, so one process and three ranks
+    compute alike (integer compute where the CPU kernels are built, its whole sums under
+    tensor parallelism) and the default flags' greedy tokens do not depend on the split."""
+    args = EngineArgs(dtype=dtype, max_model_len=128, num_gpu_blocks=64)
+    one = LLMEngine(args)
+    prompts = [one.tokenizer.encode(t) for t in INT8_TEXTS]
+    params = [GREEDY] * len(prompts)
+    expected = _run(one, prompts, params)
+    resolved = one.executor.weight_compute
+    del one
+    tp = LLMEngine(args.replace(tensor_parallel_size=3, threads_per_rank=1))
+    try:
+        assert tp.executor.weight_compute == resolved
+        assert isinstance(tp.executor.model.layers[0].down_proj, WholeSumLinear)
+        assert _run(tp, prompts, params) == expected
     finally:
         tp.shutdown()
 

@@ -22,14 +22,19 @@ def test_sizes_parse_as_a_sweep() -> None:
 
 
 @pytest.mark.slow
-def test_tp_row_reports_all_reduce_per_step(tiny_llama_long: str) -> None:
+@pytest.mark.parametrize(("changes", "collectives"), [
+    ({}, 2 * 2 * 2 + 1),  # whole sums: two layers x (o_proj + down) x two all-gathers
+    ({"weight_compute": "float", "deterministic": False}, 2 * 2 + 1),  # partial sums
+], ids=["whole-sums", "partial-sums"])
+def test_tp_row_reports_all_reduce_per_step(tiny_llama_long: str, changes: dict,
+                                            collectives: int) -> None:
     args = EngineArgs(model=tiny_llama_long, dtype="float32", num_gpu_blocks=256,
-                      tensor_parallel_size=2, threads_per_rank=1)
+                      tensor_parallel_size=2, threads_per_rank=1, **changes)
     result = run_conveyor({"engine_args": dataclasses.asdict(args), "workload": "W1", "seed": 0,
                            "num_requests": 2, "repeats": 1})
     tp = result.extra["tensor_parallel"]
     assert "TP 2" in result.config
     assert tp["size"] == 2 and tp["steps"] > 0
-    # Two layers x (o_proj + down) + the embedding, every step.
-    assert tp["all_reduces_per_step"] == 5
+    # the row-parallel projections' collectives + the embedding's all-reduce, every step
+    assert tp["all_reduces_per_step"] == collectives
     assert 0 < tp["all_reduce_ms_per_step"] < tp["step_ms"]

@@ -9,7 +9,7 @@ from contextlib import aclosing
 import pytest
 
 from conveyor.core.sampling_params import RequestOutputKind, SamplingParams
-from conveyor.engine.async_engine import AsyncEngine, EngineStoppedError
+from conveyor.engine.async_engine import ADMIT_PER_TURN, AsyncEngine, EngineStoppedError
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -79,3 +79,45 @@ def test_async_engine_deltas_abort_and_stop(llm, one_thread) -> None:
     assert all(len(o.outputs[0].token_ids) == 1 for o in seen)  # deltas, not cumulative
     assert stats.finished_by_reason.get("abort", 0) == aborted_before + 1
     assert stats.scheduler.num_running == 0 and stats.scheduler.num_waiting == 0 and stats.scheduler.kv_usage == 0.0
+
+
+def test_a_flood_is_admitted_a_turn_at_a_time_and_its_aborts_never_run(llm, one_thread) -> None:
+    """2.5 turns' worth of requests at once: the engine holds at most ``ADMIT_PER_TURN`` more
+    after a step than after the one before, and requests aborted before their turn came never reach it."""
+    engine = llm.llm_engine
+    total = 2 * ADMIT_PER_TURN + ADMIT_PER_TURN // 2
+    dropped = set(range(total - 20, total))
+    params = SamplingParams(temperature=0.0, max_tokens=1)
+    finished_before = sum(engine.get_stats().finished_by_reason.values())
+    seen: list[int] = []  # requests the engine holds after each step
+
+    def observe(_deltas: list, _now: float) -> None:
+        s = engine.get_stats().scheduler
+        seen.append(s.num_running + s.num_waiting)
+
+    async def one(ae: AsyncEngine, i: int) -> str | None:
+        async for out in ae.generate([5 + i % 50, 7], params, f"flood-{i}"):
+            if out.finished:
+                return out.outputs[0].finish_reason
+        return None
+
+    async def run() -> list:
+        ae = AsyncEngine(engine, observers=[observe])
+        ae.start()
+        try:
+            tasks = [asyncio.create_task(one(ae, i)) for i in range(total)]
+            await asyncio.sleep(0)  # every request is in the inbox
+            for i in dropped:
+                tasks[i].cancel()  # leaving the stream aborts the request
+            return await asyncio.gather(*tasks, return_exceptions=True)
+        finally:
+            await asyncio.to_thread(ae.stop)
+
+    with one_thread():
+        results = asyncio.run(run())
+    assert all(results[i] == "length" for i in range(total) if i not in dropped)
+    assert all(isinstance(results[i], asyncio.CancelledError) for i in dropped)
+    growth = [b - a for a, b in zip([0, *seen], seen, strict=False)]
+    assert seen and max(growth) <= ADMIT_PER_TURN, seen
+    finished = sum(engine.get_stats().finished_by_reason.values()) - finished_before
+    assert finished == total - len(dropped)  # the aborted ones were never admitted

@@ -1,4 +1,5 @@
-"""`conveyor serve`'s flags, checked before any model loads: where API keys come from, the flag
+"""`conveyor serve`'s flags, checked before any model loads: its scheduling defaults (chunked,
+small steps; the offline commands keep prefill_first), where API keys come from, the flag
 combinations refused with a message, a wrong --model refused before the server listens, and the
 bearer check itself."""
 
@@ -9,9 +10,25 @@ from pathlib import Path
 
 import pytest
 
-from conveyor.entrypoints.cli import main
+from conveyor.engine.args import from_cli_args
+from conveyor.entrypoints.cli import build_parser, main
 from conveyor.entrypoints.openai.security import APIKeyMiddleware, ServerSecurity, load_api_keys
 from conveyor.model.loader import default_model_path
+
+
+@pytest.mark.parametrize(("command", "flags", "expected"), [
+    ("serve", [], ("chunked", 64 + 64, 64)),
+    ("serve", ["--max-num-seqs", "200"], ("chunked", 200 + 64, 64)),
+    ("serve", ["--max-num-batched-tokens", "512", "--long-prefill-token-threshold", "0"],
+     ("chunked", 512, 0)),
+    ("serve", ["--policy", "prefill_first"], ("prefill_first", 4096, 0)),
+    ("generate", ["hi"], ("prefill_first", 4096, 0)),
+    ("chat", [], ("prefill_first", 4096, 0)),
+])
+def test_scheduling_defaults(command, flags, expected) -> None:
+    args = from_cli_args(build_parser().parse_args([command, *flags]))
+    assert (str(args.policy), args.max_num_batched_tokens,
+            args.long_prefill_token_threshold) == expected
 
 
 def test_keys_from_flags_file_and_environment(tmp_path) -> None:

@@ -1,8 +1,12 @@
-"""One request's expensive extras do not stop the others: while a long stream runs, a
-4,000-token ``prompt_logprobs`` request (prefilled in chunks like any prompt) and an abandoned
-100,000-entry ``enum`` compile each leave the stream's largest gap between tokens under 2 s,
-the first without growing the server's memory by prompt x vocabulary, the second giving back
-its compile process's memory as soon as its client leaves."""
+"""No request stops the others under `conveyor serve`'s default scheduling (chunked prefill,
+small steps): while a long stream runs, a 4,000-token prompt, plain or with
+``prompt_logprobs``, an embeddings request of 2,000 inputs, a rerank of 3,000 documents and an
+abandoned 100,000-entry ``enum`` compile each leave the stream's largest gap between tokens
+under 2 s; the ``prompt_logprobs`` request without growing the server's memory by prompt x
+vocabulary, the compile giving back its process's memory as soon as its client leaves.
+
+The server gets no scheduling flag: only a context and a KV cache that hold 4,000 tokens and
+prompt limits that let 3,000 texts in one request."""
 
 from __future__ import annotations
 
@@ -19,12 +23,16 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 PROMPT_TOKENS = 4000
 MAX_GAP_S = 2.0
-FLAGS = ["--policy", "chunked", "--max-num-batched-tokens", "64", "--max-model-len", "4200",
-         "--num-gpu-blocks", "300", "--structured-outputs-compile-timeout", "120"]
+FLAGS = ["--max-model-len", "4200", "--num-gpu-blocks", "300",
+         "--max-prompts-per-request", "4096", "--max-sequences-in-flight", "4096",
+         "--structured-outputs-compile-timeout", "120"]
+NUM_EMBEDDING_INPUTS = 2000
+NUM_RERANK_DOCUMENTS = 3000
 
 
 @pytest.fixture(scope="module")
 def chunked(start_server):
+    """A server on the default scheduling flags (they chunk prefills)."""
     return start_server(FLAGS)
 
 
@@ -55,6 +63,7 @@ class Stream:
         gaps = [b - a for a, b in zip(self.times, self.times[1:], strict=False)
                 if start <= b <= end]
         assert len(gaps) >= 5, "the stream did not run meanwhile"
+        print(f"largest gap {max(gaps):.3f} s over {len(gaps)} tokens")  # the figure, with -s
         return max(gaps)
 
     def close(self) -> None:
@@ -86,12 +95,66 @@ def _compile_workers(server_pid: int) -> dict[int, float]:
     return out
 
 
+def _long_prompt() -> list[int]:
+    return [(i * 7919) % 40000 + 100 for i in range(PROMPT_TOKENS)]
+
+
+def test_a_long_plain_prompt_leaves_streams_moving(chunked) -> None:
+    stream = Stream(chunked.base_url)
+    try:
+        start = time.monotonic()
+        resp = httpx.post(chunked.base_url + "/v1/completions", timeout=600,
+                          json={"prompt": _long_prompt(), "max_tokens": 2})
+        end = time.monotonic()
+        assert resp.status_code == 200, resp.text[:300]
+        assert resp.json()["usage"]["prompt_tokens"] == PROMPT_TOKENS
+        assert stream.max_gap(start, end) < MAX_GAP_S
+    finally:
+        stream.close()
+
+
+def test_an_embeddings_request_of_2000_inputs_leaves_streams_moving(chunked) -> None:
+    stream = Stream(chunked.base_url)
+    try:
+        texts = [f"note {i}" for i in range(NUM_EMBEDDING_INPUTS)]
+        start = time.monotonic()
+        resp = httpx.post(chunked.base_url + "/v1/embeddings", timeout=600,
+                          json={"input": texts})
+        end = time.monotonic()
+        assert resp.status_code == 200, resp.text[:300]
+        data = resp.json()["data"]
+        assert [d["index"] for d in data] == list(range(NUM_EMBEDDING_INPUTS))
+        assert len({tuple(d["embedding"][:8]) for d in data}) > NUM_EMBEDDING_INPUTS // 2
+        assert stream.max_gap(start, end) < MAX_GAP_S
+    finally:
+        stream.close()
+
+
+def test_a_rerank_of_3000_documents_leaves_streams_moving(chunked) -> None:
+    stream = Stream(chunked.base_url)
+    try:
+        docs = [f"doc {i}" for i in range(NUM_RERANK_DOCUMENTS)]
+        start = time.monotonic()
+        resp = httpx.post(chunked.base_url + "/v1/rerank", timeout=600,
+                          json={"query": "doc 7", "documents": docs})
+        end = time.monotonic()
+        assert resp.status_code == 200, resp.text[:300]
+        results = resp.json()["results"]
+        assert sorted(r["index"] for r in results) == list(range(NUM_RERANK_DOCUMENTS))
+        scores = [r["relevance_score"] for r in results]
+        assert scores == sorted(scores, reverse=True)
+        assert results[0]["index"] == 7  # the query's own text scores highest
+        assert stream.max_gap(start, end) < MAX_GAP_S
+    finally:
+        stream.close()
+
+
 def test_a_long_prompt_logprobs_request_is_chunked_and_bounded(chunked) -> None:
     base, pid = chunked.base_url, chunked.proc.pid
     stream = Stream(base)
     try:
         rss_before = _rss_mib(pid)
-        ids = [(i * 7919) % 40000 + 100 for i in range(PROMPT_TOKENS)]
+        ids = _long_prompt()
         start = time.monotonic()
         resp = httpx.post(base + "/v1/completions", timeout=600,
                           json={"prompt": ids, "max_tokens": 1, "prompt_logprobs": 2})

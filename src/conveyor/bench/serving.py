@@ -137,14 +137,16 @@ def free_loopback_port() -> int:
 
 
 def engine_flags(args: argparse.Namespace) -> list[str]:
-    """The engine flags given on this command line that differ from the defaults, as argv."""
-    from conveyor.engine.args import EngineArgs, from_cli_args
+    """The engine flags given on this command line that differ from the defaults, as argv; the
+    scheduling flags always (`conveyor serve` has defaults of its own), so that the server runs
+    the policy this command reports."""
+    from conveyor.engine.args import SERVE_RESOLVED, EngineArgs, from_cli_args
 
     given, defaults = from_cli_args(args), EngineArgs()
     argv: list[str] = []
     for f in dataclasses.fields(EngineArgs):
         value = getattr(given, f.name)
-        if value == getattr(defaults, f.name):
+        if value == getattr(defaults, f.name) and f.name not in SERVE_RESOLVED:
             continue
         flag = "--" + f.name.replace("_", "-")
         if isinstance(value, bool):

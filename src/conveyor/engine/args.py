@@ -22,7 +22,15 @@ from conveyor.core.config import (
 if TYPE_CHECKING:
     from conveyor.core.sampling_params import SamplingParams
 
-
+# `conveyor serve`'s scheduling defaults, where the offline engine's (prefill_first, a 4096-token
+# budget: the best throughput) would stop every running stream for a long prompt's whole
+# prefill: chunked prefill, at most SERVE_PREFILL_CHUNK tokens of one prompt a step and a budget
+# of one token per running sequence plus that chunk, so a step stays short and a prompt still
+# advances when every seat decodes (docs/server.md).
+SERVE_POLICY = SchedulingPolicy.CHUNKED
+SERVE_PREFILL_CHUNK = 64
+# flags whose default `conveyor serve` resolves from the others (``add_cli_args(serve=True)``)
+SERVE_RESOLVED = ("policy", "max_num_batched_tokens", "long_prefill_token_threshold")
 
 @dataclass
 class EngineArgs:
@@ -101,7 +109,7 @@ _HELP = {
                       "rounded to 8 bits per block of 32, the file's blocks multiplied as "
                       "integers, as llama.cpp does; accuracy in docs/performance.md), float "
                       "(in the activations' dtype), or auto (int8 wherever the CPU kernels "
-                      "run the blocks, else float)",
+                      "are built, else float; the same at every --tensor-parallel-size)",
     "device": "auto, cpu or cuda",
     "max_num_seqs": "most sequences in one batch",
     "max_num_batched_tokens": "most tokens computed in one step",
@@ -181,6 +189,13 @@ _HELP = {
                "model's sentence-transformers pooling config, else last)",
 }
 
+_SERVE_HELP = {
+    "policy": f"{SERVE_POLICY} for `conveyor serve`, prefill_first for the offline engine",
+    "max_num_batched_tokens": f"under chunked --max-num-seqs + {SERVE_PREFILL_CHUNK}, under "
+                              "prefill_first 4096",
+    "long_prefill_token_threshold": f"{SERVE_PREFILL_CHUNK} under chunked",
+}
+
 def _choices() -> dict[str, list[str]]:
     """Each flag's values, from the module that owns them (imported here, not at the top:
     ``EngineArgs`` itself stays importable without torch)."""
@@ -196,13 +211,20 @@ def _choices() -> dict[str, list[str]]:
             "kv_transfer": list(KV_TRANSFER_ROLES)}
 
 
-def add_cli_args(parser: argparse.ArgumentParser) -> None:
+def add_cli_args(parser: argparse.ArgumentParser, serve: bool = False) -> None:
+    """The engine flags; ``serve``: with `conveyor serve`'s scheduling defaults (``SERVE_*``,
+    resolved by ``from_cli_args``)."""
     group = parser.add_argument_group("engine")
     choices = _choices()
     defaults = EngineArgs()
     for f in dataclasses.fields(EngineArgs):
         flag = "--" + f.name.replace("_", "-")
         default = getattr(defaults, f.name)
+        if serve and f.name in SERVE_RESOLVED:
+            kind = int if f.name != "policy" else str
+            group.add_argument(flag, type=kind, default=None, choices=choices.get(f.name),
+                               help=f"{_HELP[f.name]} (default: {_SERVE_HELP[f.name]})")
+            continue
         if isinstance(default, bool):
             group.add_argument(flag, action=argparse.BooleanOptionalAction, default=default,
                                help=_HELP[f.name])
@@ -217,7 +239,31 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
 
 
 def from_cli_args(ns: argparse.Namespace) -> EngineArgs:
-    return EngineArgs(**{f.name: getattr(ns, f.name) for f in dataclasses.fields(EngineArgs)})
+    given = {f.name: getattr(ns, f.name) for f in dataclasses.fields(EngineArgs)}
+    if any(given[name] is None for name in SERVE_RESOLVED):  # `conveyor serve`'s flags
+        given.update(serve_scheduling(given["policy"], given["max_num_batched_tokens"],
+                                      given["long_prefill_token_threshold"],
+                                      given["max_num_seqs"]))
+    return EngineArgs(**given)
+
+
+def serve_scheduling(policy: str | SchedulingPolicy | None, max_num_batched_tokens: int | None,
+                     long_prefill_token_threshold: int | None,
+                     max_num_seqs: int) -> dict[str, object]:
+    """`conveyor serve`'s policy, budget and chunk cap: those given, the others its defaults
+    (chunked; under it a budget of ``max_num_seqs + SERVE_PREFILL_CHUNK`` and chunks of at most
+    ``SERVE_PREFILL_CHUNK`` tokens; under prefill_first the offline engine's)."""
+    offline = EngineArgs()
+    policy = SchedulingPolicy(policy) if policy is not None else SERVE_POLICY
+    chunked = policy is SchedulingPolicy.CHUNKED
+    if max_num_batched_tokens is None:
+        max_num_batched_tokens = (max_num_seqs + SERVE_PREFILL_CHUNK if chunked
+                                  else offline.max_num_batched_tokens)
+    if long_prefill_token_threshold is None:
+        long_prefill_token_threshold = (SERVE_PREFILL_CHUNK if chunked
+                                        else offline.long_prefill_token_threshold)
+    return {"policy": policy, "max_num_batched_tokens": max_num_batched_tokens,
+            "long_prefill_token_threshold": long_prefill_token_threshold}
 
 
 def add_sampling_cli_args(parser: argparse.ArgumentParser, max_tokens: int = 128,

@@ -10,6 +10,10 @@ and logprobs that are new since the previous one (samples that did not change ar
 Leaving the iterator early (client gone, task cancelled) aborts the request, which frees its
 KV blocks at the engine thread's next turn, i.e. within one step.
 
+Requests are admitted at most ``ADMIT_PER_TURN`` between two steps (the rest wait their turn in
+the thread's own queue): a request of thousands of prompts costs the running streams one step
+of admissions at a time, not one long pause.
+
 After every step the thread replaces ``stats`` (read by /metrics) and hands the same snapshot to
 ``stats_publisher``, which streams it to any number of watchers (the playground's stats stream).
 """
@@ -20,6 +24,7 @@ import asyncio
 import logging
 import threading
 import time
+from collections import deque
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -34,6 +39,8 @@ if TYPE_CHECKING:
     from conveyor.engine.outputs import RequestOutput
 
 logger = logging.getLogger(__name__)
+
+ADMIT_PER_TURN = 256  # requests added to the engine between two steps (``add_request`` each)
 
 # Called in the engine thread after each step with that step's deltas and its end time
 # (time.monotonic()); the server's Prometheus metrics hang off this.
@@ -85,6 +92,7 @@ class AsyncEngine:
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._inbox: list[_NewRequest] = []
+        self._pending: deque[_NewRequest] = deque()  # engine thread: taken from the inbox, not yet admitted
         self._aborts: list[str] = []
         self._calls: list[tuple[Callable[..., Any], tuple[Any, ...], asyncio.Future[Any]]] = []
         self._stopping = False
@@ -120,7 +128,7 @@ class AsyncEngine:
     def num_queued_requests(self) -> int:
         """Requests accepted but not yet scheduled (in the inbox or the engine's waiting queue)."""
         with self._lock:
-            return len(self._inbox) + self.stats.scheduler.num_waiting
+            return len(self._inbox) + len(self._pending) + self.stats.scheduler.num_waiting
 
     # ---------------------------------------------------------------- lifecycle
     def start(self, loop: asyncio.AbstractEventLoop | None = None) -> None:
@@ -243,10 +251,14 @@ class AsyncEngine:
                     calls, self._calls = self._calls, []
                     stopping = self._stopping
                 self._run_calls(calls)
-                self._admit(inbox)
+                self._pending.extend(inbox)
+                self._drop_pending(aborts)
+                self._admit(len(self._pending) if stopping else ADMIT_PER_TURN)
                 if stopping:
                     aborts.extend(self._sent)
                 outputs = self._abort_in_engine(aborts)
+                if self._pending:
+                    self._wake.set()  # more to admit after this step
                 if self.engine.has_unfinished_requests():
                     self._publish_stats()  # queue counts include what was just admitted
                     started = time.monotonic()
@@ -276,8 +288,20 @@ class AsyncEngine:
                 result, error = None, e
             self._call_in_loop(_settle, future, result, error)
 
-    def _admit(self, inbox: list[_NewRequest]) -> None:
-        for req in inbox:
+    def _drop_pending(self, aborts: list[str]) -> None:
+        """Take aborted requests out of the not-yet-admitted ones (their streams end now)."""
+        if not aborts or not self._pending:
+            return
+        gone = set(aborts)
+        kept = [r for r in self._pending if r.request_id not in gone]
+        for req in self._pending:
+            if req.request_id in gone:
+                self._post(req.request_id, EngineStoppedError("aborted before it was admitted"))
+        self._pending = deque(kept)
+
+    def _admit(self, limit: int) -> None:
+        for _ in range(min(limit, len(self._pending))):
+            req = self._pending.popleft()
             try:
                 self.engine.add_request(req.request_id, req.prompt, req.sampling_params,
                                         priority=req.priority, arrival_time=req.arrival_time,

@@ -108,7 +108,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                    help="torch threads (and Ray CPUs) per replica (default: 1)")
     d.add_argument("--ray-num-cpus", type=int, default=None,
                    help="CPUs of the local Ray instance (default: every core)")
-    add_cli_args(p)
+    add_cli_args(p, serve=True)
     p.set_defaults(func=_run)
 
 

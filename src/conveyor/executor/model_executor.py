@@ -39,6 +39,7 @@ from conveyor.model.device import (
     resolve_device,
     resolve_dtype,
     resolve_kv_cache_dtype,
+    resolve_weight_compute,
 )
 from conveyor.model.kv_cache import KVCache
 from conveyor.model.layers.parallel import TensorParallel, check_tensor_parallel
@@ -60,11 +61,10 @@ class ModelExecutor:
         self.parallel = parallel or ParallelConfig()
         self.workers = None
         self.tp: TensorParallel | None = None
+        # "auto" resolved here, by the device alone: every rank and every tensor-parallel size
+        # computes the same way (the ranks then take whole sums: docs/parallelism.md)
+        weight_compute = resolve_weight_compute(weight_compute, self.device)
         if self.parallel.tensor_parallel_size > 1:
-            # Integer compute under tensor parallelism takes whole sums (four all-gathers a
-            # layer, the hidden size split too: docs/parallelism.md), so it is asked for there.
-            if weight_compute == "auto":
-                weight_compute = "float"
             self._start_workers(model, weight_compute, deterministic)
         torch.manual_seed(seed)
         try:
@@ -96,7 +96,7 @@ class ModelExecutor:
         from conveyor.executor.tp_worker import worker_process
 
         size = self.parallel.tensor_parallel_size
-        tp = TensorParallel.of(0, size, weight_compute)
+        tp = TensorParallel.of(0, size, weight_compute, deterministic)
         check_tensor_parallel(read_model_config(model), size, tp.whole_sums)
         self._threads_before = torch.get_num_threads()
         torch.set_num_threads(threads_per_rank(self.parallel))

@@ -63,7 +63,8 @@ def run_worker(spec: WorkerSpec) -> int:
                                 deterministic=settings["deterministic"],
                                 weight_compute=settings["weight_compute"],
                                 tp=TensorParallel.of(spec.rank, spec.world_size,
-                                                     settings["weight_compute"]),
+                                                     settings["weight_compute"],
+                                                     settings["deterministic"]),
                                 with_tokenizer=False)
             runner = ModelRunner(loaded, device, trim_after_long_steps=trim)
         except Exception as e:  # noqa: BLE001 - reported to rank 0, which raises it

@@ -117,9 +117,7 @@ def select_kernels(device: torch.device, dtype: torch.dtype, head_dim: int,
     from conveyor.model.kernels.panel_gemm import panel_gemm_available
     from conveyor.model.layers.linear import DenseMethod, OneDnnMethod, PanelMethod
 
-    if weight_compute not in WEIGHT_COMPUTE:
-        raise ValueError(f"weight_compute must be one of {', '.join(WEIGHT_COMPUTE)}, got "
-                         f"{weight_compute!r}")
+    weight_compute = resolve_weight_compute(weight_compute, device)
     linear: type[LinearMethod] = DenseMethod
     if device.type == "cpu":
         native_bf16 = dtype == torch.bfloat16 and cpu_has_native_bf16()
@@ -133,7 +131,7 @@ def select_kernels(device: torch.device, dtype: torch.dtype, head_dim: int,
     if weight_compute == "int8" and not kernels_built:
         raise ValueError(f"weight_compute int8 needs the CPU kernels (device {device.type}, "
                          f"dtype {dtype})")
-    int8_blocks = weight_compute == "int8" or (weight_compute == "auto" and kernels_built)
+    int8_blocks = weight_compute == "int8"
     return KernelPlan(
         linear=linear,
         block_weights=int8_blocks or (linear is not DenseMethod and kernels_built),
@@ -144,6 +142,21 @@ def select_kernels(device: torch.device, dtype: torch.dtype, head_dim: int,
 
 BACKENDS = ("torch", "cpu", "triton")
 WEIGHT_COMPUTE = ("auto", "float", "int8")  # how quantized weights are multiplied (select_kernels)
+
+
+def resolve_weight_compute(weight_compute: str, device: torch.device) -> str:
+    """What ``weight_compute`` is on ``device``: ``"auto"`` is ``"int8"`` wherever the CPU
+    kernels are built, else ``"float"``. Decided by the device alone, so it is the same at
+    every tensor-parallel size and on every replica of a machine kind: a request's tokens do
+    not depend on how the model is split (docs/parallelism.md). ValueError for another name."""
+    from conveyor.model.kernels.block_matmul import block_matmul_available
+
+    if weight_compute not in WEIGHT_COMPUTE:
+        raise ValueError(f"weight_compute must be one of {', '.join(WEIGHT_COMPUTE)}, got "
+                         f"{weight_compute!r}")
+    if weight_compute != "auto":
+        return weight_compute
+    return "int8" if device.type == "cpu" and block_matmul_available() else "float"
 
 
 def select_backend(device: torch.device, dtype: torch.dtype, head_dim: int,

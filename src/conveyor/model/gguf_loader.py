@@ -22,6 +22,7 @@ import torch
 from conveyor.model.config import ModelConfig
 from conveyor.model.layers.gguf_blocks import LAYOUTS, GGUFBlocks
 from conveyor.model.layers.parallel import ShardPlan
+from conveyor.model.layers.rotary import gguf_rope_scaling
 from conveyor.model.registry import architecture
 from conveyor.model.weights import ROPE_FREQS, CheckpointTensor, WeightSpec, rank_holds, rank_slice
 
@@ -116,6 +117,7 @@ def read_gguf_config(reader: Any, name: str) -> ModelConfig:
         eos_token_ids=list(dict.fromkeys(eos_ids)),
         rms_norm_eps=float(_field(reader, f"{arch}.attention.layer_norm_rms_epsilon", 1e-6)),
         rope_theta=float(_field(reader, f"{arch}.rope.freq_base", 10000.0)),
+        rope_scaling=gguf_rope_scaling(lambda key, default: _field(reader, f"{arch}.{key}", default)),
         tie_word_embeddings=not has_output,
         attention_bias=declared.attention_bias,
         qk_norm=declared.qk_norm,

@@ -26,7 +26,7 @@ from conveyor.model.layers.parallel import (
     shard_plan,
     vocab_parallel_rows,
 )
-from conveyor.model.layers.rotary import RotaryEmbedding, rope_inv_freq
+from conveyor.model.layers.rotary import RotaryEmbedding
 from conveyor.model.registry import architecture
 from conveyor.model.weights import rank_slice
 
@@ -166,8 +166,8 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = Linear(cfg.hidden_size, vocab)
         if cfg.tie_word_embeddings:
             self.lm_head.tie(self.embed_tokens)
-        self.rotary = RotaryEmbedding(rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling,
-                                                    rope_freq_factors))
+        self.rotary = RotaryEmbedding.of(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling,
+                                         rope_freq_factors, cfg.max_position_embeddings)
         self.fused_decode: DecodeLayers | None = None  # see fused_decode.py
         self.lora: LoRAContext | None = None  # see enable_lora
 

@@ -3,12 +3,15 @@ and ``POST /v1/rerank`` (Jina's / Cohere's, also at ``/rerank`` and ``/v2/rerank
 
 Each text becomes one pooling request of the engine (``PoolingParams``), admitted, limited and
 aborted like a completion's prompt; score and rerank compare the vectors by cosine similarity
-(``engine/scoring.py``).
+(``engine/scoring.py``). The answer is made on a preprocessing thread, not the event loop, and
+a long list of vectors is encoded one vector at a time (``_json_array``): one ``json.dumps`` of
+2,000 vectors would hold the GIL, and so the engine thread and every stream, for seconds.
 """
 
 from __future__ import annotations
 
 import base64
+import json
 from collections.abc import Callable
 from contextlib import aclosing
 from functools import partial
@@ -66,6 +69,15 @@ def _encode(vector: list[float], fmt: str) -> list[float] | str:
     return vector
 
 
+def _dumps(obj: Any) -> str:
+    return json.dumps(obj, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
+
+
+def _json_array(items: list[Any]) -> str:
+    """``items`` as a JSON array, one ``json.dumps`` call per item (the GIL is free between)."""
+    return "[" + ",".join(_dumps(item) for item in items) + "]"
+
+
 class OpenAIServingPooling(OpenAIServing):
     async def create_embedding(self, request: Request) -> Response:
         req = await self.parse(request, EmbeddingRequest)
@@ -76,12 +88,14 @@ class OpenAIServingPooling(OpenAIServing):
         params = PoolingParams(normalize=req.normalize, dimensions=req.dimensions)
 
         def render(vectors: list[list[float]], prompt_tokens: int) -> Response:
-            data = [{"object": "embedding", "index": i,
-                     "embedding": _encode(v, req.encoding_format)} for i, v in enumerate(vectors)]
-            return JSONResponse({"object": "list", "data": data,
-                                 "model": self.model_name(req.model),
-                                 "usage": {"prompt_tokens": prompt_tokens,
-                                           "total_tokens": prompt_tokens}})
+            data = _json_array([{"object": "embedding", "index": i,
+                                 "embedding": _encode(v, req.encoding_format)}
+                                for i, v in enumerate(vectors)])
+            rest = _dumps({"model": self.model_name(req.model),
+                           "usage": {"prompt_tokens": prompt_tokens,
+                                     "total_tokens": prompt_tokens}})
+            return Response('{"object":"list","data":' + data + "," + rest[1:],
+                            media_type="application/json")
 
         return await self._pool(request, req, texts, "input", params, "embd", render)
 
@@ -175,4 +189,5 @@ class OpenAIServingPooling(OpenAIServing):
                     vectors[i] = d.embedding
         if len(vectors) != len(run.jobs):
             raise APIError(500, "a pooling request finished without its vector")
-        return render([vectors[i] for i in range(len(run.jobs))], run.prompt_tokens)
+        return await self.state.off_loop(render, [vectors[i] for i in range(len(run.jobs))],
+                                         run.prompt_tokens)

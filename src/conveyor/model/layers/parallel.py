@@ -50,11 +50,13 @@ class TensorParallel:
     timer: CollectiveTimer = field(default_factory=CollectiveTimer)
 
     @staticmethod
-    def of(rank: int, size: int, weight_compute: str) -> TensorParallel:
-        """Rank ``rank`` of ``size`` for a model of ``weight_compute``: integer compute
-        (``int8``) takes whole sums, so that every rank's activations round to 8 bits as one
-        process's do."""
-        return TensorParallel(rank, size, whole_sums=weight_compute == "int8")
+    def of(rank: int, size: int, weight_compute: str, deterministic: bool = True
+           ) -> TensorParallel:
+        """Rank ``rank`` of ``size`` for a model of ``weight_compute`` (resolved: ``int8`` or
+        ``float``): whole sums, the bits of one process, under integer compute (so that every
+        rank's activations round to 8 bits as one process's do) and wherever the model is
+        ``deterministic``; partial sums only for float compute with ``deterministic=False``."""
+        return TensorParallel(rank, size, whole_sums=weight_compute == "int8" or deterministic)
 
     def all_reduce_(self, x: torch.Tensor) -> torch.Tensor:
         import torch.distributed as dist
@@ -130,8 +132,9 @@ def check_tensor_parallel(cfg: ModelConfig, size: int, whole_sums: bool = False)
                          f"intermediate size {cfg.intermediate_size}")
     if whole_sums and cfg.hidden_size % size:
         raise ValueError(f"tensor_parallel_size {size} does not divide the model's hidden size "
-                         f"{cfg.hidden_size} (integer compute splits the attention's and the "
-                         "MLP's output projections by their outputs)")
+                         f"{cfg.hidden_size} (whole sums split the attention's and the MLP's "
+                         "output projections by their outputs; --no-deterministic with "
+                         "--weight-compute float takes partial sums instead)")
     if cfg.vocab_size < size:
         raise ValueError(f"tensor_parallel_size {size} exceeds the vocabulary size")
 
