@@ -224,9 +224,10 @@ def save_lora_models(root: str) -> dict[str, str]:
 
 def write_gguf(model, architecture: str, path: str, quant: str = "F32") -> None:
     """transformers' causal LM ``model`` as llama.cpp's converter writes it, for Conveyor's
-    ``architecture`` (``model/registry.py``: its names, its Q/K row permutation, Gemma's
-    ``1 + w`` norms): its metadata, its norms in F32 and its matrices in ``quant`` (``F32`` or
-    ``Q8_0``, quantized by the gguf package). No tokenizer: load it ``with_tokenizer=False``."""
+    ``architecture`` (``model/registry.py``: its GGUF name, its tensor names, its Q/K row
+    permutation, Gemma's ``1 + w`` norms, each expert's tensors stacked into one): its metadata,
+    its norms in F32 and its matrices in ``quant`` (``F32`` or ``Q8_0``, quantized by the gguf
+    package). No tokenizer: load it ``with_tokenizer=False``."""
     import gguf
     import numpy as np
 
@@ -235,7 +236,8 @@ def write_gguf(model, architecture: str, path: str, quant: str = "F32") -> None:
     arch, cfg = declaration(architecture), model.config
     heads, kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
-    w = gguf.GGUFWriter(path, architecture)
+    name = arch.gguf_name or architecture  # general.architecture
+    w = gguf.GGUFWriter(path, name)
     w.add_block_count(cfg.num_hidden_layers)
     w.add_context_length(cfg.max_position_embeddings)
     w.add_embedding_length(cfg.hidden_size)
@@ -251,23 +253,30 @@ def write_gguf(model, architecture: str, path: str, quant: str = "F32") -> None:
         full = rope.get("full_attention", {})
         w.add_rope_freq_base(full.get("rope_theta", 1e6))
         if full.get("rope_type", "default") != "default":
-            w.add_string(f"{architecture}.rope.scaling.type", full["rope_type"])
-            w.add_float32(f"{architecture}.rope.scaling.factor", full["factor"])
-        w.add_uint32(f"{architecture}.attention.sliding_window", cfg.sliding_window)
+            w.add_string(f"{name}.rope.scaling.type", full["rope_type"])
+            w.add_float32(f"{name}.rope.scaling.factor", full["factor"])
+        w.add_uint32(f"{name}.attention.sliding_window", cfg.sliding_window)
         types = cfg.layer_types
-        w.add_uint32(f"{architecture}.attention.sliding_window_pattern",
+        w.add_uint32(f"{name}.attention.sliding_window_pattern",
                      types.index("full_attention") + 1)
         if cfg.final_logit_softcapping:
-            w.add_float32(f"{architecture}.final_logit_softcapping", cfg.final_logit_softcapping)
+            w.add_float32(f"{name}.final_logit_softcapping", cfg.final_logit_softcapping)
     else:
         w.add_rope_freq_base(rope.get("rope_theta", 10000.0))
+    experts = getattr(cfg, "num_experts", None) or getattr(cfg, "num_local_experts", None)
+    if arch.gguf_experts:
+        w.add_uint32(f"{name}.expert_count", experts)
+        w.add_uint32(f"{name}.expert_used_count", cfg.num_experts_per_tok)
+        if getattr(cfg, "moe_intermediate_size", None):
+            w.add_uint32(f"{name}.expert_feed_forward_length", cfg.moe_intermediate_size)
     tied = bool(cfg.tie_word_embeddings)
-    for name, tensor in model.state_dict().items():
-        if tied and name == "lm_head.weight":
+    tensors: dict[str, list] = {}  # GGUF name -> its arrays (every expert's, stacked below)
+    for key, tensor in _saved_tensors(model).items():
+        if tied and key == "lm_head.weight":
             continue
-        found = arch.hf_tensor(name)
+        found = arch.hf_tensor(key)
         if found is None:
-            raise ValueError(f"{name} has no GGUF name in {architecture}'s table")
+            raise ValueError(f"{key} has no GGUF name in {architecture}'s table")
         spec = found.spec
         gguf_name = spec.gguf if found.layer is None else f"blk.{found.layer}.{spec.gguf}"
         arr = tensor.float().numpy().copy()
@@ -277,8 +286,12 @@ def write_gguf(model, architecture: str, path: str, quant: str = "F32") -> None:
             n = arr.shape[0] // head_dim
             arr = (arr.reshape(n, 2, arr.shape[0] // n // 2, *arr.shape[1:])
                    .swapaxes(1, 2).reshape(arr.shape))
-        arr = np.ascontiguousarray(arr, dtype=np.float32)
-        if quant == "Q8_0" and arr.ndim == 2 and arr.shape[1] % 32 == 0:
+        tensors.setdefault(gguf_name, []).append((found.expert or 0, arr))
+    for gguf_name, arrays in tensors.items():
+        parts = [a for _, a in sorted(arrays, key=lambda p: p[0])]
+        arr = np.ascontiguousarray(np.stack(parts) if len(parts) > 1 else parts[0],
+                                   dtype=np.float32)
+        if quant == "Q8_0" and arr.ndim >= 2 and arr.shape[-1] % 32 == 0:
             kind = gguf.GGMLQuantizationType.Q8_0
             data = gguf.quants.quantize(arr, kind)
             w.add_tensor(gguf_name, data, raw_shape=data.shape, raw_dtype=kind)
@@ -288,3 +301,19 @@ def write_gguf(model, architecture: str, path: str, quant: str = "F32") -> None:
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
+
+
+def _saved_tensors(model) -> dict:
+    """The tensors ``save_pretrained`` writes (transformers 5's fused experts split per expert,
+    as it saves them): read back from a save into a temporary folder."""
+    import glob
+    import tempfile
+
+    from safetensors.torch import load_file
+
+    with tempfile.TemporaryDirectory() as folder:
+        model.save_pretrained(folder)
+        out = {}
+        for file in sorted(glob.glob(os.path.join(folder, "*.safetensors"))):
+            out.update(load_file(file))
+    return out

@@ -1,6 +1,7 @@
 """Mixtures of experts (``model/moe.py``): tiny random Qwen3-MoE, OLMoE and Mixtral built with
-transformers generate transformers' greedy tokens in float32; a token's logprob bits do not
-depend on what it is batched with or how its prompt is chunked; what does not load yet says so."""
+transformers generate transformers' greedy tokens in float32; written to GGUF (Q8_0) they run on
+integer compute; under both a token's logprob bits do not depend on what it is batched with or
+how its prompt is chunked; what does not run yet says so."""
 
 from __future__ import annotations
 
@@ -15,20 +16,33 @@ from conveyor.engine.llm_engine import LLMEngine
 from conveyor.executor.model_executor import ModelExecutor
 from conveyor.model.moe import SparseMoE
 from engine_runs import run_to_end, samples
-from tiny_models import VOCAB, save_tiny_causal_lm
+from tiny_models import VOCAB, save_tiny_causal_lm, write_gguf
 
 KINDS = ["qwen3_moe", "olmoe", "mixtral"]
 
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
-    """Each kind's transformers model and a float32, float-compute executor over its directory."""
+    """Each kind's transformers model, its directory, a float32 float-compute executor over the
+    directory and one over its Q8_0 GGUF file under integer compute (with the directory's
+    tokenizer: the file has none)."""
+    from transformers import AutoTokenizer
+
+    import conveyor.model.tokenizer as tokenizer
+
     out = {}
     for kind in KINDS:
         path = str(tmp_path_factory.mktemp(kind))
         ref = save_tiny_causal_lm(kind, path)
-        out[kind] = (ref, path, ModelExecutor(path, dtype="float32", device="cpu",
-                                              weight_compute="float"))
+        gguf = f"{path}/{kind}-q8_0.gguf"
+        write_gguf(ref, kind, gguf, "Q8_0")
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(tokenizer, "load_tokenizer",
+                          lambda _, path=path: AutoTokenizer.from_pretrained(path))
+            integer = ModelExecutor(gguf, dtype="float32", device="cpu", weight_compute="auto")
+        out[kind] = (ref, path, {"float": ModelExecutor(path, dtype="float32", device="cpu",
+                                                        weight_compute="float"),
+                                 "int8": integer})
     return out
 
 
@@ -45,7 +59,8 @@ def engine(executor: ModelExecutor, **args) -> LLMEngine:
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_greedy_tokens_equal_transformers(models, kind) -> None:
-    ref, _, executor = models[kind]
+    ref, _, executors = models[kind]
+    executor = executors["float"]
     asks = prompts(3, seed=1)
     params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
     got = run_to_end(engine(executor), [(p, params) for p in asks])
@@ -57,11 +72,15 @@ def test_greedy_tokens_equal_transformers(models, kind) -> None:
         assert list(out.outputs[0].token_ids) == ids[len(prompt):]
 
 
+@pytest.mark.parametrize("compute", ["float", "int8"])
 @pytest.mark.parametrize("kind", KINDS)
-def test_logprob_bits_alone_batched_and_chunked(models, kind) -> None:
+def test_logprob_bits_alone_batched_and_chunked(models, kind, compute) -> None:
     """One request alone, the same among 15 others, and with its prompt prefilled in chunks of
-    64 and of 512 tokens beside decodes (chunked policy): the same tokens and logprob bits."""
-    executor = models[kind][2]
+    64 and of 512 tokens beside decodes (chunked policy): the same tokens and logprob bits, in
+    float (the HF directory) and under integer compute (the Q8_0 file)."""
+    executor = models[kind][2][compute]
+    if executor.weight_compute != compute:
+        pytest.skip("integer compute needs the C++ kernels")
     g = torch.Generator().manual_seed(7)
     long = torch.randint(3, VOCAB, (150,), generator=g).tolist()
     params = SamplingParams(temperature=0, max_tokens=16, logprobs=0, ignore_eos=True)
@@ -109,16 +128,13 @@ def test_a_tokens_output_ignores_its_batch() -> None:
     assert experts.shape == (40, 3) and torch.allclose(weights.sum(-1), torch.ones(40))
 
 
-def test_what_does_not_load_yet_says_so(models, tmp_path) -> None:
-    import gguf
+def test_what_does_not_run_yet_says_so(models) -> None:
+    from types import SimpleNamespace
 
-    path = models["mixtral"][1]
-    file = str(tmp_path / "mixtral.gguf")
-    writer = gguf.GGUFWriter(file, "mixtral")
-    for write in (writer.write_header_to_file, writer.write_kv_data_to_file,
-                  writer.write_tensors_to_file, writer.close):
-        write()
-    with pytest.raises(ValueError, match="mixture-of-experts files do not load yet"):
-        ModelExecutor(file, dtype="float32", device="cpu")
+    from conveyor.model.moe import MoEForCausalLM
+
+    executor = models["mixtral"][2]["float"]
+    with pytest.raises(ValueError, match="tensor parallelism over mixture-of-experts"):
+        MoEForCausalLM(executor.model_config, executor.model.backend, tp=SimpleNamespace(size=2))
     with pytest.raises(ValueError, match="LoRA adapters on mixture-of-experts models"):
-        LLMEngine(EngineArgs(model=path, dtype="float32", num_gpu_blocks=64, enable_lora=True))
+        executor.model.enable_lora(2, 8)

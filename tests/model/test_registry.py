@@ -1,6 +1,6 @@
 """Every registered architecture (``model/registry.py``) loads a tiny random transformers model
-from HF safetensors and, where its declaration says its GGUF files load, from the GGUF file
-llama.cpp's converter would write of it, through its declaration alone: every ``Linear`` of the module tree goes through its method's post-load step,
+from HF safetensors and from the GGUF file llama.cpp's converter would write of it (its experts'
+tensors stacked, Mixtral as a Llama file with experts), through its declaration alone: every ``Linear`` of the module tree goes through its method's post-load step,
 the GGUF model computes transformers' logits, and a Q8_0 file under integer compute keeps its
 blocks and no dense copy of any weight."""
 
@@ -60,8 +60,6 @@ def test_loads_from_hf_and_gguf_through_its_declaration(arch, tmp_path) -> None:
                                       + sparse * (1 + 2 * cfg.num_experts) + 1)
     assert all(p.processed for p in linears(hf.model))
     torch.testing.assert_close(prefill_logits(hf.model, prompt), expected, rtol=1e-4, atol=1e-4)
-    if not architecture(arch).gguf:
-        return
 
     f32 = str(tmp_path / f"{arch}-f32.gguf")
     write_gguf(ref, arch, f32)
@@ -80,5 +78,7 @@ def test_loads_from_hf_and_gguf_through_its_declaration(arch, tmp_path) -> None:
     assert isinstance(quant.model.embed_tokens.table, Int8Blocks)  # Q8_0 codes, as the file's
     assert quant.model.embed_tokens.weight is None
     got = prefill_logits(quant.model, prompt)
-    # 8-bit weights and activations: close to the float model's, not equal
-    assert (got - expected).norm() < 0.05 * expected.norm()
+    # 8-bit weights and activations: close to the float model's, not equal; further off with
+    # experts, where a token whose top-k scores nearly tie may route differently
+    bound = 0.3 if cfg.num_experts else 0.05
+    assert (got - expected).norm() < bound * expected.norm()

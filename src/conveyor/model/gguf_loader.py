@@ -23,8 +23,15 @@ from conveyor.model.config import ModelConfig
 from conveyor.model.layers.gguf_blocks import LAYOUTS, GGUFBlocks
 from conveyor.model.layers.parallel import ShardPlan
 from conveyor.model.layers.rotary import gguf_rope_scaling
-from conveyor.model.registry import architecture
-from conveyor.model.weights import ROPE_FREQS, CheckpointTensor, WeightSpec, rank_holds, rank_slice
+from conveyor.model.registry import architecture, gguf_architecture
+from conveyor.model.weights import (
+    ROPE_FREQS,
+    CheckpointTensor,
+    CheckpointWeight,
+    WeightSpec,
+    rank_holds,
+    rank_slice,
+)
 
 # A reader opened by a check before loading (``keep=True``), handed to the next open of the
 # same unchanged file, so that checking first costs no second parse of the metadata.
@@ -84,10 +91,8 @@ def _field(reader: Any, key: str, default: Any = None) -> Any:
 
 def read_gguf_config(reader: Any, name: str) -> ModelConfig:
     arch = _field(reader, "general.architecture", "")
-    declared = architecture(arch, f"{name} (general.architecture)")
-    if not declared.gguf or _field(reader, f"{arch}.expert_count"):
-        raise ValueError(f"GGUF file {name}: {arch} mixture-of-experts files do not load yet; "
-                         "load the model's HF safetensors directory instead")
+    declared = gguf_architecture(arch, bool(_field(reader, f"{arch}.expert_count")),
+                                 f"{name} (general.architecture)")
 
     def need(key: str) -> Any:
         v = _field(reader, f"{arch}.{key}")
@@ -105,7 +110,7 @@ def read_gguf_config(reader: Any, name: str) -> ModelConfig:
     eos_ids = [int(x) for x in (eos, eot) if x is not None]
     config = ModelConfig(
         name=name,
-        architecture=arch,
+        architecture=declared.name,
         num_layers=need("block_count"),
         hidden_size=hidden,
         intermediate_size=need("feed_forward_length"),
@@ -125,6 +130,10 @@ def read_gguf_config(reader: Any, name: str) -> ModelConfig:
     )
     if declared.gguf_config is not None:
         declared.gguf_config(config, lambda key, default: _field(reader, f"{arch}.{key}", default))
+    if config.num_experts:  # a layer without a router keeps a dense MLP (Qwen3-MoE's may)
+        names = {t.name for t in reader.tensors}
+        config.dense_mlp_layers = [i for i in range(config.num_layers)
+                                   if f"blk.{i}.ffn_gate_inp.weight" not in names]
     return config
 
 
@@ -202,7 +211,8 @@ def read_gguf_tensors(reader: Any, cfg: ModelConfig, plan: ShardPlan | None = No
     """Every tensor of the file (but the rope factors) in the architecture's table, one at a
     time, dequantized to float32; with a tensor-parallel ``plan`` only this rank's slice of each,
     cut from the file's bytes before anything is dequantized. ``blocks``: the quantized tensors
-    the kernels read come as their blocks instead, undequantized."""
+    the kernels read come as their blocks instead, undequantized. A tensor of every expert's
+    weights ([experts, out, in]) comes as one tensor per expert."""
     arch = architecture(cfg.architecture)
     for t in reader.tensors:
         if t.name == ROPE_FREQS:
@@ -212,7 +222,21 @@ def read_gguf_tensors(reader: Any, cfg: ModelConfig, plan: ShardPlan | None = No
             raise ValueError(f"unknown GGUF tensor {t.name!r}")
         if not rank_holds(weight.spec, plan):
             continue
-        data = _sliced_data(t, weight.spec, plan, cfg)
-        kept = _blocks(t, data, weight.spec, cfg) if blocks else None
-        yield CheckpointTensor(weight, None if kept is not None else
-                               _dequantized(t, data, weight.spec, cfg), kept)
+        if weight.spec.expert:
+            if plan is not None:
+                raise ValueError("tensor parallelism over experts is not supported yet")
+            stacked = np.asarray(t.data)
+            for e in range(stacked.shape[0]):
+                yield _tensor(t, CheckpointWeight(weight.spec, weight.layer, e), stacked[e], cfg,
+                              blocks)
+            continue
+        yield _tensor(t, weight, _sliced_data(t, weight.spec, plan, cfg), cfg, blocks)
+
+
+def _tensor(t: Any, weight: CheckpointWeight, data: np.ndarray, cfg: ModelConfig,
+            blocks: bool) -> CheckpointTensor:
+    """``data`` (the tensor's, or an expert's rows of it) as its blocks, where kept, or
+    dequantized."""
+    kept = _blocks(t, data, weight.spec, cfg) if blocks else None
+    return CheckpointTensor(weight, None if kept is not None else
+                            _dequantized(t, data, weight.spec, cfg), kept)

@@ -79,7 +79,10 @@ class Architecture:
     hf_config: Callable[[ModelConfig, dict[str, Any], str], None] | None = None
     gguf_config: Callable[[ModelConfig, GGUFField], None] | None = None
     decode_layer: DecodeLayerKind | None = DecodeLayerKind()  # None: no one-call decode
-    gguf: bool = True  # whether its GGUF files load (False: HF safetensors only, for now)
+    # llama.cpp's general.architecture for it (None: ``name``), and whether its files there
+    # have experts (Mixtral's are "llama" files with experts)
+    gguf_name: str | None = None
+    gguf_experts: bool = False
 
     def module_class(self) -> type[nn.Module]:
         module, cls = self.model_class.split(":")
@@ -151,6 +154,7 @@ _GGUF_LAYER = re.compile(r"blk\.(\d+)\.(.+)")
 
 _REGISTRY: dict[str, Architecture] = {}
 _HF_TYPES: dict[str, str] = {}
+_GGUF: dict[tuple[str, bool], str] = {}  # (general.architecture, has experts) -> name
 
 
 def register(arch: Architecture) -> Architecture:
@@ -159,6 +163,7 @@ def register(arch: Architecture) -> Architecture:
     _REGISTRY[arch.name] = arch
     for model_type in arch.hf_model_types:
         _HF_TYPES[model_type] = arch.name
+    _GGUF[(arch.gguf_name or arch.name, arch.gguf_experts)] = arch.name
     return arch
 
 
@@ -174,6 +179,18 @@ def architecture(name: str, source: str = "the model") -> Architecture:
         raise ValueError(f"unsupported model architecture {name!r} in {source}; "
                          f"supported: {', '.join(architectures())}")
     return found
+
+
+def gguf_architecture(name: str, experts: bool, source: str) -> Architecture:
+    """The declaration of a GGUF file's ``general.architecture`` (``experts``: the file has
+    experts, ``{arch}.expert_count`` > 0)."""
+    found = _GGUF.get((name, experts))
+    if found is None:
+        supported = ", ".join(sorted({n for n, _ in _GGUF}))
+        what = f"{name!r} with experts" if experts and (name, False) in _GGUF else repr(name)
+        raise ValueError(f"unsupported model architecture {what} in {source}; supported: "
+                         f"{supported}")
+    return _REGISTRY[found]
 
 
 def hf_architecture(model_type: str, source: str) -> Architecture:
@@ -272,6 +289,23 @@ def _olmoe_from_hf(config: ModelConfig, cfg: dict[str, Any], name: str) -> None:
         raise ValueError(f"{name}/config.json: clip_qkv is not supported")
 
 
+def _moe_from_gguf(normalize: bool, expert_size_key: str, qk_norm_whole: bool = False
+                   ) -> Callable[[ModelConfig, GGUFField], None]:
+    """A mixture of experts' fields from llama.cpp's metadata (``expert_count``,
+    ``expert_used_count``, the experts' size under ``expert_size_key``), with the top-k
+    normalization llama.cpp applies for the architecture."""
+    def read(config: ModelConfig, field: GGUFField) -> None:
+        count, top_k = field("expert_count", 0), field("expert_used_count", 0)
+        if not 1 <= top_k <= count:
+            raise ValueError(f"GGUF file {config.name} needs expert_count >= expert_used_count "
+                             f">= 1, got {count} and {top_k}")
+        config.num_experts, config.num_experts_per_tok = int(count), int(top_k)
+        config.moe_intermediate_size = int(field(expert_size_key, 0)
+                                           or config.intermediate_size)
+        config.norm_topk_prob, config.qk_norm_whole = normalize, qk_norm_whole
+    return read
+
+
 def _mixtral_from_hf(config: ModelConfig, cfg: dict[str, Any], name: str) -> None:
     """8 experts of ``intermediate_size``, top 2, the top-k weights always normalized."""
     _experts(config, cfg, name, cfg["intermediate_size"])
@@ -294,15 +328,19 @@ def _experts(config: ModelConfig, cfg: dict[str, Any], name: str, size: int | No
 
 
 _MOE = "conveyor.model.moe:MoEForCausalLM"
-QWEN3_MOE = register(Architecture("qwen3_moe", ("qwen3_moe",), _MOE,
-                                  layer_weights=MOE_LAYER_WEIGHTS, qk_norm=True,
-                                  hf_config=_qwen3_moe_from_hf, decode_layer=None, gguf=False))
-OLMOE = register(Architecture("olmoe", ("olmoe",), _MOE, layer_weights=MOE_LAYER_WEIGHTS,
-                              qk_norm=True, hf_config=_olmoe_from_hf, decode_layer=None,
-                              gguf=False))
-MIXTRAL = register(Architecture("mixtral", ("mixtral",), _MOE,
-                                layer_weights=MIXTRAL_LAYER_WEIGHTS, hf_config=_mixtral_from_hf,
-                                decode_layer=None, gguf=False))
+QWEN3_MOE = register(Architecture(
+    "qwen3_moe", ("qwen3_moe",), _MOE, layer_weights=MOE_LAYER_WEIGHTS, qk_norm=True,
+    hf_config=_qwen3_moe_from_hf, gguf_config=_moe_from_gguf(True, "expert_feed_forward_length"),
+    decode_layer=None, gguf_name="qwen3moe", gguf_experts=True))
+OLMOE = register(Architecture(
+    "olmoe", ("olmoe",), _MOE, layer_weights=MOE_LAYER_WEIGHTS, qk_norm=True,
+    hf_config=_olmoe_from_hf, gguf_config=_moe_from_gguf(False, "feed_forward_length", True),
+    decode_layer=None, gguf_experts=True))
+# llama.cpp converts Mixtral as a Llama with experts (its Q/K rows permuted as Llama's)
+MIXTRAL = register(Architecture(
+    "mixtral", ("mixtral",), _MOE, layer_weights=MIXTRAL_LAYER_WEIGHTS,
+    hf_config=_mixtral_from_hf, gguf_config=_moe_from_gguf(True, "feed_forward_length"),
+    gguf_rope_permuted=True, decode_layer=None, gguf_name="llama", gguf_experts=True))
 
 
 GEMMA3 = register(Architecture(
