@@ -10,6 +10,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     from conveyor.engine.args import add_cli_args
     from conveyor.entrypoints.openai.limits import ServerLimits
     from conveyor.entrypoints.openai.reasoning_parsers import REASONING_PARSERS
+    from conveyor.entrypoints.openai.tool_parsers import PARSERS as TOOL_PARSERS
 
     p = subparsers.add_parser("serve", help="OpenAI-compatible HTTP server",
                               description="Serve /v1/completions, /v1/chat/completions, "
@@ -38,6 +39,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                    help="split the model's <think> reasoning from its answer: reasoning_content "
                    "in chat, reasoning items in responses, thinking blocks in messages "
                    "(default: none, all text is the answer)")
+    p.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_PARSERS),
+                   help="the format the model writes tool calls in (docs/server.md; default: "
+                   "the one its chat template shows)")
 
     sec = p.add_argument_group("security")
     sec.add_argument("--api-key", action="append", default=[], metavar="KEY",
@@ -149,6 +153,7 @@ def _run(args: argparse.Namespace) -> int:
         max_queued_requests=args.max_queued_requests, shutdown_timeout=args.shutdown_timeout,
         log_level=args.log_level, security=security,
         limits=limits, reasoning_parser=args.reasoning_parser,
+        tool_call_parser=args.tool_call_parser,
         access_log=AccessLogSettings(args.access_log, args.log_prompts),
         ssl_keyfile=args.ssl_keyfile, ssl_certfile=args.ssl_certfile,
         lora_modules=lora_modules)

@@ -133,11 +133,12 @@ def run_server(engine_args: EngineArgs, host: str = "127.0.0.1", port: int = 800
                security: ServerSecurity | None = None, limits: ServerLimits | None = None,
                access_log: AccessLogSettings | None = None, ssl_keyfile: str | None = None,
                ssl_certfile: str | None = None, state: ServerState | None = None,
-               reasoning_parser: str | None = None,
+               reasoning_parser: str | None = None, tool_call_parser: str | None = None,
                lora_modules: dict[str, str] | None = None) -> int:
     """Serve until a signal; returns the process exit status. HTTPS when both ssl files are
     given. ``state``: serve over another engine (a fleet of replicas) instead of one built
-    from ``engine_args``. ``reasoning_parser``: a name in ``REASONING_PARSERS``.
+    from ``engine_args``. ``reasoning_parser``: a name in ``REASONING_PARSERS``;
+    ``tool_call_parser``: one in ``tool_parsers.PARSERS`` (None: the chat template's format).
     ``lora_modules``: LoRA adapters (name -> PEFT directory) served from the start."""
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if not (security and security.api_keys) and host not in ("127.0.0.1", "localhost", "::1"):
@@ -145,6 +146,7 @@ def run_server(engine_args: EngineArgs, host: str = "127.0.0.1", port: int = 800
                        "(--api-key)", host)
     state = state or ServerState(engine_args, served_model_name, max_queued_requests)
     state.reasoning_parser = REASONING_PARSERS[reasoning_parser] if reasoning_parser else None
+    state.tool_call_parser = tool_call_parser
     state.lora_modules = dict(lora_modules or {})
     app = build_app(state, security, limits, access_log)
     # uvicorn's own access log is off: Conveyor's (access_log.py) has the token counts.

@@ -60,6 +60,7 @@ class ServerState:
         self.on_fatal: Callable[[], None] = lambda: None
         self.admission = SequenceAdmission()  # build_app sets the configured limit
         self.reasoning_parser: ReasoningParser | None = None  # --reasoning-parser
+        self.tool_call_parser: str | None = None  # --tool-call-parser (None: the template's)
         self.lora_modules: dict[str, str] = {}  # --lora-modules: loaded with the model
         self.loras: dict[str, LoRARequest] = {}  # adapters served, by the name clients send
         self._adding_loras: set[str] = set()  # names whose adapter is being read
