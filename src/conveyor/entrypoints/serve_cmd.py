@@ -15,7 +15,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("serve", help="OpenAI-compatible HTTP server",
                               description="Serve /v1/completions, /v1/chat/completions, "
                               "/v1/messages (Anthropic), /v1/responses, /v1/embeddings, "
-                              "/v1/score, /v1/rerank, /v1/models, /health and /metrics.")
+                              "/v1/score, /v1/rerank, /v1/models, Ollama's /api/* routes, /health and /metrics.")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="port to bind (default: 8000)")
     p.add_argument("--served-model-name", default=None,

@@ -30,6 +30,7 @@ from conveyor.entrypoints.openai.limits import (
     ServerLimits,
 )
 from conveyor.entrypoints.openai.lora import load_lora_adapter, unload_lora_adapter
+from conveyor.entrypoints.openai.ollama import register_ollama
 from conveyor.entrypoints.openai.openapi import install_openapi
 from conveyor.entrypoints.openai.playground import register_playground
 from conveyor.entrypoints.openai.pooling import OpenAIServingPooling
@@ -157,6 +158,7 @@ def build_app(state: ServerState, security: ServerSecurity | None = None,
             body = await body
         return Response(body, media_type=CONTENT_TYPE_LATEST)
 
+    register_ollama(app, state, limits)
     register_playground(app, state)
     install_openapi(app, version("conveyor"))
     return app
