@@ -12,6 +12,7 @@ import socket
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from types import FrameType
 
 import uvicorn
@@ -134,11 +135,12 @@ def run_server(engine_args: EngineArgs, host: str = "127.0.0.1", port: int = 800
                access_log: AccessLogSettings | None = None, ssl_keyfile: str | None = None,
                ssl_certfile: str | None = None, state: ServerState | None = None,
                reasoning_parser: str | None = None, tool_call_parser: str | None = None,
-               lora_modules: dict[str, str] | None = None) -> int:
+               lora_modules: dict[str, str] | None = None, batch_dir: str | None = None) -> int:
     """Serve until a signal; returns the process exit status. HTTPS when both ssl files are
     given. ``state``: serve over another engine (a fleet of replicas) instead of one built
     from ``engine_args``. ``reasoning_parser``: a name in ``REASONING_PARSERS``;
     ``tool_call_parser``: one in ``tool_parsers.PARSERS`` (None: the chat template's format).
+    ``batch_dir``: where uploaded files and batch jobs are kept (None: the cache folder's).
     ``lora_modules``: LoRA adapters (name -> PEFT directory) served from the start."""
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if not (security and security.api_keys) and host not in ("127.0.0.1", "localhost", "::1"):
@@ -147,6 +149,7 @@ def run_server(engine_args: EngineArgs, host: str = "127.0.0.1", port: int = 800
     state = state or ServerState(engine_args, served_model_name, max_queued_requests)
     state.reasoning_parser = REASONING_PARSERS[reasoning_parser] if reasoning_parser else None
     state.tool_call_parser = tool_call_parser
+    state.batch_dir = Path(batch_dir) if batch_dir else None
     state.lora_modules = dict(lora_modules or {})
     app = build_app(state, security, limits, access_log)
     # uvicorn's own access log is off: Conveyor's (access_log.py) has the token counts.

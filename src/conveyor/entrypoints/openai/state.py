@@ -14,6 +14,7 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any, TypeVar
 
 from conveyor.engine.args import EngineArgs
@@ -61,6 +62,7 @@ class ServerState:
         self.admission = SequenceAdmission()  # build_app sets the configured limit
         self.reasoning_parser: ReasoningParser | None = None  # --reasoning-parser
         self.tool_call_parser: str | None = None  # --tool-call-parser (None: the template's)
+        self.batch_dir: Path | None = None  # --batch-dir: files and batch jobs (None: cache's)
         self.lora_modules: dict[str, str] = {}  # --lora-modules: loaded with the model
         self.loras: dict[str, LoRARequest] = {}  # adapters served, by the name clients send
         self._adding_loras: set[str] = set()  # names whose adapter is being read
