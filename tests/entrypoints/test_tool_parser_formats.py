@@ -153,3 +153,12 @@ def test_formats_from_templates(template, family) -> None:
 def test_llama3_and_hermes_fixtures_keep_parsing() -> None:
     assert PARSERS["llama3"]('{"name": "f", "parameters": {"a": {"b": [1]}}}', None) == \
         (None, [ToolCall("f", '{"a": {"b": [1]}}')])
+
+
+def test_the_serve_flag_names_a_parser() -> None:
+    from conveyor.entrypoints.cli import build_parser
+
+    args = build_parser().parse_args(["serve", "--tool-call-parser", "qwen3_coder"])
+    assert args.tool_call_parser == "qwen3_coder"
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--tool-call-parser", "nope"])
