@@ -205,3 +205,38 @@ def test_the_client_raises_response_errors(client) -> None:
         list(client.chat(model="missing:7b", messages=[{"role": "user", "content": "hi"}],
                          stream=True))
     assert info.value.status_code == 404
+
+
+CALL = {"type": "object", "properties": {"name": {"const": "get_weather"},
+                                         "parameters": {"type": "object", "required": ["city"],
+                                                        "properties": {"city": {"type": "string"}}}},
+        "required": ["name", "parameters"]}
+
+
+@pytest.mark.slow
+def test_a_call_the_model_makes_comes_back_as_ollama_tool_calls(start_server, model) -> None:
+    """Under --tool-call-parser llama3 a reply that is a {"name", "parameters"} object is a call:
+    a JSON-schema format makes the model write one, and the ollama client gets it as
+    ``tool_calls`` (whole and streamed), equal to the OpenAI route's."""
+    server = start_server(["--tool-call-parser", "llama3"])
+    client = ollama.Client(host=server.base_url, timeout=120)
+    question = {"role": "user", "content": "What is the weather in Paris?"}
+    options = {"temperature": 0, "num_predict": 40}
+    r = client.chat(model=model, messages=[question], tools=[WEATHER], format=CALL,
+                    options=options)
+    (call,) = r.message.tool_calls
+    assert call.function.name == "get_weather" and isinstance(call.function.arguments["city"], str)
+    assert r.done_reason == "stop" and not r.message.content
+    chat = _chat(server, [question], 40, tools=[WEATHER], response_format={
+        "type": "json_schema", "json_schema": {"name": "format", "schema": CALL}})
+    (openai_call,) = chat["choices"][0]["message"]["tool_calls"]
+    assert json.loads(openai_call["function"]["arguments"]) == dict(call.function.arguments)
+    parts = list(client.chat(model=model, messages=[question], tools=[WEATHER], format=CALL,
+                             options=options, stream=True))
+    streamed = [c for p in parts for c in p.message.tool_calls or []]
+    assert [(c.function.name, dict(c.function.arguments)) for c in streamed] == \
+        [(call.function.name, dict(call.function.arguments))]
+    answer = client.chat(model=model, tools=[WEATHER], options=options, messages=[
+        question, {"role": "assistant", "content": "", "tool_calls": [call]},
+        {"role": "tool", "content": "Sunny, 21 C", "tool_name": "get_weather"}])
+    assert answer.message.content and not answer.message.tool_calls
