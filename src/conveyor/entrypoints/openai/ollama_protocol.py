@@ -9,6 +9,7 @@ object; a JSON schema: that schema)."""
 from __future__ import annotations
 
 import json
+import math
 import re
 import time
 from typing import Any
@@ -194,6 +195,7 @@ def generate_request(body: GenerateBody, model: str
 _DURATION = re.compile(r"(\d+(?:\.\d+)?)(ns|us|µs|ms|s|m|h)")
 _UNIT_S = {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}
 DEFAULT_KEEP_ALIVE_S = 300.0
+FOREVER_S = 100 * 365 * 86400.0  # what a negative (or longer) keep_alive shows as
 
 
 def keep_alive_seconds(value: float | int | str | None) -> float:
@@ -201,27 +203,30 @@ def keep_alive_seconds(value: float | int | str | None) -> float:
     ``"1h30m"``; negative: forever); a 400 for anything else."""
     if value is None:
         return DEFAULT_KEEP_ALIVE_S
+    bad = bad_request(f"'keep_alive' must be a duration such as \"5m\" or a number of "
+                      f"seconds, got {value!r}", param="keep_alive")
     if isinstance(value, int | float):
-        return float(value)
-    text = value.strip()
-    sign = -1.0 if text.startswith("-") else 1.0
-    text = text.lstrip("+-")
-    try:
-        return sign * float(text)
-    except ValueError:
-        pass
-    parts = _DURATION.findall(text)
-    if not parts or "".join(n + u for n, u in parts) != text:
-        raise bad_request(f"'keep_alive' must be a duration such as \"5m\" or a number of "
-                          f"seconds, got {value!r}", param="keep_alive")
-    return sign * sum(float(n) * _UNIT_S[u] for n, u in parts)
+        seconds = float(value)
+    else:
+        text = value.strip()
+        sign = -1.0 if text.startswith("-") else 1.0
+        text = text.lstrip("+-")
+        parts = _DURATION.findall(text)
+        if re.fullmatch(r"\d+(\.\d+)?", text):
+            seconds = sign * float(text)
+        elif parts and "".join(n + u for n, u in parts) == text:
+            seconds = sign * sum(float(n) * _UNIT_S[u] for n, u in parts)
+        else:
+            raise bad
+    if not math.isfinite(seconds):
+        raise bad
+    return seconds
 
 
 def expires_at(keep_alive_s: float, since: float | None = None) -> str:
     """When a model kept alive ``keep_alive_s`` from ``since`` would be unloaded (RFC 3339)."""
     since = time.time() if since is None else since
-    moment = since + keep_alive_s if keep_alive_s >= 0 else since + 100 * 365 * 86400
-    return rfc3339(moment)
+    return rfc3339(since + (min(keep_alive_s, FOREVER_S) if keep_alive_s >= 0 else FOREVER_S))
 
 
 def rfc3339(seconds: float) -> str:

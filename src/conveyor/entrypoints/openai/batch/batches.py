@@ -78,19 +78,11 @@ class BatchManager:
 
     # ------------------------------------------------------------ API
     def create(self, body: dict[str, Any]) -> dict[str, Any]:
-        input_file_id = body.get("input_file_id")
-        endpoint = body.get("endpoint")
-        window = body.get("completion_window", "24h")
-        metadata = body.get("metadata")
-        if not isinstance(input_file_id, str):
-            raise bad_request("'input_file_id' is a required string", param="input_file_id")
-        if not isinstance(endpoint, str):
-            raise bad_request("'endpoint' is a required string", param="endpoint")
+        """A batch of a checked ``routes.BatchRequest`` body, started at once."""
+        input_file_id, endpoint = body["input_file_id"], body["endpoint"]
+        window, metadata = body["completion_window"], body["metadata"]
         if window not in WINDOW_S:
             raise bad_request("'completion_window' must be 24h", param="completion_window")
-        if metadata is not None and not (isinstance(metadata, dict) and all(
-                isinstance(k, str) and isinstance(v, str) for k, v in metadata.items())):
-            raise bad_request("'metadata' must map strings to strings", param="metadata")
         self.files.get(input_file_id)  # a 404 for an unknown file
         now = int(time.time())
         obj = {"id": f"batch_{uuid.uuid4().hex}", "object": "batch", "endpoint": endpoint,

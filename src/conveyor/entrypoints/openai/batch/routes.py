@@ -9,11 +9,12 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import FileResponse, Response
+from pydantic import BaseModel, ConfigDict, ValidationError
 from starlette.datastructures import UploadFile
 
 from conveyor.entrypoints.openai.batch.batches import BatchManager
 from conveyor.entrypoints.openai.batch.files import FileStore
-from conveyor.entrypoints.openai.errors import bad_request
+from conveyor.entrypoints.openai.errors import bad_request, from_validation_error
 from conveyor.entrypoints.openai.state import ServerState
 
 
@@ -23,14 +24,27 @@ def default_batch_dir() -> Path:
     return cache_dir() / "batches"
 
 
-async def _json(request: Request) -> dict[str, Any]:
+class BatchRequest(BaseModel):
+    """The body of ``POST /v1/batches``."""
+
+    model_config = ConfigDict(strict=True, extra="ignore")
+    input_file_id: str
+    endpoint: str
+    completion_window: str = "24h"
+    metadata: dict[str, str] | None = None
+
+
+async def _batch_request(request: Request) -> dict[str, Any]:
     try:
         body = json.loads(await request.body())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise bad_request(f"the request body is not valid JSON: {e}") from e
     if not isinstance(body, dict):
         raise bad_request("the request body must be a JSON object")
-    return body
+    try:
+        return BatchRequest.model_validate(body).model_dump()
+    except ValidationError as e:
+        raise from_validation_error(e) from e
 
 
 def register_batches(app: FastAPI, state: ServerState, root: Path | None = None
@@ -73,7 +87,7 @@ def register_batches(app: FastAPI, state: ServerState, root: Path | None = None
 
     @app.post("/v1/batches")
     async def create_batch(request: Request) -> dict[str, Any]:
-        return batches.create(await _json(request))
+        return batches.create(await _batch_request(request))
 
     @app.get("/v1/batches")
     async def list_batches(limit: int = 20, after: str | None = None) -> dict[str, Any]:
