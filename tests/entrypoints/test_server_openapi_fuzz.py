@@ -95,7 +95,8 @@ def hostile_bodies(draw: st.DrawFn, op: schemathesis.APIOperation) -> tuple[str,
 
 @pytest.fixture(scope="module")
 def fuzzed(start_server, tmp_path_factory):
-    return start_server(FLAGS + ["--lora-root", str(tmp_path_factory.mktemp("adapters"))])
+    return start_server(FLAGS + ["--lora-root", str(tmp_path_factory.mktemp("adapters")),
+                                 "--batch-dir", str(tmp_path_factory.mktemp("batches"))])
 
 
 def _operations(base_url: str) -> list[schemathesis.APIOperation]:
@@ -109,9 +110,9 @@ def test_no_generated_request_gets_a_5xx(fuzzed, mode) -> None:
     operations = _operations(fuzzed.base_url)
     assert POST_ENDPOINTS <= {op.path for op in operations}
     for op in operations:
-        has_body = op.method.upper() == "POST"
+        has_body = op.method.upper() == "POST" and len(op.body) > 0
         if mode == GenerationMode.NEGATIVE and not has_body:
-            continue  # a GET without parameters has nothing to get wrong
+            continue  # a GET, or a POST of only a path id (a cancel), has nothing to get wrong
         examples = EXAMPLES[mode] if has_body else 10
 
         @settings(max_examples=examples, deadline=None, database=None,

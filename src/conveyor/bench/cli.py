@@ -10,6 +10,7 @@ BENCHMARKS = [
     "conveyor.bench.throughput",  # bench throughput
     "conveyor.bench.serving",  # bench serve
     "conveyor.bench.soak",  # bench soak
+    "conveyor.bench.batch_interference",  # bench batch
     "conveyor.bench.doc_tables",  # bench report
     "conveyor.bench.accuracy",  # bench accuracy
 ]

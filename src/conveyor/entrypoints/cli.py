@@ -15,6 +15,8 @@ SUBCOMMANDS = [
     "conveyor.entrypoints.generate_cmd",  # generate
     "conveyor.entrypoints.chat_cmd",  # chat
     "conveyor.entrypoints.serve_cmd",  # serve
+    "conveyor.entrypoints.run_batch_cmd",  # run-batch
+    "conveyor.entrypoints.models_cmd",  # pull, list, rm (the Hugging Face cache)
     "conveyor.entrypoints.worker_cmd",  # worker (tensor-parallel rank of another machine)
     "conveyor.bench.cli",  # bench {scheduler,throughput,serve}
     "conveyor.sim.cli",  # simulate

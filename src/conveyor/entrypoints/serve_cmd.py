@@ -12,13 +12,15 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     from conveyor.engine.args import add_cli_args
     from conveyor.entrypoints.openai.limits import ServerLimits
     from conveyor.entrypoints.openai.reasoning_parsers import REASONING_PARSERS
+    from conveyor.entrypoints.openai.tool_parsers import PARSERS as TOOL_PARSERS
     from conveyor.entrypoints.openai.unicode_text import INVALID_UNICODE_MODES
     from conveyor.routing.policies import ROUTERS
 
     p = subparsers.add_parser("serve", help="OpenAI-compatible HTTP server",
                               description="Serve /v1/completions, /v1/chat/completions, "
                               "/v1/messages (Anthropic), /v1/responses, /v1/embeddings, "
-                              "/v1/score, /v1/rerank, /v1/models, /health and /metrics.")
+                              "/v1/score, /v1/rerank, /v1/models, /v1/files, /v1/batches, Ollama's /api/* routes, "
+                              "/health and /metrics.")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="port to bind (default: 8000)")
     p.add_argument("--served-model-name", default=None,
@@ -49,6 +51,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                    help="split the model's <think> reasoning from its answer: reasoning_content "
                    "in chat, reasoning items in responses, thinking blocks in messages "
                    "(default: none, all text is the answer)")
+    p.add_argument("--batch-dir", default=None, metavar="DIR",
+                   help="where /v1/files uploads and /v1/batches jobs are kept; unfinished jobs "
+                   "resume when a server starts on it (default: $CONVEYOR_CACHE_DIR/batches)")
+    p.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_PARSERS),
+                   help="the format the model writes tool calls in (docs/server.md; default: "
+                   "the one its chat template shows)")
 
     sec = p.add_argument_group("security")
     sec.add_argument("--api-key", action="append", default=[], metavar="KEY",
@@ -177,6 +185,7 @@ def _run(args: argparse.Namespace) -> int:
         max_queued_requests=args.max_queued_requests, shutdown_timeout=args.shutdown_timeout,
         log_level=args.log_level, security=security,
         limits=limits, reasoning_parser=args.reasoning_parser,
+        tool_call_parser=args.tool_call_parser, batch_dir=args.batch_dir,
         access_log=AccessLogSettings(args.access_log, args.log_prompts),
         ssl_keyfile=args.ssl_keyfile, ssl_certfile=args.ssl_certfile,
         lora_modules=lora_modules, allow_runtime_lora=args.allow_runtime_lora,

@@ -89,12 +89,15 @@ def gemma3_model_path() -> str:
 
 def model_path(model: str | None) -> str:
     """The path a ``--model`` names: the default model's file for none, the embedded Gemma 3
-    file for ``gemma-3-270m``, else ``model`` itself."""
+    file for ``gemma-3-270m``, a Hugging Face repository's cached files for ``owner/name[:...]``
+    (``conveyor.hub``), else ``model`` itself."""
     if not model:
         return default_model_path()
     if model == GEMMA3_ALIAS:
         return gemma3_model_path()
-    return model
+    from conveyor.hub import resolve
+
+    return resolve(model) or model
 
 
 def check_model(model: str | None, keep_reader: bool = False) -> str:

@@ -21,6 +21,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from conveyor.entrypoints.openai.access_log import AccessLogMiddleware, AccessLogSettings
 from conveyor.entrypoints.openai.admission import SequenceAdmission
 from conveyor.entrypoints.openai.anthropic import AnthropicServingMessages
+from conveyor.entrypoints.openai.batch.routes import register_batches
 from conveyor.entrypoints.openai.chat import OpenAIServingChat
 from conveyor.entrypoints.openai.completions import OpenAIServingCompletion
 from conveyor.entrypoints.openai.errors import APIError
@@ -30,6 +31,7 @@ from conveyor.entrypoints.openai.limits import (
     ServerLimits,
 )
 from conveyor.entrypoints.openai.lora import load_lora_adapter, unload_lora_adapter
+from conveyor.entrypoints.openai.ollama import register_ollama
 from conveyor.entrypoints.openai.openapi import install_openapi
 from conveyor.entrypoints.openai.playground import register_playground
 from conveyor.entrypoints.openai.pooling import OpenAIServingPooling
@@ -50,8 +52,10 @@ def build_app(state: ServerState, security: ServerSecurity | None = None,
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         loading = asyncio.create_task(state.load())
+        batches.start()  # resume the batch jobs a previous run left unfinished
         yield
         state.draining = True
+        await batches.stop()
         if not loading.done():
             await asyncio.gather(loading, return_exceptions=True)
         await state.close()
@@ -157,6 +161,8 @@ def build_app(state: ServerState, security: ServerSecurity | None = None,
             body = await body
         return Response(body, media_type=CONTENT_TYPE_LATEST)
 
+    register_ollama(app, state, limits)
+    batches = register_batches(app, state, state.batch_dir)
     register_playground(app, state)
     install_openapi(app, version("conveyor"))
     return app

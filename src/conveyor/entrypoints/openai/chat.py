@@ -86,7 +86,7 @@ class OpenAIServingChat(OpenAIServing):
         self.check_prompt_chars(sum(_chars(m) for m in messages), "messages")
         template = getattr(self.state.tokenizer, "chat_template", None)
         try:
-            tools = ToolMode.of(req, template)
+            tools = ToolMode.of(req, template, self.state.tool_call_parser)
             req._tool_constraint = tools.constraint()
         except ValueError as e:
             raise bad_request(str(e), param="tool_choice" if req.tools else "tools") from e

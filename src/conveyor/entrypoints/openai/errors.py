@@ -1,4 +1,5 @@
-"""Errors in OpenAI's JSON shape: ``{"error": {"message", "type", "param", "code"}}``.
+"""Errors in OpenAI's JSON shape: ``{"error": {"message", "type", "param", "code"}}`` (on
+Anthropic's path its shape, on Ollama's ``{"error": message}``).
 
 Handlers raise ``APIError``; the app turns it (and any FastAPI/Starlette error, so that
 FastAPI's raw 422 dump never leaks) into that shape.
@@ -13,6 +14,7 @@ from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 
 ANTHROPIC_PATH = "/v1/messages"  # errors there take Anthropic's shape
+OLLAMA_PATH = "/api/"  # and there Ollama's, {"error": message}
 
 
 class APIError(Exception):
@@ -47,6 +49,9 @@ class APIError(Exception):
 
     def response(self, path: str = "") -> JSONResponse:
         """The error's response; in Anthropic's shape on its API's paths (``path``)."""
+        if path.startswith(OLLAMA_PATH):
+            return JSONResponse({"error": self.message}, status_code=self.status,
+                                headers=self.headers)
         body = self.anthropic_body() if path.startswith(ANTHROPIC_PATH) else self.body()
         return _ErrorResponse(body, status_code=self.status, headers=self.headers)
 

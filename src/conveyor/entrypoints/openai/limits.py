@@ -53,14 +53,14 @@ class ListLimits:
 class JSONContentTypeMiddleware:
     """415 for a POST to ``/v1/*`` whose Content-Type is not ``application/json``: a browser
     may send a cross-origin "simple" request (text/plain, form data) without a preflight, and
-    such a body must not run."""
+    such a body must not run. File uploads (``/v1/files``) are multipart and run nothing."""
 
     def __init__(self, app: ASGIApp) -> None:
         self.app = app
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if (scope["type"] == "http" and scope["method"] == "POST"
-                and scope["path"].startswith("/v1/")):
+                and scope["path"].startswith("/v1/") and scope["path"] != "/v1/files"):
             media_type = _header(scope, b"content-type") or b""
             media_type = media_type.split(b";", 1)[0].strip().lower()
             if media_type != b"application/json":

@@ -10,7 +10,15 @@ from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 
 from conveyor.entrypoints.openai.anthropic import MessagesRequest
+from conveyor.entrypoints.openai.batch.routes import BatchRequest
 from conveyor.entrypoints.openai.lora import LoadLoRARequest, UnloadLoRARequest
+from conveyor.entrypoints.openai.ollama_protocol import (
+    ChatBody,
+    EmbedBody,
+    EmbeddingsBody,
+    GenerateBody,
+    ShowBody,
+)
 from conveyor.entrypoints.openai.pooling import EmbeddingRequest, RerankRequest, ScoreRequest
 from conveyor.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
 from conveyor.entrypoints.openai.responses import ResponsesRequest
@@ -23,7 +31,16 @@ REQUEST_BODIES = {"/v1/completions": CompletionRequest,
                   "/v1/score": ScoreRequest,
                   "/v1/rerank": RerankRequest,
                   "/v1/load_lora_adapter": LoadLoRARequest,
-                  "/v1/unload_lora_adapter": UnloadLoRARequest}
+                  "/v1/unload_lora_adapter": UnloadLoRARequest,
+                  "/v1/batches": BatchRequest,
+                  "/api/chat": ChatBody,
+                  "/api/generate": GenerateBody,
+                  "/api/embed": EmbedBody,
+                  "/api/embeddings": EmbeddingsBody,
+                  "/api/show": ShowBody}
+# Multipart bodies: the upload's fields.
+UPLOAD_BODY = {"type": "object", "required": ["file", "purpose"], "properties": {
+    "file": {"type": "string", "format": "binary"}, "purpose": {"type": "string"}}}
 
 
 def install_openapi(app: FastAPI, version: str) -> None:
@@ -38,6 +55,8 @@ def install_openapi(app: FastAPI, version: str) -> None:
                 doc["paths"][path]["post"]["requestBody"] = {"required": True, "content": {
                     "application/json": {"schema": {"$ref": f"#/components/schemas/"
                                                             f"{model.__name__}"}}}}
+            doc["paths"]["/v1/files"]["post"]["requestBody"] = {"required": True, "content": {
+                "multipart/form-data": {"schema": UPLOAD_BODY}}}
             app.openapi_schema = doc
         return app.openapi_schema
 

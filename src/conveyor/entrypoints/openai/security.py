@@ -1,5 +1,5 @@
-"""Who may call the server: API keys (``Authorization: Bearer <key>`` on every ``/v1`` route and,
-optionally, ``/metrics``) and CORS for browser pages on other origins (closed by default)."""
+"""Who may call the server: API keys (``Authorization: Bearer <key>`` on every ``/v1`` and Ollama
+``/api`` route and, optionally, ``/metrics``) and CORS for browser pages on other origins (closed by default)."""
 
 from __future__ import annotations
 
@@ -66,7 +66,7 @@ class APIKeyMiddleware:
         self._metrics_require_key = metrics_require_key
 
     def _protected(self, path: str) -> bool:
-        if path == "/v1" or path.startswith("/v1/"):
+        if path in ("/v1", "/api") or path.startswith(("/v1/", "/api/")):
             return True
         return self._metrics_require_key and path == "/metrics"
 

@@ -12,6 +12,7 @@ import socket
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from types import FrameType
 
 import uvicorn
@@ -134,12 +135,14 @@ def run_server(engine_args: EngineArgs, host: str = "127.0.0.1", port: int = 800
                security: ServerSecurity | None = None, limits: ServerLimits | None = None,
                access_log: AccessLogSettings | None = None, ssl_keyfile: str | None = None,
                ssl_certfile: str | None = None, state: ServerState | None = None,
-               reasoning_parser: str | None = None,
+               reasoning_parser: str | None = None, tool_call_parser: str | None = None,
                lora_modules: dict[str, str] | None = None, allow_runtime_lora: bool = False,
-               lora_paths: ClientPaths | None = None) -> int:
+               lora_paths: ClientPaths | None = None, batch_dir: str | None = None) -> int:
     """Serve until a signal; returns the process exit status. HTTPS when both ssl files are
     given. ``state``: serve over another engine (a fleet of replicas) instead of one built
-    from ``engine_args``. ``reasoning_parser``: a name in ``REASONING_PARSERS``.
+    from ``engine_args``. ``reasoning_parser``: a name in ``REASONING_PARSERS``;
+    ``tool_call_parser``: one in ``tool_parsers.PARSERS`` (None: the chat template's format).
+    ``batch_dir``: where uploaded files and batch jobs are kept (None: the cache folder's).
     ``lora_modules``: LoRA adapters (name -> PEFT directory) served from the start;
     ``allow_runtime_lora``: clients may load and unload adapters, from under ``lora_paths``."""
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -148,6 +151,8 @@ def run_server(engine_args: EngineArgs, host: str = "127.0.0.1", port: int = 800
                        "(--api-key)", host)
     state = state or ServerState(engine_args, served_model_name, max_queued_requests)
     state.reasoning_parser = REASONING_PARSERS[reasoning_parser] if reasoning_parser else None
+    state.tool_call_parser = tool_call_parser
+    state.batch_dir = Path(batch_dir) if batch_dir else None
     state.lora_modules = dict(lora_modules or {})
     state.allow_runtime_lora = allow_runtime_lora
     state.lora_paths = lora_paths or ClientPaths()

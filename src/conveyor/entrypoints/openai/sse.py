@@ -1,5 +1,6 @@
 """Server-sent events: OpenAI's ``data:`` lines, the named events of Anthropic's and the Responses
-API's streams, and the streaming response that runs a callback once its stream has ended."""
+API's streams, and the streaming response that runs a callback once its stream has ended (also
+for Ollama's newline-delimited JSON)."""
 
 from __future__ import annotations
 
@@ -24,9 +25,9 @@ def sse_event(kind: str, data: dict[str, Any]) -> str:
 class _StreamThenRelease(StreamingResponse):
     """A stream that calls ``on_close`` once it has ended, however it ended."""
 
-    def __init__(self, events: AsyncIterator[str], on_close: Callable[[], None]) -> None:
-        super().__init__(events, media_type="text/event-stream",
-                         headers={"Cache-Control": "no-cache"})
+    def __init__(self, events: AsyncIterator[str], on_close: Callable[[], None],
+                 media_type: str = "text/event-stream") -> None:
+        super().__init__(events, media_type=media_type, headers={"Cache-Control": "no-cache"})
         self._on_close = on_close
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -38,3 +39,8 @@ class _StreamThenRelease(StreamingResponse):
 
 def sse_response(events: AsyncIterator[str], on_close: Callable[[], None]) -> StreamingResponse:
     return _StreamThenRelease(events, on_close)
+
+
+def ndjson_response(lines: AsyncIterator[str], on_close: Callable[[], None]) -> StreamingResponse:
+    """A stream of JSON lines (Ollama's), each ending in a newline."""
+    return _StreamThenRelease(lines, on_close, media_type="application/x-ndjson")

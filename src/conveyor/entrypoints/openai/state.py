@@ -14,6 +14,7 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any, TypeVar
 
 from conveyor.engine.args import EngineArgs
@@ -61,6 +62,8 @@ class ServerState:
         self.on_fatal: Callable[[], None] = lambda: None
         self.admission = SequenceAdmission()  # build_app sets the configured limit
         self.reasoning_parser: ReasoningParser | None = None  # --reasoning-parser
+        self.tool_call_parser: str | None = None  # --tool-call-parser (None: the template's)
+        self.batch_dir: Path | None = None  # --batch-dir: files and batch jobs (None: cache's)
         self.lora_modules: dict[str, str] = {}  # --lora-modules: loaded with the model
         self.allow_runtime_lora = False  # --allow-runtime-lora: the load/unload routes work
         self.lora_paths = ClientPaths()  # --lora-root: where those loads may read

@@ -71,14 +71,15 @@ class ToolMode:
     named: str | None = None
 
     @classmethod
-    def of(cls, req: Any, chat_template: str | None) -> ToolMode:
+    def of(cls, req: Any, chat_template: str | None, parser: str | None = None) -> ToolMode:
+        """``parser``: the format to parse (``--tool-call-parser``); None: the template's."""
         tools = [t.model_dump(exclude_none=True) for t in req.tools or []]
         choice = req.tool_choice
         if choice is None:
             choice = "auto" if tools else "none"
         if choice != "none" and not tools:
             raise ValueError("tool_choice needs 'tools'")
-        family = template_family(chat_template)
+        family = parser or template_family(chat_template)
         if choice == "none":
             return cls(None, [], family)
         if isinstance(choice, str):
@@ -132,7 +133,7 @@ class ToolMode:
             return None, [ToolCall(i["name"], json.dumps(i["arguments"], ensure_ascii=False))
                           for i in items]
         if self.kind == "auto":
-            return PARSERS[self.family](text)
+            return PARSERS[self.family](text, self.tools)
         return text, []
 
 
@@ -213,8 +214,12 @@ class ToolStream:
         if not calls:
             return self._send(len(self.text)), False
         out = []
-        sent = self.text[:self.sent].strip()
+        sent_text = self.text[:self.sent]
+        sent = sent_text.strip()
         rest = content[len(sent):] if content and content.startswith(sent) else ""
+        trailing = sent_text[len(sent_text.rstrip()):]  # already sent before the first call
+        if sent and trailing and rest.startswith(trailing):
+            rest = rest[len(trailing):]
         if rest.strip():
             out.append({"content": rest})
         out += [{"tool_calls": [{**call, "index": k}]}
