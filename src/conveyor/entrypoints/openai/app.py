@@ -162,7 +162,7 @@ def build_app(state: ServerState, security: ServerSecurity | None = None,
         return Response(body, media_type=CONTENT_TYPE_LATEST)
 
     register_ollama(app, state, limits)
-    batches = register_batches(app, state, state.batch_dir)
+    batches = register_batches(app, state, limits, state.batch_dir)
     register_playground(app, state)
     install_openapi(app, version("conveyor"))
     return app

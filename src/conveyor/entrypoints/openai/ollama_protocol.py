@@ -14,13 +14,21 @@ import re
 import time
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import ConfigDict, Field, ValidationError
 
 from conveyor.entrypoints.openai.errors import bad_request, from_validation_error
 from conveyor.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
+from conveyor.entrypoints.openai.request_model import RequestModel
 
 
-class _Lenient(BaseModel):
+class _Lenient(RequestModel):
+    """An Ollama request body (or an object in one). Ollama's server ignores fields it does not
+    know (Go's JSON decoding drops them), and its clients send fields of newer versions, so
+    these models ignore unknown fields rather than refuse them; everything else of
+    ``RequestModel`` holds (strict types), and the bodies are parsed as every route's are
+    (``serving.parse_body``: strict JSON without ``NaN``/``Infinity``, bounded lists and
+    nesting, and a lone UTF-16 surrogate anywhere a 400 naming its field)."""
+
     model_config = ConfigDict(extra="ignore")
 
 

@@ -76,9 +76,16 @@ def check_text(raw: str, body: dict[str, Any], mode: str = "reject") -> dict[str
     each lone surrogate replaced (``mode`` "replace")."""
     if not _SURROGATE_ESCAPE.search(raw):
         return body
+    return check_value(body, mode)
+
+
+def check_value(value: Any, mode: str = "reject", path: list[str | int] | None = None) -> Any:
+    """``check_text`` of text that came without a JSON source to scan first (a form field, an
+    object parsed elsewhere): a 400 naming the first string that does not encode (``path``:
+    where ``value`` sits), or (``mode`` "replace") ``value`` with each lone surrogate replaced."""
     if mode == "replace":
-        return _replaced(body)
-    err = _first_bad(body, [])
+        return _replaced(value)
+    err = _first_bad(value, path or [])
     if err is not None:
         raise err
-    return body
+    return value

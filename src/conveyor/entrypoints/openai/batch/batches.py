@@ -39,12 +39,13 @@ WINDOW_S = {"24h": 86400}
 
 class BatchManager:
     def __init__(self, root: Path, files: FileStore, app: Starlette, state: ServerState,
-                 concurrency: int = DEFAULT_CONCURRENCY) -> None:
+                 concurrency: int = DEFAULT_CONCURRENCY, invalid_unicode: str = "reject") -> None:
         self.root = root / "batches"  # made with the first batch
         self.files = files
         self.app = app
         self.state = state
         self.concurrency = concurrency
+        self.invalid_unicode = invalid_unicode  # --invalid-unicode, for the input lines' text
         self.batches: dict[str, dict[str, Any]] = {}
         self.tasks: dict[str, asyncio.Task[None]] = {}
         self.stopping = asyncio.Event()
@@ -172,7 +173,7 @@ class BatchManager:
     def _validate(self, obj: dict[str, Any]) -> list[Line] | None:
         try:
             data = self.files.content_path(obj["input_file_id"]).read_bytes()
-            lines = read_lines(data, obj["endpoint"])
+            lines = read_lines(data, obj["endpoint"], self.invalid_unicode)
         except (LineError, APIError) as e:
             line = e.line if isinstance(e, LineError) else None
             code = e.code if isinstance(e, LineError) else "invalid_file"

@@ -3,6 +3,9 @@ the input, running one line through the server's routes at the batch priority, a
 and error lines in OpenAI's shape.
 
 A line is ``{"custom_id", "method": "POST", "url", "body"}``; custom ids are unique in a batch.
+A line is parsed as a request body is (``NaN``/``Infinity`` are not JSON; the body's nesting
+is bounded when its route parses it) and its text checked as one (``unicode_text``): a lone UTF-16 surrogate anywhere in it
+makes it a bad line naming the field, or U+FFFD under ``--invalid-unicode replace``.
 A line's result goes to the output file when its request succeeded and to the error file when
 it failed (``response.status_code`` and the error body). A request the server could not take
 yet (503 while it starts or stops, 429 while its sequences in flight are full) is retried, not
@@ -20,6 +23,8 @@ from starlette.applications import Starlette
 
 from conveyor.core.config import QueueOrder
 from conveyor.entrypoints.openai.batch.dispatch import BATCH_ENDPOINTS, dispatch
+from conveyor.entrypoints.openai.errors import APIError
+from conveyor.entrypoints.openai.unicode_text import check_text
 
 # The queue priority of batch requests under --queue priority (interactive ones have 0, and a
 # lower value runs first): batch work yields to interactive work.
@@ -46,9 +51,35 @@ class LineError(ValueError):
         self.message = message
 
 
-def read_lines(data: bytes, endpoint: str | None = None) -> list[Line]:
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a JSON value")
+
+
+def _parse_line(number: int, raw: str, invalid_unicode: str) -> Any:
+    """One line's JSON object, strictly parsed and its text checked."""
+    try:
+        obj = json.loads(raw, parse_constant=_no_constant)
+    except json.JSONDecodeError as e:
+        raise LineError(number, f"not JSON ({e.msg})", "invalid_json_line") from e
+    except RecursionError as e:
+        raise LineError(number, "nested too deeply", "invalid_json_line") from e
+    except ValueError as e:  # NaN/Infinity, an integer of too many digits
+        raise LineError(number, f"not JSON ({e})", "invalid_json_line") from e
+    if not isinstance(obj, dict):
+        raise LineError(number, "a line must be a JSON object")
+    try:
+        return check_text(raw, obj, invalid_unicode)
+    except APIError as e:
+        raise LineError(number, e.message, "invalid_unicode") from e
+    except RecursionError as e:
+        raise LineError(number, "nested too deeply", "invalid_json_line") from e
+
+
+def read_lines(data: bytes, endpoint: str | None = None,
+               invalid_unicode: str = "reject") -> list[Line]:
     """The request lines of a batch input file; LineError at the first bad one. ``endpoint``:
-    the url every line must name (a server batch's), None for any batch endpoint."""
+    the url every line must name (a server batch's), None for any batch endpoint;
+    ``invalid_unicode``: what a lone surrogate does (``unicode_text``)."""
     lines: list[Line] = []
     seen: set[str] = set()
     try:
@@ -58,12 +89,7 @@ def read_lines(data: bytes, endpoint: str | None = None) -> list[Line]:
     for number, raw in enumerate(text.splitlines(), 1):
         if not raw.strip():
             continue
-        try:
-            obj = json.loads(raw)
-        except json.JSONDecodeError as e:
-            raise LineError(number, f"not JSON ({e.msg})", "invalid_json_line") from e
-        if not isinstance(obj, dict):
-            raise LineError(number, "a line must be a JSON object")
+        obj = _parse_line(number, raw, invalid_unicode)
         custom_id, url, body = obj.get("custom_id"), obj.get("url"), obj.get("body")
         if not isinstance(custom_id, str) or not custom_id:
             raise LineError(number, "'custom_id' must be a non-empty string", "missing_custom_id")

@@ -1,21 +1,25 @@
 """The ``/v1/files`` and ``/v1/batches`` routes over a FileStore and a BatchManager kept under
-the server's state folder (``--batch-dir``)."""
+the server's state folder (``--batch-dir``). A batch's body is parsed as every JSON route's
+(``serving.parse_body``); an upload's ``purpose`` is checked to be Unicode text that encodes,
+and its lines when a batch reads them (``lines.read_lines``)."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import FileResponse, Response
-from pydantic import BaseModel, ConfigDict, ValidationError
 from starlette.datastructures import UploadFile
 
 from conveyor.entrypoints.openai.batch.batches import BatchManager
 from conveyor.entrypoints.openai.batch.files import FileStore
-from conveyor.entrypoints.openai.errors import bad_request, from_validation_error
+from conveyor.entrypoints.openai.errors import bad_request
+from conveyor.entrypoints.openai.limits import ServerLimits
+from conveyor.entrypoints.openai.request_model import RequestModel
+from conveyor.entrypoints.openai.serving import parse_body
 from conveyor.entrypoints.openai.state import ServerState
+from conveyor.entrypoints.openai.unicode_text import check_value
 
 
 def default_batch_dir() -> Path:
@@ -24,35 +28,22 @@ def default_batch_dir() -> Path:
     return cache_dir() / "batches"
 
 
-class BatchRequest(BaseModel):
+class BatchRequest(RequestModel):
     """The body of ``POST /v1/batches``."""
 
-    model_config = ConfigDict(strict=True, extra="ignore")
     input_file_id: str
     endpoint: str
     completion_window: str = "24h"
     metadata: dict[str, str] | None = None
+    output_expires_after: dict[str, Any] | None = None  # OpenAI's; outputs here never expire
 
 
-async def _batch_request(request: Request) -> dict[str, Any]:
-    try:
-        body = json.loads(await request.body())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise bad_request(f"the request body is not valid JSON: {e}") from e
-    if not isinstance(body, dict):
-        raise bad_request("the request body must be a JSON object")
-    try:
-        return BatchRequest.model_validate(body).model_dump()
-    except ValidationError as e:
-        raise from_validation_error(e) from e
-
-
-def register_batches(app: FastAPI, state: ServerState, root: Path | None = None
-                     ) -> BatchManager:
+def register_batches(app: FastAPI, state: ServerState, limits: ServerLimits,
+                     root: Path | None = None) -> BatchManager:
     """The routes on ``app``; the manager is returned for the app's lifespan to start/stop."""
     root = root or default_batch_dir()
     files = FileStore(root)
-    batches = BatchManager(root, files, app, state)
+    batches = BatchManager(root, files, app, state, invalid_unicode=limits.invalid_unicode)
 
     @app.post("/v1/files")
     async def create_file(request: Request) -> dict[str, Any]:
@@ -66,7 +57,12 @@ def register_batches(app: FastAPI, state: ServerState, root: Path | None = None
             raise bad_request("'file' is a required file field", param="file")
         if not isinstance(purpose, str):
             raise bad_request("'purpose' is a required field", param="purpose")
-        return files.create(await upload.read(), upload.filename or "upload", purpose)
+        # A form's text is decoded by the charset its Content-Type names: "unicode_escape"
+        # spells a lone surrogate as JSON's escapes do.
+        purpose = check_value(purpose, limits.invalid_unicode, ["purpose"])
+        filename = check_value(upload.filename or "upload", limits.invalid_unicode,
+                               ["file", "filename"])
+        return files.create(await upload.read(), filename, purpose)
 
     @app.get("/v1/files")
     async def list_files(purpose: str | None = None, limit: int = 10000,
@@ -87,7 +83,9 @@ def register_batches(app: FastAPI, state: ServerState, root: Path | None = None
 
     @app.post("/v1/batches")
     async def create_batch(request: Request) -> dict[str, Any]:
-        return batches.create(await _batch_request(request))
+        body = await state.off_loop(parse_body, await request.body(), BatchRequest, limits,
+                                    state.list_limits())
+        return batches.create(body.model_dump())
 
     @app.get("/v1/batches")
     async def list_batches(limit: int = 20, after: str | None = None) -> dict[str, Any]:
