@@ -4,7 +4,7 @@ request schemas, and valid ones made hostile (lone surrogates, NUL, very long st
 nested values, ``NaN``/``Infinity`` literals, whole and streamed) on every POST route. None may
 get a 5xx, hang or lose its connection; afterwards the server is healthy and idle, no KV block
 is held and every admission slot is free again. Errors come in each API's shape (OpenAI's;
-Anthropic's on /v1/messages)."""
+Anthropic's on /v1/messages, Ollama's on /api/)."""
 
 from __future__ import annotations
 
@@ -29,8 +29,12 @@ EXAMPLES = {GenerationMode.POSITIVE: sized(100, 5000), GenerationMode.NEGATIVE: 
 HOSTILE_EXAMPLES = sized(30, 2000)  # per POST endpoint
 POST_ENDPOINTS = {"/v1/completions", "/v1/chat/completions", "/v1/messages", "/v1/responses",
                   "/v1/embeddings", "/v1/score", "/v1/rerank", "/v1/load_lora_adapter",
-                  "/v1/unload_lora_adapter"}
-STREAMING = {"/v1/completions", "/v1/chat/completions", "/v1/messages", "/v1/responses"}
+                  "/v1/unload_lora_adapter", "/v1/files", "/v1/batches",
+                  "/v1/batches/{batch_id}/cancel", "/api/chat", "/api/generate", "/api/embed",
+                  "/api/embeddings", "/api/show"}
+STREAMING = {"/v1/completions", "/v1/chat/completions", "/v1/messages", "/v1/responses",
+             "/api/chat", "/api/generate"}
+UPLOAD = "/v1/files"  # multipart: its form fields are made hostile, and the file's line
 MAX_SEQS_IN_FLIGHT = 8
 # a short context and few samples keep every valid request quick on a CPU; runtime LoRA loading
 # is on, so that its routes parse what they are sent
@@ -73,11 +77,26 @@ def _slots(value: Any) -> tuple[list[tuple[Any, Any]], list[tuple[Any, Any]]]:
     return strings, values
 
 
+def _upload(draw: st.DrawFn, body: dict[str, Any]) -> tuple[bytes, str]:
+    """A multipart upload whose purpose may be hostile and whose file is one batch line of
+    ``body``; its text is decoded as "unicode_escape", which spells a lone surrogate as JSON
+    does: (form bytes, Content-Type)."""
+    purpose = draw(st.sampled_from(["batch", *HOSTILE_TEXT]))
+    line = json.dumps({"custom_id": "a", "url": "/v1/chat/completions", "body": body})
+    form = (b'--b\r\nContent-Disposition: form-data; name="file"; filename="in.jsonl"\r\n\r\n'
+            + line.encode("ascii") + b'\r\n--b\r\nContent-Disposition: form-data; '
+            b'name="purpose"\r\n\r\n' + purpose.encode("unicode_escape") + b"\r\n--b--\r\n")
+    return form, "multipart/form-data; boundary=b; charset=unicode_escape"
+
+
 @st.composite
-def hostile_bodies(draw: st.DrawFn, op: schemathesis.APIOperation) -> tuple[str, bytes]:
+def hostile_bodies(draw: st.DrawFn, op: schemathesis.APIOperation) -> tuple[str, bytes, str]:
     """A valid body of ``op`` with one to three of its values (strings most often) made
-    hostile, maybe a hostile field name, streamed or not: (path, JSON bytes)."""
+    hostile, maybe a hostile field name, streamed or not: (path, JSON bytes, Content-Type)."""
     case = draw(op.as_strategy(generation_mode=GenerationMode.POSITIVE))
+    if op.path == UPLOAD:
+        line = {"messages": [{"role": "user", "content": draw(HOSTILE)}], "max_tokens": 2}
+        return (op.path, *_upload(draw, line))
     body = copy.deepcopy(case.body) if isinstance(case.body, dict) else {}
     for _ in range(draw(st.integers(1, 3))):
         strings, values = _slots(body)
@@ -90,7 +109,7 @@ def hostile_bodies(draw: st.DrawFn, op: schemathesis.APIOperation) -> tuple[str,
         body[draw(st.sampled_from(HOSTILE_TEXT[:3]))] = "x"
     if op.path in STREAMING:
         body["stream"] = draw(st.booleans())
-    return op.path, json.dumps(body).encode()
+    return case.formatted_path, json.dumps(body).encode(), "application/json"
 
 
 @pytest.fixture(scope="module")
@@ -128,6 +147,9 @@ def test_no_generated_request_gets_a_5xx(fuzzed, mode) -> None:
             elif response.status_code >= 400 and case.path.startswith("/v1/"):
                 err = response.json()["error"]
                 assert set(err) == {"message", "type", "param", "code"} and err["message"], err
+            elif response.status_code >= 400:  # Ollama's shape
+                err = response.json()
+                assert set(err) == {"error"} and isinstance(err["error"], str), err
 
         call()
 
@@ -143,14 +165,18 @@ def test_hostile_values_get_no_5xx_on_any_post_route(fuzzed) -> None:
             @settings(max_examples=HOSTILE_EXAMPLES, deadline=None, database=None,
                       suppress_health_check=list(HealthCheck))
             @given(hostile_bodies(op))
-            def call(request: tuple[str, bytes]) -> None:
-                path, body = request
-                response = http.post(path, content=body)  # a dropped connection raises
+            def call(request: tuple[str, bytes, str]) -> None:
+                path, body, content_type = request
+                response = http.post(path, content=body,  # a dropped connection raises
+                                     headers={"content-type": content_type})
                 seen[response.status_code] = seen.get(response.status_code, 0) + 1
                 SEEN[response.status_code] = SEEN.get(response.status_code, 0) + 1
                 assert response.status_code < 500, (body[:300], response.text[:500])
                 if response.status_code >= 400 and path == "/v1/messages":
                     assert response.json()["type"] == "error", response.text[:300]
+                elif response.status_code >= 400 and path.startswith("/api/"):
+                    err = response.json()  # Ollama's shape
+                    assert set(err) == {"error"} and isinstance(err["error"], str), err
                 elif response.status_code >= 400:
                     err = response.json()["error"]
                     assert set(err) == {"message", "type", "param", "code"}, err
