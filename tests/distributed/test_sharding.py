@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from conveyor.core.step_input import StepInput
 from conveyor.distributed.step import StepMessage
-from conveyor.executor.step_input import StepInput
 from conveyor.model.config import ModelConfig
 from conveyor.model.device import resolve_weight_compute
 from conveyor.model.kernels.block_matmul import block_matmul_available

@@ -13,6 +13,7 @@ import random
 from types import SimpleNamespace
 
 import pytest
+import torch
 
 from conveyor.core.kv_cache_spec import FullAttentionSpec, KVCacheGroup, SlidingWindowSpec
 from conveyor.core.kv_connector.events import BlockRemoved, BlockStored
@@ -214,11 +215,11 @@ def test_a_disk_path_that_is_a_file_is_refused(llm, tmp_path):
 
 
 @pytest.mark.parametrize(("executor", "args", "message"), [
-    (SimpleNamespace(device="cuda:0", kv_cache_groups=()), {}, "CPU device only"),
-    (SimpleNamespace(device="cpu", kv_cache_groups=(
+    (SimpleNamespace(device=torch.device("cuda:0"), kv_cache_groups=()), {}, "CPU device only"),
+    (SimpleNamespace(device=torch.device("cpu"), kv_cache_groups=(
         KVCacheGroup(FullAttentionSpec(), (0,)), KVCacheGroup(SlidingWindowSpec(8), (1,)))),
      {}, "does not support hybrid KV caches"),
-    (SimpleNamespace(device="cpu", kv_cache_groups=()), {"tensor_parallel_size": 2},
+    (SimpleNamespace(device=torch.device("cpu"), kv_cache_groups=()), {"tensor_parallel_size": 2},
      "does not support tensor parallelism"),
 ])
 def test_unsupported_set_ups_are_refused_at_start(executor, args, message):

@@ -12,6 +12,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # read when the kernels are first imported
 
+from conveyor.core.step_input import StepInput  # noqa: E402
 from conveyor.executor.cuda_graphs import (  # noqa: E402
     graph_batch_sizes,
     padded_batch_size,
@@ -21,7 +22,6 @@ from conveyor.executor.gpu_memory import (  # noqa: E402
     activation_bytes,
     gpu_kv_cache_blocks,
 )
-from conveyor.executor.step_input import StepInput  # noqa: E402
 from conveyor.model.backends.triton_kernels import TritonBackend  # noqa: E402
 from conveyor.model.kv_cache import KVCache, contiguous_runs  # noqa: E402
 

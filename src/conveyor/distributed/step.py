@@ -12,8 +12,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from conveyor.core.step_input import StepInput
 from conveyor.distributed.group import LONG_WAIT_S, broadcast
-from conveyor.executor.step_input import StepInput
 
 STEP, INIT_CACHE, SHUTDOWN, ENABLE_LORA, LORA_SLOT = 0, 1, 2, 3, 4
 # kind, tokens, entries, table width, logits rows, swap-out, swap-in, copy, extra, LoRA slots,

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from conveyor.executor.step_input import StepInput
+from conveyor.core.step_input import StepInput
 
 if TYPE_CHECKING:
     from conveyor.core.kv_cache_spec import KVCacheGroup

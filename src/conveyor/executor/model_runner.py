@@ -33,12 +33,12 @@ from conveyor.core.kv_cache_spec import (
 from conveyor.core.lookahead import may_speculate
 from conveyor.core.scheduler_output import ExecutorOutput, SchedulerOutput
 from conveyor.core.spec_decode.config import SpeculativeConfig
+from conveyor.core.step_input import StepInput
 from conveyor.executor.cuda_graphs import CudaGraphRunner, graph_batch_sizes
 from conveyor.executor.pooler import Pooler, PoolingEntry
 from conveyor.executor.prompt_logprobs import PromptScoring, positions_to_score, score
 from conveyor.executor.proposer import Proposer
 from conveyor.executor.spec_verify import Proposal, proposal_rows, verify
-from conveyor.executor.step_input import StepInput
 from conveyor.model.backends.base import StepMetadata
 from conveyor.model.config import ModelConfig
 from conveyor.model.device import TRIM_AFTER_TOKENS, return_freed_memory

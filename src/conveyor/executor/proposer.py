@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from conveyor.executor.step_input import StepInput
+from conveyor.core.step_input import StepInput
 
 
 class Proposer(Protocol):
