@@ -158,7 +158,8 @@ def test_cancel_keeps_what_finished(batch_server, tmp_path) -> None:
     assert info.value.status_code == 409
     for _ in range(100):  # the cancelled requests were aborted: the engine empties
         metrics = batch_server[0].metrics()
-        if metrics["conveyor:num_requests_running"] == 0:
+        if (metrics["conveyor:num_requests_running"] == 0
+                and metrics["conveyor:num_requests_waiting"] == 0):
             break
         time.sleep(0.05)
     assert metrics["conveyor:num_requests_running"] == 0

@@ -140,22 +140,25 @@ def test_an_adapter_whose_files_went_fails_its_requests_only(models, tmp_path) -
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("weight_compute", ["float", "int8"])
-def test_tensor_parallel_adapters_equal_one_process(models, weight_compute) -> None:
+@pytest.mark.parametrize(("weight_compute", "deterministic"), [("float", False), ("int8", True)])
+def test_tensor_parallel_adapters_equal_one_process(models, weight_compute, deterministic) -> None:
     """Two ranks over gloo, each holding its shard of every adapter (B's rows of q/k/v/gate/up,
-    A's columns of o/down; under integer compute's whole sums B's rows of o/down too: the
-    safetensors model has no blocks to compute as integers, but its o/down projections split
-    as integer compute splits them), with the pool swapping 4 adapters through 2 slots."""
+    A's columns of o/down; under whole sums, which integer compute and deterministic float
+    compute take, B's rows of o/down too: the safetensors model has no blocks to compute as
+    integers, but its o/down projections split as integer compute splits them), with the pool
+    swapping 4 adapters through 2 slots."""
     prompts = _prompts(10)
     requests = [None, *(LoRARequest(n, k + 1, models[n]) for k, n in enumerate(ADAPTERS))]
     loras = [requests[i % 5] for i in range(10)]
-    one = LLM(models["base"], enable_lora=True, max_loras=2, **ENGINE)
+    one = LLM(models["base"], enable_lora=True, max_loras=2, deterministic=deterministic,
+              **ENGINE)
     expected = _tokens(one.generate(prompts, GREEDY, use_tqdm=False, lora_request=loras))
     tp = LLM(models["base"], enable_lora=True, max_loras=2, tensor_parallel_size=2,
-             threads_per_rank=1, weight_compute=weight_compute, **ENGINE)
+             threads_per_rank=1, weight_compute=weight_compute, deterministic=deterministic,
+             **ENGINE)
     try:
         o_proj = tp.llm_engine.executor.model.layers[0].o_proj
-        assert isinstance(o_proj, WholeSumLinear) == (weight_compute == "int8")
+        assert isinstance(o_proj, WholeSumLinear) == deterministic
         assert _tokens(tp.generate(prompts, GREEDY, use_tqdm=False, lora_request=loras)) \
             == expected
     finally:

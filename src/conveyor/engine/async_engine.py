@@ -268,6 +268,8 @@ class AsyncEngine:
                         self._wake.wait(5e-3)  # nothing could run: don't spin hot
                     continue
                 self._deliver(outputs)
+                if outputs:  # the last requests were aborted: /metrics shows an idle engine
+                    self._publish_stats()
                 if stopping:
                     return
                 self._wake.wait(self._idle_wait_s)
