@@ -156,14 +156,22 @@ def cached_path(ref: ModelRef) -> str | None:
     if repo is None:
         return None
     for revision in sorted(repo.revisions, key=lambda r: r.last_modified, reverse=True):
-        by_name = {str(f.file_path.relative_to(revision.snapshot_path)): f.file_path
-                   for f in revision.files}
-        try:
-            files = choose_files(list(by_name), ref.selector, ref.repo_id)
-        except ValueError:
-            continue
-        return _local_path([by_name[f] for f in files], files)
+        chosen = _chosen_in(revision, ref)
+        if chosen is not None:
+            return _local_path(list(chosen.values()), list(chosen))
     return None
+
+
+def _chosen_in(revision: Any, ref: ModelRef) -> dict[str, Path] | None:
+    """The files ``ref`` picks in a cached revision, by name (relative to its snapshot) to
+    their path; None where it picks none there."""
+    by_name = {str(f.file_path.relative_to(revision.snapshot_path)): f.file_path
+               for f in revision.files}
+    try:
+        files = choose_files(list(by_name), ref.selector, ref.repo_id)
+    except ValueError:
+        return None
+    return {name: by_name[name] for name in files}
 
 
 @functools.cache
@@ -228,14 +236,8 @@ def remove(ref: ModelRef) -> list[str]:
         return names
     removed = set()
     for revision in repo.revisions:
-        by_name = {str(f.file_path.relative_to(revision.snapshot_path)): f.file_path
-                   for f in revision.files}
-        try:
-            chosen = choose_files(list(by_name), ref.selector, ref.repo_id)
-        except ValueError:
-            continue
-        for name in chosen:
-            _drop(by_name[name])
+        for name, path in (_chosen_in(revision, ref) or {}).items():
+            _drop(path)
             removed.add(name)
     if not removed:
         raise ValueError(f"{ref} matches no cached file")

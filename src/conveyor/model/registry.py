@@ -295,14 +295,10 @@ def _moe_from_gguf(normalize: bool, expert_size_key: str, qk_norm_whole: bool = 
     ``expert_used_count``, the experts' size under ``expert_size_key``), with the top-k
     normalization llama.cpp applies for the architecture."""
     def read(config: ModelConfig, field: GGUFField) -> None:
-        count, top_k = field("expert_count", 0), field("expert_used_count", 0)
-        if not 1 <= top_k <= count:
-            raise ValueError(f"GGUF file {config.name} needs expert_count >= expert_used_count "
-                             f">= 1, got {count} and {top_k}")
-        config.num_experts, config.num_experts_per_tok = int(count), int(top_k)
-        config.moe_intermediate_size = int(field(expert_size_key, 0)
-                                           or config.intermediate_size)
-        config.norm_topk_prob, config.qk_norm_whole = normalize, qk_norm_whole
+        _set_experts(config, int(field("expert_count", 0)), int(field("expert_used_count", 0)),
+                     field(expert_size_key, 0) or config.intermediate_size, normalize,
+                     f"GGUF file {config.name} needs expert_count >= expert_used_count >= 1")
+        config.qk_norm_whole = qk_norm_whole
     return read
 
 
@@ -315,16 +311,20 @@ def _mixtral_from_hf(config: ModelConfig, cfg: dict[str, Any], name: str) -> Non
 def _experts(config: ModelConfig, cfg: dict[str, Any], name: str, size: int | None) -> None:
     """The experts' count (``num_experts``, or transformers 5.x's and Mixtral's
     ``num_local_experts``), top k, size and whether the top-k weights are renormalized."""
-    count = cfg.get("num_experts") or cfg.get("num_local_experts")
-    top_k = cfg.get("num_experts_per_tok")
-    if not isinstance(count, int) or not isinstance(top_k, int) or not 1 <= top_k <= count:
-        raise ValueError(f"{name}/config.json needs num_experts >= num_experts_per_tok >= 1, "
-                         f"got {count!r} and {top_k!r}")
     if not size:
         raise ValueError(f"{name}/config.json is missing the experts' intermediate size")
+    _set_experts(config, cfg.get("num_experts") or cfg.get("num_local_experts"),
+                 cfg.get("num_experts_per_tok"), size, bool(cfg.get("norm_topk_prob", False)),
+                 f"{name}/config.json needs num_experts >= num_experts_per_tok >= 1")
+
+
+def _set_experts(config: ModelConfig, count: Any, top_k: Any, size: int, normalize: bool,
+                 need: str) -> None:
+    """The experts' fields, checked (``need``: what the error says the source lacks)."""
+    if not isinstance(count, int) or not isinstance(top_k, int) or not 1 <= top_k <= count:
+        raise ValueError(f"{need}, got {count!r} and {top_k!r}")
     config.num_experts, config.num_experts_per_tok = count, top_k
-    config.moe_intermediate_size = size
-    config.norm_topk_prob = bool(cfg.get("norm_topk_prob", False))
+    config.moe_intermediate_size, config.norm_topk_prob = int(size), normalize
 
 
 _MOE = "conveyor.model.moe:MoEForCausalLM"

@@ -37,11 +37,7 @@ class VocabEmbedding(nn.Module):
              blocks: GGUFBlocks | None = None) -> None:
         """The checkpoint's table: its blocks where the file stores it so, else dense."""
         if blocks is not None:
-            if (blocks.out_features, blocks.in_features) != (self.num_embeddings,
-                                                             self.embedding_dim):
-                raise ValueError(f"got blocks of shape ({blocks.out_features}, "
-                                 f"{blocks.in_features}), expected ({self.num_embeddings}, "
-                                 f"{self.embedding_dim})")
+            blocks.check_shape(self.num_embeddings, self.embedding_dim)
             self.blocks[shard] = blocks
             return
         if self.weight is None:

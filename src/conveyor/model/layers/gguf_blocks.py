@@ -233,6 +233,12 @@ class GGUFBlocks:
     def out_features(self) -> int:
         return sum(p.data.shape[0] for p in self.parts)
 
+    def check_shape(self, rows: int, columns: int) -> None:
+        """ValueError unless the weight is [rows, columns] (a checkpoint tensor's slot)."""
+        if (self.out_features, self.in_features) != (rows, columns):
+            raise ValueError(f"got blocks of shape ({self.out_features}, {self.in_features}), "
+                             f"expected ({rows}, {columns})")
+
     @property
     def in_features(self) -> int:
         return self.parts[0].in_features

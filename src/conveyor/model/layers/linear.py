@@ -194,10 +194,7 @@ class Linear(nn.Module):
                 self.bias = new_parameter(self.out_features, zero=True)
             load_rows(self.bias, start, stop, tensor)
         elif blocks is not None:
-            if (blocks.out_features, blocks.in_features) != (stop - start, self.in_features):
-                raise ValueError(f"got blocks of shape ({blocks.out_features}, "
-                                 f"{blocks.in_features}), expected ({stop - start}, "
-                                 f"{self.in_features})")
+            blocks.check_shape(stop - start, self.in_features)
             self.blocks[shard] = blocks
         else:
             if self.weight is None:
